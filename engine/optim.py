@@ -1,0 +1,99 @@
+"""Engine-owned optimizers and the learning-rate schedule.
+
+Each rule is a pure function from (parameter, gradient, slots) to their new
+values, so the step can apply every update masked by the all-reduced finite
+flag. The rules reproduce Keras 3's SGD, AdamW and Lamb (tests check parity).
+Keras's own optimizers cannot be used in the step: they all-reduce again inside
+`apply_gradients` and cannot skip a step for every replica at once.
+"""
+
+import math
+
+import tensorflow as tf
+
+
+def learning_rate(config, step):
+    """Learning rate for the update that follows `step` updates: scaled peak, linear warmup, decay."""
+    peak = config.learning_rate
+    if config.lr_scaling == "linear":
+        peak *= config.global_batch_size / config.base_batch_size  # Goyal et al.: lr grows with the batch
+    step = tf.cast(step, tf.float32)
+    lr = tf.constant(peak, tf.float32)
+    if config.warmup_steps:
+        lr *= tf.minimum(1.0, (step + 1.0) / config.warmup_steps)
+    if config.lr_schedule == "cosine":
+        progress = (step - config.warmup_steps) / (config.train_steps - config.warmup_steps)
+        lr *= 0.5 * (1.0 + tf.cos(math.pi * tf.clip_by_value(progress, 0.0, 1.0)))
+    return lr
+
+
+def _sgd(param, grad, slots, lr, t, hp):
+    if not slots:
+        return param - lr * grad, []
+    (velocity,) = slots
+    velocity = hp.momentum * velocity - lr * grad
+    if hp.nesterov:
+        return param + hp.momentum * velocity - lr * grad, [velocity]
+    return param + velocity, [velocity]
+
+
+def _moments(grad, slots, hp):
+    m, v = slots
+    return m + (grad - m) * (1.0 - hp.beta_1), v + (tf.square(grad) - v) * (1.0 - hp.beta_2)
+
+
+def _adamw(param, grad, slots, lr, t, hp):
+    m, v = _moments(grad, slots, hp)
+    alpha = lr * tf.sqrt(1.0 - hp.beta_2**t) / (1.0 - hp.beta_1**t)
+    return param - alpha * m / (tf.sqrt(v) + hp.epsilon), [m, v]
+
+
+def _lamb(param, grad, slots, lr, t, hp):
+    m, v = _moments(grad, slots, hp)
+    update = (m / (1.0 - hp.beta_1**t)) / (tf.sqrt(v / (1.0 - hp.beta_2**t)) + hp.epsilon)
+    param_norm, update_norm = tf.norm(param), tf.norm(update)
+    # Layer-wise trust ratio; 1 where either norm is zero (fresh biases, zero updates).
+    trust = tf.where((param_norm > 0) & (update_norm > 0), param_norm / update_norm, 1.0)
+    return param - trust * lr * update, [m, v]
+
+
+_RULES = {"sgd": (_sgd, 1), "adamw": (_adamw, 2), "lamb": (_lamb, 2)}
+
+
+class Optimizer(tf.Module):
+    """Slots and update counter of one of the rules above. Create under `strategy.scope()`."""
+
+    def __init__(self, config, params):
+        super().__init__(name="optimizer")
+        self.config = config
+        self._rule, num_slots = _RULES[config.optimizer]
+        if config.optimizer == "sgd" and not config.momentum:
+            num_slots = 0
+        # Counts applied updates only: a skipped (non-finite) step leaves it unchanged.
+        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
+        self.slots = [
+            [tf.Variable(tf.zeros(p.shape, p.dtype), trainable=False, name=f"slot{k}") for k in range(num_slots)]
+            for p in params
+        ]
+        # Decay kernels only: biases and normalization scales are left alone.
+        self.decays = [len(p.shape) >= 2 for p in params]
+
+    def learning_rate(self):
+        return learning_rate(self.config, self.iterations)
+
+    def updates(self, params, grads):
+        """New parameter and slot values for one step; pure, nothing is assigned here.
+
+        Returns (new_params, new_slots, learning_rate) with new_slots shaped like `self.slots`.
+        """
+        lr = self.learning_rate()
+        t = tf.cast(self.iterations + 1, tf.float32)
+        new_params, new_slots = [], []
+        for param, grad, slots, decays in zip(params, grads, self.slots, self.decays):
+            param = tf.convert_to_tensor(param)
+            if decays and self.config.weight_decay:
+                param -= param * self.config.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
+            param, slots = self._rule(param, tf.cast(grad, param.dtype), [s.value() for s in slots], lr, t, self.config)
+            new_params.append(param)
+            new_slots.append(slots)
+        return new_params, new_slots, lr

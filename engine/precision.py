@@ -1,0 +1,31 @@
+"""Dtype policy and the engine-owned dynamic loss scale for float16."""
+
+import keras
+import tensorflow as tf
+
+
+def set_policy(precision):
+    """Sets Keras's global dtype policy. The policy is thread-local: call it in the main thread,
+    before any layer is created (MirroredStrategy runs replica functions in other threads)."""
+    keras.mixed_precision.set_global_policy(precision)
+
+
+class LossScale(tf.Module):
+    """Dynamic loss scale: halves on a non-finite step, doubles after `growth_interval` finite steps.
+
+    Updated from the all-reduced finite flag, so every replica computes the same new state.
+    """
+
+    def __init__(self, initial_scale, growth_interval):
+        super().__init__(name="loss_scale")
+        self.growth_interval = growth_interval
+        self.scale = tf.Variable(float(initial_scale), dtype=tf.float32, trainable=False, name="scale")
+        self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
+
+    def next_state(self, finite):
+        """(scale, good_steps) after a step whose gradients were all finite or not."""
+        good = self.good_steps + 1
+        grow = good >= self.growth_interval
+        scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale), tf.maximum(self.scale / 2.0, 1.0))
+        good = tf.where(finite & ~grow, good, tf.zeros_like(good))
+        return scale, good

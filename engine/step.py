@@ -1,0 +1,95 @@
+"""The replica steps: what `strategy.run` executes on every replica.
+
+The train step, in order: forward and per-example loss in float32; loss over
+the GLOBAL batch; loss scaling (float16); ONE all-reduce of the gradients (the
+loss rides along); unscale; finite check; clipping; the optimizer update,
+applied only when every gradient is finite, on every replica alike.
+"""
+
+import tensorflow as tf
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+def _maybe_jit(fn, jit_compile):
+    # Under several replicas only per-replica math can be compiled: the all-reduce and the variable
+    # assignments synchronize replicas, which XLA cannot do inside a nested function (TPU compiles all).
+    return tf.function(fn, jit_compile=True) if jit_compile else fn
+
+
+def make_train_step(model, optimizer, loss_scale, config, num_replicas):
+    """Returns train_step(images, labels) -> dict of scalars, identical on every replica."""
+    params = [v.value for v in model.trainable_variables]
+    slots = [s for param_slots in optimizer.slots for s in param_slots]
+    assigned = params + slots + [optimizer.iterations]
+    if loss_scale:
+        assigned += [loss_scale.scale, loss_scale.good_steps]
+    global_batch = config.global_batch_size
+
+    def forward_backward(images, labels):
+        with tf.GradientTape() as tape:
+            logits = tf.cast(model(images, training=True), tf.float32)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+            # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
+            # examples, the same number one device computes, whatever the replica count.
+            loss = tf.reduce_sum(per_example) / global_batch
+            if model.losses:
+                # Every replica holds the whole regularization term; the SUM would count it once per replica.
+                loss += tf.add_n(model.losses) / num_replicas
+            scaled = loss * loss_scale.scale if loss_scale else loss
+        grads = tape.gradient(scaled, params)
+        return loss, [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(params, grads)]
+
+    def new_values(grads):
+        if loss_scale:
+            grads = [g / loss_scale.scale for g in grads]
+        if config.clip_value:
+            grads = [tf.clip_by_value(g, -config.clip_value, config.clip_value) for g in grads]
+        grad_norm = tf.linalg.global_norm(grads)
+        finite = tf.math.is_finite(grad_norm)  # any inf or NaN element makes the norm non-finite
+        if config.clip_norm:
+            grads = [g * tf.minimum(1.0, config.clip_norm / grad_norm) for g in grads]
+        new_params, new_slots, lr = optimizer.updates(params, grads)
+        updated = new_params + [s for param_slots in new_slots for s in param_slots] + [optimizer.iterations + 1]
+        current = params + slots + [optimizer.iterations]
+        # A non-finite step changes nothing but the loss scale: no weight, no slot, no update count.
+        values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
+        if loss_scale:
+            values.extend(loss_scale.next_state(finite))
+        scale = loss_scale.scale.value() if loss_scale else tf.constant(0.0)
+        return values, {"grad_norm": grad_norm, "finite": finite, "learning_rate": lr, "loss_scale": scale}
+
+    forward_backward = _maybe_jit(forward_backward, config.jit_compile)
+    new_values = _maybe_jit(new_values, config.jit_compile)
+
+    def assign_all(strategy, values):
+        for var, value in zip(assigned, values):
+            strategy.extended.update(var, lambda v, x: v.assign(x), args=(value,), group=False)
+
+    def train_step(images, labels):
+        ctx = tf.distribute.get_replica_context()
+        loss, grads = forward_backward(images, labels)
+        loss, *grads = ctx.all_reduce(SUM, [loss, *grads])  # the one all-reduce of the step
+        values, metrics = new_values(grads)
+        ctx.merge_call(assign_all, args=(values,))
+        return {"loss": loss, **metrics}
+
+    return train_step
+
+
+def make_eval_step(model):
+    """Returns eval_step(images, labels, weights) -> [loss_sum, correct, examples] over all replicas.
+
+    Padding examples carry weight 0, so every real example counts exactly once.
+    """
+
+    def eval_step(images, labels, weights):
+        logits = tf.cast(model(images, training=False), tf.float32)
+        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+        correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=labels.dtype), labels), tf.float32)
+        sums = tf.stack(
+            [tf.reduce_sum(weights * per_example), tf.reduce_sum(weights * correct), tf.reduce_sum(weights)]
+        )
+        return tf.distribute.get_replica_context().all_reduce(SUM, sums)
+
+    return eval_step

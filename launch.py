@@ -1,0 +1,82 @@
+"""Runs the engine: absl flags -> Config -> engine.
+
+    python launch.py                                   # MLP on the bundled digits, one device
+    python launch.py --strategy=mirrored --num_cpu_devices=2 --model=resnet
+    python launch.py --flagfile=experiments/digits_resnet.flags
+
+Every flag is a field of engine/config.py's Config, with the same name, default and help.
+This is the only file that knows absl exists.
+"""
+
+import dataclasses
+import os
+import sys
+
+# TensorFlow's C++ start-up chatter (CUDA probing on a CPU machine) would bury our output; errors
+# still reach us as Python exceptions. Set TF_CPP_MIN_LOG_LEVEL=0 to see it all.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import app, flags, logging  # noqa: E402
+
+from engine.config import Config, ConfigError, validate  # noqa: E402
+
+_DEFINE = {
+    str: flags.DEFINE_string,
+    int: flags.DEFINE_integer,
+    float: flags.DEFINE_float,
+    bool: flags.DEFINE_boolean,
+    tuple: flags.DEFINE_list,
+}
+
+for _field in dataclasses.fields(Config):
+    _default = _field.default
+    if _field.type is tuple:
+        _default = [str(v) for v in _default]
+    _DEFINE[_field.type](_field.name, _default, _field.metadata["help"])
+
+FLAGS = flags.FLAGS
+
+
+def _config_from_flags():
+    values = {}
+    for field in dataclasses.fields(Config):
+        value = FLAGS[field.name].value
+        if field.type is tuple:
+            try:
+                value = tuple(int(v) for v in value)
+            except ValueError:
+                raise ConfigError(f"--{field.name}={','.join(value)}: must be comma-separated integers") from None
+        values[field.name] = value
+    return validate(Config(**values))
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # tensorflow-datasets logs every file it opens at INFO
+    if len(argv) > 1:
+        _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
+    try:
+        config = _config_from_flags()
+    except ConfigError as e:
+        _exit(str(e))
+    from engine import loop  # deferred: TensorFlow starts here, after the flags are known good
+
+    try:
+        summary = loop.train(config)
+    except ConfigError as e:
+        _exit(str(e))
+    except loop.TrainingError as e:
+        _exit(f"training stopped: {e}", code=3)
+    results = summary["eval"]
+    print(
+        f"{config.eval_split} accuracy {results['accuracy']:.4f} on {results['examples']} examples "
+        f"({summary['step']} steps, {summary['wall_seconds']:.1f} s)"
+    )
+
+
+def _exit(message, code=2):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,27 @@
+"""A multilayer perceptron over flattened inputs."""
+
+import tensorflow as tf
+
+keras = tf.keras
+
+
+class MLP(keras.Model):
+    def __init__(self, hidden_sizes, num_classes, dropout=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.flatten = keras.layers.Flatten()
+        self.hidden = [keras.layers.Dense(width, activation="relu") for width in hidden_sizes]
+        self.dropout = keras.layers.Dropout(dropout) if dropout else None
+        self.head = keras.layers.Dense(num_classes, dtype="float32")
+
+    def call(self, inputs, training=False):
+        x = self.flatten(inputs)
+        for layer in self.hidden:
+            x = layer(x)
+            if self.dropout:
+                x = self.dropout(x, training=training)
+        return self.head(x)
+
+
+def create(config, input_shape, num_classes):
+    del input_shape  # Dense layers infer it on the first call
+    return MLP(config.hidden_sizes, num_classes, config.dropout, name="mlp")

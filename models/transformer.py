@@ -1,0 +1,64 @@
+"""A small pre-norm Transformer encoder that classifies a sequence of vectors.
+
+An image (H, W, C) is read as a sequence of H tokens, one per row, each the row's W*C values:
+the bundled digits become 8 tokens of 8 pixels, MNIST 28 of 28. Inputs of shape (T, D) are
+already sequences.
+"""
+
+import tensorflow as tf
+
+keras = tf.keras
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, dim, heads, mlp_dim, dropout, **kwargs):
+        super().__init__(**kwargs)
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.attention = keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.mlp_in = keras.layers.Dense(mlp_dim, activation="gelu")
+        self.mlp_out = keras.layers.Dense(dim)
+        self.dropout = keras.layers.Dropout(dropout)
+
+    def call(self, x, training=False):
+        y = self.norm1(x)
+        x = x + self.dropout(self.attention(y, y, training=training), training=training)
+        y = self.mlp_out(self.mlp_in(self.norm2(x)))
+        return x + self.dropout(y, training=training)
+
+
+class Transformer(keras.Model):
+    def __init__(self, sequence_length, layers, dim, heads, mlp_dim, num_classes, dropout=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Dense(dim)
+        self.position = self.add_weight(
+            shape=(sequence_length, dim), initializer=keras.initializers.RandomNormal(stddev=0.02), name="position"
+        )
+        self.blocks = [Block(dim, heads, mlp_dim, dropout) for _ in range(layers)]
+        self.norm = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.head = keras.layers.Dense(num_classes, dtype="float32")
+
+    def call(self, inputs, training=False):
+        features = 1
+        for size in inputs.shape[2:]:
+            features *= size
+        tokens = tf.reshape(inputs, [tf.shape(inputs)[0], inputs.shape[1], features])
+        x = self.embed(tokens) + tf.cast(self.position, self.compute_dtype)
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(tf.reduce_mean(self.norm(x), axis=1))
+
+
+def create(config, input_shape, num_classes):
+    if len(input_shape) < 2:
+        raise ValueError(f"transformer needs inputs of shape (tokens, features...), got {input_shape}")
+    return Transformer(
+        input_shape[0],
+        config.transformer_layers,
+        config.transformer_dim,
+        config.transformer_heads,
+        config.transformer_mlp_dim,
+        num_classes,
+        config.dropout,
+        name="transformer",
+    )
