@@ -8,6 +8,7 @@ Every flag is a field of engine/config.py's Config, with the same name, default 
 This is the only file that knows absl exists.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -58,7 +59,8 @@ def main(argv):
         config = _config_from_flags()
     except ConfigError as e:
         _exit(str(e))
-    from engine import loop  # deferred: TensorFlow starts here, after the flags are known good
+    with _quiet_native_stderr():
+        from engine import loop  # deferred: TensorFlow starts here, after the flags are known good
 
     try:
         summary = loop.train(config)
@@ -73,10 +75,35 @@ def main(argv):
     )
 
 
+def _parse_flags(argv):
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _exit(str(e))
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silences what TensorFlow's native libraries print while they load (CUDA probing on a machine
+    without GPUs), before any log level applies. Python errors still surface after the block."""
+    if os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _exit(message, code=2):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

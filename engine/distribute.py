@@ -48,14 +48,14 @@ def parse_tf_config(raw):
 
 
 def _setup_cpu_devices(count):
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    if count > 1 or tf.config.get_logical_device_configuration(cpu):
+    if count > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
         try:
             tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
         except RuntimeError:
-            # The runtime already started (a notebook or test that made a strategy before): fine if it matches.
+            # The runtime already started (a notebook or a test made a strategy before): fine if it has enough.
             have = len(tf.config.list_logical_devices("CPU"))
-            if have != count:
+            if have < count:
                 raise ConfigError(
                     f"--num_cpu_devices={count}: TensorFlow already started with {have} CPU devices "
                     "in this process; set it before the first TensorFlow op"
@@ -119,7 +119,7 @@ def _tpu(config):
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except (ValueError, tf.errors.NotFoundError, tf.errors.UnavailableError, RuntimeError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise ConfigError(f"--tpu={config.tpu}: no TPU reachable ({first_line})") from None
     return tf.distribute.TPUStrategy(resolver)
 

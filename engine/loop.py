@@ -102,7 +102,12 @@ def train(config, strategy=None):
     started = time.time()
     strategy = strategy or distribute.create_strategy(config)
     trainer = Trainer(config, strategy)
-    report = Report(config.workdir, distribute.is_chief(strategy), config.train_steps)
+    return run(trainer, Report(config.workdir, distribute.is_chief(strategy), config.train_steps), started)
+
+
+def run(trainer, report, started):
+    """The outer loop: rounds of steps, logging and evaluation between them, then the summary."""
+    config, strategy = trainer.config, trainer.strategy
     params = sum(int(tf.size(v)) for v in trainer.model.trainable_variables)
     report.line(
         f"model={config.model} parameters={params} dataset={config.dataset} "

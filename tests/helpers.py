@@ -1,0 +1,147 @@
+"""Shared by the tests and by the worker processes they start (tests/mw_worker.py)."""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small, fast runs of real training; each test overrides what it is about.
+TEST_DEFAULTS = dict(
+    global_batch_size=64,
+    hidden_sizes=(32, 32),
+    resnet_depth=8,
+    resnet_width=4,
+    steps_per_loop=10,
+    train_steps=20,
+)
+
+# The parity cases: every optimizer with clipping active, and the ResNet with batch norm.
+PARITY_CASES = {
+    "sgd": dict(optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, clip_norm=0.2),
+    "adamw": dict(optimizer="adamw", learning_rate=3e-3, weight_decay=1e-2, clip_norm=0.2, warmup_steps=5),
+    "lamb": dict(optimizer="lamb", learning_rate=1e-2, weight_decay=1e-2, clip_norm=0.2, lr_schedule="cosine"),
+    "resnet": dict(model="resnet", optimizer="sgd", learning_rate=0.01, momentum=0.9, clip_norm=0.5),
+}
+
+# A float16 run whose loss scale halves on the poisoned step and doubles back after two finite steps.
+NONFINITE_CASE = dict(precision="mixed_float16", loss_scale_growth_interval=2, initial_loss_scale=1024.0)
+
+
+def make_config(data_dir, workdir="unused", **overrides):
+    from engine.config import Config, validate
+
+    return validate(Config(**{**TEST_DEFAULTS, "data_dir": data_dir, "workdir": workdir, **overrides}))
+
+
+def local_values(strategy, variable):
+    """Every local replica's copy of a variable, as numpy arrays."""
+    return [v.numpy() for v in strategy.experimental_local_results(variable)]
+
+
+def all_variables(trainer):
+    """Model variables (weights and batch-norm statistics), optimizer slots and counters, in a fixed order."""
+    slots = [s for per_param in trainer.optimizer.slots for s in per_param]
+    counters = [trainer.optimizer.iterations]
+    if trainer.loss_scale:
+        counters += [trainer.loss_scale.scale, trainer.loss_scale.good_steps]
+    return [v.value for v in trainer.model.variables] + slots + counters
+
+
+def snapshot(trainer):
+    """{index: [replica copies]} of all_variables."""
+    return {str(i): local_values(trainer.strategy, v) for i, v in enumerate(all_variables(trainer))}
+
+
+def train_and_snapshot(config, strategy):
+    from engine.loop import Trainer
+
+    trainer = Trainer(config, strategy)
+    out = trainer.run_steps(iter(trainer.train_dataset), config.train_steps)
+    return snapshot(trainer), out
+
+
+def nonfinite_scenario(config, strategy, bad_replica):
+    """One step where only `bad_replica` sees a NaN input, then `growth` finite steps.
+
+    Returns snapshots before and after the bad step, after the finite steps, and each step's outputs.
+    """
+    import tensorflow as tf
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(config, strategy)
+    images, labels = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
+
+    def batch(poison):
+        def per_replica(ctx):
+            x = images[: config.global_batch_size // strategy.num_replicas_in_sync]
+            y = labels[: config.global_batch_size // strategy.num_replicas_in_sync]
+            if poison and ctx.replica_id_in_sync_group == bad_replica:
+                x = tf.tensor_scatter_nd_update(x, [[0, 0, 0, 0]], [float("nan")])
+            return x, y
+
+        return strategy.experimental_distribute_values_from_function(per_replica)
+
+    @tf.function
+    def run(x, y):
+        out = strategy.run(trainer.train_step, args=(x, y))
+        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
+
+    before = snapshot(trainer)
+    bad_out = run(*batch(poison=True))
+    after_bad = snapshot(trainer)
+    good_outs = [run(*batch(poison=False)) for _ in range(config.loss_scale_growth_interval)]
+    after_good = snapshot(trainer)
+    as_numpy = lambda out: {k: np.array(v) for k, v in out.items()}  # noqa: E731
+    return before, after_bad, after_good, as_numpy(bad_out), [as_numpy(o) for o in good_outs]
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_workers(args, count, timeout, env=None):
+    """Runs `python *args` as `count` multi-worker processes on localhost; returns their CompletedProcess-like
+    (returncode, output) pairs. Kills them all on timeout."""
+    cluster = {"worker": [f"localhost:{p}" for p in free_ports(count)]}
+    procs = []
+    for index in range(count):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        worker_env = {**os.environ, **(env or {}), "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                cwd=ROOT,
+                env=worker_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, output))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def config_dict(config):
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}

@@ -1,0 +1,91 @@
+"""Input pipelines: per-worker shards that add up to the one-device batches, evaluation padding, the
+bundled digits builder."""
+
+import collections
+import gzip
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import data, digits
+from tests import helpers
+
+
+def _batches(dataset, count):
+    return [tuple(t.numpy() for t in batch) for batch in dataset.take(count)]
+
+
+def _key(image):
+    return image.tobytes()
+
+
+@pytest.mark.parametrize("dataset", ["digits", "synthetic"])
+def test_workers_split_each_global_batch_exactly(data_dir, dataset):
+    config = helpers.make_config(data_dir, dataset=dataset, synthetic_shape=(4, 4, 1), synthetic_examples=256)
+    loaded = data.load(config)
+    one = _batches(loaded.train_fn(tf.distribute.InputContext()), 30)  # spans several epochs
+    workers = [_batches(loaded.train_fn(tf.distribute.InputContext(2, i, 2)), 30) for i in range(2)]
+    for step in range(30):
+        assert sorted(_key(x) for w in workers for x in w[step][0]) == sorted(_key(x) for x in one[step][0])
+        assert sorted(np.concatenate([w[step][1] for w in workers]).tolist()) == sorted(one[step][1].tolist())
+
+
+def _examples(dataset):
+    return [(x.tobytes(), int(y)) for xs, ys, ws in dataset for x, y, w in zip(xs.numpy(), ys.numpy(), ws.numpy()) if w]
+
+
+def test_one_epoch_of_two_workers_is_the_dataset_without_overlap(data_dir):
+    # The eval pipeline reads each example once: pointed at the training split it shows one epoch.
+    loaded = data.load(helpers.make_config(data_dir, eval_split="train", eval_batch_size=2))
+    workers = [_examples(loaded.eval_fn(tf.distribute.InputContext(2, i, 2))) for i in range(2)]
+    everything = _examples(loaded.eval_fn(tf.distribute.InputContext()))
+    assert len(everything) == 1257 and abs(len(workers[0]) - len(workers[1])) <= 1
+    assert collections.Counter(workers[0] + workers[1]) == collections.Counter(everything)
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_eval_padding_counts_each_example_once(data_dir, pipelines):
+    config = helpers.make_config(data_dir, eval_batch_size=64)
+    loaded = data.load(config)
+    assert (loaded.eval_examples, loaded.eval_steps) == (360, 6)
+    total, batches = 0.0, 0
+    for i in range(pipelines):
+        for images, _, weights in loaded.eval_fn(tf.distribute.InputContext(pipelines, i, pipelines)):
+            assert images.shape[0] == 64 // pipelines  # static shape: padding, not a ragged last batch
+            total += float(tf.reduce_sum(weights))
+            batches += 1
+    assert total == 360 and batches == 6 * pipelines
+
+
+def test_digits_splits_and_values(data_dir):
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder("digits", data_dir=data_dir)
+    assert {k: v.num_examples for k, v in builder.info.splits.items()} == {
+        "train": 1257,
+        "validation": 180,
+        "test": 360,
+    }
+    rows = list(digits.read_rows())
+    assert len(rows) == 1797 and max(int(image.max()) for image, _ in rows) == 255
+    assert sorted({label for _, label in rows}) == list(range(10))
+
+
+def test_corrupt_digits_row_names_the_line(tmp_path):
+    path = tmp_path / "bad.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(",".join(["0"] * 65) + "\n" + ",".join(["3"] * 64) + ",12\n")
+    with pytest.raises(ValueError, match=r"bad.csv.gz:2: expected"):
+        list(digits.read_rows(str(path)))
+
+
+def test_synthetic_is_deterministic_and_learnable_shape(data_dir):
+    config = helpers.make_config(
+        data_dir, dataset="synthetic", synthetic_shape=(5, 3), synthetic_classes=4, synthetic_examples=128
+    )
+    a = _batches(data.load(config).train_fn(tf.distribute.InputContext()), 2)
+    b = _batches(data.load(config).train_fn(tf.distribute.InputContext()), 2)
+    np.testing.assert_array_equal(a[1][0], b[1][0])
+    assert a[0][0].shape == (64, 5, 3) and set(np.unique(a[0][1])) <= {0, 1, 2, 3}
+    assert len(np.unique(np.concatenate([a[0][1], a[1][1]]))) > 1

@@ -1,0 +1,52 @@
+"""TF_CONFIG checking and strategy selection."""
+
+import json
+
+import pytest
+
+from engine import distribute
+from engine.config import Config, ConfigError
+
+GOOD = {"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 1}}
+
+
+def test_good_tf_config_parses():
+    assert distribute.parse_tf_config(json.dumps(GOOD)) == GOOD
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (json.dumps({"task": GOOD["task"]}), "'cluster' must be an object"),
+        (json.dumps({**GOOD, "cluster": {"worker": []}}), "cluster['worker'] must be a non-empty list"),
+        (json.dumps({**GOOD, "cluster": {"worker": ["host1"]}}), "'host1' is not host:port"),
+        (json.dumps({**GOOD, "cluster": {"worker": ["host1:99999"]}}), "'host1:99999' is not host:port"),
+        (
+            json.dumps({**GOOD, "cluster": {"ps": ["h:1"]}, "task": {"type": "ps", "index": 0}}),
+            "no 'worker' or 'chief'",
+        ),
+        (json.dumps({**GOOD, "task": {"type": "evaluator", "index": 0}}), "task type 'evaluator' is not a job"),
+        (json.dumps({**GOOD, "task": {"type": "worker", "index": 2}}), "task index 2 is out of range"),
+        (json.dumps({**GOOD, "task": {"type": "worker", "index": "0"}}), "task index '0' is out of range"),
+        (json.dumps({k: v for k, v in GOOD.items() if k != "task"}), "'task' must be an object"),
+    ],
+)
+def test_malformed_tf_config_names_the_field(raw, message):
+    with pytest.raises(ConfigError, match="TF_CONFIG=") as error:
+        distribute.parse_tf_config(raw)
+    assert message in str(error.value)
+
+
+def test_default_strategy_for_the_machine(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert distribute.strategy_name(Config()) == "one_device"
+    assert distribute.strategy_name(Config(num_cpu_devices=2)) == "mirrored"
+    assert distribute.strategy_name(Config(strategy="tpu", tpu="x")) == "tpu"
+    monkeypatch.setenv("TF_CONFIG", json.dumps(GOOD))
+    assert distribute.strategy_name(Config()) == "multi_worker"
+
+
+def test_one_device_is_chief(one_device, mirrored):
+    assert distribute.is_chief(one_device) and distribute.is_chief(mirrored)

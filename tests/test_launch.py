@@ -1,0 +1,119 @@
+"""launch.py as a user runs it: the default job end to end, determinism, and bad input."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+SUMMARY_KEYS = {
+    "step",
+    "train_loss",
+    "eval",
+    "examples_per_sec",
+    "skipped_steps",
+    "loss_scale",
+    "wall_seconds",
+    "strategy",
+    "num_replicas",
+    "precision",
+    "global_batch_size",
+}
+METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec"}
+
+
+def launch(*args, env=None, timeout=300):
+    return subprocess.run(
+        [sys.executable, "launch.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_default_job_end_to_end(data_dir, tmp_path):
+    """`python launch.py` with nothing but where to write: the bundled digits, the default MLP."""
+    result = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["step"] == 1000 and summary["skipped_steps"] == 0
+    assert summary["eval"]["examples"] == 360 and summary["eval"]["accuracy"] >= 0.95
+    assert summary["strategy"] == "one_device" and summary["num_replicas"] == 1
+    assert summary["loss_scale"] is None and summary["examples_per_sec"] > 0
+    assert f"test accuracy {summary['eval']['accuracy']:.4f} on 360 examples" in result.stdout
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(100, 1001, 100))
+    assert all(set(r) == METRIC_KEYS for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert sum(line.startswith("train step=") for line in result.stdout.splitlines()) == 10
+    for events in ("train", "eval"):
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / events))
+
+
+def test_same_seed_same_losses(data_dir, tmp_path):
+    args = [
+        f"--data_dir={data_dir}",
+        "--deterministic",
+        "--seed=3",
+        "--train_steps=200",
+        "--steps_per_loop=20",
+        "--optimizer=sgd",
+        "--learning_rate=0.05",
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda d: launch(f"--workdir={tmp_path / d}", *args), ["a", "b"]))
+    losses = []
+    for run, name in zip(runs, ["a", "b"]):
+        assert run.returncode == 0, run.stderr[-3000:]
+        losses.append([json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")])
+    assert len(losses[0]) == 10 and losses[0] == losses[1]
+
+
+def _tf_config(index):
+    return json.dumps(
+        {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": index}}
+    )
+
+
+BAD_INPUT = [
+    (["--strategy=bogus"], {}, "--strategy=bogus"),
+    (["--model=nope"], {}, "--model=nope"),
+    (["--dataset=no_such_dataset"], {}, "--dataset=no_such_dataset"),
+    (["--precision=float8"], {}, "--precision=float8"),
+    (["--optimizer=adagrad"], {}, "--optimizer=adagrad"),
+    (["--train_steps=0"], {}, "--train_steps=0"),
+    (["--learning_rate=-0.1"], {}, "--learning_rate=-0.1"),
+    (["--steps_per_loop=-5"], {}, "--steps_per_loop=-5"),
+    (["--hidden_sizes=wide"], {}, "--hidden_sizes=wide"),
+    (["--no_such_flag=1"], {}, "no_such_flag"),
+    (["--strategy=mirrored", "--num_cpu_devices=3", "--global_batch_size=128"], {}, "--global_batch_size=128"),
+    (["--strategy=tpu", "--tpu=local"], {}, "--tpu=local"),
+    (["--strategy=multi_worker"], {"TF_CONFIG": '{"cluster": {"worker": '}, "TF_CONFIG"),
+    (["--strategy=multi_worker"], {"TF_CONFIG": _tf_config(5)}, "task index 5"),
+    (["--eval_split=nope"], {}, "--eval_split=nope"),
+    (["--strategy=mirrored", "--num_cpu_devices=2", "--eval_batch_size=7"], {}, "--eval_batch_size=7"),
+]
+
+
+def test_bad_input_one_clear_line(data_dir, tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text("earlier run\n")
+
+    def attempt(case):
+        args, env, expected = case
+        return case, launch(f"--workdir={workdir}", f"--data_dir={data_dir}", *args, env=env, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        for (args, _, expected), result in pool.map(attempt, BAD_INPUT):
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            assert result.returncode == 2, (args, result.stderr[-2000:])
+            assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr[-2000:])
+            assert expected in lines[0], (args, lines[0])
+    assert sorted(os.listdir(workdir)) == ["metrics.jsonl"]
+    assert (workdir / "metrics.jsonl").read_text() == "earlier run\n"

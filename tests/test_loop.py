@@ -1,0 +1,96 @@
+"""The host loop: exact step counts, one trace, XLA compilation, evaluation that counts every example once,
+and reduced precisions that train as well as float32."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from engine import loop
+from engine.report import Report
+from tests import helpers
+
+
+def _run(config, strategy):
+    trainer = loop.Trainer(config, strategy)
+    summary = loop.run(trainer, Report(config.workdir, True, config.train_steps), started=0.0)
+    return trainer, summary
+
+
+def test_inner_loop_traced_once_with_exact_step_counts(data_dir, one_device, tmp_path):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, steps_per_loop=3, eval_every=5)
+    trainer, summary = _run(config, one_device)
+    logged = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert logged == [3, 5, 8, 10]  # rounds of 3, cut at each evaluation, and a short last round
+    assert [json.loads(line)["step"] for line in open(tmp_path / "eval.jsonl")] == [5, 10]
+    assert trainer.train_loop.experimental_get_tracing_count() == 1
+    assert trainer.eval_loop.experimental_get_tracing_count() == 1
+    assert int(trainer.step.numpy()) == 10 and int(trainer.optimizer.iterations.numpy()) == 10
+    assert summary["step"] == 10 and summary["skipped_steps"] == 0
+
+
+def _batch(trainer):
+    return next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
+
+
+def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
+    """The TPU path: all of the replica step, all-reduce and update included, in one XLA computation."""
+    config = helpers.make_config(data_dir, optimizer="lamb", clip_norm=0.2)
+    compiled, plain = loop.Trainer(config, one_device), loop.Trainer(config, one_device)
+    images, labels = _batch(compiled)
+    xla_step = tf.function(compiled.train_step, jit_compile=True)
+    assert "HloModule" in xla_step.experimental_get_compiler_ir(images, labels)(stage="hlo")
+    for fn in (xla_step, plain.train_step):
+        step = tf.function(lambda x, y, fn=fn: one_device.run(fn, args=(x, y)))
+        for _ in range(3):
+            out = step(images, labels)
+        assert bool(out["finite"])
+    for a, b in zip(helpers.all_variables(compiled), helpers.all_variables(plain)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    assert int(compiled.optimizer.iterations.numpy()) == 3
+
+
+def test_jit_compile_flag_matches_plain_on_two_replicas(data_dir, mirrored):
+    case = helpers.PARITY_CASES["adamw"]
+    jit, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, jit_compile=True, **case), mirrored)
+    plain, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, **case), mirrored)
+    for k in plain:
+        np.testing.assert_allclose(jit[k][0], plain[k][0], atol=1e-5)
+        np.testing.assert_array_equal(jit[k][0], jit[k][1])
+
+
+@pytest.mark.parametrize("strategy_fixture", ["one_device", "mirrored"])
+def test_eval_counts_every_example_once(data_dir, strategy_fixture, request):
+    strategy = request.getfixturevalue(strategy_fixture)
+    # 360 test examples: 5 full batches of 64 and one of 40, split over the replicas.
+    config = helpers.make_config(data_dir, eval_batch_size=64)
+    trainer = loop.Trainer(config, strategy)
+    trainer.run_steps(iter(trainer.train_dataset), 5)
+    results = trainer.evaluate()
+    assert results["examples"] == 360
+    images, labels = tfds.as_numpy(
+        tfds.load("digits", split="test", data_dir=data_dir, as_supervised=True, batch_size=-1)
+    )
+    logits = trainer.model(images.astype(np.float32) / 255.0, training=False).numpy()
+    expected = float(np.mean(np.argmax(logits, -1) == labels))
+    assert results["accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_reduced_precisions_match_float32_accuracy(data_dir, one_device, tmp_path):
+    accuracy = {}
+    for precision in ("float32", "mixed_float16", "mixed_bfloat16"):
+        config = helpers.make_config(
+            data_dir,
+            str(tmp_path / precision),
+            precision=precision,
+            train_steps=300,
+            steps_per_loop=100,
+            hidden_sizes=(256, 256),
+        )
+        _, summary = _run(config, one_device)
+        accuracy[precision] = summary["eval"]["accuracy"]
+    assert accuracy["float32"] > 0.95
+    for precision in ("mixed_float16", "mixed_bfloat16"):
+        assert abs(accuracy[precision] - accuracy["float32"]) <= 0.01, accuracy

@@ -1,0 +1,48 @@
+"""The same model, data and seed end with the same weights on one device, two mirrored replicas and two
+multi-worker processes: every optimizer with clipping active, and the ResNet with batch norm."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests import helpers
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def one_device_runs(data_dir, one_device):
+    return {
+        name: helpers.train_and_snapshot(helpers.make_config(data_dir, **case), one_device)
+        for name, case in helpers.PARITY_CASES.items()
+    }
+
+
+def _max_difference(a, b):
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)))) for k in a)
+
+
+@pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
+def test_clipping_is_active(one_device_runs, case):
+    _, out = one_device_runs[case]
+    assert out["grad_norm"] > helpers.PARITY_CASES[case]["clip_norm"]
+
+
+@pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
+def test_mirrored_matches_one_device(data_dir, mirrored, one_device_runs, case):
+    snap, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, **helpers.PARITY_CASES[case]), mirrored)
+    for copies in snap.values():  # the two replicas hold identical values, batch-norm statistics included
+        np.testing.assert_array_equal(copies[0], copies[1])
+    reference = {k: v[0] for k, v in one_device_runs[case][0].items()}
+    assert _max_difference({k: v[0] for k, v in snap.items()}, reference) < TOLERANCE
+    assert snap[str(len(snap) - 1)][0] == 20  # the update counter: every step applied
+
+
+@pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
+def test_multi_worker_matches_one_device(multi_worker_dir, one_device_runs, case):
+    workers = [dict(np.load(os.path.join(multi_worker_dir, f"{case}_worker{i}.npz"))) for i in range(2)]
+    assert _max_difference(workers[0], workers[1]) == 0.0
+    reference = {k: v[0] for k, v in one_device_runs[case][0].items()}
+    assert _max_difference(workers[0], reference) < TOLERANCE
