@@ -6,6 +6,11 @@
 
 Every flag is a field of engine/config.py's Config, with the same name, default and help.
 This is the only file that knows absl exists.
+
+Exit codes: 0 done; 2 bad input (a flag, TF_CONFIG, data, a checkpoint that does not fit);
+3 non-finite loss; 4 cannot write to the workdir; 5 lost a multi-worker peer; 75 preempted by
+SIGTERM after saving a checkpoint (run the same command to resume); 130 interrupted by SIGINT
+after saving.
 """
 
 import contextlib
@@ -20,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import app, flags, logging  # noqa: E402
 
 from engine.config import Config, ConfigError, validate  # noqa: E402
+from engine.preemption import PREEMPTION  # noqa: E402  (imports no TensorFlow)
 
 _DEFINE = {
     str: flags.DEFINE_string,
@@ -60,19 +66,33 @@ def main(argv):
     except ConfigError as e:
         _exit(str(e))
     with _quiet_native_stderr():
-        from engine import loop  # deferred: TensorFlow starts here, after the flags are known good
+        # Deferred: TensorFlow starts here, after the flags are known good.
+        from engine import checkpoint, distribute, evaluate, loop
 
+    run = {
+        "train": loop.train,
+        "eval": evaluate.evaluate,
+        "continuous_eval": evaluate.follow,
+        "export": evaluate.export,
+    }[config.mode]
     try:
-        summary = loop.train(config)
+        result = run(config)
     except ConfigError as e:
         _exit(str(e))
     except loop.TrainingError as e:
         _exit(f"training stopped: {e}", code=3)
-    results = summary["eval"]
-    print(
-        f"{config.eval_split} accuracy {results['accuracy']:.4f} on {results['examples']} examples "
-        f"({summary['step']} steps, {summary['wall_seconds']:.1f} s)"
-    )
+    except checkpoint.CheckpointError as e:
+        _exit(str(e), code=4)
+    except distribute.PeerLost as e:
+        _exit(str(e), code=5)
+    except loop.Preempted as e:
+        _exit(f"preempted: {e}", code=e.exit_code)
+    if config.mode == "train":
+        results = result["eval"]
+        print(
+            f"{config.eval_split} accuracy {results['accuracy']:.4f} on {results['examples']} examples "
+            f"({result['step']} steps, {result['wall_seconds']:.1f} s)"
+        )
 
 
 def _parse_flags(argv):
@@ -106,4 +126,5 @@ def _exit(message, code=2):
 
 
 if __name__ == "__main__":
+    PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     app.run(main, flags_parser=_parse_flags)

@@ -15,7 +15,8 @@ PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "adamw", "lamb")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCALINGS = ("none", "linear")
-MODES = ("train",)
+MODES = ("train", "eval", "continuous_eval", "export")
+ON_NAN = ("stop", "rollback")
 BUNDLED_DATASETS = ("digits", "synthetic")
 
 
@@ -32,6 +33,9 @@ class Config:
     # What to do and where.
     mode: str = _setting("train", "what to run: " + "|".join(MODES))
     workdir: str = _setting("runs/default", "directory for checkpoints, metrics.jsonl, summary.json, TensorBoard")
+    checkpoint: str = _setting("", "eval, export: checkpoint path to use; empty: the latest in --workdir")
+    export_dir: str = _setting("", "export: where to write the SavedModel; empty: <workdir>/export/<step>")
+    eval_timeout: float = _setting(600.0, "continuous_eval: stop after this many seconds without a new checkpoint")
 
     # Distribution.
     strategy: str = _setting("", "one_device|mirrored|multi_worker|tpu; empty: mirrored over all GPUs, else one device")
@@ -69,6 +73,15 @@ class Config:
     train_steps: int = _setting(1000, "optimizer steps to train for")
     steps_per_loop: int = _setting(100, "steps per host round trip, run inside one tf.function")
     eval_every: int = _setting(0, "evaluate every this many steps; 0 = only at the end")
+    checkpoint_every: int = _setting(
+        500, "save a checkpoint every this many steps (and at the end); 0 = only at the end"
+    )
+    keep_checkpoints: int = _setting(3, "how many recent checkpoints to keep")
+    on_nan: str = _setting(
+        "stop",
+        "a non-finite loss in float32/bfloat16: stop, or rollback to the last checkpoint "
+        "and skip the offending batches",
+    )
 
     # Optimizer and learning rate.
     optimizer: str = _setting("adamw", "sgd|adamw|lamb (engine-owned update rules)")
@@ -142,6 +155,7 @@ def validate(config):
     _choice(config, "optimizer", OPTIMIZERS)
     _choice(config, "lr_schedule", LR_SCHEDULES)
     _choice(config, "lr_scaling", LR_SCALINGS)
+    _choice(config, "on_nan", ON_NAN)
     _positive(
         config,
         "num_cpu_devices",
@@ -161,11 +175,14 @@ def validate(config):
         "transformer_dim",
         "transformer_heads",
         "transformer_mlp_dim",
+        "keep_checkpoints",
+        "eval_timeout",
     )
     _non_negative(
         config,
         "eval_batch_size",
         "eval_every",
+        "checkpoint_every",
         "momentum",
         "weight_decay",
         "warmup_steps",

@@ -57,19 +57,19 @@ def load(config):
         )
     eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
 
-    def train_fn(ctx):
+    def train_fn(ctx, start_batch=0):
+        """Per-replica batches from global batch `start_batch` on: the data position is a pure function of
+        the number of batches consumed, so a restored run continues exactly where it stopped."""
         batch = ctx.get_per_replica_batch_size(config.global_batch_size)
-        ds = train.make()
-        if not train.shuffle:
-            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(_preprocess)
-            return ds.batch(batch, drop_remainder=True).cache().repeat().prefetch(AUTOTUNE)
-        if train.examples * train.bytes_per_example < _CACHE_LIMIT_BYTES:
-            ds = ds.cache()
-        # Same seed in every pipeline, shard after the shuffle: one global stream, split by example.
-        ds = ds.shuffle(
-            min(config.shuffle_buffer, train.examples), seed=config.seed, reshuffle_each_iteration=True
-        ).repeat()
-        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(_preprocess, num_parallel_calls=AUTOTUNE)
+        pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
+        local_replicas = ctx.num_replicas_in_sync // pipelines
+        if not train.shuffle:  # synthetic: each pipeline builds its batches once, then cycles through them
+            ds = train.make().shard(pipelines, index).map(_preprocess).batch(batch, drop_remainder=True)
+            per_epoch = (train.examples - index + pipelines - 1) // pipelines // batch
+            return ds.cache().repeat().skip(start_batch * local_replicas % per_epoch).prefetch(AUTOTUNE)
+        ds = _shuffled_stream(train, config, start_example=start_batch * config.global_batch_size)
+        # Every pipeline reads the same stream and keeps every n-th example (shard after the shuffle).
+        ds = ds.shard(pipelines, index).map(_preprocess, num_parallel_calls=AUTOTUNE)
         return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
 
     def eval_fn(ctx):
@@ -82,6 +82,28 @@ def load(config):
         return ds.take(eval_steps * local_replicas).prefetch(AUTOTUNE)
 
     return Data(train_fn, eval_fn, eval_steps, evals.examples, train.examples, tuple(shape), classes)
+
+
+def _shuffled_stream(split, config, start_example):
+    """The endless stream of training examples, shuffled per epoch, from example `start_example` on."""
+    n = split.examples
+    if n * split.bytes_per_example < _CACHE_LIMIT_BYTES:
+        # The split fits in memory: hold it as one element and give epoch e the stateless permutation
+        # seeded by (seed, e), so any position is reached by skipping within one epoch only.
+        whole = split.make().batch(n).cache()
+        epoch, offset = divmod(start_example, n)
+
+        def one_epoch(e):
+            order = tf.random.experimental.stateless_shuffle(tf.range(n), seed=tf.stack([config.seed, e]))
+            return whole.flat_map(
+                lambda x, y: tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))
+            )
+
+        return tf.data.Dataset.range(epoch, 2**62).flat_map(one_epoch).skip(offset)
+    # Larger than memory: a shuffle buffer, reshuffled each epoch; resuming replays the stream up to the
+    # position (reading, not training on, the examples before it).
+    ds = split.make().shuffle(min(config.shuffle_buffer, n), seed=config.seed, reshuffle_each_iteration=True)
+    return ds.repeat().skip(start_example)
 
 
 def _preprocess(image, label):

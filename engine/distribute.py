@@ -7,6 +7,7 @@ before the runtime starts.
 
 import json
 import os
+import re
 
 import tensorflow as tf
 
@@ -137,3 +138,44 @@ def is_chief(strategy):
 
 def is_multi_worker(strategy):
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def task_id(strategy):
+    resolver = getattr(strategy, "cluster_resolver", None)
+    return (resolver.task_id or 0) if resolver is not None else 0
+
+
+class PeerLost(RuntimeError):
+    """A multi-worker peer died or stopped answering; restarting every worker resumes the job."""
+
+
+def explain_failure(strategy, config, error):
+    """A lost peer on a multi-worker job becomes PeerLost naming it; other errors come back unchanged."""
+    if not is_multi_worker(strategy) or not isinstance(
+        error,
+        (
+            tf.errors.UnavailableError,
+            tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError,
+            tf.errors.CancelledError,
+            tf.errors.InternalError,
+        ),
+    ):
+        return error
+    text = getattr(error, "message", str(error))
+    cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+    lost = [
+        m
+        for m in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", text)
+        if m != (strategy.cluster_resolver.task_type, str(strategy.cluster_resolver.task_id))
+    ]
+    if lost:
+        job, index = lost[0]
+        peer = f"{job} {index} ({cluster.get(job, ['?'] * (int(index) + 1))[int(index)]})"
+    else:
+        peer = "a peer (not named by TensorFlow)"
+    first = text.strip().splitlines()[0]
+    return PeerLost(
+        f"lost {peer}: {first}; the collective timeout is --collective_timeout="
+        f"{config.collective_timeout:g}s; restart every worker to resume from the last checkpoint"
+    )

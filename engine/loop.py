@@ -1,24 +1,40 @@
-"""The story of a run: strategy, data, model and optimizer, then rounds of steps.
+"""The story of a run: strategy, data, model and optimizer, restore, then rounds of steps.
 
-Inner loop in graph: one tf.function runs `steps_per_loop` replica steps with
-`tf.range(n)`, `n` a tensor, so it is traced once whatever the round's length.
-Outer loop in Python: logging, evaluation and the summary between rounds.
+Inner loop in graph: one tf.function runs a round of replica steps with `tf.range(n)`, `n` a
+tensor, so it is traced once whatever the round's length. Outer loop in Python: logging,
+evaluation, checkpoints and preemption between rounds. Round boundaries are multiples of
+--steps_per_loop, --eval_every and --checkpoint_every, so a resumed run cuts its rounds exactly
+where an uninterrupted one does.
 """
 
 import importlib
+import json
+import os
 import time
 
 import keras
 import tensorflow as tf
 
+from engine import checkpoint as checkpoint_lib
 from engine import data as data_lib
 from engine import distribute, optim, precision, step
 from engine.config import ConfigError, check_batch
+from engine.preemption import PREEMPTION
 from engine.report import Report
+
+MAX_ROLLBACKS = 3  # --on_nan=rollback gives up after this many rollbacks without a save in between
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss in float32 or bfloat16); the message says where."""
+
+
+class Preempted(Exception):
+    """A signal stopped the run after a checkpoint; `exit_code` tells a scheduler to restart it."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def create_model(config, input_shape, num_classes):
@@ -29,48 +45,65 @@ def create_model(config, input_shape, num_classes):
 
 
 class Trainer:
-    """Everything a run holds: built once per run, eagerly, under the strategy's scope."""
+    """Everything a run holds: built once, eagerly, under the strategy's scope."""
 
     def __init__(self, config, strategy):
         self.config, self.strategy = config, strategy
         check_batch(config, strategy.num_replicas_in_sync)
+        # Data first: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
+        # seeds its initializers from that generator, so seeding after it keeps the weights the same.
+        self.data = data_lib.load(config)
         keras.utils.set_random_seed(config.seed)
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         precision.set_policy(config.precision)
-        self.data = data_lib.load(config)
         with strategy.scope():
             self.model = create_model(config, self.data.input_shape, self.data.num_classes)
             self.optimizer = optim.Optimizer(config, [v.value for v in self.model.trainable_variables])
-            self.loss_scale = (
-                precision.LossScale(config.initial_loss_scale, config.loss_scale_growth_interval)
-                if config.precision == "mixed_float16"
-                else None
-            )
+            # Created in every precision so a checkpoint fits any of them; only float16 uses it.
+            self.loss_scale = precision.LossScale(config.initial_loss_scale, config.loss_scale_growth_interval)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps run, skipped too
+            self.batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches")  # the data position
+            self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped")
+            self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
+        self.float16 = config.precision == "mixed_float16"
         self.train_step = step.make_train_step(
-            self.model, self.optimizer, self.loss_scale, config, strategy.num_replicas_in_sync
+            self.model,
+            self.optimizer,
+            self.loss_scale if self.float16 else None,
+            config,
+            strategy.num_replicas_in_sync,
+            self.stop,
         )
         self.eval_step = step.make_eval_step(self.model)
-        self.train_dataset = strategy.distribute_datasets_from_function(self.data.train_fn)
         self.eval_dataset = strategy.distribute_datasets_from_function(self.data.eval_fn)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
+
+    def train_iterator(self):
+        """An iterator over the training batches from the current data position on."""
+        start = int(self.batches.numpy())
+        return iter(self.strategy.distribute_datasets_from_function(lambda ctx: self.data.train_fn(ctx, start)))
 
     def _first_replica(self, values):
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
 
     def _train_loop(self, iterator, steps):
-        loss_sum, finite_steps = tf.constant(0.0), tf.constant(0.0)
+        loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
         last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0}
         for _ in tf.range(steps):
             out = self._first_replica(self.strategy.run(self.train_step, args=next(iterator)))
             loss_sum += tf.where(out["finite"], out["loss"], 0.0)
             finite_steps += tf.cast(out["finite"], tf.float32)
             last = {k: out[k] for k in last}
+            done += 1
             self.step.assign_add(1)
-        skipped = tf.cast(steps, tf.float32) - finite_steps
-        return {"loss": loss_sum / finite_steps, "skipped": skipped, **last}  # loss: mean of finite steps
+            self.batches.assign_add(1)
+            if out["stop"]:
+                break
+        skipped = tf.cast(done, tf.float32) - finite_steps
+        # loss: the mean over the round's finite steps.
+        return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, **last}
 
     def _eval_loop(self, iterator, steps):
         totals = tf.zeros([3])
@@ -79,7 +112,7 @@ class Trainer:
         return totals
 
     def run_steps(self, iterator, steps):
-        """Runs `steps` train steps in one call of the traced inner loop; returns host numbers."""
+        """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers."""
         try:
             out = self.train_loop(iterator, tf.constant(steps))
         except RuntimeError as e:
@@ -90,23 +123,59 @@ class Trainer:
                     f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
                 ) from None
             raise
+        except tf.errors.OpError as e:
+            raise distribute.explain_failure(self.strategy, self.config, e) from None
         return {k: float(v) for k, v in out.items()}
 
     def evaluate(self):
-        loss, correct, examples = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps)).numpy()
+        try:
+            totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
+        except tf.errors.OpError as e:
+            raise distribute.explain_failure(self.strategy, self.config, e) from None
+        loss, correct, examples = totals.numpy()
         return {"accuracy": float(correct / examples), "loss": float(loss / examples), "examples": int(examples)}
 
 
-def train(config, strategy=None):
-    """Trains and evaluates as `config` says; returns the summary, also written to workdir/summary.json."""
+def _next_boundary(config, current):
+    """Where the round that starts at `current` ends: a function of the absolute step only."""
+    ends = [config.train_steps, (current // config.steps_per_loop + 1) * config.steps_per_loop]
+    for every in (config.eval_every, config.checkpoint_every):
+        if every:
+            ends.append((current // every + 1) * every)
+    return min(ends)
+
+
+def train(config, strategy=None, on_eval=None):
+    """Trains (resuming from the workdir's latest checkpoint) and evaluates as `config` says.
+
+    Returns the summary, also written to workdir/summary.json. `on_eval(step, results)` is called after
+    every evaluation; returning True stops training there (a tuner's pruning).
+    """
     started = time.time()
     strategy = strategy or distribute.create_strategy(config)
     trainer = Trainer(config, strategy)
-    return run(trainer, Report(config.workdir, distribute.is_chief(strategy), config.train_steps), started)
+    chief = distribute.is_chief(strategy)
+    checkpoints = checkpoint_lib.Checkpoints(
+        trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
+    )
+    restored = checkpoints.restore_latest()
+    current = int(trainer.step.numpy())
+    summary_path = os.path.join(config.workdir, "summary.json")
+    if restored and current >= config.train_steps and os.path.exists(summary_path):
+        print(f"already trained to step {current} ({restored}); nothing to do", flush=True)
+        with open(summary_path) as f:
+            return json.load(f)
+    report = Report(config.workdir, chief, config.train_steps, resume_step=current)
+    if restored:
+        report.line(f"resumed from step {current} ({restored})")
+    elif config.on_nan == "rollback":
+        checkpoints.save()  # something to roll back to from the first step on
+    PREEMPTION.watch(trainer.stop)
+    return run(trainer, report, checkpoints, started, on_eval)
 
 
-def run(trainer, report, started):
-    """The outer loop: rounds of steps, logging and evaluation between them, then the summary."""
+def run(trainer, report, checkpoints, started, on_eval=None):
+    """The outer loop: rounds of steps; logging, evaluation, checkpoints between them; the summary."""
     config, strategy = trainer.config, trainer.strategy
     params = sum(int(tf.size(v)) for v in trainer.model.trainable_variables)
     report.line(
@@ -114,43 +183,70 @@ def run(trainer, report, started):
         f"strategy={distribute.strategy_name(config)} replicas={strategy.num_replicas_in_sync} "
         f"precision={config.precision} global_batch_size={config.global_batch_size}"
     )
-
-    iterator = iter(trainer.train_dataset)
-    current, skipped, loss = int(trainer.step.numpy()), 0, float("nan")
+    iterator = trainer.train_iterator()
+    current, loss, saved_at, rollbacks = int(trainer.step.numpy()), float("nan"), None, 0
     timed_steps, timed_seconds, first_round = 0, 0.0, None
     while current < config.train_steps:
-        steps = min(config.steps_per_loop, config.train_steps - current)
-        if config.eval_every:
-            steps = min(steps, config.eval_every - current % config.eval_every)
+        start = current
         tic = time.perf_counter()
-        out = trainer.run_steps(iterator, steps)
+        out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
         seconds = time.perf_counter() - tic
+        steps = int(out["steps"])
+        current += steps
         if first_round is None:
             first_round = (steps, seconds)  # includes tracing and compilation: kept out of the throughput
         else:
             timed_steps, timed_seconds = timed_steps + steps, timed_seconds + seconds
-        current += steps
-        skipped += int(out["skipped"])
+
+        if out["skipped"] and not trainer.float16:
+            last_good = checkpoints.latest()
+            where = f"non-finite loss or gradient between steps {start + 1} and {current}"
+            if config.on_nan != "rollback" or rollbacks >= MAX_ROLLBACKS:
+                raise TrainingError(
+                    f"{where} ({int(out['skipped'])} steps, {config.precision}); last good "
+                    f"checkpoint: {last_good or 'none'}; lower --learning_rate or set --clip_norm"
+                )
+            position = int(trainer.batches.numpy())
+            checkpoint_lib.restore(checkpoints.checkpoint, last_good)
+            trainer.batches.assign(position)  # keep reading from here: the offending batches are skipped
+            current, rollbacks = int(trainer.step.numpy()), rollbacks + 1
+            report.rewind(current)
+            report.line(f"{where}: rolled back to step {current} ({last_good}), skipping those batches")
+            iterator = trainer.train_iterator()
+            continue
+
+        trainer.skipped.assign_add(int(out["skipped"]))
         loss = out["loss"]
-        if out["skipped"] and config.precision != "mixed_float16":
-            raise TrainingError(
-                f"non-finite loss or gradient between steps {current - steps + 1} and {current} "
-                f"({int(out['skipped'])} steps); in {config.precision} this is a bug or a "
-                "divergence: lower --learning_rate or set --clip_norm"
-            )
         report.train(
             current,
             {
                 "loss": loss,
                 "learning_rate": out["learning_rate"],
                 "grad_norm": out["grad_norm"],
-                "loss_scale": out["loss_scale"] if trainer.loss_scale else None,
+                "loss_scale": out["loss_scale"] if trainer.float16 else None,
                 "examples_per_sec": steps * config.global_batch_size / seconds,
             },
         )
-        if config.eval_every and current % config.eval_every == 0 and current < config.train_steps:
-            report.eval(current, trainer.evaluate())
+        stopping = bool(trainer.stop.numpy())
+        if config.eval_every and current % config.eval_every == 0 and current < config.train_steps and not stopping:
+            results = trainer.evaluate()
+            report.eval(current, results)
+            if on_eval and on_eval(current, results):
+                break
+        if (
+            stopping
+            or current == config.train_steps
+            or (config.checkpoint_every and current % config.checkpoint_every == 0)
+        ):
+            path = checkpoints.save()
+            saved_at, rollbacks = current, 0
+        if stopping:
+            signal_name = PREEMPTION.signal_name
+            report.line(f"stopped by {signal_name} at step {current}; saved {path}; run the same command to resume")
+            raise Preempted(f"stopped by {signal_name} at step {current}; checkpoint {path}", PREEMPTION.exit_code)
 
+    if saved_at != current:
+        checkpoints.save()
     results = trainer.evaluate()
     report.eval(current, results)
     if not timed_steps and first_round:
@@ -160,8 +256,8 @@ def run(trainer, report, started):
         "train_loss": loss,
         "eval": results,
         "examples_per_sec": timed_steps * config.global_batch_size / timed_seconds if timed_steps else None,
-        "skipped_steps": skipped,
-        "loss_scale": float(trainer.loss_scale.scale.numpy()) if trainer.loss_scale else None,
+        "skipped_steps": int(trainer.skipped.numpy()),
+        "loss_scale": float(trainer.loss_scale.scale.numpy()) if trainer.float16 else None,
         "wall_seconds": time.time() - started,
         "strategy": distribute.strategy_name(config),
         "num_replicas": strategy.num_replicas_in_sync,

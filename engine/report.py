@@ -20,6 +20,13 @@ def _number(value):
     return value if math.isfinite(value) else None
 
 
+def _step_of(line):
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a torn last line from a crash: dropped
+
+
 def write_json(path, obj):
     """Writes atomically: a reader never sees half a file, a crash never leaves one."""
     tmp = f"{path}.tmp"
@@ -41,16 +48,33 @@ def make_workdir(path):
 
 
 class Report:
-    def __init__(self, workdir, chief, total_steps, stream=sys.stdout):
+    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=sys.stdout):
         self.workdir, self.chief, self.total_steps, self.stream = workdir, chief, total_steps, stream
         self.live = chief and stream.isatty()
         self._progress_shown = False
-        self._start = time.perf_counter()
+        self._start, self._start_step = time.perf_counter(), resume_step
         if chief:
             make_workdir(workdir)
+            self.rewind(resume_step)
             self._writers = {
                 name: tf.summary.create_file_writer(os.path.join(workdir, name)) for name in ("train", "eval")
             }
+
+    def rewind(self, step):
+        """Drops records after `step` (logged before a crash or a rollback): no step is logged twice."""
+        if not self.chief:
+            return
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            path = os.path.join(self.workdir, name)
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                lines = f.readlines()
+            kept = [line for line in lines if line.strip() and _step_of(line) <= step]
+            if len(kept) != len(lines):
+                with open(f"{path}.tmp", "w") as f:
+                    f.writelines(kept)
+                os.replace(f"{path}.tmp", path)
 
     def line(self, text):
         """A plain console line, clearing the live progress line first."""
@@ -74,7 +98,7 @@ class Report:
         self._scalars("train", step, metrics)
         if self.live:
             elapsed = time.perf_counter() - self._start
-            eta = elapsed / step * (self.total_steps - step)
+            eta = elapsed / max(1, step - self._start_step) * (self.total_steps - step)
             self.stream.write(
                 f"\r\033[K[{100 * step // self.total_steps:3d}%] step {step}/{self.total_steps} "
                 f"loss {metrics['loss']:.4f} {metrics['examples_per_sec']:,.0f} ex/s "
@@ -95,7 +119,8 @@ class Report:
 
     def summary(self, summary):
         if self.chief:
-            write_json(os.path.join(self.workdir, "summary.json"), summary)
+            clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
+            write_json(os.path.join(self.workdir, "summary.json"), clean)
             for writer in self._writers.values():
                 writer.flush()
 

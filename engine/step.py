@@ -17,8 +17,12 @@ def _maybe_jit(fn, jit_compile):
     return tf.function(fn, jit_compile=True) if jit_compile else fn
 
 
-def make_train_step(model, optimizer, loss_scale, config, num_replicas):
-    """Returns train_step(images, labels) -> dict of scalars, identical on every replica."""
+def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_flag):
+    """Returns train_step(images, labels) -> dict of scalars, identical on every replica.
+
+    `loss_scale` is None unless float16. `stop_flag` (a boolean variable, set on preemption) rides the
+    all-reduce, so every replica and worker learns that any of them is stopping after this step.
+    """
     params = [v.value for v in model.trainable_variables]
     slots = [s for param_slots in optimizer.slots for s in param_slots]
     assigned = params + slots + [optimizer.iterations]
@@ -69,10 +73,11 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas):
     def train_step(images, labels):
         ctx = tf.distribute.get_replica_context()
         loss, grads = forward_backward(images, labels)
-        loss, *grads = ctx.all_reduce(SUM, [loss, *grads])  # the one all-reduce of the step
+        stop = tf.cast(stop_flag, tf.float32)
+        loss, stop, *grads = ctx.all_reduce(SUM, [loss, stop, *grads])  # the one all-reduce of the step
         values, metrics = new_values(grads)
         ctx.merge_call(assign_all, args=(values,))
-        return {"loss": loss, **metrics}
+        return {"loss": loss, "stop": stop > 0, **metrics}
 
     return train_step
 

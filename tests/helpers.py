@@ -62,7 +62,7 @@ def train_and_snapshot(config, strategy):
     from engine.loop import Trainer
 
     trainer = Trainer(config, strategy)
-    out = trainer.run_steps(iter(trainer.train_dataset), config.train_steps)
+    out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
     return snapshot(trainer), out
 
 

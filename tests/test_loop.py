@@ -9,13 +9,15 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from engine import loop
+from engine.checkpoint import Checkpoints
 from engine.report import Report
 from tests import helpers
 
 
 def _run(config, strategy):
     trainer = loop.Trainer(config, strategy)
-    summary = loop.run(trainer, Report(config.workdir, True, config.train_steps), started=0.0)
+    checkpoints = Checkpoints(trainer, config.workdir, config.keep_checkpoints)
+    summary = loop.run(trainer, Report(config.workdir, True, config.train_steps), checkpoints, started=0.0)
     return trainer, summary
 
 
@@ -23,7 +25,9 @@ def test_inner_loop_traced_once_with_exact_step_counts(data_dir, one_device, tmp
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, steps_per_loop=3, eval_every=5)
     trainer, summary = _run(config, one_device)
     logged = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
-    assert logged == [3, 5, 8, 10]  # rounds of 3, cut at each evaluation, and a short last round
+    # Rounds end at multiples of steps_per_loop (3) and of eval_every (5): a function of the step alone,
+    # so a resumed run cuts its rounds where an uninterrupted one does.
+    assert logged == [3, 5, 6, 9, 10]
     assert [json.loads(line)["step"] for line in open(tmp_path / "eval.jsonl")] == [5, 10]
     assert trainer.train_loop.experimental_get_tracing_count() == 1
     assert trainer.eval_loop.experimental_get_tracing_count() == 1
@@ -67,7 +71,7 @@ def test_eval_counts_every_example_once(data_dir, strategy_fixture, request):
     # 360 test examples: 5 full batches of 64 and one of 40, split over the replicas.
     config = helpers.make_config(data_dir, eval_batch_size=64)
     trainer = loop.Trainer(config, strategy)
-    trainer.run_steps(iter(trainer.train_dataset), 5)
+    trainer.run_steps(trainer.train_iterator(), 5)
     results = trainer.evaluate()
     assert results["examples"] == 360
     images, labels = tfds.as_numpy(

@@ -1,0 +1,141 @@
+"""Save, restore, resume and preemption.
+
+A checkpoint holds the model (weights and batch-norm statistics), the optimizer's slots and update
+count, the loss scale, the step, the data position (global batches consumed) and the skipped-step
+count. The input pipeline is a pure function of the data position (engine/data.py), so a restored
+run reads exactly the batches an uninterrupted one would have: tf.distribute's iterators are not
+checkpointable, the position is.
+
+Preemption (engine/preemption.py): SIGTERM or SIGINT set a flag that the replica step all-reduces
+with the gradients, so every worker stops after the same step; the loop then saves here and exits.
+"""
+
+import glob
+import os
+import re
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+from engine.config import ConfigError
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message names the path."""
+
+
+def tracked_state(trainer):
+    """What a checkpoint holds; one place, so training, evaluation and export restore the same names."""
+    return dict(
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        loss_scale=trainer.loss_scale,
+        step=trainer.step,
+        batches=trainer.batches,
+        skipped=trainer.skipped,
+    )
+
+
+def _step_of(path):
+    return int(re.search(r"ckpt-(\d+)$", path).group(1))
+
+
+def list_checkpoints(directory):
+    """Checkpoint prefixes in `directory`, newest first, found by their files (so a damaged `checkpoint`
+    state file hides nothing, and a checkpoint missing its index is still found and reported)."""
+    prefixes = {re.sub(r"\.(index|data-\d+-of-\d+)$", "", p) for p in glob.glob(os.path.join(directory, "ckpt-*"))}
+    return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=_step_of, reverse=True)
+
+
+class Checkpoints:
+    """The run's checkpoints in workdir/checkpoints; on a multi-worker job every worker saves (the save
+    is collective) and only the chief's copy is kept."""
+
+    def __init__(self, trainer, workdir, keep, chief=True, task_id=0):
+        self.trainer = trainer
+        self.directory = os.path.join(workdir, "checkpoints")
+        self.checkpoint = tf.train.Checkpoint(**tracked_state(trainer))
+        self.chief = chief
+        write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
+        try:
+            self.manager = tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=keep)
+        except (tf.errors.OpError, OSError) as e:
+            raise CheckpointError(f"cannot use checkpoint directory {write_dir}: {e}") from None
+
+    def latest(self):
+        return next(iter(list_checkpoints(self.directory)), None)
+
+    def save(self):
+        """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
+        step = int(self.trainer.step.numpy())
+        bad = [v.path for v in self.trainer.model.trainable_variables if not bool(tf.reduce_all(tf.math.is_finite(v)))]
+        if bad:  # never let a diverged model replace a good checkpoint
+            raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]}")
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as e:
+            raise CheckpointError(
+                f"cannot write checkpoint for step {step} to {self.manager.directory}: {_first_line(e)}"
+            ) from None
+        if not self.chief:
+            shutil.rmtree(self.manager.directory, ignore_errors=True)
+        return path
+
+    def restore_latest(self, log=print):
+        """Restores the newest readable checkpoint; returns its path, or None when there is none.
+
+        A damaged checkpoint is reported and the previous one used; one of another model or other shapes
+        is refused (ConfigError naming the variable and both shapes).
+        """
+        for path in list_checkpoints(self.directory):
+            try:
+                restore(self.checkpoint, path)
+                return path
+            except Unreadable as e:
+                log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")
+        return None
+
+
+class Unreadable(Exception):
+    """A checkpoint's files are missing or damaged."""
+
+
+def restore(checkpoint, path, partial=False):
+    """Restores `checkpoint` from `path`: all of it, or (`partial`) what exists in this program.
+
+    Raises Unreadable for missing or damaged files, ConfigError for a checkpoint that does not fit.
+    """
+    try:
+        status = checkpoint.read(path)
+        status.assert_existing_objects_matched()
+        if partial:
+            status.expect_partial()
+        else:
+            status.assert_consumed()
+    except tf.errors.OpError as e:
+        raise Unreadable(_first_line(e)) from None
+    except (AssertionError, ValueError):
+        raise ConfigError(f"checkpoint {path} does not fit this run: {_mismatch(checkpoint, path, partial)}") from None
+
+
+def _mismatch(checkpoint, path, partial):
+    """Names the first variable whose presence or shape differs between this run and a checkpoint."""
+    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()
+    ignore = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
+    for key in sorted((ours.keys() | saved.keys()) - ignore):
+        name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+        if key not in saved:
+            return f"this run has {name} {ours[key]} that the checkpoint lacks"
+        if key not in ours and not partial:
+            return f"the checkpoint has {name} {saved[key]} that this run lacks"
+        if key in ours and ours[key] != saved[key]:
+            return f"{name} has shape {saved[key]} in the checkpoint and {ours[key]} in this run"
+    return "its objects differ from this run's (another model?)"
+
+
+def _first_line(error):
+    text = getattr(error, "message", None) or str(error)
+    return (text.strip().splitlines() or [type(error).__name__])[0]

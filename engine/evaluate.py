@@ -1,0 +1,136 @@
+"""Evaluation and export from checkpoints: --mode=eval, --mode=continuous_eval, --mode=export."""
+
+import dataclasses
+import json
+import os
+import time
+
+import tensorflow as tf
+
+from engine import checkpoint as checkpoint_lib
+from engine import distribute
+from engine.config import ConfigError
+from engine.loop import Trainer
+from engine.report import write_json
+
+
+def _trainer(config, strategy):
+    trainer = Trainer(config, strategy or distribute.create_strategy(config))
+    # The model and the step are all evaluation needs; the optimizer's state is left in the file.
+    return trainer, tf.train.Checkpoint(model=trainer.model, step=trainer.step)
+
+
+def _checkpoint_path(config):
+    if config.checkpoint:
+        if not tf.io.gfile.exists(config.checkpoint + ".index"):
+            raise ConfigError(
+                f"--checkpoint={config.checkpoint}: no such checkpoint (expected {config.checkpoint}.index)"
+            )
+        return config.checkpoint
+    found = checkpoint_lib.list_checkpoints(os.path.join(config.workdir, "checkpoints"))
+    if not found:
+        raise ConfigError(f"--workdir={config.workdir}: no checkpoint to use (train first, or pass --checkpoint)")
+    return found[0]
+
+
+def _restore(checkpoint, path):
+    try:
+        checkpoint_lib.restore(checkpoint, path, partial=True)
+    except checkpoint_lib.Unreadable as e:
+        raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
+
+
+def evaluate(config, strategy=None):
+    """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest in --workdir)."""
+    path = _checkpoint_path(config)
+    trainer, checkpoint = _trainer(config, strategy)
+    _restore(checkpoint, path)
+    step = int(trainer.step.numpy())
+    results = trainer.evaluate()
+    print(
+        f"eval step={step} split={config.eval_split} accuracy={results['accuracy']:.4f} "
+        f"loss={results['loss']:.5g} examples={results['examples']} checkpoint={path}",
+        flush=True,
+    )
+    summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
+    if distribute.is_chief(trainer.strategy):
+        write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
+    return summary
+
+
+def follow(config, strategy=None, poll_seconds=2.0):
+    """--mode=continuous_eval: a sidecar that evaluates each new checkpoint of a running job.
+
+    Writes continuous_eval.jsonl and TensorBoard events under workdir/continuous_eval, beside the job's
+    own; stops after evaluating step --train_steps, or after --eval_timeout seconds with nothing new.
+    """
+    trainer, checkpoint = _trainer(config, strategy)
+    directory = os.path.join(config.workdir, "checkpoints")
+    writer = tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
+    done, results, waited_since = set(), [], time.monotonic()
+    print(f"continuous_eval: following {directory}", flush=True)
+    while time.monotonic() - waited_since < config.eval_timeout:
+        latest = next(iter(checkpoint_lib.list_checkpoints(directory)), None)
+        if latest is None or latest in done:
+            time.sleep(poll_seconds)
+            continue
+        try:
+            checkpoint_lib.restore(checkpoint, latest, partial=True)
+        except checkpoint_lib.Unreadable:
+            time.sleep(poll_seconds)  # still being written: try again
+            continue
+        done.add(latest)
+        step = int(trainer.step.numpy())
+        result = {"step": step, "checkpoint": latest, **trainer.evaluate()}
+        results.append(result)
+        print(
+            f"continuous_eval step={step} accuracy={result['accuracy']:.4f} loss={result['loss']:.5g} "
+            f"examples={result['examples']}",
+            flush=True,
+        )
+        with open(os.path.join(config.workdir, "continuous_eval.jsonl"), "a") as f:
+            f.write(json.dumps(result) + "\n")
+        with writer.as_default(step=step):
+            tf.summary.scalar("accuracy", result["accuracy"])
+            tf.summary.scalar("loss", result["loss"])
+        writer.flush()
+        if step >= config.train_steps:
+            break
+        waited_since = time.monotonic()
+    return results
+
+
+def export(config):
+    """--mode=export: writes a SavedModel whose serving signature maps images to logits, probabilities
+    and classes, with the weights of --checkpoint (or the latest in --workdir)."""
+    path = _checkpoint_path(config)
+    trainer, checkpoint = _trainer(dataclasses.replace(config, strategy="one_device", num_cpu_devices=1), None)
+    _restore(checkpoint, path)
+    step = int(trainer.step.numpy())
+    export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
+    if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
+        raise ConfigError(f"--export_dir={export_dir}: exists and is not empty; refusing to overwrite it")
+    model = trainer.model
+    module = tf.Module()
+    module.model = model
+
+    @tf.function(input_signature=[tf.TensorSpec([None, *trainer.data.input_shape], tf.float32, name="images")])
+    def serve(images):
+        logits = tf.cast(model(images, training=False), tf.float32)
+        return {
+            "logits": logits,
+            "probabilities": tf.nn.softmax(logits),
+            "classes": tf.argmax(logits, axis=-1, output_type=tf.int64),
+        }
+
+    module.serve = serve
+    try:
+        tf.saved_model.save(module, export_dir, signatures={"serving_default": serve})
+    except (tf.errors.OpError, OSError) as e:
+        raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
+    print(
+        f"exported step {step} from {path} to {export_dir} (serving_default: images float32 "
+        f"{[None, *trainer.data.input_shape]} in [0, 1] -> logits, probabilities, classes)",
+        flush=True,
+    )
+    return export_dir
