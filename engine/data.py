@@ -1,11 +1,12 @@
 """Input pipelines: the bundled digits and any tensorflow-datasets name, or synthetic data.
 
 Every pipeline is a function of `tf.distribute.InputContext`, for
-`strategy.distribute_datasets_from_function`: each input pipeline (one per
-worker) reads the same shuffled stream and keeps every n-th example, so the
-examples of one global step are exactly those one device would see.
-Training batches are per replica with static shapes; evaluation pads with
-weight-0 examples so every real example is counted exactly once.
+`strategy.distribute_datasets_from_function`. Training reads one global stream of
+examples, shuffled per epoch; global batch k is examples [k*G, (k+1)*G) of that stream,
+and each input pipeline (one per worker) takes every n-th of them, so a step sees exactly
+the examples one device would. The stream is a pure function of the batch index, so a
+restored run starts at its data position and reads what an uninterrupted one would.
+Evaluation pads with weight-0 examples so every real example is counted exactly once.
 """
 
 import contextlib
@@ -22,12 +23,12 @@ import engine.digits  # noqa: F401  (registers the bundled `digits` builder with
 from engine.config import ConfigError
 
 AUTOTUNE = tf.data.AUTOTUNE
-_CACHE_LIMIT_BYTES = 1 << 30  # keep decoded training data in memory below this size
+_IN_MEMORY_LIMIT_BYTES = 1 << 30  # splits below this are held as tensors and batched with one gather
 
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-    train_fn: object  # InputContext -> infinite dataset of (images, labels), per-replica batches
+    train_fn: object  # (InputContext, start_batch) -> endless dataset of per-replica (images, labels) batches
     eval_fn: object  # InputContext -> finite dataset of (images, labels, weights), eval_steps batches
     eval_steps: int  # evaluation steps that cover every evaluation example once
     eval_examples: int
@@ -40,8 +41,7 @@ class Data:
 class _Split:
     make: object  # () -> dataset of (image, label), unbatched, in a fixed order
     examples: int
-    bytes_per_example: int
-    shuffle: bool = True  # synthetic data is random already: its batches are built once and cached
+    arrays: tuple = None  # (images, labels) tensors when the split is held in memory
 
 
 def load(config):
@@ -58,19 +58,34 @@ def load(config):
     eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
 
     def train_fn(ctx, start_batch=0):
-        """Per-replica batches from global batch `start_batch` on: the data position is a pure function of
-        the number of batches consumed, so a restored run continues exactly where it stopped."""
-        batch = ctx.get_per_replica_batch_size(config.global_batch_size)
-        pipelines, index = ctx.num_input_pipelines, ctx.input_pipeline_id
-        local_replicas = ctx.num_replicas_in_sync // pipelines
-        if not train.shuffle:  # synthetic: each pipeline builds its batches once, then cycles through them
-            ds = train.make().shard(pipelines, index).map(_preprocess).batch(batch, drop_remainder=True)
-            per_epoch = (train.examples - index + pipelines - 1) // pipelines // batch
-            return ds.cache().repeat().skip(start_batch * local_replicas % per_epoch).prefetch(AUTOTUNE)
-        ds = _shuffled_stream(train, config, start_example=start_batch * config.global_batch_size)
-        # Every pipeline reads the same stream and keeps every n-th example (shard after the shuffle).
-        ds = ds.shard(pipelines, index).map(_preprocess, num_parallel_calls=AUTOTUNE)
-        return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
+        """Per-replica batches from global batch `start_batch` on."""
+        per_replica = ctx.get_per_replica_batch_size(config.global_batch_size)
+        local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        if train.arrays is None:
+            ds = _streamed(train, config, start_example=start_batch * config.global_batch_size)
+            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(_preprocess, num_parallel_calls=AUTOTUNE)
+            return ds.batch(per_replica, drop_remainder=True).prefetch(AUTOTUNE)
+        images, labels = train.arrays
+        n = train.examples
+
+        def global_batch(k):
+            # This pipeline's share of global batch k: every n-th position of the stream.
+            positions = k * config.global_batch_size + tf.range(
+                ctx.input_pipeline_id, config.global_batch_size, ctx.num_input_pipelines, dtype=tf.int64
+            )
+            epoch, within = positions // n, positions % n
+            seeds = tf.stack(
+                [tf.fill(tf.shape(epoch), tf.constant(config.seed, tf.int64)), epoch, tf.zeros_like(epoch)], axis=1
+            )
+            # Epoch e's permutation, element by element. The raw op: tf.random.experimental.index_shuffle
+            # mis-pads a batch of seeds.
+            order = tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
+            x, y = _preprocess(tf.gather(images, order), tf.gather(labels, order))
+            return tf.reshape(x, [local_replicas, per_replica, *x.shape[1:]]), tf.reshape(y, [local_replicas, -1])
+
+        # One gather per global batch instead of per-example work: the host stays off the critical path.
+        ds = tf.data.Dataset.range(start_batch, 2**62).map(global_batch, num_parallel_calls=AUTOTUNE)
+        return ds.unbatch().prefetch(AUTOTUNE)
 
     def eval_fn(ctx):
         ds = evals.make().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
@@ -84,25 +99,12 @@ def load(config):
     return Data(train_fn, eval_fn, eval_steps, evals.examples, train.examples, tuple(shape), classes)
 
 
-def _shuffled_stream(split, config, start_example):
-    """The endless stream of training examples, shuffled per epoch, from example `start_example` on."""
-    n = split.examples
-    if n * split.bytes_per_example < _CACHE_LIMIT_BYTES:
-        # The split fits in memory: hold it as one element and give epoch e the stateless permutation
-        # seeded by (seed, e), so any position is reached by skipping within one epoch only.
-        whole = split.make().batch(n).cache()
-        epoch, offset = divmod(start_example, n)
-
-        def one_epoch(e):
-            order = tf.random.experimental.stateless_shuffle(tf.range(n), seed=tf.stack([config.seed, e]))
-            return whole.flat_map(
-                lambda x, y: tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))
-            )
-
-        return tf.data.Dataset.range(epoch, 2**62).flat_map(one_epoch).skip(offset)
-    # Larger than memory: a shuffle buffer, reshuffled each epoch; resuming replays the stream up to the
-    # position (reading, not training on, the examples before it).
-    ds = split.make().shuffle(min(config.shuffle_buffer, n), seed=config.seed, reshuffle_each_iteration=True)
+def _streamed(split, config, start_example):
+    """A split too large for memory: a shuffle buffer, reshuffled each epoch. Resuming replays the stream
+    up to the position (reading, not training on, the examples before it)."""
+    ds = split.make().shuffle(
+        min(config.shuffle_buffer, split.examples), seed=config.seed, reshuffle_each_iteration=True
+    )
     return ds.repeat().skip(start_example)
 
 
@@ -112,29 +114,29 @@ def _preprocess(image, label):
     return tf.cast(image, tf.float32), tf.cast(label, tf.int64)
 
 
-def _synthetic(config):
-    """A learnable random task: the label is the argmax of a fixed random projection of the input."""
-    shape = tuple(config.synthetic_shape)
-    size = int(np.prod(shape))
-    projection = tf.random.stateless_normal((size, config.synthetic_classes), seed=[config.seed, 7])
+def _in_memory(arrays, examples):
+    return _Split(lambda: tf.data.Dataset.from_tensor_slices(arrays), examples, arrays)
 
-    def example(index, stream):
-        image = tf.random.stateless_uniform(
-            shape, seed=tf.stack([tf.constant(config.seed, tf.int64), 2 * index + stream])
-        )
-        logits = tf.linalg.matvec(projection, tf.reshape(image, [-1]) - 0.5, transpose_a=True)
-        return image, tf.argmax(logits, output_type=tf.int64)
+
+def _synthetic(config):
+    """A learnable random task, generated once with stateless ops: the label is the argmax of a fixed
+    random projection of the input."""
+    shape = tuple(config.synthetic_shape)
+    projection = tf.random.stateless_normal((int(np.prod(shape)), config.synthetic_classes), seed=[config.seed, 7])
 
     def pool(stream, examples):
-        return _Split(
-            lambda: tf.data.Dataset.range(examples).map(lambda i: example(i, stream)),
-            examples,
-            bytes_per_example=4 * size,
-            shuffle=False,
+        images = tf.random.stateless_uniform((examples, *shape), seed=[config.seed, stream])
+        labels = tf.argmax(
+            tf.reshape(images, [examples, -1]) @ projection - tf.reduce_mean(projection, 0) * 0.5, axis=-1
         )
+        return _in_memory((images, labels), examples)
 
-    evals = max(1, config.synthetic_examples // 4)
-    return pool(0, config.synthetic_examples), pool(1, evals), shape, config.synthetic_classes
+    return (
+        pool(1, config.synthetic_examples),
+        pool(2, max(1, config.synthetic_examples // 4)),
+        shape,
+        (config.synthetic_classes),
+    )
 
 
 def _tfds(config):
@@ -157,11 +159,10 @@ def _tfds(config):
             raise ConfigError(
                 f"--{flag}={split}: not a split of {config.dataset} (splits: {', '.join(info.splits.keys())}; {e})"
             ) from None
-        return _Split(
-            lambda: builder.as_dataset(split=split, as_supervised=True, shuffle_files=False),
-            size,
-            bytes_per_example=int(np.prod(shape)),
-        )
+        if size * int(np.prod(shape)) < _IN_MEMORY_LIMIT_BYTES:
+            arrays = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False, batch_size=-1)
+            return _in_memory(arrays, size)
+        return _Split(lambda: builder.as_dataset(split=split, as_supervised=True, shuffle_files=False), size)
 
     return split_fn("train_split"), split_fn("eval_split"), shape, classes
 

@@ -89,3 +89,27 @@ def test_synthetic_is_deterministic_and_learnable_shape(data_dir):
     np.testing.assert_array_equal(a[1][0], b[1][0])
     assert a[0][0].shape == (64, 5, 3) and set(np.unique(a[0][1])) <= {0, 1, 2, 3}
     assert len(np.unique(np.concatenate([a[0][1], a[1][1]]))) > 1
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(data_dir, pipelines):
+    loaded = data.load(helpers.make_config(data_dir))
+    for i in range(pipelines):
+        ctx = tf.distribute.InputContext(pipelines, i, pipelines)
+        straight = _batches(loaded.train_fn(ctx, 0), 45)
+        resumed = _batches(loaded.train_fn(ctx, 37), 8)
+        for a, b in zip(straight[37:], resumed):
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_each_epoch_is_a_permutation(data_dir):
+    config = helpers.make_config(data_dir, dataset="synthetic", synthetic_shape=(3,), synthetic_examples=256)
+    loaded = data.load(config)
+    epochs = [
+        np.concatenate([b[0] for b in _batches(loaded.train_fn(tf.distribute.InputContext(), e * 4), 4)])
+        for e in range(2)
+    ]
+    assert sorted(map(_key, epochs[0])) == sorted(map(_key, epochs[1]))  # the same examples, once each
+    assert len(set(map(_key, epochs[0]))) == 256
+    assert not np.array_equal(epochs[0], epochs[1])  # in a new order
