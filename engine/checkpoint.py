@@ -25,16 +25,32 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message names the path."""
 
 
+def model_state(model):
+    """The model's variables in Keras's own order. Keras 3 layers held in Python lists are invisible to
+    tf.train.Checkpoint's object graph (they would be silently left out), so the engine checkpoints the
+    variables themselves: weights, batch-norm statistics and dropout seed-generator states."""
+    return [v.value for v in model.variables]
+
+
 def tracked_state(trainer):
     """What a checkpoint holds; one place, so training, evaluation and export restore the same names."""
     return dict(
-        model=trainer.model,
+        model=model_state(trainer.model),
         optimizer=trainer.optimizer,
         loss_scale=trainer.loss_scale,
         step=trainer.step,
         batches=trainer.batches,
         skipped=trainer.skipped,
     )
+
+
+def describe_key(key, model):
+    """A checkpoint key as a person reads it: model variables get their Keras path."""
+    name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+    match = re.fullmatch(r"model/(\d+)", name)
+    if match and int(match.group(1)) < len(model.variables):
+        return f"model variable {match.group(1)} ({model.variables[int(match.group(1))].path})"
+    return name
 
 
 def _step_of(path):
@@ -90,7 +106,7 @@ class Checkpoints:
         """
         for path in list_checkpoints(self.directory):
             try:
-                restore(self.checkpoint, path)
+                restore(self.checkpoint, path, model=self.trainer.model)
                 return path
             except Unreadable as e:
                 log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")
@@ -101,38 +117,38 @@ class Unreadable(Exception):
     """A checkpoint's files are missing or damaged."""
 
 
-def restore(checkpoint, path, partial=False):
+def restore(checkpoint, path, partial=False, model=None):
     """Restores `checkpoint` from `path`: all of it, or (`partial`) what exists in this program.
 
     Raises Unreadable for missing or damaged files, ConfigError for a checkpoint that does not fit.
     """
     try:
-        status = checkpoint.read(path)
+        status = checkpoint.restore(path)
+        status.expect_partial()  # no warnings at garbage collection: the checks below speak instead
         status.assert_existing_objects_matched()
-        if partial:
-            status.expect_partial()
-        else:
+        if not partial:
             status.assert_consumed()
-    except tf.errors.OpError as e:
+    except (tf.errors.OpError, IndexError) as e:  # the reader raises IndexError for a truncated data file
         raise Unreadable(_first_line(e)) from None
     except (AssertionError, ValueError):
-        raise ConfigError(f"checkpoint {path} does not fit this run: {_mismatch(checkpoint, path, partial)}") from None
+        why = _mismatch(checkpoint, path, partial, model)
+        raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
 
 
-def _mismatch(checkpoint, path, partial):
+def _mismatch(checkpoint, path, partial, model):
     """Names the first variable whose presence or shape differs between this run and a checkpoint."""
     saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
     with tempfile.TemporaryDirectory() as tmp:
         ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()
     ignore = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
+    name = (lambda key: describe_key(key, model)) if model is not None else (lambda key: key)
     for key in sorted((ours.keys() | saved.keys()) - ignore):
-        name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
         if key not in saved:
-            return f"this run has {name} {ours[key]} that the checkpoint lacks"
+            return f"this run has {name(key)} {ours[key]} that the checkpoint lacks"
         if key not in ours and not partial:
-            return f"the checkpoint has {name} {saved[key]} that this run lacks"
+            return f"the checkpoint has {name(key)} {saved[key]} that this run lacks"
         if key in ours and ours[key] != saved[key]:
-            return f"{name} has shape {saved[key]} in the checkpoint and {ours[key]} in this run"
+            return f"{name(key)} has shape {saved[key]} in the checkpoint and {ours[key]} in this run"
     return "its objects differ from this run's (another model?)"
 
 

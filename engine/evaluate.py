@@ -17,7 +17,7 @@ from engine.report import write_json
 def _trainer(config, strategy):
     trainer = Trainer(config, strategy or distribute.create_strategy(config))
     # The model and the step are all evaluation needs; the optimizer's state is left in the file.
-    return trainer, tf.train.Checkpoint(model=trainer.model, step=trainer.step)
+    return trainer, tf.train.Checkpoint(model=checkpoint_lib.model_state(trainer.model), step=trainer.step)
 
 
 def _checkpoint_path(config):
@@ -33,9 +33,9 @@ def _checkpoint_path(config):
     return found[0]
 
 
-def _restore(checkpoint, path):
+def _restore(trainer, checkpoint, path):
     try:
-        checkpoint_lib.restore(checkpoint, path, partial=True)
+        checkpoint_lib.restore(checkpoint, path, partial=True, model=trainer.model)
     except checkpoint_lib.Unreadable as e:
         raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
 
@@ -44,7 +44,7 @@ def evaluate(config, strategy=None):
     """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest in --workdir)."""
     path = _checkpoint_path(config)
     trainer, checkpoint = _trainer(config, strategy)
-    _restore(checkpoint, path)
+    _restore(trainer, checkpoint, path)
     step = int(trainer.step.numpy())
     results = trainer.evaluate()
     print(
@@ -75,7 +75,7 @@ def follow(config, strategy=None, poll_seconds=2.0):
             time.sleep(poll_seconds)
             continue
         try:
-            checkpoint_lib.restore(checkpoint, latest, partial=True)
+            checkpoint_lib.restore(checkpoint, latest, partial=True, model=trainer.model)
         except checkpoint_lib.Unreadable:
             time.sleep(poll_seconds)  # still being written: try again
             continue
@@ -105,14 +105,14 @@ def export(config):
     and classes, with the weights of --checkpoint (or the latest in --workdir)."""
     path = _checkpoint_path(config)
     trainer, checkpoint = _trainer(dataclasses.replace(config, strategy="one_device", num_cpu_devices=1), None)
-    _restore(checkpoint, path)
+    _restore(trainer, checkpoint, path)
     step = int(trainer.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
         raise ConfigError(f"--export_dir={export_dir}: exists and is not empty; refusing to overwrite it")
     model = trainer.model
     module = tf.Module()
-    module.model = model
+    module.variables_in_order = checkpoint_lib.model_state(model)  # tracked, so the SavedModel holds them
 
     @tf.function(input_signature=[tf.TensorSpec([None, *trainer.data.input_shape], tf.float32, name="images")])
     def serve(images):

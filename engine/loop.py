@@ -207,7 +207,7 @@ def run(trainer, report, checkpoints, started, on_eval=None):
                     f"checkpoint: {last_good or 'none'}; lower --learning_rate or set --clip_norm"
                 )
             position = int(trainer.batches.numpy())
-            checkpoint_lib.restore(checkpoints.checkpoint, last_good)
+            checkpoint_lib.restore(checkpoints.checkpoint, last_good, model=trainer.model)
             trainer.batches.assign(position)  # keep reading from here: the offending batches are skipped
             current, rollbacks = int(trainer.step.numpy()), rollbacks + 1
             report.rewind(current)

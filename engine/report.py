@@ -48,9 +48,10 @@ def make_workdir(path):
 
 
 class Report:
-    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=sys.stdout):
-        self.workdir, self.chief, self.total_steps, self.stream = workdir, chief, total_steps, stream
-        self.live = chief and stream.isatty()
+    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=None):
+        self.workdir, self.chief, self.total_steps = workdir, chief, total_steps
+        self.stream = stream or sys.stdout
+        self.live = chief and self.stream.isatty()
         self._progress_shown = False
         self._start, self._start_step = time.perf_counter(), resume_step
         if chief:

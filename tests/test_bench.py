@@ -1,0 +1,97 @@
+"""bench/: the quick mode runs every part of the table, and the table judges each number against its target.
+
+Speed is never asserted: a shared machine makes any timing flaky. The smoke test checks only that
+every row was measured and is a finite number, so the benchmark cannot rot.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from bench import run
+from tests.helpers import ROOT
+
+QUICK_ROWS = [
+    "speed/mlp_1024",
+    "roofline/peak",
+    "roofline/mlp_1024",
+    "precision/mlp_1024/mixed_bfloat16",
+    "precision/mlp_1024/mixed_float16",
+    "mirrored/mlp_1024",
+    "overhead/host",
+    "overhead/graph",
+    "input/mlp_1024",
+    "memory/mlp_1024",
+]
+
+
+def test_quick_mode_measures_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", f"--json={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = json.loads(out.read_text())["rows"]
+    assert [row["id"] for row in table] == QUICK_ROWS
+    for row in table:
+        assert row["result"] in ("PASS", "FALL SHORT", "info"), row
+        assert math.isfinite(row["value"]), row
+        assert row["measurement"] in result.stdout and row["shown"] in result.stdout
+    measured = {row["id"]: row["value"] for row in table}
+    assert measured["roofline/peak"] > 0 and measured["memory/mlp_1024"] > 0
+    assert 0 < measured["speed/mlp_1024"] and 0 < measured["mirrored/mlp_1024"]
+
+
+def _results(engine_vs_fit, peak_rss_engine):
+    """Measurements for one model as bench/worker.py reports them, with two numbers chosen by the test."""
+    speed = {
+        "engine_best": "engine jit=1",
+        "fit_best": "fit spe=50 jit=1",
+        "seconds_per_step": {"engine jit=1": 0.01, "fit spe=50 jit=1": 0.01 * engine_vs_fit},
+        "engine_vs_fit": engine_vs_fit,
+        "window_steps": 100,
+        "parameters": 1000,
+        "global_batch_size": 256,
+        "input_wait_fraction": 0.01,
+        "precision_seconds_per_step": {"float32": 0.01, "mixed_bfloat16": 0.0078, "mixed_float16": 0.02},
+    }
+    return {
+        "speed": {
+            "models": {"mlp_1024": speed},
+            "roofline": {"flops_per_sec": 1.6e8, "by_shape": {"1024x1024x1024": 1.0}, "dtype": "float32"},
+            "tiny": {
+                "seconds_per_step": {"engine spl=1": 1e-3, "engine spl=100": 2e-4},
+                "host_seconds_per_round": 1e-3,
+                "host_seconds_per_step_at_100": 1e-5,
+                "graph_seconds_per_step": 2e-4,
+            },
+        },
+        "mirrored": {},
+        "memory": {"mlp_1024": {"engine": {"peak_rss": peak_rss_engine, "baseline_rss": 1}, "fit": {"peak_rss": 100}}},
+    }
+
+
+def test_rows_judge_each_number_against_its_target():
+    models = {"mlp_1024": run.MODELS["mlp_1024"]}
+    table = {row["id"]: row for row in run.rows(_results(engine_vs_fit=1.41, peak_rss_engine=105), models)}
+    assert table["speed/mlp_1024"]["result"] == "PASS" and table["speed/mlp_1024"]["shown"] == "1.41x"
+    # 6 x 1000 parameters x 25,600 examples/s = 0.1536 GFLOP/s of a 0.16 GFLOP/s peak.
+    assert table["roofline/mlp_1024"]["value"] == pytest.approx(0.96)
+    assert table["roofline/mlp_1024"]["result"] == "PASS"
+    assert table["precision/mlp_1024/mixed_bfloat16"]["value"] == pytest.approx(1.282, abs=1e-3)
+    assert table["precision/mlp_1024/mixed_bfloat16"]["result"] == "PASS"
+    assert table["precision/mlp_1024/mixed_float16"]["result"] == "info"
+    assert table["overhead/host"]["value"] == pytest.approx(10.0) and table["overhead/host"]["result"] == "PASS"
+    assert table["memory/mlp_1024"]["value"] == pytest.approx(1.05) and table["memory/mlp_1024"]["result"] == "PASS"
+    assert table["mirrored/mlp_1024"]["result"] == "ERROR"  # not measured: shown, never hidden
+
+    table = {row["id"]: row for row in run.rows(_results(engine_vs_fit=1.39, peak_rss_engine=111), models)}
+    assert table["speed/mlp_1024"]["result"] == "FALL SHORT"
+    assert table["memory/mlp_1024"]["result"] == "FALL SHORT"

@@ -1,0 +1,311 @@
+"""Long jobs that survive: kill and resume exactly, preemption, damaged and mismatched checkpoints, NaN,
+a dead worker, a full disk, evaluation modes and export."""
+
+import dataclasses
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import checkpoint, data, evaluate, loop, preemption
+from engine.config import ConfigError
+from tests import helpers
+from tests.helpers import ROOT
+
+
+def start(workdir, *args, env=None, **popen):
+    return subprocess.Popen(
+        [sys.executable, "launch.py", f"--workdir={workdir}", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+        **popen,
+    )
+
+
+def launch(workdir, *args, timeout=300, **popen):
+    proc = start(workdir, *args, **popen)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def logged_steps(workdir, name="metrics.jsonl"):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def kill_after(proc, workdir, step, timeout=180):
+    """SIGKILLs `proc` as soon as metrics.jsonl shows `step`; returns the last step it logged."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        steps = logged_steps(workdir)
+        if steps and steps[-1] >= step:
+            proc.kill()
+            proc.communicate()
+            return logged_steps(workdir)[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
+
+
+def checkpoint_tensors(workdir):
+    path = checkpoint.list_checkpoints(os.path.join(workdir, "checkpoints"))[0]
+    reader = tf.train.load_checkpoint(path)
+    return path, {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "save_counter" not in k}
+
+
+@pytest.mark.parametrize(
+    "strategy", [[], ["--strategy=mirrored", "--num_cpu_devices=2"]], ids=["one_device", "mirrored"]
+)
+def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy):
+    args = [
+        f"--data_dir={data_dir}",
+        "--deterministic",
+        "--seed=5",
+        "--train_steps=400",
+        "--steps_per_loop=10",
+        "--checkpoint_every=50",
+        "--hidden_sizes=256,256",
+        "--warmup_steps=20",
+        "--lr_schedule=cosine",
+        *strategy,
+    ]
+    code, _, err = launch(tmp_path / "straight", *args)
+    assert code == 0, err[-2000:]
+    killed = tmp_path / "killed"
+    kill_points = [kill_after(start(killed, *args), killed, step) for step in (75, 230)]
+    code, out, err = launch(killed, *args)
+    assert code == 0, err[-2000:]
+    assert f"resumed from step {kill_points[-1] // 50 * 50}" in out
+    assert all(p % 50 for p in kill_points), kill_points  # killed between checkpoints: work was redone
+
+    straight, resumed = (json.load(open(d / "summary.json")) for d in (tmp_path / "straight", killed))
+    assert resumed["step"] == straight["step"] == 400
+    assert resumed["train_loss"] == straight["train_loss"] and resumed["eval"] == straight["eval"]
+    records = [[json.loads(line) for line in open(d / "metrics.jsonl")] for d in (tmp_path / "straight", killed)]
+    assert [r["step"] for r in records[1]] == [r["step"] for r in records[0]] == list(range(10, 401, 10))
+    assert [r["loss"] for r in records[1]] == [r["loss"] for r in records[0]]
+    (path_a, a), (path_b, b) = checkpoint_tensors(tmp_path / "straight"), checkpoint_tensors(killed)
+    assert path_a.endswith("ckpt-400") and path_b.endswith("ckpt-400") and a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir, tmp_path):
+    args = [f"--data_dir={data_dir}", "--steps_per_loop=4000", "--checkpoint_every=0", "--hidden_sizes=32"]
+    proc = start(tmp_path, *args, "--train_steps=1000000")
+    deadline = time.monotonic() + 180
+    while not logged_steps(tmp_path) and time.monotonic() < deadline:  # the first round is done
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    print(f"SIGTERM to exit: {time.monotonic() - sent:.2f} s")
+    assert proc.returncode == preemption.PREEMPTED_EXIT_CODE, err[-2000:]
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    assert 4000 < stopped < 8000  # inside the second round: the step loop itself noticed
+    assert err.strip().splitlines()[-1].startswith("error: preempted: stopped by SIGTERM")
+    assert checkpoint.list_checkpoints(tmp_path / "checkpoints")[0].endswith(f"ckpt-{stopped}")
+    assert logged_steps(tmp_path) == [4000, stopped]
+
+    code, out, err = launch(tmp_path, *args, f"--train_steps={stopped + 30}")
+    assert code == 0, err[-2000:]
+    assert f"resumed from step {stopped}" in out
+    assert logged_steps(tmp_path) == [4000, stopped, 8000] if stopped + 30 > 8000 else [4000, stopped, stopped + 30]
+    assert json.load(open(tmp_path / "summary.json"))["step"] == stopped + 30
+
+
+def _train(config, strategy):
+    return loop.train(config, strategy)
+
+
+@pytest.mark.parametrize("damage", ["truncated_data", "missing_index"])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(data_dir, one_device, tmp_path, capsys, damage):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=30, checkpoint_every=10)
+    _train(config, one_device)
+    latest = checkpoint.list_checkpoints(tmp_path / "checkpoints")[0]
+    assert latest.endswith("ckpt-30")
+    if damage == "truncated_data":
+        data_file = latest + ".data-00000-of-00001"
+        with open(data_file, "r+b") as f:
+            f.truncate(os.path.getsize(data_file) // 2)
+    else:
+        os.remove(latest + ".index")
+    capsys.readouterr()
+    summary = _train(dataclasses.replace(config, train_steps=40), one_device)
+    out = capsys.readouterr().out
+    assert f"checkpoint {latest} is unreadable" in out and "trying the previous one" in out
+    assert "resumed from step 20" in out
+    assert summary["step"] == 40 and logged_steps(tmp_path) == [10, 20, 30, 40]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            dict(hidden_sizes=(48, 32)),
+            r"model variable 0 \(mlp/dense\w*/kernel\) has shape \[64, 32\] in the checkpoint and \[64, 48\] in "
+            "this run",
+        ),
+        (dict(model="resnet"), "does not fit this run"),
+    ],
+)
+def test_checkpoint_of_another_model_is_refused(data_dir, one_device, tmp_path, change, message):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, checkpoint_every=10)
+    _train(config, one_device)
+    before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "summary.json")}
+    with pytest.raises(ConfigError, match=message):
+        _train(dataclasses.replace(config, train_steps=20, **change), one_device)
+    for name, content in before.items():
+        assert open(tmp_path / name, "rb").read() == content
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-10"]
+
+
+def _poison(monkeypatch, bad_batches):
+    """Global batches `bad_batches` of the training stream carry a NaN (one device: one batch per step)."""
+    real_load = data.load
+
+    def load(config):
+        loaded = real_load(config)
+
+        def train_fn(ctx, start_batch=0):
+            ds = loaded.train_fn(ctx, start_batch).enumerate(start_batch)
+            return ds.map(lambda i, b: (tf.where(tf.reduce_any(tf.equal(i, bad_batches)), b[0] * np.nan, b[0]), b[1]))
+
+        return dataclasses.replace(loaded, train_fn=train_fn)
+
+    monkeypatch.setattr(data, "load", load)
+
+
+def test_nan_stops_naming_the_steps_and_the_last_good_checkpoint(data_dir, one_device, tmp_path, monkeypatch):
+    _poison(monkeypatch, [23, 24])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=40, steps_per_loop=5, checkpoint_every=10)
+    with pytest.raises(loop.TrainingError, match=r"between steps 21 and 25 .*ckpt-20"):
+        _train(config, one_device)
+    path, tensors = checkpoint_tensors(tmp_path)
+    assert path.endswith("ckpt-20")  # the NaN overwrote nothing
+    assert all(np.all(np.isfinite(t)) for t in tensors.values() if getattr(t, "dtype", None) == np.float32)
+
+
+def test_nan_rollback_skips_the_offending_batches(data_dir, one_device, tmp_path, monkeypatch, capsys):
+    _poison(monkeypatch, [23, 24])
+    config = helpers.make_config(
+        data_dir, str(tmp_path), train_steps=40, steps_per_loop=5, checkpoint_every=10, on_nan="rollback"
+    )
+    summary = _train(config, one_device)
+    assert "rolled back to step 20" in capsys.readouterr().out
+    assert summary["step"] == 40 and np.isfinite(summary["train_loss"])
+    assert logged_steps(tmp_path) == [5, 10, 15, 20, 25, 30, 35, 40]  # no step logged twice
+    reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "checkpoints")[0])
+    assert reader.get_tensor("batches/.ATTRIBUTES/VARIABLE_VALUE") == 45  # 5 batches skipped
+    assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 40
+
+
+def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
+    ports = helpers.free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    args = [
+        f"--data_dir={data_dir}",
+        "--strategy=multi_worker",
+        "--collective_timeout=20",
+        "--checkpoint_every=100",
+        "--steps_per_loop=50",
+        "--hidden_sizes=32",
+    ]
+
+    def worker(index, steps):
+        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+        return start(tmp_path, *args, f"--train_steps={steps}", env=env)
+
+    chief, other = worker(0, 1_000_000), worker(1, 1_000_000)
+    kill_after(other, tmp_path, 200)
+    killed = time.monotonic()
+    _, err = chief.communicate(timeout=180)
+    print(f"worker death detected in {time.monotonic() - killed:.1f} s")
+    assert chief.returncode == 5, err[-2000:]
+    assert f"lost worker 1 (localhost:{ports[1]})" in err.strip().splitlines()[-1]
+    # Restarting every worker resumes from the last checkpoint.
+    saved = int(checkpoint.list_checkpoints(tmp_path / "checkpoints")[0].rsplit("-", 1)[1])
+    procs = [worker(i, saved + 100) for i in (0, 1)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:]
+    assert f"resumed from step {saved}" in outputs[0][0]
+
+
+def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
+    args = [f"--data_dir={data_dir}", "--hidden_sizes=512,512", "--checkpoint_every=10", "--steps_per_loop=10"]
+    code, _, err = launch(tmp_path, *args, "--train_steps=10")
+    assert code == 0, err
+
+    def small_disk():  # files may not grow past 256 KiB: the next checkpoint (about 3.6 MB) cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    code, _, err = launch(tmp_path, *args, "--train_steps=20", preexec_fn=small_disk)
+    lines = err.strip().splitlines()
+    assert code == 4, err[-2000:]
+    assert lines[-1].startswith("error: cannot write checkpoint for step 20 to ") and str(tmp_path) in lines[-1]
+    code, out, err = launch(tmp_path, *args, "--mode=eval")  # the earlier checkpoint is intact
+    assert code == 0 and "checkpoint=" in out and "ckpt-10" in out, err[-2000:]
+
+
+def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=50, hidden_sizes=(64,))
+    trained = _train(config, one_device)
+    again = _train(config, one_device)  # a finished run: nothing to do, same summary
+    assert again == trained
+    evaluated = evaluate.evaluate(dataclasses.replace(config, mode="eval"), one_device)
+    assert evaluated["step"] == 50 and evaluated["eval"] == trained["eval"]
+
+    export_dir = evaluate.export(dataclasses.replace(config, mode="export"))
+    served = tf.saved_model.load(export_dir).signatures["serving_default"]
+    trainer = loop.Trainer(config, one_device)
+    checkpoint.restore(
+        tf.train.Checkpoint(model=checkpoint.model_state(trainer.model)),
+        checkpoint.list_checkpoints(tmp_path / "checkpoints")[0],
+        partial=True,
+    )
+    images = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))[0]
+    out = served(images=images)
+    np.testing.assert_allclose(out["logits"].numpy(), trainer.model(images).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out["classes"].numpy(), np.argmax(out["logits"].numpy(), -1))
+    with pytest.raises(ConfigError, match="refusing to overwrite"):
+        evaluate.export(dataclasses.replace(config, mode="export"))
+
+
+def test_sidecar_evaluates_each_new_checkpoint(data_dir, one_device, tmp_path):
+    args = [
+        f"--data_dir={data_dir}",
+        "--train_steps=600",
+        "--checkpoint_every=200",
+        "--steps_per_loop=50",
+        "--hidden_sizes=512,512",
+        "--keep_checkpoints=5",
+    ]
+    job = start(tmp_path, *args)
+    config = helpers.make_config(
+        data_dir, str(tmp_path), train_steps=600, hidden_sizes=(512, 512), mode="continuous_eval", eval_timeout=120
+    )
+    results = evaluate.follow(config, one_device, poll_seconds=0.2)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-2000:]
+    steps = [r["step"] for r in results]
+    assert steps[-1] == 600 and steps == sorted(set(steps)) and len(steps) >= 2
+    assert all(r["examples"] == 360 for r in results)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert results[-1]["accuracy"] == pytest.approx(summary["eval"]["accuracy"], abs=1e-6)
+    assert logged_steps(tmp_path, "continuous_eval.jsonl") == steps
+    assert any(name.startswith("events.out") for name in os.listdir(tmp_path / "continuous_eval"))
