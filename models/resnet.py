@@ -15,8 +15,48 @@ def _conv(filters, strides=1):
     )
 
 
+class SyncBatchNorm(keras.layers.Layer):
+    """Batch normalization over the global batch: every replica all-reduces its sums.
+
+    Keras's BatchNormalization(synchronized=True) computes the variance as E[x^2] - E[x]^2 from
+    all-reduced sums; when a channel's variance is tiny that difference cancels catastrophically and
+    one device and several replicas drift apart by far more than float rounding. Here the mean is
+    all-reduced first, then the squared deviations from it: two passes, each exact to rounding.
+    Statistics are computed in float32 under any precision.
+    """
+
+    def __init__(self, momentum=0.9, epsilon=1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.momentum, self.epsilon = momentum, epsilon
+
+    def build(self, input_shape):
+        channels = (input_shape[-1],)
+        weight = lambda name, init, trainable: self.add_weight(  # noqa: E731
+            shape=channels, initializer=init, trainable=trainable, name=name, autocast=False
+        )
+        self.gamma, self.beta = weight("gamma", "ones", True), weight("beta", "zeros", True)
+        self.moving_mean = weight("moving_mean", "zeros", False)
+        self.moving_variance = weight("moving_variance", "ones", False)
+
+    def call(self, inputs, training=False):
+        x = tf.cast(inputs, tf.float32)
+        if training:
+            axes = list(range(len(x.shape) - 1))
+            ctx = tf.distribute.get_replica_context()
+            count = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.float32)
+            total, count = ctx.all_reduce("sum", [tf.reduce_sum(x, axes), count])
+            mean = total / count
+            variance = ctx.all_reduce("sum", tf.reduce_sum(tf.square(x - mean), axes)) / count
+            for moving, value in ((self.moving_mean, mean), (self.moving_variance, variance)):
+                moving.assign(moving * self.momentum + value * (1.0 - self.momentum))
+        else:
+            mean, variance = self.moving_mean, self.moving_variance
+        y = tf.nn.batch_normalization(x, mean, variance, self.beta, self.gamma, self.epsilon)
+        return tf.cast(y, inputs.dtype)
+
+
 def _norm():
-    return keras.layers.BatchNormalization(synchronized=True, momentum=0.9, epsilon=1e-5)
+    return SyncBatchNorm(momentum=0.9, epsilon=1e-5)
 
 
 class BasicBlock(keras.layers.Layer):

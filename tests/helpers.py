@@ -26,7 +26,7 @@ PARITY_CASES = {
     "sgd": dict(optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, clip_norm=0.2),
     "adamw": dict(optimizer="adamw", learning_rate=3e-3, weight_decay=1e-2, clip_norm=0.2, warmup_steps=5),
     "lamb": dict(optimizer="lamb", learning_rate=1e-2, weight_decay=1e-2, clip_norm=0.2, lr_schedule="cosine"),
-    "resnet": dict(model="resnet", optimizer="sgd", learning_rate=0.01, momentum=0.9, clip_norm=0.5),
+    "resnet": dict(model="resnet", resnet_width=16, optimizer="sgd", learning_rate=0.001, momentum=0.9, clip_norm=0.5),
 }
 
 # A float16 run whose loss scale halves on the poisoned step and doubles back after two finite steps.
@@ -45,17 +45,19 @@ def local_values(strategy, variable):
 
 
 def all_variables(trainer):
-    """Model variables (weights and batch-norm statistics), optimizer slots and counters, in a fixed order."""
-    slots = [s for per_param in trainer.optimizer.slots for s in per_param]
-    counters = [trainer.optimizer.iterations]
-    if trainer.loss_scale:
-        counters += [trainer.loss_scale.scale, trainer.loss_scale.good_steps]
-    return [v.value for v in trainer.model.variables] + slots + counters
+    """{name: variable}: model weights as weight/i, the model's other state (batch-norm statistics) as
+    state/i, optimizer slots as slot/i, the update counter, and the loss-scale state in float16."""
+    named = {f"{'weight' if v.trainable else 'state'}/{i}": v.value for i, v in enumerate(trainer.model.variables)}
+    named.update({f"slot/{i}": s for i, s in enumerate(s for per_param in trainer.optimizer.slots for s in per_param)})
+    named["iterations"] = trainer.optimizer.iterations
+    if trainer.float16:
+        named.update(scale=trainer.loss_scale.scale, good_steps=trainer.loss_scale.good_steps)
+    return named
 
 
 def snapshot(trainer):
-    """{index: [replica copies]} of all_variables."""
-    return {str(i): local_values(trainer.strategy, v) for i, v in enumerate(all_variables(trainer))}
+    """{name: [replica copies]} of all_variables."""
+    return {name: local_values(trainer.strategy, v) for name, v in all_variables(trainer).items()}
 
 
 def train_and_snapshot(config, strategy):

@@ -51,7 +51,7 @@ def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
         for _ in range(3):
             out = step(images, labels)
         assert bool(out["finite"])
-    for a, b in zip(helpers.all_variables(compiled), helpers.all_variables(plain)):
+    for a, b in zip(helpers.all_variables(compiled).values(), helpers.all_variables(plain).values()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
     assert int(compiled.optimizer.iterations.numpy()) == 3
 

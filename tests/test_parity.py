@@ -20,8 +20,16 @@ def one_device_runs(data_dir, one_device):
 
 
 def _max_difference(a, b):
+    """Largest difference: absolute for weights, optimizer slots and counters; relative to the value for the
+    batch-norm statistics (variances of a few units: float32 rounding alone moves them by ~1e-6 relative)."""
     assert a.keys() == b.keys()
-    return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)))) for k in a)
+
+    def difference(k):
+        x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+        scale = np.maximum(1.0, np.abs(x)) if k.startswith("state/") else 1.0
+        return float(np.max(np.abs(x - y) / scale))
+
+    return max(difference(k) for k in a)
 
 
 @pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
@@ -37,7 +45,7 @@ def test_mirrored_matches_one_device(data_dir, mirrored, one_device_runs, case):
         np.testing.assert_array_equal(copies[0], copies[1])
     reference = {k: v[0] for k, v in one_device_runs[case][0].items()}
     assert _max_difference({k: v[0] for k, v in snap.items()}, reference) < TOLERANCE
-    assert snap[str(len(snap) - 1)][0] == 20  # the update counter: every step applied
+    assert snap["iterations"][0] == 20  # every step applied
 
 
 @pytest.mark.parametrize("case", list(helpers.PARITY_CASES))

@@ -243,6 +243,8 @@ def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:]
     assert f"resumed from step {saved}" in outputs[0][0]
+    assert sorted(os.listdir(tmp_path / "checkpoints"))[0] == "checkpoint"  # only the chief's copy is kept
+    assert not any(name.startswith(".worker") for name in os.listdir(tmp_path / "checkpoints"))
 
 
 def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
