@@ -78,22 +78,18 @@ class Optimizer(tf.Module):
         # Decay kernels only: biases and normalization scales are left alone.
         self.decays = [len(p.shape) >= 2 for p in params]
 
-    def learning_rate(self):
-        return learning_rate(self.config, self.iterations)
+    def updates(self, params, slots, iterations, grads):
+        """New parameter and slot values for one step from the values given; pure, nothing is read or assigned.
 
-    def updates(self, params, grads):
-        """New parameter and slot values for one step; pure, nothing is assigned here.
-
-        Returns (new_params, new_slots, learning_rate) with new_slots shaped like `self.slots`.
+        `slots` is shaped like `self.slots`; returns (new_params, new_slots, learning_rate).
         """
-        lr = self.learning_rate()
-        t = tf.cast(self.iterations + 1, tf.float32)
+        lr = learning_rate(self.config, iterations)
+        t = tf.cast(iterations + 1, tf.float32)
         new_params, new_slots = [], []
-        for param, grad, slots, decays in zip(params, grads, self.slots, self.decays):
-            param = tf.convert_to_tensor(param)
+        for param, grad, param_slots, decays in zip(params, grads, slots, self.decays):
             if decays and self.config.weight_decay:
                 param -= param * self.config.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
-            param, slots = self._rule(param, tf.cast(grad, param.dtype), [s.value() for s in slots], lr, t, self.config)
+            param, param_slots = self._rule(param, tf.cast(grad, param.dtype), param_slots, lr, t, self.config)
             new_params.append(param)
-            new_slots.append(slots)
+            new_slots.append(param_slots)
         return new_params, new_slots, lr

@@ -17,15 +17,17 @@ def _maybe_jit(fn, jit_compile):
     return tf.function(fn, jit_compile=True) if jit_compile else fn
 
 
-def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_flag):
+def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_flag, asynchronous=False):
     """Returns train_step(images, labels) -> dict of scalars, identical on every replica.
 
     `loss_scale` is None unless float16. `stop_flag` (a boolean variable, set on preemption) rides the
     all-reduce, so every replica and worker learns that any of them is stopping after this step.
+    `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
+    applies atomically, so concurrent workers never lose each other's updates or update counts.
     """
     params = [v.value for v in model.trainable_variables]
-    slots = [s for param_slots in optimizer.slots for s in param_slots]
-    assigned = params + slots + [optimizer.iterations]
+    slot_shapes = [len(param_slots) for param_slots in optimizer.slots]
+    assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
     if loss_scale:
         assigned += [loss_scale.scale, loss_scale.good_steps]
     global_batch = config.global_batch_size
@@ -45,6 +47,13 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
         return loss, [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(params, grads)]
 
     def new_values(grads):
+        current = [tf.convert_to_tensor(v) for v in assigned]  # every variable read once
+        now_params, rest = current[: len(params)], current[len(params) :]
+        now_slots = []
+        for count in slot_shapes:
+            now_slots.append(rest[:count])
+            rest = rest[count:]
+        iterations = rest[0]
         if loss_scale:
             grads = [g / loss_scale.scale for g in grads]
         if config.clip_value:
@@ -53,13 +62,14 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
         finite = tf.math.is_finite(grad_norm)  # any inf or NaN element makes the norm non-finite
         if config.clip_norm:
             grads = [g * tf.minimum(1.0, config.clip_norm / grad_norm) for g in grads]
-        new_params, new_slots, lr = optimizer.updates(params, grads)
-        updated = new_params + [s for param_slots in new_slots for s in param_slots] + [optimizer.iterations + 1]
-        current = params + slots + [optimizer.iterations]
+        new_params, new_slots, lr = optimizer.updates(now_params, now_slots, iterations, grads)
+        updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1]
         # A non-finite step changes nothing but the loss scale: no weight, no slot, no update count.
         values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
         if loss_scale:
             values.extend(loss_scale.next_state(finite))
+        if asynchronous:
+            values = [v - c for v, c in zip(values, current)]
         scale = loss_scale.scale.value() if loss_scale else tf.constant(0.0)
         return values, {"grad_norm": grad_norm, "finite": finite, "learning_rate": lr, "loss_scale": scale}
 
@@ -68,7 +78,8 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
 
     def assign_all(strategy, values):
         for var, value in zip(assigned, values):
-            strategy.extended.update(var, lambda v, x: v.assign(x), args=(value,), group=False)
+            update = (lambda v, x: v.assign_add(x)) if asynchronous else (lambda v, x: v.assign(x))
+            strategy.extended.update(var, update, args=(value,), group=False)
 
     def train_step(images, labels):
         ctx = tf.distribute.get_replica_context()

@@ -44,7 +44,12 @@ def test_matches_keras_step_by_step(name, hyper, make_keras, weight_decay):
     reference.exclude_from_weight_decay(var_list=[v for v in theirs if len(v.shape) < 2])
     for step in range(12):
         grads = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in SHAPES]
-        new_params, new_slots, _ = optimizer.updates(ours, grads)
+        new_params, new_slots, _ = optimizer.updates(
+            [v.value() for v in ours],
+            [[s.value() for s in ss] for ss in optimizer.slots],
+            optimizer.iterations.value(),
+            grads,
+        )
         for var, value in zip(ours, new_params):
             var.assign(value)
         for slots, values in zip(optimizer.slots, new_slots):
@@ -82,6 +87,8 @@ def test_constant_and_linear_scaling():
 def test_weight_decay_skips_biases():
     params = [tf.Variable(np.ones((2, 2), np.float32)), tf.Variable(np.ones(2, np.float32))]
     optimizer = optim.Optimizer(Config(optimizer="sgd", momentum=0.0, learning_rate=0.5, weight_decay=0.1), params)
-    new, _, _ = optimizer.updates(params, [tf.zeros((2, 2)), tf.zeros(2)])
+    new, _, _ = optimizer.updates(
+        [p.value() for p in params], [[], []], tf.constant(0, tf.int64), [tf.zeros((2, 2)), tf.zeros(2)]
+    )
     np.testing.assert_allclose(new[0], 0.95)  # 1 - lr * wd
     np.testing.assert_allclose(new[1], 1.0)
