@@ -18,6 +18,7 @@ QUICK_ROWS = [
     "speed/mlp_1024",
     "roofline/peak",
     "roofline/mlp_1024",
+    "roofline/mlp_1024/matmuls",
     "precision/mlp_1024/mixed_bfloat16",
     "precision/mlp_1024/mixed_float16",
     "mirrored/mlp_1024",
@@ -58,6 +59,9 @@ def _results(engine_vs_fit, peak_rss_engine):
         "engine_vs_fit": engine_vs_fit,
         "window_steps": 100,
         "parameters": 1000,
+        "precision": "float32",
+        "matmul_seconds_per_step": 0.005,
+        "matmul_flops_per_step": 1e6,
         "global_batch_size": 256,
         "input_wait_fraction": 0.01,
         "precision_seconds_per_step": {"float32": 0.01, "mixed_bfloat16": 0.0078, "mixed_float16": 0.02},
@@ -85,6 +89,7 @@ def test_rows_judge_each_number_against_its_target():
     # 6 x 1000 parameters x 25,600 examples/s = 0.1536 GFLOP/s of a 0.16 GFLOP/s peak.
     assert table["roofline/mlp_1024"]["value"] == pytest.approx(0.96)
     assert table["roofline/mlp_1024"]["result"] == "PASS"
+    assert table["roofline/mlp_1024/matmuls"]["value"] == 0.5 and table["roofline/mlp_1024/matmuls"]["result"] == "info"
     assert table["precision/mlp_1024/mixed_bfloat16"]["value"] == pytest.approx(1.282, abs=1e-3)
     assert table["precision/mlp_1024/mixed_bfloat16"]["result"] == "PASS"
     assert table["precision/mlp_1024/mixed_float16"]["result"] == "info"

@@ -1,0 +1,475 @@
+"""The engine's benchmark: one table of ratios, each measured side by side in one run.
+
+    python -m bench.run                 # the full table on this machine (about 15 minutes on 2 CPU cores)
+    python -m bench.run --quick         # tiny models, one round: checks that it all still runs (~40 s)
+    python -m bench.run --record        # also appends the table to bench/RESULTS.md
+    bash bench/gpu.sh                   # the same table on one NVIDIA GPU, mixed_float16 and XLA
+
+Every ratio compares two things timed in the same process, in interleaved windows, on the same
+model, data, batch and machine (see bench/worker.py); absolute times are printed for context only.
+Peak memory needs one process per side. The targets come from the issue that asked for this table.
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
+
+# The models of the table: name -> Config fields (besides dataset=synthetic, AdamW and the defaults).
+MODELS = {
+    "mlp_1024": dict(model="mlp", hidden_sizes=(1024, 1024), global_batch_size=256, synthetic_shape=(28, 28, 1)),
+    "mlp_256": dict(model="mlp", hidden_sizes=(256, 256), global_batch_size=256, synthetic_shape=(28, 28, 1)),
+    "resnet": dict(model="resnet", resnet_depth=20, global_batch_size=128, synthetic_shape=(32, 32, 3)),
+    "transformer": dict(model="transformer", global_batch_size=128, synthetic_shape=(28, 28, 1)),
+}
+# --quick: the same rows on models small enough that compiling them is most of the time.
+QUICK_MODELS = {
+    "mlp_1024": dict(model="mlp", hidden_sizes=(64, 64), global_batch_size=32, synthetic_shape=(8, 8, 1)),
+    "mlp_256": dict(model="mlp", hidden_sizes=(16, 16), global_batch_size=32, synthetic_shape=(8, 8, 1)),
+    "resnet": dict(model="resnet", resnet_depth=8, resnet_width=4, global_batch_size=16, synthetic_shape=(8, 8, 3)),
+    "transformer": dict(
+        model="transformer",
+        transformer_layers=1,
+        transformer_dim=16,
+        transformer_heads=2,
+        transformer_mlp_dim=32,
+        global_batch_size=16,
+        synthetic_shape=(8, 8, 1),
+    ),
+}
+for _spec in QUICK_MODELS.values():
+    _spec["synthetic_examples"] = 256  # fewer synthetic examples to generate
+QUICK_DEFAULT = "mlp_1024"  # --quick measures one model unless --models says otherwise
+# Host overhead: a model whose math costs next to nothing, so a step is all overhead.
+TINY = dict(model="mlp", hidden_sizes=(16,), global_batch_size=16, synthetic_shape=(8,), synthetic_examples=256)
+
+# The issue's targets: the engine at least this much faster than fit at its best.
+SPEED_TARGETS = {"mlp_1024": 1.4, "mlp_256": 1.1, "resnet": 1.1, "transformer": 1.1}
+ROOFLINE_TARGET = 0.9
+BFLOAT16_TARGET = 1.25
+MIRRORED_TARGET = 0.9
+HOST_OVERHEAD_TARGET_US = 50.0
+INPUT_WAIT_TARGET = 0.05
+MEMORY_TARGET = 1.1
+
+PRECISIONS = ["float32", "mixed_bfloat16", "mixed_float16"]
+
+
+def settings(quick, gpu):
+    """Everything the worker processes need to know, besides which models."""
+    return dict(
+        gpu=gpu,
+        precision="mixed_float16" if gpu else "float32",
+        precisions=PRECISIONS,
+        jit=[False] if quick else [False, True],  # engine --jit_compile and fit jit_compile: XLA off, on
+        steps_per_execution=[1, 50],
+        # Windows of about window_s seconds, at most max_window_steps steps (the default steps_per_loop).
+        # Many short windows: on a shared machine the fastest of many is the most repeatable number.
+        window_s=0.05 if quick else 0.25,
+        max_window_steps=100,
+        rounds=1 if quick else 6,
+        model_budget_s=None if quick else 40.0,  # after two rounds, fewer rounds for slow models
+        matmul_shapes=[[64, 64]] if quick else [[256, 1024], [1024, 1024], [4096 if gpu else 2048] * 2],
+        tiny=TINY,
+        tiny_calls=20 if quick else 200,
+        tiny_fit=not quick,  # fit on the tiny model too, for reference
+        with_mirrored=quick,  # --quick: the mirrored comparison inside the speed process, one start-up less
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the worker processes.
+
+
+def run_worker(task, log_prefix, env=None):
+    """Runs bench/worker.py on `task` in a fresh process; returns its result dict (raises on failure)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        task_path, result_path = os.path.join(tmp, "task.json"), os.path.join(tmp, "result.json")
+        with open(task_path, "w") as f:
+            json.dump(task, f)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.worker", task_path, result_path],
+            cwd=ROOT,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("progress: "):
+                print(f"[{log_prefix}] {line[len('progress: ') :].rstrip()}", file=sys.stderr, flush=True)
+        proc.wait()
+        if proc.returncode != 0 or not os.path.exists(result_path):
+            raise RuntimeError(f"{log_prefix} failed (exit {proc.returncode}):\n" + "".join(lines[-40:]))
+        with open(result_path) as f:
+            return json.load(f)
+
+
+def measure(models, quick, gpu, jobs):
+    """Runs the worker processes; returns {"speed", "mirrored", "memory", "errors"}."""
+    common = settings(quick, gpu)
+    env = {"TF_FORCE_GPU_ALLOW_GROWTH": "true"} if gpu else {}  # memory processes share the GPU
+    results = {"errors": {}, "memory": {name: {} for name in models}}
+
+    def attempt(key, fn):
+        try:
+            results[key] = fn()
+        except Exception as e:  # a failed process costs its rows, not the table
+            results["errors"][key] = str(e)
+            print(f"[{key}] {e}", file=sys.stderr, flush=True)
+
+    def speed():
+        task = {"kind": "speed", "models": models, **common}
+        attempt("speed", lambda: run_worker(task, "speed", env if quick else None))
+        by_model = results.get("speed", {}).get("models", {})
+        return {name: r["engine_best"].endswith("jit=1") for name, r in by_model.items()}
+
+    def mirrored(jit_by_model):
+        task = {"kind": "mirrored", "models": models, "jit_by_model": jit_by_model, **common}
+        attempt("mirrored", lambda: run_worker(task, "mirrored"))
+
+    def memory(name, side):
+        # The configuration that was fastest; in --quick (run before the speeds are known) jit off.
+        r = results.get("speed", {}).get("models", {}).get(name)
+        best = dict(item.split("=") for item in r[f"{side}_best"].split()[1:]) if r else {"jit": "0", "spe": "50"}
+        task = {
+            "kind": "memory",
+            "side": side,
+            "spec": models[name],
+            "precision": common["precision"],
+            "jit": best["jit"] == "1",
+            "steps_per_execution": int(best.get("spe", 1)),
+            "steps": max(2, min(20, r["window_steps"])) if r else 2,
+        }
+        try:
+            results["memory"][name][side] = run_worker(task, f"memory {name} {side}", env)
+        except Exception as e:
+            results["errors"][f"memory {name} {side}"] = str(e)
+
+    memory_runs = [(name, side) for name in models for side in ("engine", "fit")]
+    if quick:
+        # A smoke test, not a measurement: everything at once.
+        with concurrent.futures.ThreadPoolExecutor(len(memory_runs) + 1) as pool:
+            futures = [pool.submit(speed)] + [pool.submit(memory, *run) for run in memory_runs]
+            concurrent.futures.wait(futures)
+        results["mirrored"] = results.get("speed", {}).pop("mirrored", {})
+        return results
+    # Timed processes run alone, so nothing else competes for the cores while they measure;
+    # peak memory is not timed, and those processes may share them.
+    mirrored(speed())
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        concurrent.futures.wait([pool.submit(memory, *run) for run in memory_runs])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The table.
+
+
+def label(spec):
+    if spec["model"] == "mlp":
+        flat = math.prod(spec["synthetic_shape"])
+        sizes = "-".join(str(s) for s in (flat, *spec["hidden_sizes"], 10))
+        return f"MLP {sizes}, batch {spec['global_batch_size']}"
+    shape = "x".join(str(s) for s in spec["synthetic_shape"])
+    if spec["model"] == "resnet":
+        return f"ResNet-{spec.get('resnet_depth', 20)}, batch {spec['global_batch_size']}, {shape}"
+    layers, dim = spec.get("transformer_layers", 2), spec.get("transformer_dim", 64)
+    return f"Transformer {layers}x{dim}, batch {spec['global_batch_size']}, {shape}"
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.3g} ms/step"
+
+
+def rows(results, models):
+    """The table: one dict per row with its id, measurement, value (a number), shown (the value as
+    printed), target, result (PASS, FALL SHORT, info, or ERROR when it could not be measured) and detail."""
+    out = []
+
+    def add(row_id, what, value, shown, target=None, passes=None, detail=""):
+        row = dict(id=row_id, measurement=what, value=value, shown="n/a", target=target or "", detail=detail)
+        if value is None or not math.isfinite(value):
+            out.append({**row, "value": None, "result": "ERROR"})
+            return
+        verdict = "info" if passes is None else ("PASS" if passes(value) else "FALL SHORT")
+        out.append({**row, "shown": shown(value), "result": verdict})
+
+    speed = results.get("speed", {})
+    by_model = speed.get("models", {})
+    for name, spec in models.items():
+        r = by_model.get(name)
+        target = SPEED_TARGETS.get(name, 1.1)
+        detail = ""
+        if r:
+            s = r["seconds_per_step"]
+            detail = (
+                f"{r['engine_best']} {_ms(s[r['engine_best']])} vs {r['fit_best']} {_ms(s[r['fit_best']])}, "
+                f"windows of {r['window_steps']} steps"
+            )
+        add(
+            f"speed/{name}",
+            f"engine / best fit: {label(spec)}",
+            r and r["engine_vs_fit"],
+            lambda v: f"{v:.2f}x",
+            f">= {target:.2f}x",
+            lambda v, t=target: v >= t,
+            detail,
+        )
+
+    roof = speed.get("roofline")
+    add(
+        "roofline/peak",
+        f"{roof['dtype'] if roof else 'float32'} matmul peak (chained, best shape)",
+        roof and roof["flops_per_sec"],
+        lambda v: f"{v / 1e9:.1f} GFLOP/s",
+        detail=roof and ", ".join(f"{k}: {v / 1e9:.1f}" for k, v in roof["by_shape"].items()) or "",
+    )
+    for name in [n for n in ("mlp_1024", "mlp_256") if n in models]:
+        r = by_model.get(name)
+        value = detail = None
+        if r and roof:
+            examples = r["global_batch_size"] / r["seconds_per_step"][r["engine_best"]]
+            achieved = 6 * r["parameters"] * examples
+            value = achieved / roof["flops_per_sec"]
+            detail = f"6 x {r['parameters']:,} parameters x {examples:,.0f} examples/s = {achieved / 1e9:.1f} GFLOP/s"
+        target = name == "mlp_1024"
+        add(
+            f"roofline/{name}",
+            f"engine FLOP/s / matmul peak: {label(models[name])}",
+            value,
+            lambda v: f"{v:.0%}",
+            f">= {ROOFLINE_TARGET:.0%}" if target else None,
+            (lambda v: v >= ROOFLINE_TARGET) if target else None,
+            detail or "",
+        )
+
+    for name in [n for n in ("mlp_1024", "mlp_256") if n in models]:
+        r = by_model.get(name)
+        value = detail = None
+        if r and "matmul_seconds_per_step" in r:
+            value = r["matmul_seconds_per_step"] / r["precision_seconds_per_step"][r["precision"]]
+            detail = (
+                f"{_ms(r['matmul_seconds_per_step'])} of matmuls "
+                f"({r['matmul_flops_per_step'] / r['matmul_seconds_per_step'] / 1e9:.1f} GFLOP/s) "
+                f"in a {_ms(r['precision_seconds_per_step'][r['precision']])} engine step"
+            )
+        add(
+            f"roofline/{name}/matmuls",
+            f"its forward+backward matmuls alone / engine step: {label(models[name])}",
+            value,
+            lambda v: f"{v:.0%}",
+            detail=detail or "",
+        )
+
+    for name, spec in models.items():
+        r = by_model.get(name)
+        per = r and r["precision_seconds_per_step"]
+        for precision in ("mixed_bfloat16", "mixed_float16"):
+            value = per and per.get("float32") and per.get(precision) and per["float32"] / per[precision]
+            bf16 = precision == "mixed_bfloat16"
+            add(
+                f"precision/{name}/{precision}",
+                f"{precision} / float32 (engine): {label(spec)}",
+                value,
+                lambda v: f"{v:.2f}x",
+                f">= {BFLOAT16_TARGET:.2f}x" if bf16 else None,
+                (lambda v: v >= BFLOAT16_TARGET) if bf16 else None,
+                per and value and f"{_ms(per['float32'])} vs {_ms(per[precision])}" or "",
+            )
+
+    mirrored = results.get("mirrored", {})
+    for name, spec in models.items():
+        r = mirrored.get(name)
+        detail = ""
+        if r:
+            s = r["seconds_per_step"]
+            detail = f"jit={int(r['jit'])}: {_ms(s['one_device'])} vs {_ms(s['mirrored'])}"
+        add(
+            f"mirrored/{name}",
+            f"mirrored (2 logical devices) / one_device: {label(spec)}",
+            r and r["mirrored_vs_one_device"],
+            lambda v: f"{v:.2f}x",
+            f">= {MIRRORED_TARGET:.2f}x",
+            lambda v: v >= MIRRORED_TARGET,
+            detail,
+        )
+
+    tiny = speed.get("tiny")
+    s = tiny and tiny["seconds_per_step"]
+    add(
+        "overhead/host",
+        f"host overhead per step at steps_per_loop=100: {label(TINY)}",
+        tiny and tiny["host_seconds_per_step_at_100"] * 1e6,
+        lambda v: f"{v:.1f} us",
+        f"< {HOST_OVERHEAD_TARGET_US:.0f} us",
+        lambda v: v < HOST_OVERHEAD_TARGET_US,
+        tiny and f"host round trip {tiny['host_seconds_per_round'] * 1e6:.0f} us, once per steps_per_loop steps" or "",
+    )
+    add(
+        "overhead/graph",
+        "in-graph time per step of that tiny model (engine)",
+        tiny and tiny["graph_seconds_per_step"] * 1e6,
+        lambda v: f"{v:.0f} us",
+        detail=s
+        and f"per step at steps_per_loop 1: {s['engine spl=1'] * 1e6:.0f} us, "
+        f"at 100: {s['engine spl=100'] * 1e6:.0f} us"
+        or "",
+    )
+    if not s or "fit spe=100" in s:  # --quick leaves fit out here
+        add(
+            "overhead/fit",
+            "the same model in fit, per step at steps_per_execution=100",
+            s and s["fit spe=100"] * 1e6,
+            lambda v: f"{v:.0f} us",
+            detail=s and f"at steps_per_execution=1: {s['fit spe=1'] * 1e6:.0f} us" or "",
+        )
+
+    for name, spec in models.items():
+        r = by_model.get(name)
+        add(
+            f"input/{name}",
+            f"step time waiting for input: {label(spec)}",
+            r and r["input_wait_fraction"],
+            lambda v: f"{v:.1%}",
+            f"< {INPUT_WAIT_TARGET:.0%}",
+            lambda v: v < INPUT_WAIT_TARGET,
+            r and f"{r['engine_best']}, the same step fed one fixed batch vs the iterator" or "",
+        )
+
+    memory = results.get("memory", {})
+    for name, spec in models.items():
+        r = memory.get(name, {})
+        value = detail = None
+        if "engine" in r and "fit" in r:
+            value = r["engine"]["peak_rss"] / r["fit"]["peak_rss"]
+            detail = (
+                f"{r['engine']['peak_rss'] / 2**20:,.0f} MiB vs {r['fit']['peak_rss'] / 2**20:,.0f} MiB "
+                f"(after imports: {r['engine']['baseline_rss'] / 2**20:,.0f} MiB)"
+            )
+            if "peak_gpu" in r["engine"]:
+                detail += (
+                    f"; GPU peak {r['engine']['peak_gpu'] / 2**20:,.0f} vs {r['fit']['peak_gpu'] / 2**20:,.0f} MiB"
+                )
+        add(
+            f"memory/{name}",
+            f"peak RSS, engine / fit: {label(spec)}",
+            value,
+            lambda v: f"{v:.2f}x",
+            f"<= {MEMORY_TARGET:.2f}x",
+            lambda v: v <= MEMORY_TARGET,
+            detail or "",
+        )
+    return out
+
+
+def format_table(table, markdown=False):
+    header = ("measurement", "value", "target", "result", "detail")
+    body = [(r["measurement"], r["shown"], r["target"], r["result"], r["detail"]) for r in table]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+    widths = [max(len(str(r[i])) for r in (header, *body)) for i in range(len(header) - 1)]
+    lines = []
+    for row in (header, *body):
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths)]
+        lines.append("  ".join(cells) + "  " + row[-1])
+    return "\n".join(lines)
+
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        have = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
+        flags = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
+    except (OSError, StopIteration):
+        pass
+    import psutil
+
+    text = f"{cpu}, {os.cpu_count()} cores ({flags}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+        if gpu:
+            text += f", GPU: {gpu}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    versions = ", ".join(f"{p} {importlib.metadata.version(p)}" for p in ("tensorflow", "keras"))
+    return f"{text}; {versions}; Python {platform.python_version()}"
+
+
+def revision():
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, one round: a smoke test, not a result")
+    parser.add_argument(
+        "--models", help=f"comma-separated subset of {','.join(MODELS)}; default: all ({QUICK_DEFAULT} with --quick)"
+    )
+    parser.add_argument("--gpu", action="store_true", help="mixed_float16 as the base precision (bench/gpu.sh)")
+    parser.add_argument(
+        "--jobs", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)), help="memory processes at once"
+    )
+    parser.add_argument("--json", help="also write the raw measurements here")
+    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    args = parser.parse_args(argv)
+
+    catalog = QUICK_MODELS if args.quick else MODELS
+    names = (args.models or (QUICK_DEFAULT if args.quick else ",".join(MODELS))).split(",")
+    unknown = [n for n in names if n not in catalog]
+    if unknown:
+        parser.error(f"--models: unknown {','.join(unknown)}; choose from {','.join(catalog)}")
+    models = {name: catalog[name] for name in names}
+
+    started, load_before = datetime.datetime.now(), os.getloadavg()[0]
+    results = measure(models, args.quick, args.gpu, args.jobs)
+    table = rows(results, models)
+    minutes = (datetime.datetime.now() - started).total_seconds() / 60
+    command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(format_table(table))
+    for key, error in results["errors"].items():
+        print(f"error in {key}: {error.strip().splitlines()[-1] if error.strip() else ''}")
+    # The load average says how much else ran: on a shared machine it is the noise behind every number.
+    header = (
+        f"{started:%Y-%m-%d}, {machine()}, engine {revision()}, {minutes:.1f} min, "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
+    print(header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": table, "results": results, "header": header}, f, indent=1)
+    if args.record:
+        with open(RESULTS, "a") as f:
+            f.write(f"\n## {started:%Y-%m-%d}: `{command.strip()}`\n\n{header}\n\n{format_table(table, True)}\n")
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

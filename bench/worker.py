@@ -1,0 +1,468 @@
+"""One benchmark process: `python -m bench.worker TASK.json RESULT.json`, started by bench/run.py.
+
+Each task runs in its own process because logical CPU devices must be set before the first
+TensorFlow op, and peak RSS only means something for a process that ran one thing. Inside a
+process every comparison is side by side: the candidates are built and warmed up first (tracing and
+compilation are never timed), then timed in interleaved rounds, one window each per round, so a
+noisy neighbour slows all of them alike; each candidate keeps its fastest window.
+"""
+
+import gc
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+STARTED = time.perf_counter()
+
+
+def progress(message):
+    """One line for bench/run.py to pass on, with the seconds since this process started."""
+    print(f"progress: {time.perf_counter() - STARTED:6.0f} s {message}", flush=True)
+
+
+def main(task_path, result_path):
+    with open(task_path) as f:
+        task = json.load(f)
+    result = {"speed": speed, "mirrored": mirrored, "memory": memory}[task["kind"]](task)
+    with open(result_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks: configs, engine and fit candidates, the interleaved timer.
+
+
+def make_config(spec, **overrides):
+    from engine.config import Config, validate
+
+    fields = {**spec, **overrides}
+    for name in ("hidden_sizes", "synthetic_shape"):
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    # Long enough that no round ever reaches the end of training.
+    return validate(Config(dataset="synthetic", train_steps=10**9, **fields))
+
+
+def create_strategy(config, gpu_mirrored=False):
+    import tensorflow as tf
+
+    from engine import distribute
+
+    if gpu_mirrored:
+        # Two logical GPUs share one chip: NCCL refuses a GPU twice, so reduce through one device.
+        gpu = tf.config.list_physical_devices("GPU")[0]
+        tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=16_384)] * 2)
+        return tf.distribute.MirroredStrategy(
+            ["/gpu:0", "/gpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    return distribute.create_strategy(config)
+
+
+def train_iterator(trainer):
+    # The engine's own iterator: `train_iterator()` where it resumes from a data position.
+    if hasattr(trainer, "train_iterator"):
+        return trainer.train_iterator()
+    return iter(trainer.train_dataset)
+
+
+class EngineRunner:
+    """The engine as a user runs it: Trainer.run_steps(iterator, n), one call per window."""
+
+    def __init__(self, config, strategy):
+        from engine.loop import Trainer
+
+        self.config = config
+        self.trainer = Trainer(config, strategy)
+        self.iterator = train_iterator(self.trainer)
+
+    def window(self, steps):
+        tic = time.perf_counter()
+        self.trainer.run_steps(self.iterator, steps)  # returns Python floats: the device is done
+        return time.perf_counter() - tic
+
+    def parameters(self):
+        return sum(int(v.shape.num_elements()) for v in self.trainer.model.trainable_variables)
+
+
+class Repeat:
+    """An iterator that hands the inner loop the same batch every step: the step without input."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.batch
+
+
+class FitRunner:
+    """Keras `model.fit` on the same model, data pipeline, batch and optimizer.
+
+    A window is one fit() call over `steps` batches, timed from the first batch to fit's return,
+    so fit's per-call setup (iterator, callbacks) is left out; fit itself dispatches as it does
+    without callbacks, since the timer only watches the first batch begin.
+    """
+
+    def __init__(self, config, steps_per_execution, jit_compile):
+        import keras
+        import tensorflow as tf
+
+        keras.mixed_precision.set_global_policy(config.precision)
+        keras.utils.set_random_seed(config.seed)
+        from engine import data as data_lib
+
+        data = data_lib.load(config)
+        self.dataset = data.train_fn(tf.distribute.InputContext())  # the engine's own pipeline, one replica
+        module = importlib.import_module(f"models.{config.model}")
+        self.model = module.create(config, data.input_shape, data.num_classes)
+        self.model(tf.zeros((1, *data.input_shape)), training=False)
+        self.model.compile(
+            optimizer=keras.optimizers.AdamW(
+                learning_rate=config.learning_rate,
+                weight_decay=config.weight_decay,
+                beta_1=config.beta_1,
+                beta_2=config.beta_2,
+                epsilon=config.epsilon,
+            ),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
+            jit_compile=jit_compile,
+        )
+        self.started = None
+        runner = self
+
+        class Timer(keras.callbacks.Callback):
+            async_safe = True
+
+            def on_train_batch_begin(self, batch, logs=None):
+                if runner.started is None:
+                    runner.started = time.perf_counter()
+
+        self.timer = Timer()
+
+    def window(self, steps):
+        self.started = None
+        self.model.fit(self.dataset.take(steps), epochs=1, verbose=0, callbacks=[self.timer])
+        return time.perf_counter() - self.started
+
+
+def time_side_by_side(runners, steps, rounds, budget_s=None):
+    """{name: best seconds per step}: `rounds` interleaved windows of `steps[name]` steps each.
+
+    After two rounds, stops early once `budget_s` seconds have gone by.
+    """
+    best = {name: float("inf") for name in runners}
+    started = time.perf_counter()
+    for r in range(rounds):
+        for name, runner in runners.items():
+            best[name] = min(best[name], runner.window(steps[name]) / steps[name])
+        if budget_s and r >= 1 and time.perf_counter() - started > budget_s:
+            break
+    return best
+
+
+def warm_up(runner, window_s, max_steps):
+    """Traces and compiles, then returns how many steps make a window of about `window_s` seconds."""
+    runner.window(1)  # tracing, compilation, the first batch
+    per_step = runner.window(1)
+    if per_step < window_s / 4:  # one step says little about a fast model: time a few more
+        per_step = runner.window(4) / 4
+    return max(1, min(max_steps, round(window_s / per_step)))
+
+
+def collect():
+    """Frees the runners nothing refers to any more (their models, optimizers, compiled functions)."""
+    import keras
+
+    keras.backend.clear_session()
+    gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# The speed process: roofline, engine vs fit, precisions, input wait, host overhead.
+
+
+def speed(task):
+    import tensorflow as tf
+
+    if task["gpu"] and not tf.config.list_physical_devices("GPU"):
+        raise RuntimeError("--gpu: TensorFlow sees no GPU")
+    first = make_config(next(iter(task["models"].values())), strategy="one_device")
+    if task.get("with_mirrored"):  # --quick: one process for both, so the two devices come first
+        two = mirrored_strategies()
+    strategy = create_strategy(first)
+    out = {"roofline": roofline(task), "models": {}}
+    progress(f"roofline: {out['roofline']['flops_per_sec'] / 1e9:.1f} GFLOP/s")
+    for name, spec in task["models"].items():
+        out["models"][name] = model_speed(task, spec, strategy)
+        progress(f"speed {name}: engine / fit {out['models'][name]['engine_vs_fit']:.2f}")
+    out["tiny"] = host_overhead(task, task["tiny"], strategy)
+    out["devices"] = [d.name for d in tf.config.list_logical_devices()]
+    if task.get("with_mirrored"):
+        out["mirrored"] = mirrored(task, two)
+    return out
+
+
+def roofline(task):
+    """Peak matmul FLOP/s in the compute dtype: a loop of chained (m, k) x (k, k) products."""
+    import tensorflow as tf
+
+    dtype = tf.float16 if task["precision"] == "mixed_float16" else tf.float32
+
+    # On a GPU the loop runs inside XLA, so the host's loop control is not timed with the matmuls.
+    @tf.function(jit_compile=task["gpu"])
+    def chain(x, w, n):
+        for _ in tf.range(n):
+            x = tf.matmul(x, w)  # w is orthogonal: values neither blow up nor become denormal
+        return tf.reduce_sum(tf.cast(x[0, :1], tf.float32))
+
+    results = {}
+    for m, k in task["matmul_shapes"]:
+        w = tf.cast(tf.linalg.qr(tf.random.normal((k, k)))[0], dtype)
+        x = tf.cast(tf.random.normal((m, k)), dtype)
+        chain(x, w, tf.constant(2)).numpy()
+        n = 2
+        while True:  # grow the window to about task["window_s"]
+            tic = time.perf_counter()
+            chain(x, w, tf.constant(n)).numpy()
+            seconds = time.perf_counter() - tic
+            if seconds > task["window_s"] or n > 1e6:
+                break
+            n *= 2
+        best = min(_timed(lambda: chain(x, w, tf.constant(n)).numpy()) for _ in range(task["rounds"]))
+        results[f"{m}x{k}x{k}"] = 2.0 * m * k * k * n / best
+    return {"flops_per_sec": max(results.values()), "by_shape": results, "dtype": dtype.name}
+
+
+def _timed(fn):
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def model_speed(task, spec, strategy):
+    """Engine (jit off/on) vs fit (steps_per_execution x jit) side by side; then, at the engine's best,
+    the same trainer without input, and the other precisions."""
+    base = make_config(spec, precision=task["precision"])
+    runners, warm_steps = {}, {}
+    for jit in task["jit"]:
+        config = make_config(spec, precision=task["precision"], jit_compile=jit)
+        runners[f"engine jit={int(jit)}"] = EngineRunner(config, strategy)
+        for spe in task["steps_per_execution"]:
+            runners[f"fit spe={spe} jit={int(jit)}"] = FitRunner(config, spe, jit)
+    progress(f"{spec['model']}: built {len(runners)} candidates")
+    for name, runner in runners.items():
+        warm_steps[name] = warm_up(runner, task["window_s"], task["max_window_steps"])
+        progress(f"{spec['model']}: warmed up {name}")
+    # One window length for all, so every candidate amortizes its per-call cost alike.
+    steps = dict.fromkeys(runners, min(warm_steps.values()))
+    best = time_side_by_side(runners, steps, task["rounds"], task["model_budget_s"])
+    engine_name = min((n for n in best if n.startswith("engine")), key=best.get)
+    fit_name = min((n for n in best if n.startswith("fit")), key=best.get)
+    engine = runners[engine_name]
+    result = {
+        "seconds_per_step": best,
+        "window_steps": steps[engine_name],
+        "engine_best": engine_name,
+        "fit_best": fit_name,
+        "engine_vs_fit": best[fit_name] / best[engine_name],
+        "parameters": engine.parameters(),
+        "precision": task["precision"],
+        "global_batch_size": base.global_batch_size,
+    }
+    runners = None
+    collect()
+
+    # The other precisions, and input wait: the same trainer, the same compiled step, fed one fixed
+    # batch instead of the iterator. Every runner is built before any is warmed up: building one
+    # sets the global seed, which makes TensorFlow retrace every function traced before.
+    runners = {"input": engine, "no input": _NoInput(engine)}
+    if spec["model"] == "mlp":
+        runners["matmuls"] = MatmulRunner(spec, "float16" if task["precision"] == "mixed_float16" else "float32")
+    for precision in task["precisions"]:
+        if precision != task["precision"]:
+            config = make_config(spec, precision=precision, jit_compile=engine.config.jit_compile)
+            runners[precision] = EngineRunner(config, strategy)
+    for name, runner in runners.items():
+        if name == "input":
+            runner.window(1)  # warm already; this re-instantiates what the new seed cleared
+        else:
+            warm_up(runner, task["window_s"], task["max_window_steps"])
+    progress(f"{spec['model']}: warmed up {', '.join(runners)}")
+    steps = dict.fromkeys(runners, steps[engine_name])
+    second = time_side_by_side(runners, steps, task["rounds"], task["model_budget_s"])
+    result["input_wait_fraction"] = 1.0 - second["no input"] / second["input"]
+    if "matmuls" in second:
+        result["matmul_seconds_per_step"] = second["matmuls"]
+        result["matmul_flops_per_step"] = runners["matmuls"].flops
+    result["precision_seconds_per_step"] = {task["precision"]: second["input"]}
+    result["precision_seconds_per_step"].update({p: second[p] for p in task["precisions"] if p in second})
+    runners = None
+    collect()
+    return result
+
+
+class MatmulRunner:
+    """An MLP's forward and backward matmuls alone, at its batch and shapes: the floor of its step."""
+
+    def __init__(self, spec, dtype):
+        import math
+
+        import tensorflow as tf
+
+        batch = spec["global_batch_size"]
+        widths = [math.prod(spec["synthetic_shape"]), *spec["hidden_sizes"], spec.get("synthetic_classes", 10)]
+        pairs = []
+        for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
+            pairs.append(((batch, n_in), (n_in, n_out)))  # forward
+            pairs.append(((n_in, batch), (batch, n_out)))  # kernel gradient
+            if i:
+                pairs.append(((batch, n_out), (n_out, n_in)))  # input gradient (not needed for the first layer)
+        operands = [(tf.random.normal(a, dtype=dtype), tf.random.normal(b, dtype=dtype)) for a, b in pairs]
+        self.flops = sum(2 * a[0] * a[1] * b[1] for a, b in pairs)
+
+        @tf.function
+        def run(n):
+            total = tf.constant(0.0)
+            for _ in tf.range(n):
+                for x, w in operands:  # every product is used, so none is pruned
+                    total += tf.cast(tf.reduce_sum(tf.matmul(x, w)[:1]), tf.float32)
+            return total
+
+        self.run = run
+
+    def window(self, steps):
+        import tensorflow as tf
+
+        tic = time.perf_counter()
+        self.run(tf.constant(steps)).numpy()
+        return time.perf_counter() - tic
+
+
+class _NoInput:
+    def __init__(self, runner):
+        self.runner = runner
+        self.fixed = Repeat(next(runner.iterator))
+
+    def window(self, steps):
+        tic = time.perf_counter()
+        self.runner.trainer.run_steps(self.fixed, steps)
+        return time.perf_counter() - tic
+
+
+def host_overhead(task, spec, strategy):
+    """Round time T(n) = a + b n on a tiny model: a is the host's cost per round trip, b the in-graph
+    cost per step. Measured at steps_per_loop 1 and 100, side by side; fit at the same two for reference."""
+    config = make_config(spec, precision="float32")
+    engine = EngineRunner(config, strategy)
+    fits = {spe: FitRunner(config, spe, False) for spe in (1, 100)} if task["tiny_fit"] else {}
+    for runner in (engine, *fits.values()):
+        warm_up(runner, 0.1, 100)
+
+    calls = task["tiny_calls"]
+    runners = {
+        "engine spl=1": _Calls(engine, calls),
+        "engine spl=100": _Calls(engine, max(1, calls // 20), steps_per_call=100),
+        **{f"fit spe={spe}": fit for spe, fit in fits.items()},
+    }
+    steps = {"engine spl=1": calls, "engine spl=100": 100 * max(1, calls // 20), "fit spe=1": 200, "fit spe=100": 200}
+    best = time_side_by_side(runners, steps, task["rounds"])
+    per_step = (best["engine spl=100"] * 100 - best["engine spl=1"]) / 99  # b
+    per_round = best["engine spl=1"] - per_step  # a
+    engine = fits = runners = None
+    collect()
+    return {
+        "seconds_per_step": best,
+        "host_seconds_per_round": per_round,
+        "host_seconds_per_step_at_100": per_round / 100,
+        "graph_seconds_per_step": per_step,
+    }
+
+
+class _Calls:
+    """`calls` rounds of `steps_per_call` steps: windows of many short rounds."""
+
+    def __init__(self, runner, calls, steps_per_call=1):
+        self.runner, self.calls, self.steps_per_call = runner, calls, steps_per_call
+
+    def window(self, steps):
+        del steps
+        tic = time.perf_counter()
+        for _ in range(self.calls):
+            self.runner.trainer.run_steps(self.runner.iterator, self.steps_per_call)
+        return time.perf_counter() - tic
+
+
+# ---------------------------------------------------------------------------------------------
+# The mirrored process: one_device vs mirrored over two logical devices on the same hardware.
+
+
+def mirrored_strategies():
+    """(one_device, mirrored over two logical devices of the same hardware); call before any other op."""
+    import tensorflow as tf
+
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    config = make_config({}, strategy="mirrored", num_cpu_devices=2)
+    two = create_strategy(config, gpu_mirrored=gpu)
+    return tf.distribute.OneDeviceStrategy("/gpu:0" if gpu else "/cpu:0"), two
+
+
+def mirrored(task, strategies=None):
+    one, two = strategies or mirrored_strategies()
+    out = {}
+    for name, spec in task["models"].items():
+        jit = task.get("jit_by_model", {}).get(name, False)
+        if spec["model"] == "resnet":
+            jit = False  # synchronized batch norm on two replicas cannot be compiled (the engine says so)
+        config = make_config(spec, precision=task["precision"], jit_compile=jit)
+        runners = {"one_device": EngineRunner(config, one), "mirrored": EngineRunner(config, two)}
+        warm = [warm_up(r, task["window_s"], task["max_window_steps"]) for r in runners.values()]
+        steps = dict.fromkeys(runners, min(warm))
+        best = time_side_by_side(runners, steps, task["rounds"], task["model_budget_s"])
+        out[name] = {
+            "seconds_per_step": best,
+            "mirrored_vs_one_device": best["one_device"] / best["mirrored"],
+            "jit": jit,
+            "replicas": two.num_replicas_in_sync,
+        }
+        progress(f"mirrored {name}: mirrored / one_device {out[name]['mirrored_vs_one_device']:.2f}")
+        runners = None
+        collect()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A memory process: one model, engine or fit, in the configuration that was fastest.
+
+
+def memory(task):
+    import psutil
+    import tensorflow as tf
+
+    spec = task["spec"]
+    config = make_config(spec, precision=task["precision"], jit_compile=task["jit"])
+    strategy = create_strategy(config)
+    baseline = psutil.Process().memory_info().rss  # TensorFlow and Keras loaded, nothing built
+    if task["side"] == "engine":
+        runner = EngineRunner(config, strategy)
+    else:
+        runner = FitRunner(config, task["steps_per_execution"], task["jit"])
+    warm_up(runner, 0.2, 100)
+    runner.window(task["steps"])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    out = {"peak_rss": peak, "baseline_rss": baseline}
+    if tf.config.list_physical_devices("GPU"):
+        out["peak_gpu"] = tf.config.experimental.get_memory_info("GPU:0")["peak"]
+    return out
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
