@@ -65,15 +65,28 @@ def main(argv):
         config = _config_from_flags()
     except ConfigError as e:
         _exit(str(e))
+    if config.local_workers:
+        from engine import launcher
+
+        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--local_workers=0"]
+        sys.exit(launcher.run(config.strategy, config.local_workers, config.num_ps, command))
+    PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     with _quiet_native_stderr():
         # Deferred: TensorFlow starts here, after the flags are known good.
-        from engine import checkpoint, distribute, evaluate, loop
+        from engine import checkpoint, distribute, ensemble, evaluate, loop, tune
 
+    try:
+        if distribute.serve(config):  # a parameter-server job's worker or ps task: serves until stopped
+            return
+    except ConfigError as e:
+        _exit(str(e))
     run = {
         "train": loop.train,
         "eval": evaluate.evaluate,
         "continuous_eval": evaluate.follow,
         "export": evaluate.export,
+        "tune": tune.tune,
+        "ensemble": ensemble.ensemble,
     }[config.mode]
     try:
         result = run(config)
@@ -92,6 +105,24 @@ def main(argv):
         print(
             f"{config.eval_split} accuracy {results['accuracy']:.4f} on {results['examples']} examples "
             f"({result['step']} steps, {result['wall_seconds']:.1f} s)"
+        )
+    if config.mode == "tune":
+        best = result["best"]
+        counts = f"({result['trials']} trials: {result['complete']} complete, {result['pruned']} pruned; "
+        counts += f"{result['wall_seconds']:.1f} s)"
+        if best:
+            print(
+                f"best trial {best['trial']}: {result['split']} {result['objective']} {best['value']:.4f} {counts}; "
+                f"rerun: python launch.py --flagfile={best['flagfile']}"
+            )
+        else:
+            print(f"no trial completed {counts}")
+    if config.mode == "ensemble":
+        test = {name: result[name]["test"]["accuracy"] for name in ("weighted", "average")}
+        print(
+            f"{config.eval_split} accuracy {test['weighted']:.4f} weighted, {test['average']:.4f} average, "
+            f"{max(m['test']['accuracy'] for m in result['members']):.4f} best member "
+            f"({len(result['members'])} members, {result['test_examples']} examples)"
         )
 
 
@@ -126,5 +157,4 @@ def _exit(message, code=2):
 
 
 if __name__ == "__main__":
-    PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     app.run(main, flags_parser=_parse_flags)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark table on one NVIDIA GPU, mixed_float16 and XLA, from a bare GPU machine (a driver,
-# python3 3.10-3.13 and a network): about 2 minutes to install, 5 to measure, under 8 in all.
+# python3 3.10-3.13 and a network). Sized for under 8 minutes in all (install included); not yet run
+# on a GPU, so the first run's time belongs in bench/RESULTS.md with its table.
 #
 #   bash bench/gpu.sh                  # appends the table to bench/RESULTS.md
 #   BENCH_VENV=/path bash bench/gpu.sh --models=mlp_1024    # any bench.run flag passes through

@@ -1,6 +1,6 @@
 """The engine's benchmark: one table of ratios, each measured side by side in one run.
 
-    python -m bench.run                 # the full table on this machine (about 15 minutes on 2 CPU cores)
+    python -m bench.run                 # the full table (about 15 min on 2 idle CPU cores, 30 when shared)
     python -m bench.run --quick         # tiny models, one round: checks that it all still runs (~40 s)
     python -m bench.run --record        # also appends the table to bench/RESULTS.md
     bash bench/gpu.sh                   # the same table on one NVIDIA GPU, mixed_float16 and XLA
@@ -78,7 +78,8 @@ def settings(quick, gpu):
         window_s=0.05 if quick else 0.25,
         max_window_steps=100,
         rounds=1 if quick else 6,
-        model_budget_s=None if quick else 40.0,  # after two rounds, fewer rounds for slow models
+        # After two rounds, fewer rounds for slow models; on a GPU compiling dominates: keep within 8 minutes.
+        model_budget_s=None if quick else 20.0 if gpu else 40.0,
         matmul_shapes=[[64, 64]] if quick else [[256, 1024], [1024, 1024], [4096 if gpu else 2048] * 2],
         tiny=TINY,
         tiny_calls=20 if quick else 200,

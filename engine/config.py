@@ -9,13 +9,13 @@ import dataclasses
 import importlib.util
 import math
 
-STRATEGIES = ("one_device", "mirrored", "multi_worker", "tpu")
-CLUSTER_RESOLVERS = ("tf_config",)
+STRATEGIES = ("one_device", "mirrored", "multi_worker", "parameter_server", "tpu")
+CLUSTER_RESOLVERS = ("tf_config", "slurm", "kubernetes", "tpu")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "adamw", "lamb")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCALINGS = ("none", "linear")
-MODES = ("train", "eval", "continuous_eval", "export")
+MODES = ("train", "eval", "continuous_eval", "export", "tune", "ensemble")
 ON_NAN = ("stop", "rollback")
 BUNDLED_DATASETS = ("digits", "synthetic")
 
@@ -38,13 +38,23 @@ class Config:
     eval_timeout: float = _setting(600.0, "continuous_eval: stop after this many seconds without a new checkpoint")
 
     # Distribution.
-    strategy: str = _setting("", "one_device|mirrored|multi_worker|tpu; empty: mirrored over all GPUs, else one device")
+    strategy: str = _setting(
+        "", "one_device|mirrored|multi_worker|parameter_server|tpu; empty: mirrored over all GPUs, else one device"
+    )
     num_cpu_devices: int = _setting(
         1, "split the host CPU into this many logical devices (mirrored on a CPU-only machine)"
     )
     tpu: str = _setting("", "TPU name or grpc:// address for --strategy=tpu; 'local' on a TPU VM")
-    cluster_resolver: str = _setting("", "where the cluster comes from: tf_config; empty: TF_CONFIG when it is set")
+    cluster_resolver: str = _setting(
+        "", "where a cluster comes from: tf_config|slurm|kubernetes|tpu; empty: TF_CONFIG when it is set"
+    )
     collective_timeout: float = _setting(600.0, "seconds a multi-worker collective waits for a peer before it fails")
+    connect_timeout: float = _setting(300.0, "seconds to wait for every task of a cluster to come up at start")
+    local_workers: int = _setting(0, "start this many worker processes on this machine (TF_CONFIG on localhost)")
+    num_ps: int = _setting(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
+    slurm_port_base: int = _setting(8888, "slurm: first port of the tasks' servers on each node")
+    kubernetes_selector: str = _setting("", "kubernetes: label selector of the worker pods, e.g. job-name=w")
+    tf_data_service: str = _setting("", "grpc://host:port of a tf.data service dispatcher to preprocess on")
 
     # Model (models/<model>.py). Each family reads only its own fields.
     model: str = _setting("mlp", "model family, found as models/<model>.py")
@@ -98,6 +108,33 @@ class Config:
     base_batch_size: int = _setting(256, "batch size --learning_rate was tuned for (with --lr_scaling=linear)")
     clip_norm: float = _setting(0.0, "clip the all-reduced gradients to this global norm; 0 = off")
     clip_value: float = _setting(0.0, "clip each all-reduced gradient element to [-v, v]; 0 = off")
+
+    # Tuning and ensembles.
+    tune_space: str = _setting("", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)")
+    tune_trials: int = _setting(20, "tune: complete or pruned trials the study runs to; a resumed study runs the rest")
+    tune_objective: str = _setting("accuracy", "tune: eval metric on --validation_split to optimize: accuracy|loss")
+    tune_direction: str = _setting("", "tune: max|min the objective; empty: max for accuracy, min for loss")
+    tune_sampler: str = _setting("tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)")
+    tune_pruner: str = _setting(
+        "hyperband",
+        "tune: stops bad trials from their --eval_every evaluations: none|median|successive_halving|hyperband",
+    )
+    tune_startup_trials: int = _setting(
+        5, "tune: trials drawn at random (and never pruned by median) before the search learns"
+    )
+    tune_timeout: float = _setting(0.0, "tune: seconds after which no new trial starts (a running one ends); 0 = none")
+    tune_storage: str = _setting(
+        "", "tune: SQLAlchemy URL of the study, to share one across machines; empty: sqlite <workdir>/study.db"
+    )
+    tune_study: str = _setting("tune", "tune: name of the study in --tune_storage")
+    validation_split: str = _setting(
+        "validation", "tune, ensemble: split that scores trials and fits ensemble weights; never the test split"
+    )
+    members: str = _setting("", "ensemble: comma-separated workdirs of trained runs (different models)")
+    ensemble_search: str = _setting(
+        "nelder_mead", "ensemble: how weights on the simplex are fitted on validation: nelder_mead|random"
+    )
+    ensemble_samples: int = _setting(2000, "ensemble, random: weight vectors drawn uniformly from the simplex")
 
     # Numerics.
     precision: str = _setting("float32", "float32|mixed_float16|mixed_bfloat16")
@@ -160,6 +197,9 @@ def validate(config):
         config,
         "num_cpu_devices",
         "collective_timeout",
+        "connect_timeout",
+        "num_ps",
+        "slurm_port_base",
         "global_batch_size",
         "train_steps",
         "steps_per_loop",
@@ -183,6 +223,7 @@ def validate(config):
         "eval_batch_size",
         "eval_every",
         "checkpoint_every",
+        "local_workers",
         "momentum",
         "weight_decay",
         "warmup_steps",
@@ -196,6 +237,15 @@ def validate(config):
             _fail(name, getattr(config, name), "must be in [0, 1)")
     if config.clip_norm and config.clip_value:
         _fail("clip_value", config.clip_value, "choose one of --clip_norm and --clip_value, not both")
+    if config.local_workers and config.strategy not in ("multi_worker", "parameter_server"):
+        _fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
+    if config.strategy == "parameter_server" and config.precision == "mixed_float16":
+        _fail(
+            "precision",
+            config.precision,
+            "is not supported with --strategy=parameter_server: asynchronous "
+            "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
+        )
     if config.strategy == "tpu" and not config.tpu:
         _fail("tpu", config.tpu, "--strategy=tpu needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
     if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
@@ -211,6 +261,30 @@ def validate(config):
     if importlib.util.find_spec(f"models.{config.model}") is None or config.model.startswith("_"):
         _fail("model", config.model, f"no such model: models/{config.model}.py does not exist")
     _check_dataset_name(config.dataset)
+    _choice(config, "tune_objective", ("accuracy", "loss"))
+    _choice(config, "tune_direction", ("max", "min"), allow_empty=True)
+    _choice(config, "tune_sampler", ("random", "tpe", "gp"))
+    _choice(config, "tune_pruner", ("none", "median", "successive_halving", "hyperband"))
+    _choice(config, "ensemble_search", ("nelder_mead", "random"))
+    _positive(config, "tune_trials", "ensemble_samples")
+    _non_negative(config, "tune_startup_trials", "tune_timeout")
+    if config.mode in ("tune", "ensemble") and config.validation_split.split("[")[0] == "test":
+        _fail("validation_split", config.validation_split, "tuning and ensemble fitting never look at the test split")
+    if config.mode == "tune" and not config.tune_space:
+        _fail("tune_space", "", "--mode=tune needs a search-space file, e.g. experiments/digits_mlp.space")
+    if config.mode == "tune" and config.tune_pruner != "none" and not 0 < config.eval_every < config.train_steps:
+        _fail(
+            "eval_every",
+            config.eval_every,
+            f"--tune_pruner={config.tune_pruner} judges trials by evaluations "
+            f"before the end: must be in [1, --train_steps={config.train_steps})",
+        )
+    if config.mode == "tune" and config.tune_sampler == "gp" and importlib.util.find_spec("torch") is None:
+        _fail("tune_sampler", "gp", "Optuna's Gaussian-process sampler needs PyTorch (pip install torch); or use tpe")
+    if config.mode == "ensemble" and len([m for m in config.members.split(",") if m]) < 2:
+        _fail("members", config.members, "--mode=ensemble needs at least two comma-separated workdirs")
+    if config.mode == "ensemble" and config.validation_split == config.eval_split:
+        _fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
     return config
 
 

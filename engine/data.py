@@ -57,14 +57,29 @@ def load(config):
         )
     eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
 
-    def train_fn(ctx, start_batch=0):
-        """Per-replica batches from global batch `start_batch` on."""
+    def train_fn(ctx, start_batch=0, stream=0):
+        """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each
+        parameter-server worker reads its own)."""
+        ds = batches(ctx, start_batch, stream)
+        if config.tf_data_service:
+            # The service's workers build the batches; each is built once (dynamic sharding), but they
+            # arrive in the order the service's workers finish them, not always the stream's.
+            ds = ds.apply(
+                tf.data.experimental.service.distribute(
+                    processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
+                    service=config.tf_data_service,
+                    job_name=f"train-{ctx.input_pipeline_id}-{stream}-{start_batch}",
+                )
+            )
+        return ds.prefetch(AUTOTUNE)
+
+    def batches(ctx, start_batch, stream):
         per_replica = ctx.get_per_replica_batch_size(config.global_batch_size)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         if train.arrays is None:
-            ds = _streamed(train, config, start_example=start_batch * config.global_batch_size)
+            ds = _streamed(train, config, start_example=start_batch * config.global_batch_size, stream=stream)
             ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(_preprocess, num_parallel_calls=AUTOTUNE)
-            return ds.batch(per_replica, drop_remainder=True).prefetch(AUTOTUNE)
+            return ds.batch(per_replica, drop_remainder=True)
         images, labels = train.arrays
         n = train.examples
 
@@ -75,7 +90,12 @@ def load(config):
             )
             epoch, within = positions // n, positions % n
             seeds = tf.stack(
-                [tf.fill(tf.shape(epoch), tf.constant(config.seed, tf.int64)), epoch, tf.zeros_like(epoch)], axis=1
+                [
+                    tf.fill(tf.shape(epoch), tf.constant(config.seed, tf.int64)),
+                    epoch,
+                    tf.fill(tf.shape(epoch), tf.constant(stream, tf.int64)),
+                ],
+                axis=1,
             )
             # Epoch e's permutation, element by element. The raw op: tf.random.experimental.index_shuffle
             # mis-pads a batch of seeds.
@@ -85,7 +105,7 @@ def load(config):
 
         # One gather per global batch instead of per-example work: the host stays off the critical path.
         ds = tf.data.Dataset.range(start_batch, 2**62).map(global_batch, num_parallel_calls=AUTOTUNE)
-        return ds.unbatch().prefetch(AUTOTUNE)
+        return ds.unbatch()
 
     def eval_fn(ctx):
         ds = evals.make().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
@@ -99,11 +119,11 @@ def load(config):
     return Data(train_fn, eval_fn, eval_steps, evals.examples, train.examples, tuple(shape), classes)
 
 
-def _streamed(split, config, start_example):
+def _streamed(split, config, start_example, stream):
     """A split too large for memory: a shuffle buffer, reshuffled each epoch. Resuming replays the stream
     up to the position (reading, not training on, the examples before it)."""
     ds = split.make().shuffle(
-        min(config.shuffle_buffer, split.examples), seed=config.seed, reshuffle_each_iteration=True
+        min(config.shuffle_buffer, split.examples), seed=config.seed * 1000 + stream, reshuffle_each_iteration=True
     )
     return ds.repeat().skip(start_example)
 

@@ -7,7 +7,9 @@ evaluation, checkpoints and preemption between rounds. Round boundaries are mult
 where an uninterrupted one does.
 """
 
+import dataclasses
 import importlib
+import itertools
 import json
 import os
 import time
@@ -20,7 +22,7 @@ from engine import data as data_lib
 from engine import distribute, optim, precision, step
 from engine.config import ConfigError, check_batch
 from engine.preemption import PREEMPTION
-from engine.report import Report
+from engine.report import Report, write_json
 
 MAX_ROLLBACKS = 3  # --on_nan=rollback gives up after this many rollbacks without a save in between
 
@@ -67,6 +69,10 @@ class Trainer:
             self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped")
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
         self.float16 = config.precision == "mixed_float16"
+        # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
+        self.coordinator = (
+            tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
+        )
         self.train_step = step.make_train_step(
             self.model,
             self.optimizer,
@@ -74,16 +80,33 @@ class Trainer:
             config,
             strategy.num_replicas_in_sync,
             self.stop,
+            asynchronous=self.coordinator is not None,
         )
         self.eval_step = step.make_eval_step(self.model)
-        self.eval_dataset = strategy.distribute_datasets_from_function(self.data.eval_fn)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
 
     def train_iterator(self):
         """An iterator over the training batches from the current data position on."""
         start = int(self.batches.numpy())
-        return iter(self.strategy.distribute_datasets_from_function(lambda ctx: self.data.train_fn(ctx, start)))
+        if (
+            isinstance(self.strategy, tf.distribute.OneDeviceStrategy)
+            and "CPU" in self.strategy.extended.worker_devices[0]
+        ):
+            # One CPU device: the dataset's own iterator. The distributed one adds a hop of about 1 ms of host
+            # time per batch here, on the cores the step needs.
+            return iter(self.data.train_fn(tf.distribute.InputContext(), start))
+        if self.coordinator is None:
+            return iter(self.strategy.distribute_datasets_from_function(lambda ctx: self.data.train_fn(ctx, start)))
+        workers = itertools.count(1)  # called once per worker, in order: each reads its own stream
+
+        def per_worker():
+            stream = next(workers)
+            return self.strategy.distribute_datasets_from_function(
+                lambda ctx: self.data.train_fn(ctx, start // distribute.num_workers(self.strategy), stream)
+            )
+
+        return iter(self.coordinator.create_per_worker_dataset(per_worker))
 
     def _first_replica(self, values):
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
@@ -114,6 +137,8 @@ class Trainer:
     def run_steps(self, iterator, steps):
         """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers."""
         try:
+            if self.coordinator is not None:
+                return self._run_scheduled(iterator, steps)
             out = self.train_loop(iterator, tf.constant(steps))
         except RuntimeError as e:
             if "merge_call" in str(e) and self.config.jit_compile:
@@ -127,11 +152,39 @@ class Trainer:
             raise distribute.explain_failure(self.strategy, self.config, e) from None
         return {k: float(v) for k, v in out.items()}
 
+    def _run_scheduled(self, iterator, steps):
+        """Parameter servers: the round's steps as functions of a few steps each, scheduled on whichever
+        worker is free (the coordinator reschedules a dead worker's share); the chief waits for all."""
+        chunk = max(1, steps // (4 * distribute.num_workers(self.strategy)))
+        sizes = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
+        remote = [self.coordinator.schedule(self.train_loop, args=(iterator, tf.constant(n))) for n in sizes]
+        self.coordinator.join()
+        outs = [{k: float(v) for k, v in r.fetch().items()} for r in remote]
+        done = sum(o["steps"] for o in outs)
+        finite = done - sum(o["skipped"] for o in outs)
+        loss = sum(o["loss"] * (o["steps"] - o["skipped"]) for o in outs if o["steps"] > o["skipped"])
+        return {**outs[-1], "steps": done, "skipped": done - finite, "loss": loss / finite if finite else float("nan")}
+
     def evaluate(self):
+        if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
+            return self._totals(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
         try:
+            if not hasattr(self, "eval_dataset"):
+                self.eval_dataset = self.strategy.distribute_datasets_from_function(self.data.eval_fn)
             totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
         except tf.errors.OpError as e:
             raise distribute.explain_failure(self.strategy, self.config, e) from None
+        return self._totals(totals)
+
+    @tf.function
+    def eval_on_chief(self, dataset):
+        totals = tf.zeros([3])
+        for images, labels, weights in dataset:
+            totals += self.eval_step(images, labels, weights)
+        return totals
+
+    @staticmethod
+    def _totals(totals):
         loss, correct, examples = totals.numpy()
         return {"accuracy": float(correct / examples), "loss": float(loss / examples), "examples": int(examples)}
 
@@ -166,12 +219,19 @@ def train(config, strategy=None, on_eval=None):
         with open(summary_path) as f:
             return json.load(f)
     report = Report(config.workdir, chief, config.train_steps, resume_step=current)
+    if chief:
+        write_config(config)
     if restored:
         report.line(f"resumed from step {current} ({restored})")
     elif config.on_nan == "rollback":
         checkpoints.save()  # something to roll back to from the first step on
     PREEMPTION.watch(trainer.stop)
     return run(trainer, report, checkpoints, started, on_eval)
+
+
+def write_config(config):
+    """workdir/config.json: every setting of the run, so other modes (an ensemble) can rebuild its model."""
+    write_json(os.path.join(config.workdir, "config.json"), dataclasses.asdict(config))
 
 
 def run(trainer, report, checkpoints, started, on_eval=None):

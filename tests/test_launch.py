@@ -3,9 +3,15 @@
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 
+import pytest
+
+from engine import loop
+from engine.config import ConfigError
+from tests import helpers
 from tests.helpers import ROOT
 
 SUMMARY_KEYS = {
@@ -60,8 +66,8 @@ def test_same_seed_same_losses(data_dir, tmp_path):
         f"--data_dir={data_dir}",
         "--deterministic",
         "--seed=3",
-        "--train_steps=200",
-        "--steps_per_loop=20",
+        "--train_steps=100",
+        "--steps_per_loop=10",
         "--optimizer=sgd",
         "--learning_rate=0.05",
     ]
@@ -91,12 +97,9 @@ BAD_INPUT = [
     (["--steps_per_loop=-5"], {}, "--steps_per_loop=-5"),
     (["--hidden_sizes=wide"], {}, "--hidden_sizes=wide"),
     (["--no_such_flag=1"], {}, "no_such_flag"),
-    (["--strategy=mirrored", "--num_cpu_devices=3", "--global_batch_size=128"], {}, "--global_batch_size=128"),
     (["--strategy=tpu", "--tpu=local"], {}, "--tpu=local"),
     (["--strategy=multi_worker"], {"TF_CONFIG": '{"cluster": {"worker": '}, "TF_CONFIG"),
     (["--strategy=multi_worker"], {"TF_CONFIG": _tf_config(5)}, "task index 5"),
-    (["--eval_split=nope"], {}, "--eval_split=nope"),
-    (["--strategy=mirrored", "--num_cpu_devices=2", "--eval_batch_size=7"], {}, "--eval_batch_size=7"),
 ]
 
 
@@ -117,3 +120,17 @@ def test_bad_input_one_clear_line(data_dir, tmp_path):
             assert expected in lines[0], (args, lines[0])
     assert sorted(os.listdir(workdir)) == ["metrics.jsonl"]
     assert (workdir / "metrics.jsonl").read_text() == "earlier run\n"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(global_batch_size=63), "--global_batch_size=63: must be divisible by the number of replicas (2)"),
+        (dict(eval_batch_size=7), "--eval_batch_size=7: must be divisible by the number of replicas (2)"),
+        (dict(eval_split="nope"), "--eval_split=nope: not a split of digits"),
+    ],
+)
+def test_bad_input_found_with_tensorflow_running(data_dir, mirrored, overrides, message):
+    """What only a running TensorFlow can check (replica counts, dataset splits) fails before any training."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        loop.Trainer(helpers.make_config(data_dir, **overrides), mirrored)

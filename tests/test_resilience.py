@@ -260,8 +260,8 @@ def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
     lines = err.strip().splitlines()
     assert code == 4, err[-2000:]
     assert lines[-1].startswith("error: cannot write checkpoint for step 20 to ") and str(tmp_path) in lines[-1]
-    code, out, err = launch(tmp_path, *args, "--mode=eval")  # the earlier checkpoint is intact
-    assert code == 0 and "checkpoint=" in out and "ckpt-10" in out, err[-2000:]
+    path, tensors = checkpoint_tensors(tmp_path)  # the earlier checkpoint is intact and readable
+    assert path.endswith("ckpt-10") and len(tensors) > 10
 
 
 def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):

@@ -1,0 +1,108 @@
+"""`--local_workers=N`: a whole cluster on this machine, for development and tests.
+
+Starts every task of a multi-worker (N workers) or parameter-server (a chief, N workers, --num_ps
+parameter servers) job as a process running this same command with TF_CONFIG set to free
+localhost ports; prefixes each line of their output with the task's name; stops the rest when a
+task that matters fails; returns the job's exit code. Without --local_workers the same flags run
+unchanged on a real cluster. No TensorFlow here: the tasks import it, the launcher does not.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def cluster_for(strategy, workers, num_ps):
+    jobs = {"worker": workers} if strategy == "multi_worker" else {"chief": 1, "worker": workers, "ps": num_ps}
+    ports = iter(free_ports(sum(jobs.values())))
+    return {job: [f"localhost:{next(ports)}" for _ in range(count)] for job, count in jobs.items()}
+
+
+def _stream(proc, name, out):
+    for line in proc.stdout:
+        out.write(f"[{name}] {line}")
+        out.flush()
+
+
+def run(strategy, workers, num_ps, argv, out=sys.stdout):
+    """Runs the job; `argv` is the command line of one task (without --local_workers)."""
+    cluster = cluster_for(strategy, workers, num_ps)
+    tasks = {}
+    for job, addresses in cluster.items():
+        for index in range(len(addresses)):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+            proc = subprocess.Popen(
+                argv,
+                env={**os.environ, "TF_CONFIG": tf_config},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
+            name = f"{job} {index}"
+            tasks[name] = proc
+            threading.Thread(target=_stream, args=(proc, name, out), daemon=True).start()
+            out.write(f"[launcher] {name} pid {proc.pid} on {addresses[index]}\n")
+    out.flush()
+    # The job is done when its trainers are: every worker (multi-worker), or the chief (parameter servers,
+    # whose workers and servers serve until stopped). A parameter-server worker that dies is not fatal:
+    # the chief's coordinator moves its work to the others.
+    trainers = [n for n in tasks if n.startswith("worker")] if strategy == "multi_worker" else ["chief 0"]
+    fatal = set(trainers) | {n for n in tasks if n.startswith("ps")}
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    for signum in previous:  # preemption reaches every trainer, which saves and exits
+        signal.signal(signum, lambda signum, frame: [tasks[n].send_signal(signum) for n in trainers])
+    noted, code = set(), None
+    try:
+        while code is None:
+            time.sleep(0.2)
+            for name, proc in tasks.items():
+                status = proc.poll()
+                if status in (None, 0) or name in noted:
+                    continue
+                noted.add(name)
+                if name in fatal:
+                    out.write(f"[launcher] {name} exited with {status}; stopping the others\n")
+                    code = status
+                    break
+                out.write(f"[launcher] {name} exited with {status}; the job goes on without it\n")
+            if code is None and all(tasks[n].poll() is not None for n in trainers):
+                code = max(tasks[n].returncode for n in trainers)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _stop(tasks.values())
+    code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+    out.write(f"[launcher] job finished with exit code {code}\n")
+    out.flush()
+    return code
+
+
+def _stop(procs):
+    procs = [p for p in procs if p.poll() is None]
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
