@@ -87,6 +87,9 @@ class Config:
         500, "save a checkpoint every this many steps (and at the end); 0 = only at the end"
     )
     keep_checkpoints: int = _setting(3, "how many recent checkpoints to keep")
+    profile_steps: tuple = _setting(
+        (), "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off"
+    )
     on_nan: str = _setting(
         "stop",
         "a non-finite loss in float32/bfloat16: stop, or rollback to the last checkpoint "
@@ -235,6 +238,9 @@ def validate(config):
     for name in ("beta_1", "beta_2", "dropout"):
         if not 0 <= getattr(config, name) < 1:
             _fail(name, getattr(config, name), "must be in [0, 1)")
+    profile = config.profile_steps
+    if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1] <= config.train_steps):
+        _fail("profile_steps", profile, f"must be A,B with 0 <= A < B <= --train_steps={config.train_steps}")
     if config.clip_norm and config.clip_value:
         _fail("clip_value", config.clip_value, "choose one of --clip_norm and --clip_value, not both")
     if config.local_workers and config.strategy not in ("multi_worker", "parameter_server"):

@@ -4,7 +4,7 @@ Inner loop in graph: one tf.function runs a round of replica steps with `tf.rang
 tensor, so it is traced once whatever the round's length. Outer loop in Python: logging,
 evaluation, checkpoints and preemption between rounds. Round boundaries are multiples of
 --steps_per_loop, --eval_every and --checkpoint_every, so a resumed run cuts its rounds exactly
-where an uninterrupted one does.
+where an uninterrupted one does (and at --profile_steps, so a trace covers exactly those steps).
 """
 
 import dataclasses
@@ -195,7 +195,32 @@ def _next_boundary(config, current):
     for every in (config.eval_every, config.checkpoint_every):
         if every:
             ends.append((current // every + 1) * every)
+    ends.extend(step for step in config.profile_steps if step > current)
     return min(ends)
+
+
+class Profile:
+    """--profile_steps=A,B: the chief traces steps A+1..B into workdir/profile for TensorBoard's Profile tab."""
+
+    def __init__(self, config, chief):
+        self.steps = config.profile_steps if chief else ()
+        self.logdir = os.path.join(config.workdir, "profile")
+        self.running = False
+
+    def before_round(self, current):
+        if self.steps and not self.running and self.steps[0] <= current < self.steps[1]:
+            tf.profiler.experimental.start(self.logdir)
+            self.running = True
+
+    def after_round(self, current, report):
+        if self.running and current >= self.steps[1]:
+            self.stop()
+            report.line(f"profile of steps {self.steps[0] + 1}..{current} in {self.logdir} (tensorboard --logdir)")
+
+    def stop(self):
+        if self.running:
+            tf.profiler.experimental.stop()
+            self.running = False
 
 
 def train(config, strategy=None, on_eval=None):
@@ -236,6 +261,14 @@ def write_config(config):
 
 def run(trainer, report, checkpoints, started, on_eval=None):
     """The outer loop: rounds of steps; logging, evaluation, checkpoints between them; the summary."""
+    profile = Profile(trainer.config, distribute.is_chief(trainer.strategy))
+    try:
+        return _rounds(trainer, report, checkpoints, started, on_eval, profile)
+    finally:
+        profile.stop()  # a trace cut short by an error or a signal is still written
+
+
+def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     config, strategy = trainer.config, trainer.strategy
     params = sum(int(tf.size(v)) for v in trainer.model.trainable_variables)
     report.line(
@@ -248,6 +281,7 @@ def run(trainer, report, checkpoints, started, on_eval=None):
     timed_steps, timed_seconds, first_round = 0, 0.0, None
     while current < config.train_steps:
         start = current
+        profile.before_round(current)
         tic = time.perf_counter()
         out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
         seconds = time.perf_counter() - tic
@@ -287,6 +321,7 @@ def run(trainer, report, checkpoints, started, on_eval=None):
                 "examples_per_sec": steps * config.global_batch_size / seconds,
             },
         )
+        profile.after_round(current, report)
         stopping = bool(trainer.stop.numpy())
         if config.eval_every and current % config.eval_every == 0 and current < config.train_steps and not stopping:
             results = trainer.evaluate()

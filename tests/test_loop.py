@@ -10,6 +10,7 @@ import tensorflow_datasets as tfds
 
 from engine import loop
 from engine.checkpoint import Checkpoints
+from engine.config import ConfigError
 from engine.report import Report
 from tests import helpers
 
@@ -33,6 +34,21 @@ def test_inner_loop_traced_once_with_exact_step_counts(data_dir, one_device, tmp
     assert trainer.eval_loop.experimental_get_tracing_count() == 1
     assert int(trainer.step.numpy()) == 10 and int(trainer.optimizer.iterations.numpy()) == 10
     assert summary["step"] == 10 and summary["skipped_steps"] == 0
+
+
+def test_profile_steps_trace_exactly_those_steps(data_dir, one_device, tmp_path):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=9, steps_per_loop=100, profile_steps=(2, 5))
+    _run(config, one_device)
+    # Rounds are cut at A and B so the trace holds steps 3..5 and nothing else.
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [2, 5, 9]
+    traces = list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("steps", [(5, 2), (3,), (2, 10)])
+def test_profile_steps_out_of_range_refused(data_dir, steps):
+    with pytest.raises(ConfigError, match=rf"--profile_steps={','.join(map(str, steps))}: must be A,B with"):
+        helpers.make_config(data_dir, train_steps=9, profile_steps=steps)
 
 
 def _batch(trainer):
