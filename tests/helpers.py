@@ -3,11 +3,12 @@
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
+
+from engine.launcher import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,14 +105,16 @@ def nonfinite_scenario(config, strategy, bad_replica):
     return before, after_bad, after_good, as_numpy(bad_out), [as_numpy(o) for o in good_outs]
 
 
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+def launch(*args, env=None, timeout=300):
+    """Runs `python launch.py *args` from the repository root; returns the CompletedProcess (text output)."""
+    return subprocess.run(
+        [sys.executable, "launch.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def run_workers(args, count, timeout, env=None):

@@ -16,18 +16,7 @@ import tensorflow as tf
 from engine import checkpoint, data, distribute, loop
 from engine.config import Config, ConfigError
 from tests import helpers
-from tests.helpers import ROOT
-
-
-def launch(*args, timeout=400, env=None):
-    return subprocess.run(
-        [sys.executable, "launch.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+from tests.helpers import ROOT, launch
 
 
 def final_tensors(workdir):

@@ -3,8 +3,6 @@ member, reported on test; members that cannot be averaged are refused."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ import pytest
 from engine import ensemble, loop
 from engine.config import ConfigError
 from tests import helpers
-from tests.helpers import ROOT
 
 # Three different models, trained briefly so that they disagree on some validation digits.
 MEMBERS = {
@@ -122,19 +119,11 @@ def test_launch_refuses_mismatched_members_in_one_line(data_dir, one_device, mem
     workdirs, _ = members
     stranger = tmp_path / "stranger"
     train_member(data_dir, one_device, stranger, dataset="synthetic", synthetic_shape=(8, 8, 1), synthetic_classes=3)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "launch.py",
-            "--mode=ensemble",
-            f"--members={workdirs['mlp']},{stranger}",
-            f"--workdir={tmp_path / 'ensemble'}",
-            f"--data_dir={data_dir}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = helpers.launch(
+        "--mode=ensemble",
+        f"--members={workdirs['mlp']},{stranger}",
+        f"--workdir={tmp_path / 'ensemble'}",
+        f"--data_dir={data_dir}",
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --members: {stranger} (synthetic 8,8,1 with 3")

@@ -4,15 +4,13 @@ import concurrent.futures
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from engine import loop
 from engine.config import ConfigError
 from tests import helpers
-from tests.helpers import ROOT
+from tests.helpers import launch
 
 SUMMARY_KEYS = {
     "step",
@@ -28,17 +26,6 @@ SUMMARY_KEYS = {
     "global_batch_size",
 }
 METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec"}
-
-
-def launch(*args, env=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "launch.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_default_job_end_to_end(data_dir, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from engine import checkpoint, tune
 from engine.config import ConfigError
 from tests import helpers
-from tests.helpers import ROOT
+from tests.helpers import ROOT, launch
 
 TUNE_DEFAULTS = dict(mode="tune", train_steps=60, eval_every=20, deterministic=True)
 VALIDATION_EXAMPLES = 180
@@ -102,13 +102,7 @@ def test_best_flagfile_reruns_to_the_same_result(study, tmp_path):
     flags = read(config.workdir, "best.flags")
     assert f"--learning_rate={summary['best']['params']['learning_rate']!r}" in flags
     assert "--eval_split=validation" in flags and "--deterministic=true" in flags and "--seed=0" in flags
-    proc = subprocess.run(
-        [sys.executable, "launch.py", f"--flagfile={flagfile}", f"--workdir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = launch(f"--flagfile={flagfile}", f"--workdir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rerun = json.loads(read(tmp_path, "summary.json"))
     original = json.loads(read(summary["best"]["workdir"], "summary.json"))
