@@ -75,11 +75,6 @@ def main(argv):
         # Deferred: TensorFlow starts here, after the flags are known good.
         from engine import checkpoint, distribute, ensemble, evaluate, loop, tune
 
-    try:
-        if distribute.serve(config):  # a parameter-server job's worker or ps task: serves until stopped
-            return
-    except ConfigError as e:
-        _exit(str(e))
     run = {
         "train": loop.train,
         "eval": evaluate.evaluate,
@@ -89,6 +84,8 @@ def main(argv):
         "ensemble": ensemble.ensemble,
     }[config.mode]
     try:
+        if distribute.serve(config):  # a parameter-server job's worker or ps task: serves until stopped
+            return
         result = run(config)
     except ConfigError as e:
         _exit(str(e))

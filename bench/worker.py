@@ -9,6 +9,7 @@ noisy neighbour slows all of them alike; each candidate keeps its fastest window
 
 import gc
 import importlib
+import itertools
 import json
 import os
 import resource
@@ -64,13 +65,6 @@ def create_strategy(config, gpu_mirrored=False):
     return distribute.create_strategy(config)
 
 
-def train_iterator(trainer):
-    # The engine's own iterator: `train_iterator()` where it resumes from a data position.
-    if hasattr(trainer, "train_iterator"):
-        return trainer.train_iterator()
-    return iter(trainer.train_dataset)
-
-
 class EngineRunner:
     """The engine as a user runs it: Trainer.run_steps(iterator, n), one call per window."""
 
@@ -79,7 +73,7 @@ class EngineRunner:
 
         self.config = config
         self.trainer = Trainer(config, strategy)
-        self.iterator = train_iterator(self.trainer)
+        self.iterator = self.trainer.train_iterator()
 
     def window(self, steps):
         tic = time.perf_counter()
@@ -88,19 +82,6 @@ class EngineRunner:
 
     def parameters(self):
         return sum(int(v.shape.num_elements()) for v in self.trainer.model.trainable_variables)
-
-
-class Repeat:
-    """An iterator that hands the inner loop the same batch every step: the step without input."""
-
-    def __init__(self, batch):
-        self.batch = batch
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.batch
 
 
 class FitRunner:
@@ -350,7 +331,7 @@ class MatmulRunner:
 class _NoInput:
     def __init__(self, runner):
         self.runner = runner
-        self.fixed = Repeat(next(runner.iterator))
+        self.fixed = itertools.repeat(next(runner.iterator))  # the step without input: one batch, every step
 
     def window(self, steps):
         tic = time.perf_counter()

@@ -287,11 +287,16 @@ def validate(config):
         )
     if config.mode == "tune" and config.tune_sampler == "gp" and importlib.util.find_spec("torch") is None:
         _fail("tune_sampler", "gp", "Optuna's Gaussian-process sampler needs PyTorch (pip install torch); or use tpe")
-    if config.mode == "ensemble" and len([m for m in config.members.split(",") if m]) < 2:
+    if config.mode == "ensemble" and len(members(config)) < 2:
         _fail("members", config.members, "--mode=ensemble needs at least two comma-separated workdirs")
     if config.mode == "ensemble" and config.validation_split == config.eval_split:
         _fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
     return config
+
+
+def members(config):
+    """--members as a list of workdirs."""
+    return [m for m in config.members.split(",") if m]
 
 
 def _check_dataset_name(name):

@@ -155,12 +155,8 @@ def _synthetic(config):
         )
         return _in_memory((images, labels), examples)
 
-    return (
-        pool(1, config.synthetic_examples),
-        pool(2, max(1, config.synthetic_examples // 4)),
-        shape,
-        (config.synthetic_classes),
-    )
+    evals = pool(2, max(1, config.synthetic_examples // 4))
+    return pool(1, config.synthetic_examples), evals, shape, config.synthetic_classes
 
 
 def _tfds(config):

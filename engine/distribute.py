@@ -245,7 +245,7 @@ class _connect_deadline:
         peers = [
             f"{job} {i}={address}"
             for job, addresses in spec.items()
-            for i, address in enumerate(addresses.values() if isinstance(addresses, dict) else addresses)
+            for i, address in enumerate(addresses)
             if (job, i) != me
         ]
         self.command = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(config.connect_timeout), *peers]

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine import checkpoint as checkpoint_lib
+from engine import config as config_lib
 from engine import data as data_lib
 from engine import loop, precision
 from engine.config import Config, ConfigError
@@ -55,7 +56,7 @@ def ensemble(config, strategy=None):
     also written to workdir/summary.json with ensemble_report.png beside it."""
     del strategy  # members predict in the main process, batch by batch: nothing to distribute
     started = time.time()
-    workdirs = [m for m in config.members.split(",") if m]
+    workdirs = config_lib.members(config)
     splits = (config.validation_split, config.eval_split)
     cache = {}
     members = [_load_member(config, workdir, splits, cache) for workdir in workdirs]

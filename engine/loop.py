@@ -8,6 +8,7 @@ where an uninterrupted one does (and at --profile_steps, so a trace covers exact
 """
 
 import dataclasses
+import functools
 import importlib
 import itertools
 import json
@@ -165,12 +166,15 @@ class Trainer:
         loss = sum(o["loss"] * (o["steps"] - o["skipped"]) for o in outs if o["steps"] > o["skipped"])
         return {**outs[-1], "steps": done, "skipped": done - finite, "loss": loss / finite if finite else float("nan")}
 
+    @functools.cached_property
+    def eval_dataset(self):
+        """Built at the first evaluation: a parameter-server chief never needs it."""
+        return self.strategy.distribute_datasets_from_function(self.data.eval_fn)
+
     def evaluate(self):
         if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
             return self._totals(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
         try:
-            if not hasattr(self, "eval_dataset"):
-                self.eval_dataset = self.strategy.distribute_datasets_from_function(self.data.eval_fn)
             totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
         except tf.errors.OpError as e:
             raise distribute.explain_failure(self.strategy, self.config, e) from None

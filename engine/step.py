@@ -26,7 +26,7 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
     applies atomically, so concurrent workers never lose each other's updates or update counts.
     """
     params = [v.value for v in model.trainable_variables]
-    slot_shapes = [len(param_slots) for param_slots in optimizer.slots]
+    slot_counts = [len(param_slots) for param_slots in optimizer.slots]
     assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
     if loss_scale:
         assigned += [loss_scale.scale, loss_scale.good_steps]
@@ -48,12 +48,9 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
 
     def new_values(grads):
         current = [tf.convert_to_tensor(v) for v in assigned]  # every variable read once
-        now_params, rest = current[: len(params)], current[len(params) :]
-        now_slots = []
-        for count in slot_shapes:
-            now_slots.append(rest[:count])
-            rest = rest[count:]
-        iterations = rest[0]
+        now_params, rest = current[: len(params)], iter(current[len(params) :])
+        now_slots = [[next(rest) for _ in range(count)] for count in slot_counts]
+        iterations = next(rest)
         if loss_scale:
             grads = [g / loss_scale.scale for g in grads]
         if config.clip_value:
@@ -79,9 +76,10 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
     forward_backward = _maybe_jit(forward_backward, config.jit_compile and not whole)
     new_values = _maybe_jit(new_values, config.jit_compile and not whole)
 
+    update = (lambda v, x: v.assign_add(x)) if asynchronous else (lambda v, x: v.assign(x))
+
     def assign_all(strategy, values):
         for var, value in zip(assigned, values):
-            update = (lambda v, x: v.assign_add(x)) if asynchronous else (lambda v, x: v.assign(x))
             strategy.extended.update(var, update, args=(value,), group=False)
 
     def train_step(images, labels):

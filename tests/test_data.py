@@ -98,7 +98,7 @@ def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(data_dir, pip
         ctx = tf.distribute.InputContext(pipelines, i, pipelines)
         straight = _batches(loaded.train_fn(ctx, 0), 45)
         resumed = _batches(loaded.train_fn(ctx, 37), 8)
-        for a, b in zip(straight[37:], resumed):
+        for a, b in zip(straight[37:], resumed, strict=True):
             np.testing.assert_array_equal(a[0], b[0])
             np.testing.assert_array_equal(a[1], b[1])
 
