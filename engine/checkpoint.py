@@ -18,7 +18,7 @@ import tempfile
 
 import tensorflow as tf
 
-from engine.config import ConfigError
+from engine.config import ConfigError, first_line
 
 
 class CheckpointError(RuntimeError):
@@ -30,6 +30,12 @@ def model_state(model):
     tf.train.Checkpoint's object graph (they would be silently left out), so the engine checkpoints the
     variables themselves: weights, batch-norm statistics and dropout seed-generator states."""
     return [v.value for v in model.variables]
+
+
+def model_checkpoint(model, step):
+    """The part of a training checkpoint that evaluation, export and ensembles read: the model and the step
+    (restore it with partial=True; the optimizer's state stays in the file)."""
+    return tf.train.Checkpoint(model=model_state(model), step=step)
 
 
 def tracked_state(trainer):
@@ -64,6 +70,11 @@ def list_checkpoints(directory):
     return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=_step_of, reverse=True)
 
 
+def latest(directory):
+    """The newest checkpoint prefix in `directory`, or None."""
+    return next(iter(list_checkpoints(directory)), None)
+
+
 class Checkpoints:
     """The run's checkpoints in workdir/checkpoints; on a multi-worker job every worker saves (the save
     is collective) and only the chief's copy is kept."""
@@ -80,7 +91,7 @@ class Checkpoints:
             raise CheckpointError(f"cannot use checkpoint directory {write_dir}: {e}") from None
 
     def latest(self):
-        return next(iter(list_checkpoints(self.directory)), None)
+        return latest(self.directory)
 
     def save(self):
         """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
@@ -92,7 +103,7 @@ class Checkpoints:
             path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:
             raise CheckpointError(
-                f"cannot write checkpoint for step {step} to {self.manager.directory}: {_first_line(e)}"
+                f"cannot write checkpoint for step {step} to {self.manager.directory}: {first_line(e)}"
             ) from None
         if not self.chief:
             shutil.rmtree(self.manager.directory, ignore_errors=True)
@@ -129,7 +140,7 @@ def restore(checkpoint, path, partial=False, model=None):
         if not partial:
             status.assert_consumed()
     except (tf.errors.OpError, IndexError) as e:  # the reader raises IndexError for a truncated data file
-        raise Unreadable(_first_line(e)) from None
+        raise Unreadable(first_line(e)) from None
     except (AssertionError, ValueError):
         why = _mismatch(checkpoint, path, partial, model)
         raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
@@ -150,8 +161,3 @@ def _mismatch(checkpoint, path, partial, model):
         if key in ours and ours[key] != saved[key]:
             return f"{name(key)} has shape {saved[key]} in the checkpoint and {ours[key]} in this run"
     return "its objects differ from this run's (another model?)"
-
-
-def _first_line(error):
-    text = getattr(error, "message", None) or str(error)
-    return (text.strip().splitlines() or [type(error).__name__])[0]

@@ -153,13 +153,22 @@ class Config:
 
 
 def _fail(flag, value, why):
-    raise ConfigError(f"--{flag}={_show(value)}: {why}")
+    raise ConfigError(f"--{flag}={show(value)}: {why}")
 
 
-def _show(value):
+def show(value):
+    """A setting as it is written on the command line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value)
-    return value
+    return str(value)
+
+
+def first_line(error):
+    """The first line of an error's message (a TensorFlow error's own message, without its context)."""
+    text = getattr(error, "message", None) or str(error)
+    return (text.strip().splitlines() or [type(error).__name__])[0]
 
 
 def _choice(config, name, choices, allow_empty=False):

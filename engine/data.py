@@ -20,7 +20,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import engine.digits  # noqa: F401  (registers the bundled `digits` builder with tfds)
-from engine.config import ConfigError
+from engine.config import ConfigError, first_line
 
 AUTOTUNE = tf.data.AUTOTUNE
 _IN_MEMORY_LIMIT_BYTES = 1 << 30  # splits below this are held as tensors and batched with one gather
@@ -192,14 +192,14 @@ def _prepared_builder(config):
     try:
         builder = tfds.builder(config.dataset, data_dir=data_dir)
     except Exception as e:  # tfds raises several kinds for names and configs it cannot resolve
-        raise ConfigError(f"--dataset={config.dataset}: {_first_line(e)}") from None
+        raise ConfigError(f"--dataset={config.dataset}: {first_line(e)}") from None
     with _prepare_lock(builder.data_dir):
         try:
             builder.download_and_prepare()
         except Exception as e:  # network, disk and checksum failures all end here
             raise ConfigError(
                 f"--dataset={config.dataset}: could not download and prepare it into "
-                f"{builder.data_dir} ({_first_line(e)}); without a network, put a prepared "
+                f"{builder.data_dir} ({first_line(e)}); without a network, put a prepared "
                 "copy under --data_dir"
             ) from None
     return builder
@@ -219,8 +219,3 @@ def _prepare_lock(directory):
     with open(os.path.join(parent, ".prepare.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
-
-
-def _first_line(error):
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -71,7 +71,7 @@ def strategy_name(config):
     if config.strategy:
         return config.strategy
     raw = os.environ.get("TF_CONFIG")
-    if raw and "ps" in (parse_tf_config(raw).get("cluster") or {}):
+    if raw and "ps" in parse_tf_config(raw)["cluster"]:
         return "parameter_server"
     if config.cluster_resolver in ("tf_config", "slurm", "kubernetes") or raw:
         return "multi_worker"
@@ -310,8 +310,8 @@ def is_parameter_server(strategy):
 
 
 def num_workers(strategy):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    return len(resolver.cluster_spec().as_dict().get("worker", [0])) if resolver is not None else 1
+    """Parameter servers: the cluster's worker count."""
+    return strategy.cluster_resolver.cluster_spec().num_tasks("worker")
 
 
 def task_id(strategy):

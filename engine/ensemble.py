@@ -104,7 +104,7 @@ def _load_member(config, workdir, splits, cache):
     member_config = read_config(workdir)
     if config.data_dir:  # the data moved since the member trained
         member_config = dataclasses.replace(member_config, data_dir=config.data_dir)
-    found = checkpoint_lib.list_checkpoints(os.path.join(workdir, "checkpoints"))
+    found = checkpoint_lib.latest(os.path.join(workdir, "checkpoints"))
     if not found:
         raise ConfigError(f"--members: {workdir} has no checkpoint (train it first)")
     shape, classes = _split(member_config, splits[0], cache)[2:]
@@ -114,11 +114,11 @@ def _load_member(config, workdir, splits, cache):
     finally:
         precision.set_policy("float32")
     step = tf.Variable(0, dtype=tf.int64)
-    checkpoint = tf.train.Checkpoint(model=checkpoint_lib.model_state(model), step=step)
+    checkpoint = checkpoint_lib.model_checkpoint(model, step)
     try:
-        checkpoint_lib.restore(checkpoint, found[0], partial=True, model=model)
+        checkpoint_lib.restore(checkpoint, found, partial=True, model=model)
     except checkpoint_lib.Unreadable as e:
-        raise ConfigError(f"--members: {found[0]} is unreadable ({e})") from None
+        raise ConfigError(f"--members: {found} is unreadable ({e})") from None
     probabilities = {}
     for split in splits:
         images = _split(member_config, split, cache)[0]

@@ -16,8 +16,7 @@ from engine.report import write_json
 
 def _trainer(config, strategy):
     trainer = Trainer(config, strategy or distribute.create_strategy(config))
-    # The model and the step are all evaluation needs; the optimizer's state is left in the file.
-    return trainer, tf.train.Checkpoint(model=checkpoint_lib.model_state(trainer.model), step=trainer.step)
+    return trainer, checkpoint_lib.model_checkpoint(trainer.model, trainer.step)
 
 
 def _checkpoint_path(config):
@@ -27,10 +26,10 @@ def _checkpoint_path(config):
                 f"--checkpoint={config.checkpoint}: no such checkpoint (expected {config.checkpoint}.index)"
             )
         return config.checkpoint
-    found = checkpoint_lib.list_checkpoints(os.path.join(config.workdir, "checkpoints"))
+    found = checkpoint_lib.latest(os.path.join(config.workdir, "checkpoints"))
     if not found:
         raise ConfigError(f"--workdir={config.workdir}: no checkpoint to use (train first, or pass --checkpoint)")
-    return found[0]
+    return found
 
 
 def _restore(trainer, checkpoint, path):
@@ -70,7 +69,7 @@ def follow(config, strategy=None, poll_seconds=2.0):
     done, results, waited_since = set(), [], time.monotonic()
     print(f"continuous_eval: following {directory}", flush=True)
     while time.monotonic() - waited_since < config.eval_timeout:
-        latest = next(iter(checkpoint_lib.list_checkpoints(directory)), None)
+        latest = checkpoint_lib.latest(directory)
         if latest is None or latest in done:
             time.sleep(poll_seconds)
             continue

@@ -28,7 +28,7 @@ import optuna
 import tensorflow as tf
 
 from engine import distribute, loop
-from engine.config import Config, ConfigError, validate
+from engine.config import Config, ConfigError, first_line, show, validate
 from engine.report import make_workdir, write_json
 
 KINDS = ("int", "float", "log", "choice")
@@ -242,8 +242,7 @@ def _open_study(config, direction, space):
             if attempt < 2:
                 time.sleep(1 + attempt)  # tuners started together race to create a new database's tables
                 continue
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"--tune_storage={_masked(url)}: cannot open the study ({first})") from None
+            raise ConfigError(f"--tune_storage={_masked(url)}: cannot open the study ({first_line(e)})") from None
     wanted = {"objective": config.tune_objective, "direction": direction}
     for key, value in wanted.items():
         if study.user_attrs.get(key, value) != value:
@@ -342,15 +341,7 @@ def _objective(config, space, strategy):
 
 
 def _flags(values):
-    return " ".join(f"--{name}={_show(value)}" for name, value in values.items())
-
-
-def _show(value):
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
-    return repr(value) if isinstance(value, float) else str(value)
+    return " ".join(f"--{name}={show(value)}" for name, value in values.items())
 
 
 def _announce(config):
@@ -456,12 +447,12 @@ def write_flagfile(path, config, best, space):
         if name in tuner_only or name.startswith(("tune_", "ensemble_")) or name in ("seed", "deterministic"):
             continue
         if name in searched or value != getattr(default, name):
-            lines.append(f"--{name}={_show(value)}")
+            lines.append(f"--{name}={show(value)}")
     lines += [
         f"--eval_split={config.validation_split}",
         f"--workdir={os.path.join(config.workdir, 'best')}",
         f"--seed={run_config.seed}",
-        f"--deterministic={_show(run_config.deterministic)}",
+        f"--deterministic={show(run_config.deterministic)}",
     ]
     exact = (
         "the same numbers"

@@ -105,6 +105,26 @@ def nonfinite_scenario(config, strategy, bad_replica):
     return before, after_bad, after_good, as_numpy(bad_out), [as_numpy(o) for o in good_outs]
 
 
+def logged_steps(workdir, name="metrics.jsonl"):
+    """The steps a run logged to workdir/name so far ([] before the file exists)."""
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def checkpoint_tensors(workdir):
+    """(path, {name: value}) of the newest checkpoint in workdir/checkpoints, its save counter left out."""
+    import tensorflow as tf
+
+    from engine import checkpoint
+
+    path = checkpoint.latest(os.path.join(workdir, "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    return path, {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "save_counter" not in k}
+
+
 def launch(*args, env=None, timeout=300):
     """Runs `python launch.py *args` from the repository root; returns the CompletedProcess (text output)."""
     return subprocess.run(

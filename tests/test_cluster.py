@@ -20,8 +20,7 @@ from tests.helpers import ROOT, launch
 
 
 def final_tensors(workdir):
-    reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(os.path.join(workdir, "checkpoints"))[0])
-    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if k.startswith("model/")}
+    return {k: v for k, v in helpers.checkpoint_tensors(workdir)[1].items() if k.startswith("model/")}
 
 
 def test_launcher_runs_two_workers_that_match_one_device(data_dir, tmp_path):

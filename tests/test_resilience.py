@@ -18,7 +18,7 @@ import tensorflow as tf
 from engine import checkpoint, data, evaluate, loop, preemption
 from engine.config import ConfigError
 from tests import helpers
-from tests.helpers import ROOT
+from tests.helpers import ROOT, checkpoint_tensors, logged_steps
 
 
 def start(workdir, *args, env=None, **popen):
@@ -39,14 +39,6 @@ def launch(workdir, *args, timeout=300, **popen):
     return proc.returncode, out, err
 
 
-def logged_steps(workdir, name="metrics.jsonl"):
-    path = os.path.join(workdir, name)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.strip()]
-
-
 def kill_after(proc, workdir, step, timeout=180):
     """SIGKILLs `proc` as soon as metrics.jsonl shows `step`; returns the last step it logged."""
     deadline = time.monotonic() + timeout
@@ -58,12 +50,6 @@ def kill_after(proc, workdir, step, timeout=180):
             return logged_steps(workdir)[-1]
         time.sleep(0.02)
     raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
-
-
-def checkpoint_tensors(workdir):
-    path = checkpoint.list_checkpoints(os.path.join(workdir, "checkpoints"))[0]
-    reader = tf.train.load_checkpoint(path)
-    return path, {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "save_counter" not in k}
 
 
 @pytest.mark.parametrize(

@@ -52,15 +52,11 @@ def read(path, name):
         return f.read()
 
 
-def steps(workdir, name="metrics.jsonl"):
-    return [json.loads(line)["step"] for line in read(workdir, name).splitlines() if line.strip()]
-
-
 def logged_step(workdir):
     """The last step in metrics.jsonl while a run writes it (0 before the first line)."""
     try:
-        return steps(workdir)[-1]
-    except (OSError, IndexError, ValueError):  # not there yet, empty, or a line half written
+        return helpers.logged_steps(workdir)[-1]
+    except (IndexError, ValueError):  # not there yet, empty, or a line half written
         return 0
 
 
@@ -119,9 +115,9 @@ def test_pruning_stops_a_hopeless_trial_early(data_dir, one_device, tmp_path, pr
     summary = tune.tune(config, one_device)
     good, hopeless = summary["all"]
     assert (good["state"], hopeless["state"]) == ("complete", "pruned")
-    assert good["steps"] == 60 and steps(good["workdir"]) == [10, 20, 30, 40, 50, 60]
+    assert good["steps"] == 60 and helpers.logged_steps(good["workdir"]) == [10, 20, 30, 40, 50, 60]
     # Stopped at its first evaluation, step 20 of 60, and its workdir shows it.
-    assert hopeless["steps"] == 20 and steps(hopeless["workdir"]) == [10, 20]
+    assert hopeless["steps"] == 20 and helpers.logged_steps(hopeless["workdir"]) == [10, 20]
     assert json.loads(read(hopeless["workdir"], "summary.json"))["step"] == 20
     assert checkpoint.list_checkpoints(os.path.join(hopeless["workdir"], "checkpoints"))[0].endswith("ckpt-20")
     assert hopeless["value"] < good["value"] - 0.2
@@ -172,7 +168,7 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
     # No trial ran twice: the completed ones were not touched, the interrupted one continued in its own workdir.
     assert {n: read(workdir / "trials" / str(n), "metrics.jsonl") for n in (0, 1)} == kept
     assert sorted(os.listdir(workdir / "trials")) == ["0", "1", "2", "4"]
-    assert steps(killed_trial) == list(range(10, 201, 10))
+    assert helpers.logged_steps(killed_trial) == list(range(10, 201, 10))
     summary = json.loads(read(workdir, "summary.json"))
     assert (summary["trials"], summary["complete"], summary["failed"]) == (4, 4, 1)
     assert "tune: trial 2 was interrupted; requeued to resume in trials/2" in out.stdout
