@@ -310,8 +310,10 @@ def is_parameter_server(strategy):
 
 
 def num_workers(strategy):
-    """Parameter servers: the cluster's worker count."""
-    return strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+    """Parameter servers: the cluster's worker count (1 where the strategy has no resolver: inside a function
+    the coordinator runs on a worker)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    return len(resolver.cluster_spec().as_dict().get("worker", [0])) if resolver is not None else 1
 
 
 def task_id(strategy):
