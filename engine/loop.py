@@ -81,6 +81,7 @@ class Trainer:
             config,
             strategy.num_replicas_in_sync,
             self.stop,
+            self.step,
             asynchronous=self.coordinator is not None,
         )
         self.eval_step = step.make_eval_step(self.model)

@@ -2,10 +2,13 @@
 
 The train step, in order: forward and per-example loss in float32; loss over
 the GLOBAL batch; loss scaling (float16); ONE all-reduce of the gradients (the
-loss rides along); unscale; finite check; clipping; the optimizer update,
-applied only when every gradient is finite, on every replica alike.
+loss rides along); unscale; finite check on the unclipped gradients; clipping;
+the optimizer update, applied only when every gradient is finite, on every
+replica alike. The forward pass runs stateless: what it would update in place
+(batch-norm statistics) comes back as values and is masked like the weights.
 """
 
+import keras
 import tensorflow as tf
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -17,25 +20,96 @@ def _maybe_jit(fn, jit_compile):
     return tf.function(fn, jit_compile=True) if jit_compile else fn
 
 
-def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_flag, asynchronous=False):
+def split_state(model):
+    """(state, seeds): the model's non-trainable variables a forward pass updates (batch-norm statistics),
+    and its random seed-generator states (Keras names them so), which the step derives instead."""
+    state, seeds = [], []
+    for v in model.non_trainable_variables:
+        (seeds if v.path.endswith("seed_generator_state") else state).append(v)
+    return state, seeds
+
+
+def stateless_forward(model, inputs, state, seeds, step, replica):
+    """The model's training forward pass with nothing assigned: returns (outputs, new values of `state`).
+
+    Each seed generator draws from (its own seed, `step`, `replica`): every replica and worker gets its own
+    dropout masks, and a resumed run draws exactly the masks an uninterrupted one would have.
+    """
+    mapping = [(v, v.value) for v in state]
+    if seeds:
+        noise = tf.random.stateless_uniform([], tf.stack([step, replica]), minval=None, maxval=None, dtype=tf.int64)
+        mapping += [(v, tf.stack([v.value[0], noise])) for v in seeds]
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        outputs = model(inputs, training=True)
+    return outputs, [scope.get_current_value(v) for v in state]
+
+
+def global_norm(grads):
+    """(norm, finite): the gradients' global norm, and whether every element is finite.
+
+    A finite sum of squares proves every element finite. Only when it is not are the elements checked,
+    and the norm taken relative to the largest magnitude: finite gradients above about 1e19 overflow a
+    float32 sum of squares, which must not read as a non-finite step.
+    """
+    squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+
+    def rescaled():
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        largest = tf.reduce_max([tf.reduce_max(tf.abs(g)) for g in grads])
+        divisor = tf.where(finite & (largest > 0), largest, 1.0)
+        ratio = tf.add_n([tf.reduce_sum(tf.square(g / divisor)) for g in grads])
+        return divisor * tf.sqrt(ratio), finite
+
+    return tf.cond(tf.math.is_finite(squares), lambda: (tf.sqrt(squares), tf.constant(True)), rescaled)
+
+
+def process_gradients(grads, scale, config):
+    """(grads, grad_norm, finite) from the all-reduced gradients: unscaled (float16's `scale`), then judged
+    finite element by element BEFORE clipping (clip_value would turn an overflow into +-clip_value), then
+    clipped by value and by global norm. `grad_norm` is the norm before norm clipping."""
+    if scale is not None:
+        grads = [g / scale for g in grads]  # unscale before anything looks at the gradients
+    finite = None
+    if config.clip_value:
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        grads = [tf.clip_by_value(g, -config.clip_value, config.clip_value) for g in grads]
+    grad_norm, norm_finite = global_norm(grads)
+    finite = norm_finite if finite is None else finite
+    if config.clip_norm:
+        grads = [g * tf.minimum(1.0, config.clip_norm / grad_norm) for g in grads]
+    return grads, grad_norm, finite
+
+
+def _assign(variable, value):
+    return variable.assign(value)
+
+
+def _assign_add(variable, delta):
+    return variable.assign_add(delta)
+
+
+def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_flag, step, asynchronous=False):
     """Returns train_step(images, labels) -> dict of scalars, identical on every replica.
 
     `loss_scale` is None unless float16. `stop_flag` (a boolean variable, set on preemption) rides the
-    all-reduce, so every replica and worker learns that any of them is stopping after this step.
+    all-reduce, so every replica and worker learns that any of them is stopping after this step. `step`
+    (the run's step counter) seeds the dropout masks.
     `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
     applies atomically, so concurrent workers never lose each other's updates or update counts.
     """
     params = [v.value for v in model.trainable_variables]
+    state, seeds = split_state(model)
     slot_counts = [len(param_slots) for param_slots in optimizer.slots]
     assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
+    assigned += [v.value for v in state]
     if loss_scale:
         assigned += [loss_scale.scale, loss_scale.good_steps]
     global_batch = config.global_batch_size
 
-    def forward_backward(images, labels):
+    def forward_backward(images, labels, step, replica):
         with tf.GradientTape() as tape:
-            logits = tf.cast(model(images, training=True), tf.float32)
-            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+            logits, new_state = stateless_forward(model, images, state, seeds, step, replica)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.cast(logits, tf.float32))
             # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
             # examples, the same number one device computes, whatever the replica count.
             loss = tf.reduce_sum(per_example) / global_batch
@@ -44,24 +118,18 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
                 loss += tf.add_n(model.losses) / num_replicas
             scaled = loss * loss_scale.scale if loss_scale else loss
         grads = tape.gradient(scaled, params)
-        return loss, [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(params, grads)]
+        grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(params, grads)]
+        return loss, grads, new_state
 
-    def new_values(grads):
+    def new_values(grads, new_state):
         current = [tf.convert_to_tensor(v) for v in assigned]  # every variable read once
         now_params, rest = current[: len(params)], iter(current[len(params) :])
         now_slots = [[next(rest) for _ in range(count)] for count in slot_counts]
         iterations = next(rest)
-        if loss_scale:
-            grads = [g / loss_scale.scale for g in grads]
-        if config.clip_value:
-            grads = [tf.clip_by_value(g, -config.clip_value, config.clip_value) for g in grads]
-        grad_norm = tf.linalg.global_norm(grads)
-        finite = tf.math.is_finite(grad_norm)  # any inf or NaN element makes the norm non-finite
-        if config.clip_norm:
-            grads = [g * tf.minimum(1.0, config.clip_norm / grad_norm) for g in grads]
+        grads, grad_norm, finite = process_gradients(grads, loss_scale.scale if loss_scale else None, config)
         new_params, new_slots, lr = optimizer.updates(now_params, now_slots, iterations, grads)
-        updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1]
-        # A non-finite step changes nothing but the loss scale: no weight, no slot, no update count.
+        updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1] + new_state
+        # A non-finite step changes nothing but the loss scale: no weight, slot, update count or statistic.
         values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
         if loss_scale:
             values.extend(loss_scale.next_state(finite))
@@ -76,7 +144,7 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
     forward_backward = _maybe_jit(forward_backward, config.jit_compile and not whole)
     new_values = _maybe_jit(new_values, config.jit_compile and not whole)
 
-    update = (lambda v, x: v.assign_add(x)) if asynchronous else (lambda v, x: v.assign(x))
+    update = _assign_add if asynchronous else _assign
 
     def assign_all(strategy, values):
         for var, value in zip(assigned, values):
@@ -84,10 +152,11 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
 
     def train_step(images, labels):
         ctx = tf.distribute.get_replica_context()
-        loss, grads = forward_backward(images, labels)
+        replica = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
+        loss, grads, new_state = forward_backward(images, labels, tf.convert_to_tensor(step), replica)
         stop = tf.cast(stop_flag, tf.float32)
         loss, stop, *grads = ctx.all_reduce(SUM, [loss, stop, *grads])  # the one all-reduce of the step
-        values, metrics = new_values(grads)
+        values, metrics = new_values(grads, new_state)
         ctx.merge_call(assign_all, args=(values,))
         return {"loss": loss, "stop": stop > 0, **metrics}
 
