@@ -9,14 +9,18 @@ This is the only file that knows absl exists.
 
 Exit codes: 0 done; 2 bad input (a flag, TF_CONFIG, data, a checkpoint that does not fit);
 3 non-finite loss; 4 cannot write to the workdir; 5 lost a multi-worker peer; 75 preempted by
-SIGTERM after saving a checkpoint (run the same command to resume); 130 interrupted by SIGINT
-after saving.
+SIGTERM, or by a peer worker's signal; 130 interrupted by SIGINT. A signal during training stops every
+worker after the same step, which the chief saves (run the same command to resume); anywhere else
+(start-up, evaluation) there is nothing to save and the process exits at once. While a multi-worker job
+waits for its peers, TensorFlow holds Python's lock: Ctrl-C ends it at once (130), SIGTERM once the
+wait ends (75), or at --connect_timeout.
 """
 
 import contextlib
 import dataclasses
 import os
 import sys
+import traceback
 
 # TensorFlow's C++ start-up chatter (CUDA probing on a CPU machine) would bury our output; errors
 # still reach us as Python exceptions. Set TF_CPP_MIN_LOG_LEVEL=0 to see it all.
@@ -65,11 +69,15 @@ def main(argv):
         config = _config_from_flags()
     except ConfigError as e:
         _exit(str(e))
-    if config.local_workers:
-        from engine import launcher
+    from engine import launcher
 
+    if config.local_workers:
         command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--local_workers=0"]
         sys.exit(launcher.run(config.strategy, config.local_workers, config.num_ps, command))
+    try:
+        launcher.tf_config()  # a bad TF_CONFIG fails before TensorFlow starts; an empty one is dropped
+    except ConfigError as e:
+        _exit(str(e))
     PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     with _quiet_native_stderr():
         # Deferred: TensorFlow starts here, after the flags are known good.
@@ -95,8 +103,8 @@ def main(argv):
         _exit(str(e), code=4)
     except distribute.PeerLost as e:
         _exit(str(e), code=5)
-    except loop.Preempted as e:
-        _exit(f"preempted: {e}", code=e.exit_code)
+    except loop.Preempted as e:  # the message says preempted or interrupted, and by what
+        _exit(str(e), code=e.exit_code)
     if config.mode == "train":
         results = result["eval"]
         print(
@@ -126,8 +134,25 @@ def main(argv):
 def _parse_flags(argv):
     try:
         return FLAGS(argv)
-    except flags.Error as e:
+    except flags.UnrecognizedFlagError as e:
+        given = e.flagvalue if str(e.flagvalue).startswith("-") else f"--{e.flagname}"
+        suggestions = str(e).partition("Did you mean: ")[2].rstrip(" ?")
+        _exit(f"{given}: no such flag" + (f" (did you mean --{suggestions}?)" if suggestions else ""))
+    except flags.CantOpenFlagFileError as e:
+        cause = e.__context__  # the OSError, which absl's message only quotes
+        if isinstance(cause, OSError):
+            _exit(f"--flagfile={cause.filename}: cannot read it ({cause.strerror})")
         _exit(str(e))
+    except flags.Error as e:
+        _exit(str(e).removeprefix("flag "))  # absl's own text: "flag --name=value: why"
+    except UnicodeDecodeError as e:
+        # absl reads a flagfile as UTF-8 text without saying which one was not; its reader's frame knows.
+        frames = traceback.walk_tb(e.__traceback__)
+        read = [f.f_locals["filename"] for f, _ in frames if f.f_code.co_name == "_get_flag_file_lines"]
+        given = [a.split("=", 1)[1] for a in argv if a.startswith(("--flagfile=", "-flagfile="))]
+        _exit(f"--flagfile={(read or given or ['?'])[-1]}: not a text file of flags (byte {e.start} is not UTF-8)")
+    except SystemExit:  # absl's --help, --helpfull and --helpxml print what was asked for and exit 1: no error
+        sys.exit(0)
 
 
 @contextlib.contextmanager

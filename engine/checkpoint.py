@@ -10,19 +10,19 @@ Preemption (engine/preemption.py): SIGTERM or SIGINT set a flag that the replica
 with the gradients, so every worker stops after the same step; the loop then saves here and exits.
 """
 
-import glob
 import os
 import re
 import shutil
 import tempfile
 
 import tensorflow as tf
+from google.protobuf import text_format
 
 from engine.config import ConfigError, first_line
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; the message names the path."""
+    """A file of the run (a checkpoint, a log, the summary) could not be written; the message names the path."""
 
 
 def model_state(model):
@@ -51,11 +51,12 @@ def tracked_state(trainer):
 
 
 def describe_key(key, model):
-    """A checkpoint key as a person reads it: model variables get their Keras path."""
+    """A checkpoint key as a person reads it: model variables get this run's Keras path (a checkpoint stores
+    positions, not names, so the checkpoint's own variable there may be another)."""
     name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
     match = re.fullmatch(r"model/(\d+)", name)
     if match and int(match.group(1)) < len(model.variables):
-        return f"model variable {match.group(1)} ({model.variables[int(match.group(1))].path})"
+        return f"model variable {match.group(1)} ({model.variables[int(match.group(1))].path} in this run)"
     return name
 
 
@@ -66,7 +67,8 @@ def _step_of(path):
 def list_checkpoints(directory):
     """Checkpoint prefixes in `directory`, newest first, found by their files (so a damaged `checkpoint`
     state file hides nothing, and a checkpoint missing its index is still found and reported)."""
-    prefixes = {re.sub(r"\.(index|data-\d+-of-\d+)$", "", p) for p in glob.glob(os.path.join(directory, "ckpt-*"))}
+    found = tf.io.gfile.glob(os.path.join(directory, "ckpt-*"))
+    prefixes = {re.sub(r"\.(index|data-\d+-of-\d+)$", "", p) for p in found}
     return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=_step_of, reverse=True)
 
 
@@ -84,11 +86,44 @@ class Checkpoints:
         self.directory = os.path.join(workdir, "checkpoints")
         self.checkpoint = tf.train.Checkpoint(**tracked_state(trainer))
         self.chief = chief
+        self.saved_step = None  # the step of the checkpoint that holds the current state, if one does
         write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
         try:
+            if chief:  # the only writer of this directory (it holds the workdir's lock)
+                self._tidy()
             self.manager = tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=keep)
         except (tf.errors.OpError, OSError) as e:
-            raise CheckpointError(f"cannot use checkpoint directory {write_dir}: {e}") from None
+            raise CheckpointError(f"cannot use checkpoint directory {write_dir}: {first_line(e)}") from None
+
+    def _tidy(self):
+        """Removes what saves killed midway left (ckpt-N_temp/ directories), and rebuilds the `checkpoint` state
+        file from the checkpoints' own files when it is damaged or missing: the manager reads it to know which
+        old checkpoints to delete."""
+        for temp in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp")):
+            tf.io.gfile.rmtree(temp)
+        found = list_checkpoints(self.directory)
+        try:
+            state = tf.train.get_checkpoint_state(self.directory)
+            readable = state is not None or not found
+        except (ValueError, text_format.ParseError, tf.errors.OpError) as e:  # ValueError: undecodable bytes
+            print(f"warning: {self.directory}/checkpoint is unreadable ({first_line(e)}); rebuilt from the files")
+            readable = False
+        state_file = os.path.join(self.directory, "checkpoint")
+        if not readable and not found:
+            tf.io.gfile.remove(state_file)
+        elif not readable:
+            # The manager deletes only checkpoints listed with a timestamp: their files' times stand in.
+            times = [
+                tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 if tf.io.gfile.exists(p + ".index") else 0.0
+                for p in found[::-1]
+            ]
+            lines = [f'model_checkpoint_path: "{os.path.basename(found[0])}"']
+            lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
+            lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
+            lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
+            with tf.io.gfile.GFile(state_file + ".tmp", "w") as f:
+                f.write("\n".join(lines) + "\n")
+            tf.io.gfile.rename(state_file + ".tmp", state_file, overwrite=True)
 
     def latest(self):
         return latest(self.directory)
@@ -96,7 +131,14 @@ class Checkpoints:
     def save(self):
         """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
         step = int(self.trainer.step.numpy())
-        bad = [v.path for v in self.trainer.model.trainable_variables if not bool(tf.reduce_all(tf.math.is_finite(v)))]
+        if step == self.saved_step:  # e.g. a run resumed at its last step: its checkpoint is already there
+            return self.latest()
+        # Every floating-point variable: weights and the statistics a forward pass updates alike.
+        bad = [
+            v.path
+            for v in self.trainer.model.variables
+            if v.dtype.startswith("float") and not bool(tf.reduce_all(tf.math.is_finite(v)))
+        ]
         if bad:  # never let a diverged model replace a good checkpoint
             raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]}")
         try:
@@ -107,6 +149,7 @@ class Checkpoints:
             ) from None
         if not self.chief:
             shutil.rmtree(self.manager.directory, ignore_errors=True)
+        self.saved_step = step
         return path
 
     def restore_latest(self, log=print):
@@ -118,6 +161,7 @@ class Checkpoints:
         for path in list_checkpoints(self.directory):
             try:
                 restore(self.checkpoint, path, model=self.trainer.model)
+                self.saved_step = int(self.trainer.step.numpy())
                 return path
             except Unreadable as e:
                 log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")
@@ -143,7 +187,9 @@ def restore(checkpoint, path, partial=False, model=None):
         raise Unreadable(first_line(e)) from None
     except (AssertionError, ValueError):
         why = _mismatch(checkpoint, path, partial, model)
-        raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
+        raise ConfigError(
+            f"checkpoint {path} does not fit this run: {why} (a run with other settings saved it)"
+        ) from None
 
 
 def _mismatch(checkpoint, path, partial, model):

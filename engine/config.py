@@ -7,7 +7,11 @@ checked without TensorFlow, so bad input fails before anything is written.
 
 import dataclasses
 import importlib.util
+import json
 import math
+import os
+
+import models
 
 STRATEGIES = ("one_device", "mirrored", "multi_worker", "parameter_server", "tpu")
 CLUSTER_RESOLVERS = ("tf_config", "slurm", "kubernetes", "tpu")
@@ -18,6 +22,26 @@ LR_SCALINGS = ("none", "linear")
 MODES = ("train", "eval", "continuous_eval", "export", "tune", "ensemble")
 ON_NAN = ("stop", "rollback")
 BUNDLED_DATASETS = ("digits", "synthetic")
+INT64_LIMIT = 2**63  # every integer setting reaches TensorFlow as an int64
+SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy generator, which takes 32 bits
+# Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step
+# (measured on 2 cores: 64 take 2.7 s to the first step and 18x the all-reduce time of 8; 100,000 hang).
+MAX_CPU_DEVICES = 64
+# What the memory estimate reads: the one whose default shrinks the estimate most is named when it is too large.
+MEMORY_SETTINGS = (
+    "hidden_sizes",
+    "resnet_depth",
+    "resnet_width",
+    "transformer_layers",
+    "transformer_dim",
+    "transformer_heads",
+    "transformer_mlp_dim",
+    "synthetic_shape",
+    "synthetic_classes",
+    "synthetic_examples",
+    "global_batch_size",
+    "eval_batch_size",
+)
 
 
 class ConfigError(ValueError):
@@ -48,7 +72,9 @@ class Config:
     cluster_resolver: str = _setting(
         "", "where a cluster comes from: tf_config|slurm|kubernetes|tpu; empty: TF_CONFIG when it is set"
     )
-    collective_timeout: float = _setting(600.0, "seconds a multi-worker collective waits for a peer before it fails")
+    collective_timeout: float = _setting(
+        10.0, "multi-worker: seconds a peer may go without a heartbeat before the job stops, naming it as lost"
+    )
     connect_timeout: float = _setting(300.0, "seconds to wait for every task of a cluster to come up at start")
     local_workers: int = _setting(0, "start this many worker processes on this machine (TF_CONFIG on localhost)")
     num_ps: int = _setting(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
@@ -69,7 +95,11 @@ class Config:
 
     # Data.
     dataset: str = _setting("digits", "digits (bundled), synthetic, or any tensorflow-datasets name")
-    data_dir: str = _setting("", "tensorflow-datasets data directory; empty: tfds's default (~/tensorflow_datasets)")
+    data_dir: str = _setting(
+        "",
+        "tensorflow-datasets directory, outside --workdir: prepared datasets, tfds's download cache (downloads/) "
+        "and the preparation lock (<dataset>/.prepare.lock); empty: $TFDS_DATA_DIR or ~/tensorflow_datasets",
+    )
     train_split: str = _setting("train", "split to train on")
     eval_split: str = _setting("test", "split to evaluate on; every example is counted exactly once")
     shuffle_buffer: int = _setting(10_000, "training shuffle buffer, in examples")
@@ -205,6 +235,10 @@ def validate(config):
     _choice(config, "lr_schedule", LR_SCHEDULES)
     _choice(config, "lr_scaling", LR_SCALINGS)
     _choice(config, "on_nan", ON_NAN)
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type in (int, tuple) and max(value if field.type is tuple else (value,), default=0) >= INT64_LIMIT:
+            _fail(field.name, value, "must be less than 2**63 (TensorFlow's int64)")
     _positive(
         config,
         "num_cpu_devices",
@@ -244,6 +278,26 @@ def validate(config):
         "epsilon",
         "seed",
     )
+    if config.seed >= SEED_LIMIT:
+        _fail(
+            "seed",
+            config.seed,
+            "must be in [0, 2**32): keras.utils.set_random_seed seeds NumPy with it, which takes 32 bits",
+        )
+    if config.num_cpu_devices > MAX_CPU_DEVICES:
+        _fail(
+            "num_cpu_devices",
+            config.num_cpu_devices,
+            f"must be at most {MAX_CPU_DEVICES}: logical CPU devices emulate replicas, each with a copy of every "
+            "variable and a thread in every step",
+        )
+    if config.train_steps * config.global_batch_size >= INT64_LIMIT:
+        _fail(
+            "train_steps",
+            config.train_steps,
+            f"times --global_batch_size={config.global_batch_size} must be less than 2**63: the data stream "
+            "numbers its examples in int64",
+        )
     for name in ("beta_1", "beta_2", "dropout"):
         if not 0 <= getattr(config, name) < 1:
             _fail(name, getattr(config, name), "must be in [0, 1)")
@@ -263,6 +317,8 @@ def validate(config):
         )
     if config.strategy == "tpu" and not config.tpu:
         _fail("tpu", config.tpu, "--strategy=tpu needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
+    if config.strategy == "tpu" and config.precision == "mixed_float16":
+        _fail("precision", config.precision, "TPUs compute in bfloat16, not float16: use --precision=mixed_bfloat16")
     if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
         _fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
     if not config.hidden_sizes or min(config.hidden_sizes) <= 0:
@@ -273,9 +329,10 @@ def validate(config):
         _fail("resnet_depth", config.resnet_depth, "must be 6n+2 with n >= 1 (8, 14, 20, 32, 44, 56, 110)")
     if config.transformer_dim % config.transformer_heads:
         _fail("transformer_heads", config.transformer_heads, f"must divide --transformer_dim={config.transformer_dim}")
-    if importlib.util.find_spec(f"models.{config.model}") is None or config.model.startswith("_"):
-        _fail("model", config.model, f"no such model: models/{config.model}.py does not exist")
+    if config.model not in models.available():
+        _fail("model", config.model, f"must name a file in models/ ({', '.join(models.available())})")
     _check_dataset_name(config.dataset)
+    check_memory(config)
     _choice(config, "tune_objective", ("accuracy", "loss"))
     _choice(config, "tune_direction", ("max", "min"), allow_empty=True)
     _choice(config, "tune_sampler", ("random", "tpe", "gp"))
@@ -300,6 +357,10 @@ def validate(config):
         _fail("members", config.members, "--mode=ensemble needs at least two comma-separated workdirs")
     if config.mode == "ensemble" and config.validation_split == config.eval_split:
         _fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
+    if config.mode == "tune":  # last: each searched value is tried in this config, which must be good already
+        from engine import space  # deferred: it reads this module
+
+        space.parse_space(config.tune_space, config)
     return config
 
 
@@ -319,9 +380,234 @@ def _check_dataset_name(name):
         _fail("dataset", name, "unknown dataset: not digits, synthetic, nor a tensorflow-datasets name")
 
 
+def memory_estimate(config, input_shape=None, num_classes=None):
+    """{part: bytes} a run needs at least, from its settings: the model (models.size) with its gradients and
+    optimizer slots, the activations of a training batch and of an evaluation batch, synthetic data. A synthetic
+    dataset's shape is its settings'; another's unknown shape counts as one value and two classes."""
+    if config.dataset == "synthetic":
+        input_shape, num_classes = config.synthetic_shape, config.synthetic_classes
+    input_shape, num_classes = input_shape or (1, 1, 1), num_classes or 2
+    features = math.prod(input_shape)
+    parameters, activations = models.size(config, input_shape, num_classes)
+    slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
+    parts = {
+        "model, gradients and optimizer slots": 4 * parameters * (2 + slots),
+        # The forward pass's activations are kept for the backward pass, which adds their gradients.
+        "training batch": 4 * config.global_batch_size * (features + 2 * activations),
+        "evaluation batch": 4 * config.per_eval_batch_size * (features + activations),
+    }
+    if config.dataset == "synthetic":  # both pools, float32 images and int64 labels, and the labelling projection
+        examples = config.synthetic_examples + max(1, config.synthetic_examples // 4)
+        parts["synthetic data"] = examples * (4 * features + 8) + 4 * features * num_classes
+    return parts
+
+
+def check_memory(config, input_shape=None, num_classes=None):
+    """Refuses a run whose memory_estimate exceeds this machine's memory, naming the setting whose default would
+    shrink it most (--model when none would: the model does not fit even at its defaults). Host memory: an
+    accelerator's is smaller, so a run refused here could not run there either."""
+    total = memory_bytes()
+    parts = memory_estimate(config, input_shape, num_classes)
+    need = sum(parts.values())
+    if need <= total:
+        return
+    default = Config()
+
+    def with_default(name):
+        changed = dataclasses.replace(config, **{name: getattr(default, name)})
+        return sum(memory_estimate(changed, input_shape, num_classes).values())
+
+    culprit = min(MEMORY_SETTINGS, key=with_default)
+    if with_default(culprit) >= need:
+        culprit = "model"
+    details = ", ".join(f"{part} {_bytes(size)}" for part, size in parts.items() if size)
+    _fail(
+        culprit,
+        getattr(config, culprit),
+        f"needs about {_bytes(need)} of memory ({details}), more than this machine's {_bytes(total)}",
+    )
+
+
+def memory_bytes():
+    """This machine's memory, or its container's limit where that is lower (a Kubernetes pod's, say)."""
+    import psutil  # deferred: only validation needs it
+
+    total = psutil.virtual_memory().total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():  # v2 writes "max" for none
+            total = min(total, int(limit))
+    return total
+
+
+def _bytes(count):
+    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
+    if count >= 1000 ** len(units):
+        return f"over 1000 {units[-1]}"
+    power = min(int(math.log10(max(count, 1)) // 3), len(units) - 1)
+    value = count / 1000**power
+    return f"{value:.3g} {units[power]}"
+
+
 def check_batch(config, num_replicas):
     """The batch checks that need the replica count (known once the strategy exists)."""
     for name in ("global_batch_size", "eval_batch_size"):
         value = getattr(config, name)
         if value and value % num_replicas:
             _fail(name, value, f"must be divisible by the number of replicas ({num_replicas})")
+
+
+# ---- A run's saved settings (workdir/config.json) ----------------------------------------------------------------
+
+# Where and how a run executes, not what it computes: a run resumes under other values (another strategy or
+# cluster size gives the same numbers, tests/test_parity.py), and evaluation takes them from its own command line.
+EXECUTION_SETTINGS = frozenset(
+    {
+        "mode",
+        "workdir",
+        "checkpoint",
+        "export_dir",
+        "eval_timeout",
+        "strategy",
+        "num_cpu_devices",
+        "tpu",
+        "cluster_resolver",
+        "collective_timeout",
+        "connect_timeout",
+        "local_workers",
+        "num_ps",
+        "slurm_port_base",
+        "kubernetes_selector",
+        "tf_data_service",
+        "data_dir",
+        "jit_compile",
+        "deterministic",
+    }
+)
+# When things happen and what is logged: never part of a run's identity.
+CADENCE_SETTINGS = frozenset(
+    {
+        "steps_per_loop",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "profile_steps",
+        "on_nan",
+        "eval_batch_size",
+    }
+)
+# Settings an evaluation of a trained run takes from its command line when given there (not the default), else
+# from the run; --eval_split and --eval_batch_size always come from the command line (default: the test split).
+EVALUATION_SETTINGS = ("data_dir", "global_batch_size", "train_steps")
+# The settings that make a run's numbers what they are (model, data, optimizer, schedule, seed, batch,
+# precision, the split it reports on): a workdir holds one run, so these never change within it. train_steps is
+# handled apart: raising it continues a run.
+IDENTITY_SETTINGS = tuple(
+    f.name
+    for f in dataclasses.fields(Config)
+    if f.name not in EXECUTION_SETTINGS | CADENCE_SETTINGS | {"train_steps", "members", "validation_split"}
+    and not f.name.startswith(("tune_", "ensemble_"))
+)
+
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", tuple: "a list of integers"}
+
+
+def _is(value, kind):
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is tuple:
+        return isinstance(value, list) and all(_is(v, int) for v in value)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def from_json(saved, where):
+    """A Config from the JSON a run saved, checked like flags; ConfigError `<where>: ...` for anything a flag could
+    not hold. Settings this engine no longer has are dropped (a model they changed fails to restore, loudly);
+    settings the file lacks take their defaults."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{where}: must be a JSON object of settings, not {type(saved).__name__}")
+    kinds = {f.name: f.type for f in dataclasses.fields(Config)}
+    values = {}
+    for name, value in saved.items():
+        if name not in kinds:
+            continue
+        if not _is(value, kinds[name]):
+            raise ConfigError(f"{where}: {name}={json.dumps(value)}: must be {_KINDS[kinds[name]]}")
+        values[name] = tuple(value) if kinds[name] is tuple else float(value) if kinds[name] is float else value
+    try:
+        return validate(Config(**values))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_run_config(workdir):
+    """The Config a train run saved in workdir/config.json (checked like flags), or None when there is none."""
+    import tensorflow as tf  # deferred: this module is read before TensorFlow starts
+
+    path = os.path.join(workdir, "config.json")
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            saved = json.loads(f.read())
+    except (tf.errors.OpError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it ({first_line(e)})") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return from_json(saved, path)
+
+
+def applies(name, config):
+    """Whether setting `name` affects a run of `config`. A help text that starts with values of the selecting
+    settings ("resnet: ...", "adamw, lamb: ...", "synthetic: ...") limits the setting to runs that select one of
+    them: --resnet_depth means nothing to an MLP."""
+    help_text = _SETTINGS[name].metadata["help"]
+    scope = [word.strip() for word in help_text.split(":")[0].split(",")] if ":" in help_text else []
+    known = set(OPTIMIZERS + PRECISIONS + BUNDLED_DATASETS + MODES)
+    if not scope or not all(
+        w in known or (w.isidentifier() and importlib.util.find_spec(f"models.{w}")) for w in scope
+    ):
+        return True
+    return bool({config.model, config.dataset, config.optimizer, config.precision, config.mode}.intersection(scope))
+
+
+_SETTINGS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def identity_changes(saved, config):
+    """The identity settings that matter to both runs and differ: [(name, value in `saved`, value in `config`)]."""
+    return [
+        (name, getattr(saved, name), getattr(config, name))
+        for name in IDENTITY_SETTINGS
+        if getattr(saved, name) != getattr(config, name) and applies(name, saved) and applies(name, config)
+    ]
+
+
+def for_evaluation(config, saved, where):
+    """The Config that evaluates or exports the run `saved`: its settings; the command line's execution settings,
+    split and eval batch; the command line's non-default EVALUATION_SETTINGS. A non-default identity setting that
+    differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
+    trained."""
+    default = Config()
+    values = {}
+    for field in dataclasses.fields(Config):
+        name = field.name
+        given, theirs = getattr(config, name), getattr(saved, name)
+        if name in ("eval_split", "eval_batch_size"):
+            values[name] = given
+        elif name in EVALUATION_SETTINGS:
+            values[name] = given if given != getattr(default, name) else theirs
+        elif name in IDENTITY_SETTINGS:
+            if given != getattr(default, name) and given != theirs and applies(name, saved):
+                raise ConfigError(
+                    f"--{name}={show(given)}: {where} was trained with --{name}={show(theirs)}; drop the flag "
+                    "(the run is rebuilt from its config.json)"
+                )
+            values[name] = theirs
+        else:
+            values[name] = given
+    return validate(Config(**values))

@@ -7,6 +7,10 @@ and each input pipeline (one per worker) takes every n-th of them, so a step see
 the examples one device would. The stream is a pure function of the batch index, so a
 restored run starts at its data position and reads what an uninterrupted one would.
 Evaluation pads with weight-0 examples so every real example is counted exactly once.
+
+A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default when empty), outside --workdir:
+the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
+prepare it (<data_dir>/<dataset>/.prepare.lock).
 """
 
 import contextlib
@@ -14,13 +18,16 @@ import dataclasses
 import fcntl
 import math
 import os
+import socket
+import urllib.parse
+import urllib.request
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import engine.digits  # noqa: F401  (registers the bundled `digits` builder with tfds)
-from engine.config import ConfigError, first_line
+from engine.config import ConfigError, check_memory, first_line
 
 AUTOTUNE = tf.data.AUTOTUNE
 _IN_MEMORY_LIMIT_BYTES = 1 << 30  # splits below this are held as tensors and batched with one gather
@@ -170,6 +177,7 @@ def _tfds(config):
     if None in shape:
         raise ConfigError(f"--dataset={config.dataset}: images have no fixed shape ({shape})")
     classes = info.features["label"].num_classes
+    check_memory(config, shape, classes)
 
     def split_fn(flag):
         split = getattr(config, flag)
@@ -193,6 +201,9 @@ def _prepared_builder(config):
         builder = tfds.builder(config.dataset, data_dir=data_dir)
     except Exception as e:  # tfds raises several kinds for names and configs it cannot resolve
         raise ConfigError(f"--dataset={config.dataset}: {first_line(e)}") from None
+    # What builder.is_prepared() reads, without its warning about the folder it expected.
+    if not tf.io.gfile.exists(os.path.join(builder.data_dir, tfds.core.constants.DATASET_INFO_FILENAME)):
+        _check_reachable(config, builder)
     with _prepare_lock(builder.data_dir):
         try:
             builder.download_and_prepare()
@@ -203,6 +214,28 @@ def _prepared_builder(config):
                 "copy under --data_dir"
             ) from None
     return builder
+
+
+def _check_reachable(config, builder):
+    """Refuses in seconds to download a dataset when its download hosts (or the proxy to them) do not answer:
+    tfds would retry each file with backoff for minutes (urllib3: 10 tries) before failing."""
+    proxies = urllib.request.getproxies()
+    addresses = set()
+    for url in builder.url_infos or ():
+        parts = urllib.parse.urlsplit(url)
+        proxy = proxies.get(parts.scheme)
+        via = urllib.parse.urlsplit(proxy) if proxy and not urllib.request.proxy_bypass(parts.hostname) else parts
+        addresses.add((via.hostname, via.port or (443 if via.scheme == "https" else 80), via is not parts))
+    for host, port, is_proxy in sorted(addresses):
+        try:
+            socket.create_connection((host, port), timeout=3).close()
+        except OSError as e:
+            where = config.data_dir or tfds.core.constants.DATA_DIR
+            raise ConfigError(
+                f"--dataset={config.dataset}: not prepared in --data_dir={where} ({builder.data_dir}) and the "
+                f"network is unreachable ({'proxy ' if is_proxy else ''}{host}:{port}: {e.strerror or e}); prepare "
+                "it on a machine with a network and copy it there"
+            ) from None
 
 
 @contextlib.contextmanager

@@ -5,49 +5,17 @@ logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
 before the runtime starts.
 """
 
-import json
 import os
 import re
 import subprocess
 import sys
+import threading
 
 import tensorflow as tf
 
-from engine.config import ConfigError
-
-
-def parse_tf_config(raw):
-    """Checks a TF_CONFIG value; returns it as a dict or raises ConfigError naming the bad field."""
-
-    def bad(why):
-        raise ConfigError(f"TF_CONFIG={raw!r}: {why}")
-
-    try:
-        tf_config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        bad(f"not valid JSON ({e.msg} at character {e.pos})")
-    if not isinstance(tf_config, dict):
-        bad("must be a JSON object with 'cluster' and 'task'")
-    cluster, task = tf_config.get("cluster"), tf_config.get("task")
-    if not isinstance(cluster, dict) or not cluster:
-        bad("'cluster' must be an object mapping a job name to a list of host:port addresses")
-    for job, addresses in cluster.items():
-        if not isinstance(addresses, list) or not addresses:
-            bad(f"cluster['{job}'] must be a non-empty list of host:port addresses")
-        for address in addresses:
-            host, _, port = str(address).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                bad(f"cluster['{job}'] address {address!r} is not host:port")
-    if "worker" not in cluster and "chief" not in cluster:
-        bad("'cluster' has no 'worker' or 'chief' job")
-    if not isinstance(task, dict):
-        bad("'task' must be an object with 'type' and 'index'")
-    task_type, index = task.get("type"), task.get("index")
-    if task_type not in cluster:
-        bad(f"task type {task_type!r} is not a job in 'cluster' ({', '.join(cluster)})")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task_type]):
-        bad(f"task index {index!r} is out of range for job '{task_type}' with {len(cluster[task_type])} tasks")
-    return tf_config
+from engine.config import ConfigError, first_line
+from engine.launcher import parse_tf_config, tf_config  # noqa: F401  (parse_tf_config: for callers)
+from engine.preemption import PREEMPTION
 
 
 def _setup_cpu_devices(count):
@@ -70,10 +38,10 @@ def strategy_name(config):
     """The strategy a config runs with, resolving the empty default for this machine."""
     if config.strategy:
         return config.strategy
-    raw = os.environ.get("TF_CONFIG")
-    if raw and "ps" in parse_tf_config(raw)["cluster"]:
+    cluster = (tf_config() or {}).get("cluster")
+    if cluster and "ps" in cluster:
         return "parameter_server"
-    if config.cluster_resolver in ("tf_config", "slurm", "kubernetes") or raw:
+    if config.cluster_resolver in ("tf_config", "slurm", "kubernetes") or cluster:
         return "multi_worker"
     if config.cluster_resolver == "tpu":
         return "tpu"
@@ -84,6 +52,7 @@ def strategy_name(config):
 
 def create_strategy(config):
     """Builds the tf.distribute.Strategy for `config`; raises ConfigError on a bad cluster."""
+    tf_config()  # before any strategy: TensorFlow's resolvers read TF_CONFIG themselves
     cpus = _setup_cpu_devices(config.num_cpu_devices)
     name = strategy_name(config)
     gpus = [f"/gpu:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))]
@@ -101,14 +70,37 @@ def create_strategy(config):
     with _connect_deadline(config, resolver):
         if name == "parameter_server":
             return tf.distribute.ParameterServerStrategy(resolver)
-        # RING works on every device type; NCCL is faster between GPUs. The timeout turns a stuck peer
-        # into an error instead of a hang.
+        _detect_dead_peers(resolver.cluster_spec(), config.collective_timeout)
+        # RING works on every device type; NCCL is faster between GPUs. No timeout_seconds: TensorFlow
+        # starts a thread per collective that sleeps for the whole timeout, so a long job runs out of
+        # threads (2 workers, 20 s: 15,900 threads in 35 s); the heartbeat above finds a dead peer instead.
         implementation = tf.distribute.experimental.CommunicationImplementation
         options = tf.distribute.experimental.CommunicationOptions(
-            implementation=implementation.NCCL if gpus else implementation.RING,
-            timeout_seconds=config.collective_timeout,
+            implementation=implementation.NCCL if gpus else implementation.RING
         )
-        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+        # Waits for every peer in native code that holds Python's lock (engine/preemption.py says what a signal does).
+        return PREEMPTION.interruptible(
+            tf.distribute.MultiWorkerMirroredStrategy, cluster_resolver=resolver, communication_options=options
+        )
+
+
+def _detect_dead_peers(cluster_spec, seconds):
+    """Sets the heartbeat timeout of TensorFlow's coordination service, which fails every task's pending
+    collectives once a peer has been silent that long. MultiWorkerMirroredStrategy starts the service with
+    the same leader and jobs, but with a fixed 10 s timeout, unless it is configured before."""
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        heartbeat_timeout_in_ms=int(seconds * 1000),
+    )
+    for job in ("chief", "worker"):
+        if job in cluster_spec.jobs:
+            context.context().coordination_service.coordinated_job_list.add(
+                name=job, num_tasks=cluster_spec.num_tasks(job)
+            )
 
 
 def cluster_resolver(config):
@@ -123,15 +115,17 @@ def cluster_resolver(config):
             f"--cluster_resolver=tpu: use --strategy=tpu (with --strategy={strategy_name(config)} the "
             "cluster comes from tf_config, slurm or kubernetes)"
         )
-    raw = os.environ.get("TF_CONFIG")
-    if not raw:
+    parsed = tf_config()
+    if parsed is None:
         raise ConfigError(
             f"TF_CONFIG is not set: --strategy={strategy_name(config)} reads the cluster from it "
             '(e.g. {"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}})'
         )
-    cluster = parse_tf_config(raw)["cluster"]
+    cluster = parsed["cluster"]
     if strategy_name(config) == "parameter_server" and not ("chief" in cluster and "ps" in cluster):
-        raise ConfigError(f"TF_CONFIG={raw!r}: --strategy=parameter_server needs 'chief', 'worker' and 'ps' jobs")
+        raise ConfigError(
+            f"TF_CONFIG={os.environ['TF_CONFIG']!r}: --strategy=parameter_server needs 'chief', 'worker' and 'ps' jobs"
+        )
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
@@ -280,14 +274,46 @@ def serve(config):
 
 def _tpu(config):
     """The TPU start-up sequence: resolve, connect, initialize the TPU system, then the strategy."""
-    try:
+
+    def start():
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.tpu)
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, tf.errors.NotFoundError, tf.errors.UnavailableError, RuntimeError) as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
-        raise ConfigError(f"--tpu={config.tpu}: no TPU reachable ({first_line})") from None
+        return resolver
+
+    try:
+        resolver = _within_connect_timeout(config, start)
+    except TimeoutError:
+        raise ConfigError(
+            f"--tpu={config.tpu}: no TPU reachable (no answer within --connect_timeout={config.connect_timeout:g}s)"
+        ) from None
+    # OSError: off Google Cloud, a TPU name is looked up on a metadata server that is not there (URLError).
+    except (ValueError, OSError, tf.errors.NotFoundError, tf.errors.UnavailableError, RuntimeError) as e:
+        reason = getattr(e, "reason", None) or first_line(e).split(". ")[0]
+        raise ConfigError(f"--tpu={config.tpu}: no TPU reachable ({reason})") from None
     return tf.distribute.TPUStrategy(resolver)
+
+
+def _within_connect_timeout(config, start):
+    """Returns start(), run in a thread because TensorFlow can wait for an unreachable host forever, with no
+    way to interrupt it (it lets go of Python's lock meanwhile, so a signal still reaches the preemption
+    watcher). Raises TimeoutError after --connect_timeout."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = start()
+        except BaseException as e:  # noqa: BLE001  (raised again in the calling thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="connect", daemon=True)
+    thread.start()
+    thread.join(config.connect_timeout)
+    if "error" in outcome:
+        raise outcome["error"]
+    if "value" in outcome:
+        return outcome["value"]
+    raise TimeoutError
 
 
 def is_chief(strategy):
@@ -350,8 +376,11 @@ def explain_failure(strategy, config, error):
         peer = f"{job} {index} ({cluster.get(job, ['?'] * (int(index) + 1))[int(index)]})"
     else:
         peer = "a peer (not named by TensorFlow)"
-    first = text.strip().splitlines()[0]
+    # An error inside a tf.function starts "Graph execution error:", then the Python stack of the failing op.
+    lines = [line for line in text.splitlines() if line.strip()]
+    skip = ("Graph execution error", "Detected at node", "  File ", "\t")
+    first = next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "").rstrip(":")
     return PeerLost(
-        f"lost {peer}: {first}; the collective timeout is --collective_timeout="
-        f"{config.collective_timeout:g}s; restart every worker to resume from the last checkpoint"
+        f"lost {peer}: {first}; a peer that dies or is silent for --collective_timeout="
+        f"{config.collective_timeout:g}s stops the job; restart every worker to resume from the last checkpoint"
     )

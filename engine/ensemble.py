@@ -8,7 +8,6 @@ only predicted and scored, never used to choose anything.
 """
 
 import dataclasses
-import json
 import os
 import time
 
@@ -34,21 +33,11 @@ class Member:
 
 
 def read_config(workdir):
-    """The Config a train run wrote to workdir/config.json; ConfigError naming the member if it cannot."""
-    path = os.path.join(workdir, "config.json")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except OSError:
-        raise ConfigError(
-            f"--members: {workdir} has no {os.path.basename(path)} (not a train run's workdir?)"
-        ) from None
-    except ValueError as e:
-        raise ConfigError(f"--members: {path} is not valid JSON ({e})") from None
-    fields = {f.name: f.type for f in dataclasses.fields(Config)}
-    # Settings this engine no longer has are dropped; a model they changed fails to restore, loudly.
-    values = {k: tuple(v) if fields[k] is tuple else v for k, v in saved.items() if k in fields}
-    return Config(**values)
+    """The Config a train run wrote to workdir/config.json, checked like flags (ConfigError `<path>: ...`)."""
+    saved = config_lib.load_run_config(workdir)
+    if saved is None:
+        raise ConfigError(f"--members: {workdir} has no config.json (not a train run's workdir?)")
+    return saved
 
 
 def ensemble(config, strategy=None):
@@ -273,24 +262,41 @@ def table(summary):
 
 
 def plot(path, summary):
-    """ensemble_report.png: each member's, the average's and the weighted ensemble's accuracy on validation and
-    test, and the fitted weights."""
+    """Writes ensemble_report.png (see figure)."""
+    figure(summary).savefig(path, dpi=80)
+
+
+def figure(summary):
+    """ensemble_report.png as a matplotlib Figure: the error rate and the cross-entropy of each member, the
+    average and the weighted ensemble on both splits (panels labelled error and loss), and the fitted weights
+    (weights). Bars start at 0, so their lengths compare."""
     from matplotlib.figure import Figure  # deferred: matplotlib takes a second to import
 
     rows = [*summary["members"], summary["average"], summary["weighted"]]
     names = [os.path.basename(r["name"].rstrip("/")) if r in summary["members"] else r["name"] for r in rows]
-    fig = Figure(figsize=(max(8, 1.6 * len(rows) + 4), 5), layout="constrained")
-    accuracy, weights = fig.subplots(1, 2, width_ratios=[3, 1])
+    fig = Figure(figsize=(max(12, 2.2 * len(rows) + 5), 5.5), layout="constrained")
+    error, loss, weights = fig.subplots(1, 3, width_ratios=[3, 3, 1.2])
     x = np.arange(len(rows))
-    for offset, split, key in ((-0.2, summary["validation_split"], "validation"), (0.2, summary["eval_split"], "test")):
-        values = [r[key]["accuracy"] for r in rows]
-        bars = accuracy.bar(x + offset, values, width=0.4, label=split)
-        accuracy.bar_label(bars, fmt="%.3f", fontsize=8)
-    low = min(min(r[k]["accuracy"] for r in rows) for k in ("validation", "test"))
-    accuracy.set(xticks=x, ylim=(max(0.0, low - 0.05), 1.005), ylabel="accuracy", title="members vs ensemble")
-    accuracy.set_xticklabels(names, rotation=15)
-    accuracy.legend(loc="lower right")
-    weights.bar(names[: len(summary["members"])], summary["weighted"]["weights"], color="tab:green")
-    weights.set(ylim=(0, 1), title=f"weights: {summary['weighted']['chosen']}")
+    splits = ((-0.2, summary["validation_split"], "validation"), (0.2, summary["eval_split"], "test"))
+    for offset, split, key in splits:
+        label = f"{split} ({rows[0][key]['examples']} examples)"
+        errors = [100 * (1 - r[key]["accuracy"]) for r in rows]
+        error.bar_label(error.bar(x + offset, errors, width=0.4, label=label), fmt="%.1f", fontsize=8)
+        losses = [r[key]["loss"] for r in rows]
+        loss.bar_label(loss.bar(x + offset, losses, width=0.4), fmt="%.3f", fontsize=8)
+    # Ensembles gain most in cross-entropy: a few hundred examples move accuracy in whole examples only.
+    panels = (
+        (error, "error", "error rate (%)", "error rate = 100 x (1 - accuracy), lower is better"),
+        (loss, "loss", "cross-entropy", "loss (cross-entropy), lower is better"),
+    )
+    for ax, key, ylabel, title in panels:
+        top = max(bar.get_height() for bar in ax.patches)
+        ax.set(xticks=x, ylim=(0, 1.15 * top if top > 0 else 1), ylabel=ylabel, title=title)
+        ax.set_xticklabels(names, rotation=20, ha="right")
+        ax.set_label(key)
+    fig.legend(*error.get_legend_handles_labels(), loc="outside upper center", ncols=2)
+    shares = summary["weighted"]["weights"]
+    weights.bar_label(weights.bar(names[: len(shares)], shares, color="tab:green"), fmt="%.2f", fontsize=8)
+    weights.set(ylim=(0, 1), title=f"weights: {summary['weighted']['chosen']}", label="weights")
     weights.tick_params(axis="x", rotation=30)
-    fig.savefig(path, dpi=80)
+    return fig

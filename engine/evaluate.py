@@ -8,10 +8,24 @@ import time
 import tensorflow as tf
 
 from engine import checkpoint as checkpoint_lib
+from engine import config as config_lib
 from engine import distribute
 from engine.config import ConfigError
 from engine.loop import Trainer
 from engine.report import write_json
+
+
+def run_config(config):
+    """The config that rebuilds the trained run: its config.json (beside --checkpoint, else in --workdir), with
+    this command line's execution settings, --eval_split and --eval_batch_size, and its --global_batch_size,
+    --data_dir and --train_steps where given; a model flag that contradicts the run is refused
+    (engine/config.py for_evaluation). Without a config.json, the command line as given."""
+    runs = [os.path.dirname(os.path.dirname(config.checkpoint))] if config.checkpoint else []
+    for workdir in [*runs, config.workdir]:
+        saved = config_lib.load_run_config(workdir) if workdir else None
+        if saved is not None:
+            return config_lib.for_evaluation(config, saved, workdir)
+    return config
 
 
 def _trainer(config, strategy):
@@ -19,31 +33,41 @@ def _trainer(config, strategy):
     return trainer, checkpoint_lib.model_checkpoint(trainer.model, trainer.step)
 
 
-def _checkpoint_path(config):
+def _checkpoint_paths(config):
+    """--checkpoint, or the workdir's checkpoints newest first."""
     if config.checkpoint:
         if not tf.io.gfile.exists(config.checkpoint + ".index"):
             raise ConfigError(
                 f"--checkpoint={config.checkpoint}: no such checkpoint (expected {config.checkpoint}.index)"
             )
-        return config.checkpoint
-    found = checkpoint_lib.latest(os.path.join(config.workdir, "checkpoints"))
+        return [config.checkpoint]
+    found = checkpoint_lib.list_checkpoints(os.path.join(config.workdir, "checkpoints"))
     if not found:
         raise ConfigError(f"--workdir={config.workdir}: no checkpoint to use (train first, or pass --checkpoint)")
     return found
 
 
-def _restore(trainer, checkpoint, path):
-    try:
-        checkpoint_lib.restore(checkpoint, path, partial=True, model=trainer.model)
-    except checkpoint_lib.Unreadable as e:
-        raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
+def _restore(trainer, checkpoint, config, paths):
+    """Restores the first readable of `paths`; a damaged one in the workdir is reported and the previous one
+    used, as training does. Returns the path restored."""
+    for path in paths:
+        try:
+            checkpoint_lib.restore(checkpoint, path, partial=True, model=trainer.model)
+            return path
+        except checkpoint_lib.Unreadable as e:
+            if config.checkpoint:
+                raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
+            print(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one", flush=True)
+    raise ConfigError(f"--workdir={config.workdir}: no readable checkpoint (all {len(paths)} are damaged)")
 
 
 def evaluate(config, strategy=None):
-    """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest in --workdir)."""
-    path = _checkpoint_path(config)
+    """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest readable in --workdir) of the run
+    rebuilt from its config.json."""
+    config = run_config(config)
+    paths = _checkpoint_paths(config)
     trainer, checkpoint = _trainer(config, strategy)
-    _restore(trainer, checkpoint, path)
+    path = _restore(trainer, checkpoint, config, paths)
     step = int(trainer.step.numpy())
     results = trainer.evaluate()
     print(
@@ -63,6 +87,7 @@ def follow(config, strategy=None, poll_seconds=2.0):
     Writes continuous_eval.jsonl and TensorBoard events under workdir/continuous_eval, beside the job's
     own; stops after evaluating step --train_steps, or after --eval_timeout seconds with nothing new.
     """
+    config = run_config(config)
     trainer, checkpoint = _trainer(config, strategy)
     directory = os.path.join(config.workdir, "checkpoints")
     writer = tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
@@ -101,10 +126,15 @@ def follow(config, strategy=None, poll_seconds=2.0):
 
 def export(config):
     """--mode=export: writes a SavedModel whose serving signature maps images to logits, probabilities
-    and classes, with the weights of --checkpoint (or the latest in --workdir)."""
-    path = _checkpoint_path(config)
-    trainer, checkpoint = _trainer(dataclasses.replace(config, strategy="one_device", num_cpu_devices=1), None)
-    _restore(trainer, checkpoint, path)
+    and classes, with the weights of --checkpoint (or the latest readable in --workdir). It computes in float32
+    whatever the training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would
+    need TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
+    config = run_config(config)
+    paths = _checkpoint_paths(config)
+    trainer, checkpoint = _trainer(
+        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
+    )
+    path = _restore(trainer, checkpoint, config, paths)
     step = int(trainer.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):

@@ -4,7 +4,8 @@ Starts every task of a multi-worker (N workers) or parameter-server (a chief, N 
 parameter servers) job as a process running this same command with TF_CONFIG set to free
 localhost ports; prefixes each line of their output with the task's name; stops the rest when a
 task that matters fails; returns the job's exit code. Without --local_workers the same flags run
-unchanged on a real cluster. No TensorFlow here: the tasks import it, the launcher does not.
+unchanged on a real cluster. No TensorFlow here: the tasks import it, the launcher does not, and
+every task checks its TF_CONFIG here before TensorFlow starts.
 """
 
 import json
@@ -16,7 +17,54 @@ import sys
 import threading
 import time
 
+from engine.config import ConfigError
+
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
+
+
+def tf_config():
+    """TF_CONFIG as a dict, checked; None when it is not set. Set but empty counts as not set (job scripts
+    often leave it so) and is removed: TensorFlow's own resolvers, which read it too, fail on it with a
+    JSON traceback, even under a strategy that has no cluster."""
+    raw = os.environ.get("TF_CONFIG", "")
+    if not raw.strip():
+        os.environ.pop("TF_CONFIG", None)
+        return None
+    return parse_tf_config(raw)
+
+
+def parse_tf_config(raw):
+    """Checks a TF_CONFIG value; returns it as a dict or raises ConfigError naming the bad field."""
+
+    def bad(why):
+        raise ConfigError(f"TF_CONFIG={raw!r}: {why}")
+
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        bad(f"not valid JSON ({e.msg} at character {e.pos})")
+    if not isinstance(parsed, dict):
+        bad("must be a JSON object with 'cluster' and 'task'")
+    cluster, task = parsed.get("cluster"), parsed.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        bad("'cluster' must be an object mapping a job name to a list of host:port addresses")
+    for job, addresses in cluster.items():
+        if not isinstance(addresses, list) or not addresses:
+            bad(f"cluster['{job}'] must be a non-empty list of host:port addresses")
+        for address in addresses:
+            host, _, port = str(address).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                bad(f"cluster['{job}'] address {address!r} is not host:port")
+    if "worker" not in cluster and "chief" not in cluster:
+        bad("'cluster' has no 'worker' or 'chief' job")
+    if not isinstance(task, dict):
+        bad("'task' must be an object with 'type' and 'index'")
+    task_type, index = task.get("type"), task.get("index")
+    if task_type not in cluster:
+        bad(f"task type {task_type!r} is not a job in 'cluster' ({', '.join(cluster)})")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task_type]):
+        bad(f"task index {index!r} is out of range for job '{task_type}' with {len(cluster[task_type])} tasks")
+    return parsed
 
 
 def free_ports(count):
@@ -47,10 +95,10 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout):
     tasks = {}
     for job, addresses in cluster.items():
         for index in range(len(addresses)):
-            tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+            task_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
             proc = subprocess.Popen(
                 argv,
-                env={**os.environ, "TF_CONFIG": tf_config},
+                env={**os.environ, "TF_CONFIG": task_config},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -60,6 +108,13 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout):
             tasks[name] = proc
             threading.Thread(target=_stream, args=(proc, name, out), daemon=True).start()
             out.write(f"[launcher] {name} pid {proc.pid} on {addresses[index]}\n")
+    # TensorFlow's gRPC server binds 0.0.0.0:PORT, hard-coded (grpc_server_lib.cc), with no option to bind
+    # 127.0.0.1 instead; gRPC makes that a dual-stack [::]:PORT socket. Say so, since nobody can fix it here.
+    ports = ", ".join(address.rpartition(":")[2] for addresses in cluster.values() for address in addresses)
+    out.write(
+        f"[launcher] note: TensorFlow's servers listen on every network interface without authentication (ports "
+        f"{ports}): use --local_workers on a trusted network, or firewall these ports\n"
+    )
     out.flush()
     # The job is done when its trainers are: every worker (multi-worker), or the chief (parameter servers,
     # whose workers and servers serve until stopped). A parameter-server worker that dies is not fatal:

@@ -7,6 +7,7 @@ evaluation, checkpoints and preemption between rounds. Round boundaries are mult
 where an uninterrupted one does (and at --profile_steps, so a trace covers exactly those steps).
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -21,6 +22,7 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import data as data_lib
 from engine import distribute, optim, precision, step
+from engine import workdir as workdir_lib
 from engine.config import ConfigError, check_batch
 from engine.preemption import PREEMPTION
 from engine.report import Report, write_json
@@ -115,7 +117,7 @@ class Trainer:
 
     def _train_loop(self, iterator, steps):
         loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
-        last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0}
+        last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0, "stop": False}
         for _ in tf.range(steps):
             out = self._first_replica(self.strategy.run(self.train_step, args=next(iterator)))
             loss_sum += tf.where(out["finite"], out["loss"], 0.0)
@@ -127,7 +129,7 @@ class Trainer:
             if out["stop"]:
                 break
         skipped = tf.cast(done, tf.float32) - finite_steps
-        # loss: the mean over the round's finite steps.
+        # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
         return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, **last}
 
     def _eval_loop(self, iterator, steps):
@@ -165,7 +167,14 @@ class Trainer:
         done = sum(o["steps"] for o in outs)
         finite = done - sum(o["skipped"] for o in outs)
         loss = sum(o["loss"] * (o["steps"] - o["skipped"]) for o in outs if o["steps"] > o["skipped"])
-        return {**outs[-1], "steps": done, "skipped": done - finite, "loss": loss / finite if finite else float("nan")}
+        stop = max(o["stop"] for o in outs)  # any function that saw the flag: they ran in no set order
+        return {
+            **outs[-1],
+            "steps": done,
+            "skipped": done - finite,
+            "loss": loss / finite if finite else float("nan"),
+            "stop": stop,
+        }
 
     @functools.cached_property
     def eval_dataset(self):
@@ -232,35 +241,64 @@ def train(config, strategy=None, on_eval=None):
     """Trains (resuming from the workdir's latest checkpoint) and evaluates as `config` says.
 
     Returns the summary, also written to workdir/summary.json. `on_eval(step, results)` is called after
-    every evaluation; returning True stops training there (a tuner's pruning).
+    every evaluation; returning True stops training there (a tuner's pruning). A workdir holds one run
+    (engine/workdir.py): one with other settings is refused, and so is a second process while one trains.
     """
     started = time.time()
     strategy = strategy or distribute.create_strategy(config)
+    saved = workdir_lib.check_same_run(config)
     trainer = Trainer(config, strategy)
     chief = distribute.is_chief(strategy)
-    checkpoints = checkpoint_lib.Checkpoints(
-        trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
-    )
-    restored = checkpoints.restore_latest()
-    current = int(trainer.step.numpy())
-    summary_path = os.path.join(config.workdir, "summary.json")
-    if restored and current >= config.train_steps and os.path.exists(summary_path):
-        print(f"already trained to step {current} ({restored}); nothing to do", flush=True)
-        with open(summary_path) as f:
-            return json.load(f)
-    report = Report(config.workdir, chief, config.train_steps, resume_step=current)
-    if chief:
-        write_config(config)
-    if restored:
-        report.line(f"resumed from step {current} ({restored})")
-    elif config.on_nan == "rollback":
-        checkpoints.save()  # something to roll back to from the first step on
-    PREEMPTION.watch(trainer.stop)
-    return run(trainer, report, checkpoints, started, on_eval)
+    with workdir_lib.Lock(config.workdir) if chief else contextlib.nullcontext():
+        checkpoints = checkpoint_lib.Checkpoints(
+            trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
+        )
+        try:
+            restored = checkpoints.restore_latest()
+        except ConfigError as e:  # a workdir from before config.json, or one whose config.json was replaced
+            raise ConfigError(f"--workdir={config.workdir}: {e}; give this run a new --workdir") from None
+        current = int(trainer.step.numpy())
+        if current > config.train_steps:
+            raise ConfigError(
+                f"--train_steps={config.train_steps}: the run in {config.workdir} is already at step {current} "
+                f"({restored}); train it further with a higher --train_steps, or start this run in a new --workdir"
+            )
+        finished = _summary_at(config.workdir, current) if restored and current == config.train_steps else None
+        if finished:
+            print(f"already trained to step {current} ({restored}); nothing to do", flush=True)
+            return finished
+        report = Report(config.workdir, chief, config.train_steps, resume_step=current)
+        if chief:
+            write_config(config)
+        if restored:
+            report.line(f"resumed from step {current} ({restored})")
+            if saved and saved.train_steps != config.train_steps:
+                report.line(_train_steps_change(saved, config))
+        elif config.on_nan == "rollback":
+            checkpoints.save()  # something to roll back to from the first step on
+        return run(trainer, report, checkpoints, started, on_eval)
+
+
+def _summary_at(workdir, step):
+    """summary.json when it reports `step` (a run that ended there), else None (killed before writing it)."""
+    path = os.path.join(workdir, "summary.json")
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path) as f:
+        summary = json.loads(f.read())
+    return summary if summary.get("step") == step else None
+
+
+def _train_steps_change(saved, config):
+    line = f"--train_steps={config.train_steps} (was {saved.train_steps}): training on to step {config.train_steps}"
+    if config.lr_schedule == "cosine":
+        line += f"; --lr_schedule=cosine now decays to 0 at step {config.train_steps}, not {saved.train_steps}"
+    return line
 
 
 def write_config(config):
-    """workdir/config.json: every setting of the run, so other modes (an ensemble) can rebuild its model."""
+    """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
+    settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble."""
     write_json(os.path.join(config.workdir, "config.json"), dataclasses.asdict(config))
 
 
@@ -284,69 +322,72 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     iterator = trainer.train_iterator()
     current, loss, saved_at, rollbacks = int(trainer.step.numpy()), float("nan"), None, 0
     timed_steps, timed_seconds, first_round = 0, 0.0, None
-    while current < config.train_steps:
-        start = current
-        profile.before_round(current)
-        tic = time.perf_counter()
-        out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
-        seconds = time.perf_counter() - tic
-        steps = int(out["steps"])
-        current += steps
-        if first_round is None:
-            first_round = (steps, seconds)  # includes tracing and compilation: kept out of the throughput
-        else:
-            timed_steps, timed_seconds = timed_steps + steps, timed_seconds + seconds
+    with PREEMPTION.watch(trainer.stop):  # from here on a signal stops the loop at a step, saved
+        while current < config.train_steps:
+            start = current
+            profile.before_round(current)
+            tic = time.perf_counter()
+            out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
+            seconds = time.perf_counter() - tic
+            steps = int(out["steps"])
+            current += steps
+            if first_round is None:
+                first_round = (steps, seconds)  # includes tracing and compilation: kept out of the throughput
+            else:
+                timed_steps, timed_seconds = timed_steps + steps, timed_seconds + seconds
 
-        if out["skipped"] and not trainer.float16:
-            last_good = checkpoints.latest()
-            where = f"non-finite loss or gradient between steps {start + 1} and {current}"
-            if config.on_nan != "rollback" or rollbacks >= MAX_ROLLBACKS:
-                raise TrainingError(
-                    f"{where} ({int(out['skipped'])} steps, {config.precision}); last good "
-                    f"checkpoint: {last_good or 'none'}; lower --learning_rate or set --clip_norm"
-                )
-            position = int(trainer.batches.numpy())
-            checkpoint_lib.restore(checkpoints.checkpoint, last_good, model=trainer.model)
-            trainer.batches.assign(position)  # keep reading from here: the offending batches are skipped
-            current, rollbacks = int(trainer.step.numpy()), rollbacks + 1
-            report.rewind(current)
-            report.line(f"{where}: rolled back to step {current} ({last_good}), skipping those batches")
-            iterator = trainer.train_iterator()
-            continue
+            if out["skipped"] and not trainer.float16:
+                last_good = checkpoints.latest()
+                where = f"non-finite loss or gradient between steps {start + 1} and {current}"
+                if config.on_nan != "rollback" or rollbacks >= MAX_ROLLBACKS:
+                    raise TrainingError(
+                        f"{where} ({int(out['skipped'])} steps, {config.precision}); last good "
+                        f"checkpoint: {last_good or 'none'}; lower --learning_rate or set --clip_norm"
+                    )
+                position = int(trainer.batches.numpy())
+                checkpoint_lib.restore(checkpoints.checkpoint, last_good, model=trainer.model)
+                trainer.batches.assign(position)  # keep reading from here: the offending batches are skipped
+                current, rollbacks = int(trainer.step.numpy()), rollbacks + 1
+                report.rewind(current)
+                report.line(f"{where}: rolled back to step {current} ({last_good}), skipping those batches")
+                iterator = trainer.train_iterator()
+                continue
 
-        trainer.skipped.assign_add(int(out["skipped"]))
-        loss = out["loss"]
-        report.train(
-            current,
-            {
-                "loss": loss,
-                "learning_rate": out["learning_rate"],
-                "grad_norm": out["grad_norm"],
-                "loss_scale": out["loss_scale"] if trainer.float16 else None,
-                "examples_per_sec": steps * config.global_batch_size / seconds,
-            },
-        )
-        profile.after_round(current, report)
-        stopping = bool(trainer.stop.numpy())
-        if config.eval_every and current % config.eval_every == 0 and current < config.train_steps and not stopping:
-            results = trainer.evaluate()
-            report.eval(current, results)
-            if on_eval and on_eval(current, results):
-                break
-        if (
-            stopping
-            or current == config.train_steps
-            or (config.checkpoint_every and current % config.checkpoint_every == 0)
-        ):
-            path = checkpoints.save()
-            saved_at, rollbacks = current, 0
-        if stopping:
-            signal_name = PREEMPTION.signal_name
-            report.line(f"stopped by {signal_name} at step {current}; saved {path}; run the same command to resume")
-            raise Preempted(f"stopped by {signal_name} at step {current}; checkpoint {path}", PREEMPTION.exit_code)
+            trainer.skipped.assign_add(int(out["skipped"]))
+            loss = out["loss"]
+            report.train(
+                current,
+                {
+                    "loss": loss,
+                    "learning_rate": out["learning_rate"],
+                    "grad_norm": out["grad_norm"],
+                    "loss_scale": out["loss_scale"] if trainer.float16 else None,
+                    "examples_per_sec": steps * config.global_batch_size / seconds,
+                },
+            )
+            profile.after_round(current, report)
+            stopping = bool(out["stop"])  # all-reduced: every worker stops here, whichever one was signalled
+            if config.eval_every and current % config.eval_every == 0 and current < config.train_steps and not stopping:
+                results = trainer.evaluate()
+                report.eval(current, results)
+                if on_eval and on_eval(current, results):
+                    break
+            if (
+                stopping
+                or current == config.train_steps
+                or (config.checkpoint_every and current % config.checkpoint_every == 0)
+            ):
+                path = checkpoints.save()
+                saved_at, rollbacks = current, 0
+            if stopping:
+                # The chief's copy: the other workers' own (written because the save is collective) is deleted.
+                path = os.path.join(checkpoints.directory, os.path.basename(path))
+                message = f"{PREEMPTION.cause} at step {current}; checkpoint {path}; run the same command to resume"
+                report.line(message)
+                raise Preempted(message, PREEMPTION.exit_code)
 
-    if saved_at != current:
-        checkpoints.save()
+        if saved_at != current:
+            checkpoints.save()
     results = trainer.evaluate()
     report.eval(current, results)
     if not timed_steps and first_round:

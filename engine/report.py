@@ -1,17 +1,23 @@
 """What a run tells: console lines, metrics.jsonl, eval.jsonl, TensorBoard events, summary.json.
 
-Only the chief writes files; every task may print.
+Only the chief writes files; every task may print. The files stay consistent through a kill at any moment:
+records logged after the checkpoint a run resumes from are dropped (so none is written twice), a file is
+replaced atomically, and a write that fails (a full disk) raises CheckpointError naming the path (exit 4).
 """
 
+import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 
 import tensorflow as tf
+from tensorflow.core.util import event_pb2
 
-from engine.config import ConfigError
+from engine.checkpoint import CheckpointError
+from engine.config import ConfigError, first_line
 
 
 def _number(value):
@@ -27,24 +33,74 @@ def _step_of(line):
         return float("inf")  # a torn last line from a crash: dropped
 
 
+@contextlib.contextmanager
+def _writing(path):
+    """Turns a failed write into CheckpointError naming `path` (launch.py: exit 4)."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
+    except tf.errors.OpError as e:
+        why = re.sub(r"^\{\{.*?\}\}\s*", "", first_line(e))  # TensorFlow's "{{function_node ...}} file; why"
+        named = re.fullmatch(r"(\S+); (.+)", why)
+        raise CheckpointError(
+            f"cannot write {named[1]}: {named[2]}" if named else f"cannot write {path}: {why}"
+        ) from None
+
+
+def _read_lines(path):
+    if not tf.io.gfile.exists(path):
+        return []
+    with tf.io.gfile.GFile(path) as f:
+        return f.read().splitlines(keepends=True)
+
+
+def _replace(path, text):
+    """Writes `text` to a temporary file and renames it over `path`: a reader or a kill never sees half a file."""
+    tmp = f"{path}.tmp"
+    with _writing(path):
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
 def write_json(path, obj):
     """Writes atomically: a reader never sees half a file, a crash never leaves one."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    _replace(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def make_workdir(path):
     try:
-        os.makedirs(path, exist_ok=True)
+        tf.io.gfile.makedirs(path)
         probe = os.path.join(path, ".write_probe")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--workdir={path}: cannot write there ({e.strerror})") from None
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("probe")  # GFile opens the file at its first write
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as e:
+        why = e.strerror if isinstance(e, OSError) else first_line(e)
+        raise ConfigError(f"--workdir={path}: cannot write there ({why})") from None
+
+
+def _rewind_events(path, last):
+    """Drops a TensorBoard events file's summaries after step `last`, as rewind does for the jsonl files:
+    TensorBoard would draw both the killed process's values and the redone ones."""
+    kept, dropped = [], False
+    try:
+        for record in tf.data.TFRecordDataset(path):
+            event = event_pb2.Event.FromString(record.numpy())
+            if event.HasField("summary") and event.step > last:
+                dropped = True
+            else:
+                kept.append(record.numpy())
+    except tf.errors.DataLossError:
+        dropped = True  # a record torn by the kill
+    if dropped:
+        tmp = os.path.join(os.path.dirname(path), ".rewind.tmp")
+        with _writing(path):
+            with tf.io.TFRecordWriter(tmp) as writer:
+                for record in kept:
+                    writer.write(record)
+            tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 class Report:
@@ -54,28 +110,30 @@ class Report:
         self.live = chief and self.stream.isatty()
         self._progress_shown = False
         self._start, self._start_step = time.perf_counter(), resume_step
+        self._writers = {}
         if chief:
             make_workdir(workdir)
             self.rewind(resume_step)
-            self._writers = {
-                name: tf.summary.create_file_writer(os.path.join(workdir, name)) for name in ("train", "eval")
-            }
 
     def rewind(self, step):
-        """Drops records after `step` (logged before a crash or a rollback): no step is logged twice."""
+        """Drops records after `step` (logged before a crash or a rollback): no step is logged twice. A run at
+        its last step evaluates it again, so that step's final evaluation goes too."""
         if not self.chief:
             return
-        for name in ("metrics.jsonl", "eval.jsonl"):
+        evaluated = step - 1 if step >= self.total_steps else step
+        for name, last in (("metrics.jsonl", step), ("eval.jsonl", evaluated)):
             path = os.path.join(self.workdir, name)
-            if not os.path.exists(path):
-                continue
-            with open(path) as f:
-                lines = f.readlines()
-            kept = [line for line in lines if line.strip() and _step_of(line) <= step]
+            lines = _read_lines(path)
+            kept = [line for line in lines if line.strip() and line.endswith("\n") and _step_of(line) <= last]
             if len(kept) != len(lines):
-                with open(f"{path}.tmp", "w") as f:
-                    f.writelines(kept)
-                os.replace(f"{path}.tmp", path)
+                _replace(path, "".join(kept))
+        for writer in self._writers.values():
+            writer.close()  # its file is rewound too; a new one continues it
+        for name, last in (("train", step), ("eval", evaluated)):
+            for path in tf.io.gfile.glob(os.path.join(self.workdir, name, "events.out.tfevents.*")):
+                _rewind_events(path, last)
+            with _writing(os.path.join(self.workdir, name)):
+                self._writers[name] = tf.summary.create_file_writer(os.path.join(self.workdir, name))
 
     def line(self, text):
         """A plain console line, clearing the live progress line first."""
@@ -119,18 +177,40 @@ class Report:
             self._scalars("eval", step, {k: v for k, v in results.items() if k != "examples"})
 
     def summary(self, summary):
-        if self.chief:
-            clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
-            write_json(os.path.join(self.workdir, "summary.json"), clean)
-            for writer in self._writers.values():
+        """Writes summary.json. A process that resumed at the last step trained nothing itself: the numbers it
+        could not measure (train_loss, examples_per_sec) come from the records the run logged, and are filled
+        into `summary` too."""
+        if not self.chief:
+            return
+        for key, value in self._logged(summary["step"]).items():
+            if summary.get(key) is None or (isinstance(summary[key], float) and math.isnan(summary[key])):
+                summary[key] = value
+        clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
+        write_json(os.path.join(self.workdir, "summary.json"), clean)
+        for name, writer in self._writers.items():
+            with _writing(os.path.join(self.workdir, name)):
                 writer.flush()
 
+    def _logged(self, step):
+        """train_loss at `step` and the throughput after the first round, from metrics.jsonl."""
+        records = [json.loads(line) for line in _read_lines(os.path.join(self.workdir, "metrics.jsonl"))]
+        records = [r for r in records if r["step"] <= step]
+        if not records or records[-1]["step"] != step:
+            return {}
+        # examples/s over the rounds after the first (which includes tracing), as the loop measures it.
+        rounds = [(b["step"] - a["step"], b["examples_per_sec"]) for a, b in zip(records, records[1:])]
+        rounds = [(steps, rate) for steps, rate in rounds if rate] or [(1, records[0]["examples_per_sec"])]
+        seconds = sum(steps / rate for steps, rate in rounds if rate)
+        speed = sum(steps for steps, _ in rounds) / seconds if seconds else None
+        return {"train_loss": records[-1]["loss"], "examples_per_sec": speed}
+
     def _append(self, name, record):
-        with open(os.path.join(self.workdir, name), "a") as f:
+        path = os.path.join(self.workdir, name)
+        with _writing(path), tf.io.gfile.GFile(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def _scalars(self, writer, step, values):
-        with self._writers[writer].as_default(step=step):
+        with _writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):
             for name, value in values.items():
                 if value is not None:
                     tf.summary.scalar(name, value)

@@ -7,12 +7,7 @@ The study lives in SQLite in the workdir (or in --tune_storage, which several ma
 killed tuner restarted with the same command keeps its finished trials and resumes an interrupted one from
 that trial's own checkpoint. Trials are scored on --validation_split: tuning never sees the test split.
 
-The search space is a text file, one searched flag per line (`#` starts a comment):
-
-    learning_rate   log     1e-4  1e-1      # log-uniform float in [low, high]
-    weight_decay    float   0     1e-3      # uniform float
-    warmup_steps    int     0     100       # integer in [low, high]
-    hidden_sizes    choice  64 128,128      # one of these values, written as after --flag=
+The search space is a text file, one searched flag per line; engine/space.py reads it and says how it looks.
 """
 
 import contextlib
@@ -28,128 +23,18 @@ import optuna
 import tensorflow as tf
 
 from engine import distribute, loop
-from engine.config import Config, ConfigError, first_line, show, validate
+from engine.config import SEED_LIMIT, Config, ConfigError, first_line, show
 from engine.report import make_workdir, write_json
+from engine.space import Param, parse_space, with_values  # noqa: F401  (Param: the space's entries, for callers)
 
-KINDS = ("int", "float", "log", "choice")
 BETTER = {"accuracy": "max", "loss": "min"}  # the direction an eval metric improves in
-# One strategy (and cluster) serves every trial of the process; where trials are scored and written is the tuner's.
-NOT_SEARCHABLE = {
-    "mode",
-    "workdir",
-    "eval_split",
-    "validation_split",
-    "members",
-    "strategy",
-    "num_cpu_devices",
-    "tpu",
-    "cluster_resolver",
-    "collective_timeout",
-    "connect_timeout",
-    "local_workers",
-    "num_ps",
-    "slurm_port_base",
-    "kubernetes_selector",
-}
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
 
 
-@dataclasses.dataclass(frozen=True)
-class Param:
-    name: str
-    kind: str  # one of KINDS
-    low: float = None
-    high: float = None
-    choices: tuple = ()
-
-    def suggest(self, trial):
-        if self.kind == "int":
-            return trial.suggest_int(self.name, self.low, self.high)
-        if self.kind == "choice":
-            return trial.suggest_categorical(self.name, self.choices)
-        return trial.suggest_float(self.name, self.low, self.high, log=self.kind == "log")
-
-
-def parse_space(path):
-    """The search space in `path` as a list of Param; raises ConfigError naming the file, line and why."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"--tune_space={path}: cannot read it ({e.strerror})") from None
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    params = {}
-    for number, line in enumerate(lines, 1):
-        words = line.split("#")[0].split()
-        if not words:
-            continue
-
-        def bad(why):
-            raise ConfigError(f"--tune_space={path}: line {number} ({line.strip()!r}): {why}")
-
-        name, kind, args = words[0], (words[1] if len(words) > 1 else ""), words[2:]
-        field = fields.get(name)
-        if field is None:
-            bad(f"no flag --{name}")
-        if name in NOT_SEARCHABLE or name.startswith(("tune_", "ensemble_")):
-            bad(f"--{name} belongs to the tuner and cannot be searched")
-        if name in params:
-            bad(f"--{name} appears twice")
-        if kind not in KINDS:
-            bad(f"the type must be one of {', '.join(KINDS)}")
-        if kind == "choice":
-            if not args:
-                bad("choice needs at least one value")
-            try:
-                params[name] = Param(name, kind, choices=tuple(_choice_value(field.type, a) for a in args))
-            except ValueError:
-                bad(f"every value must be a {field.type.__name__} as --{name} takes it")
-            continue
-        wanted = int if kind == "int" else float
-        if field.type is not wanted:
-            bad(f"--{name} takes a {field.type.__name__}: use {'int' if field.type is int else 'choice'}")
-        try:
-            low, high = (wanted(a) for a in args)
-        except ValueError:
-            bad(f"{kind} needs LOW HIGH, two {wanted.__name__}s")
-        if not low < high or (kind == "log" and low <= 0):
-            bad("needs LOW < HIGH" + (" and LOW > 0 (log-uniform)" if kind == "log" else ""))
-        params[name] = Param(name, kind, low, high)
-    if not params:
-        raise ConfigError(
-            f"--tune_space={path}: no searched flag in it (lines look like 'learning_rate log 1e-4 1e-1')"
-        )
-    return list(params.values())
-
-
-def _choice_value(kind, text):
-    """A choice as Optuna stores it: bool, int, float, str; a list flag as its normalized text ("64,64")."""
-    if kind is bool:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(text)
-        return text.lower() == "true"
-    if kind is tuple:
-        return ",".join(str(int(v)) for v in text.split(","))
-    return kind(text)
-
-
 def trial_config(config, values, number):
     """The engine config of trial `number` (its sub-workdir) with the searched `values`; validated."""
-    fields = {f.name: f.type for f in dataclasses.fields(Config)}
-    overrides = {
-        name: tuple(int(v) for v in value.split(",")) if fields[name] is tuple else value
-        for name, value in values.items()
-    }
-    return validate(
-        dataclasses.replace(
-            config,
-            mode="train",
-            workdir=os.path.join(config.workdir, "trials", str(number)),
-            eval_split=config.validation_split,  # the tuner never looks at the test split
-            **overrides,
-        )
-    )
+    return with_values(config, values, os.path.join(config.workdir, "trials", str(number)))
 
 
 def tune(config, strategy=None):
@@ -271,7 +156,7 @@ def _requeue(study, trial):
 
 
 def _sampler(config, offset):
-    seed = config.seed + offset
+    seed = (config.seed + offset) % SEED_LIMIT  # NumPy's generators under Optuna's samplers take 32 bits
     if config.tune_sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if config.tune_sampler == "gp":
@@ -429,9 +314,15 @@ def _importances(study):
     if len(complete) < 2:
         return {}
     try:
-        return dict(optuna.importance.get_param_importances(study))
+        with warnings.catch_warnings():  # that the quantiles select the same trials: the zero sum below says it
+            warnings.simplefilter("ignore")
+            raw = optuna.importance.get_param_importances(study, normalize=False)
     except (ValueError, RuntimeError):  # e.g. every complete trial drew the same values
         return {}
+    total = sum(raw.values())
+    # All zero when no parameter tells the best trials from the rest (say, all tied): Optuna would then call
+    # every parameter equally important.
+    return {name: value / total for name, value in sorted(raw.items(), key=lambda kv: -kv[1])} if total > 0 else {}
 
 
 def write_flagfile(path, config, best, space):
@@ -470,19 +361,35 @@ def write_flagfile(path, config, best, space):
 
 
 def plot(path, config, trials, space, best, importances, direction):
-    """tune_report.png: the objective per trial with the best so far, the learning curves that pruning judged,
-    the parameters' importance and a parallel-coordinates view of the complete trials."""
+    """Writes tune_report.png (see figure)."""
+    figure(config, trials, space, best, importances, direction).savefig(path, dpi=80)
+
+
+def figure(config, trials, space, best, importances, direction):
+    """tune_report.png as a matplotlib Figure: the objective per trial with the best so far, the learning curves
+    that pruning judged, the parameters' importance (panels labelled history, curves, importance) and, below, a
+    parallel-coordinates view of the complete trials (coordinates, with its colorbar when their values differ)."""
     from matplotlib.figure import Figure  # deferred: matplotlib takes a second to import
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
-    pruned_numbers = {t.number for t in pruned}
-    fig = Figure(figsize=(14, 10), layout="constrained")
-    (history, curves), (importance, coords) = fig.subplots(2, 2)
+    values = [t.value for t in complete]
+    tied = len(complete) > 1 and min(values) == max(values)
     metric = f"{config.validation_split} {config.tune_objective}"
-    fig.suptitle(f"study '{config.tune_study}': {len(complete)} complete, {len(pruned)} pruned ({direction} {metric})")
+    fig = Figure(figsize=(18, 11), layout="constrained")
+    grid = fig.add_gridspec(2, 3)
+    history, curves, importance = (
+        fig.add_subplot(grid[0, i], label=n) for i, n in enumerate(("history", "curves", "importance"))
+    )
+    coords = fig.add_subplot(grid[1, :], label="coordinates")  # the whole width, so eight axes' names fit
+    tie = f"; all {len(complete)} complete trials tied at {values[0]:.4g}" if tied else ""
+    fig.suptitle(
+        f"study '{config.tune_study}': {len(complete)} complete, {len(pruned)} pruned ({direction} {metric}){tie}"
+    )
 
-    history.scatter([t.number for t in complete], [t.value for t in complete], label="complete", zorder=3)
+    history.scatter([t.number for t in complete], values, label="complete", zorder=3, clip_on=False)
     last = [(t.number, t.intermediate_values[max(t.intermediate_values)]) for t in pruned if t.intermediate_values]
     if last:
         history.scatter(*zip(*last), marker="x", color="tab:red", label="pruned (last evaluation)", zorder=3)
@@ -494,59 +401,110 @@ def plot(path, config, trials, space, best, importances, direction):
     if xs:
         history.step(xs, best_so_far, where="post", color="tab:green", label="best so far")
     history.set(title="objective per trial", xlabel="trial", ylabel=metric)
+    history.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # there is no trial 2.5
     history.legend()
 
-    for t in trials:
-        points = dict(t.intermediate_values)
-        if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("steps"):
-            points[t.user_attrs["steps"]] = t.value  # the final evaluation, which is no intermediate report
-        if points:
-            steps = sorted(points)
-            is_best = best is not None and t.number == best.number
-            curves.plot(
-                steps,
-                [points[s] for s in steps],
-                marker="o",
-                markersize=3,
-                color="tab:green" if is_best else ("tab:red" if t.number in pruned_numbers else "tab:blue"),
-                linestyle="--" if t.number in pruned_numbers else "-",
-                linewidth=2.5 if is_best else 1,
-                alpha=1 if is_best else 0.6,
-            )
-    curves.set(title="evaluations during training (dashed: pruned, green: best)", xlabel="step", ylabel=metric)
+    styles = {
+        "complete": dict(color="tab:blue", linestyle="-", marker="o", markersize=3, linewidth=1, alpha=0.6),
+        "pruned": dict(color="tab:red", linestyle="--", marker="x", markersize=6, linewidth=1, alpha=0.6),
+        "best": dict(color="tab:green", linestyle="-", marker="o", markersize=4, linewidth=2.5),
+    }
+    counts = dict.fromkeys(styles, 0)
+    for state, group in (("complete", complete), ("pruned", pruned)):
+        for t in group:
+            points = dict(t.intermediate_values)
+            if state == "complete" and t.user_attrs.get("steps"):
+                points[t.user_attrs["steps"]] = t.value  # the final evaluation, which is no intermediate report
+            kind = "best" if best is not None and t.number == best.number else state
+            if points:
+                steps = sorted(points)
+                curves.plot(steps, [points[s] for s in steps], gid=kind, **styles[kind])
+                counts[kind] += 1
+    curves.set(title="evaluations during training", xlabel="step", ylabel=metric)
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    handles = [Line2D([], [], label=f"{kind} ({n})", **styles[kind]) for kind, n in counts.items() if n]
+    if handles:
+        curves.legend(handles=handles)
+    if config.tune_objective == "accuracy":
+        for ax in (history, curves):
+            low, high = ax.get_ylim()
+            ax.set_ylim(max(low, 0.0), min(high, 1.0))  # margins must not promise an accuracy past 1
 
     if importances:
         names = list(importances)[::-1]
-        importance.barh(names, [importances[n] for n in names])
-        importance.set(title="parameter importance (PED-ANOVA over complete trials)", xlabel="importance (normalized)")
+        bars = importance.barh(names, [importances[n] for n in names])
+        importance.bar_label(bars, fmt="%.2f", padding=2)
+        importance.set(
+            title=f"parameter importance (PED-ANOVA over {len(complete)} complete trials)",
+            xlabel="share of the importance",
+            xlim=(0, 1.15 * max(importances.values())),  # room for the labels
+        )
     else:
-        importance.text(0.5, 0.5, "importance needs two complete trials\nwith different values", ha="center")
+        importance.text(0.5, 0.5, _no_importance(complete, tied), ha="center", va="center")
         importance.set(title="parameter importance", xticks=[], yticks=[])
 
     _parallel_coordinates(fig, coords, complete, space, best, metric)
-    fig.savefig(path, dpi=80)
+    return fig
+
+
+def _no_importance(complete, tied):
+    if len(complete) < 2:
+        return "importance needs at least two complete trials"
+    if tied:
+        return f"all {len(complete)} complete trials reached {complete[0].value:.4g}:\nno difference to attribute"
+    return "no parameter separates the best complete trials\nfrom the rest (PED-ANOVA)"
 
 
 def _parallel_coordinates(fig, ax, complete, space, best, metric):
     import matplotlib as mpl
 
-    ax.set(title="parallel coordinates of complete trials", xticks=range(len(space)))
-    ax.set_xticklabels([p.name for p in space], rotation=20)
+    count = len(space)
+    ax.set(title="parallel coordinates of complete trials", xticks=range(count), yticks=[], ylim=(-0.05, 1.05))
+    ax.set_xlim(-0.2, count - 0.8)
+    ax.set_xticklabels([p.name for p in space])
+    for i in range(count):
+        ax.axvline(i, color="0.75", linewidth=0.8, zorder=1)
     if not complete:
+        ax.text((count - 1) / 2, 0.5, "no complete trial yet", ha="center")
         return
     values = [t.value for t in complete]
     norm = mpl.colors.Normalize(min(values), max(values))
     cmap = mpl.colormaps["viridis"]
+    spread = min(values) < max(values)  # one value has no range to colour: every line the same, no colour bar
     for t in complete:
         ys = [_position(p, t.params[p.name]) for p in space]
         is_best = best is not None and t.number == best.number
-        ax.plot(range(len(space)), ys, color="tab:red" if is_best else cmap(norm(t.value)), lw=3 if is_best else 1.2)
+        colour = "tab:red" if is_best else cmap(norm(t.value)) if spread else "tab:blue"
+        ax.plot(  # markers: with one searched parameter a trial is a single point
+            range(count),
+            ys,
+            color=colour,
+            marker="o",
+            markersize=4,
+            linewidth=3 if is_best else 1.2,
+            zorder=3 if is_best else 2,
+        )
     for i, p in enumerate(space):
-        ends = [str(c) for c in p.choices] if p.kind == "choice" else [f"{p.low:g}", f"{p.high:g}"]
+        ends = [show(c) for c in p.choices] if p.kind == "choice" else [f"{p.low:g}", f"{p.high:g}"]
+        last = i == count - 1  # the last axis labels to its left, inside the panel
         for label, y in zip(ends, [_position(p, v) for v in (p.choices or (p.low, p.high))]):
-            ax.annotate(label, (i, y), fontsize=7, xytext=(3, 0), textcoords="offset points")
-    ax.set(yticks=[], ylim=(-0.05, 1.05))
-    fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"{metric} (red: best)")
+            ax.annotate(
+                label,
+                (i, y),
+                xytext=(-4 if last else 4, 0),
+                textcoords="offset points",
+                ha="right" if last else "left",
+                va="center",
+                fontsize=9,
+                zorder=5,
+                bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="0.8", alpha=0.9),
+            )
+    if spread:
+        bar = fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"{metric} (red: best)")
+        bar.ax.set_label("colorbar")
+    else:
+        which = f"all {len(values)}" if len(values) > 1 else "the one"
+        ax.set_title(f"parallel coordinates of complete trials: {which} at {metric} {values[0]:.4g} (red: best)")
 
 
 def _position(param, value):

@@ -22,9 +22,11 @@ TEST_DEFAULTS = dict(
     train_steps=20,
 )
 
-# The parity cases: every optimizer with clipping active, and the ResNet with batch norm.
+# The parity cases: every optimizer with clipping active, and the ResNet with batch norm. Clipping hides the
+# gradient's scale (a gradient twice too large clips to the same step): SGD also runs unclipped.
 PARITY_CASES = {
     "sgd": dict(optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, clip_norm=0.2),
+    "sgd_unclipped": dict(optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
     "adamw": dict(optimizer="adamw", learning_rate=3e-3, weight_decay=1e-2, clip_norm=0.2, warmup_steps=5),
     "lamb": dict(optimizer="lamb", learning_rate=1e-2, weight_decay=1e-2, clip_norm=0.2, lr_schedule="cosine"),
     "resnet": dict(model="resnet", resnet_width=16, optimizer="sgd", learning_rate=0.001, momentum=0.9, clip_norm=0.5),

@@ -16,14 +16,13 @@ from tests import helpers  # noqa: E402
 
 
 def main(out_dir, data_dir):
-    strategy = distribute.create_strategy(
-        helpers.make_config(data_dir, strategy="multi_worker", collective_timeout=120)
-    )
+    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     save = lambda name, arrays: np.savez(os.path.join(out_dir, f"{name}_worker{task}.npz"), **arrays)  # noqa: E731
     for name, case in helpers.PARITY_CASES.items():
         snap, out = helpers.train_and_snapshot(helpers.make_config(data_dir, **case), strategy)
         save(name, {k: v[0] for k, v in snap.items()})
+        save(f"{name}_out", {"loss": out["loss"], "grad_norm": out["grad_norm"]})
     config = helpers.make_config(data_dir, **helpers.NONFINITE_CASE)
     before, after_bad, after_good, bad_out, good_outs = helpers.nonfinite_scenario(config, strategy, bad_replica=1)
     for name, snap in (("before", before), ("after_bad", after_bad), ("after_good", after_good)):

@@ -1,5 +1,5 @@
 """Input pipelines: per-worker shards that add up to the one-device batches, evaluation padding, the
-bundled digits builder."""
+bundled digits builder; in memory and streamed (a split too large for memory)."""
 
 import collections
 import gzip
@@ -20,8 +20,18 @@ def _key(image):
     return image.tobytes()
 
 
-@pytest.mark.parametrize("dataset", ["digits", "synthetic"])
-def test_workers_split_each_global_batch_exactly(data_dir, dataset):
+def _store(storage, monkeypatch):
+    """A tfds split is held in memory, or streamed through a shuffle buffer as one larger than memory is
+    (forced here for digits)."""
+    if storage == "streamed":
+        monkeypatch.setattr(data, "_IN_MEMORY_LIMIT_BYTES", 0)
+
+
+@pytest.mark.parametrize(
+    "dataset,storage", [("digits", "in_memory"), ("synthetic", "in_memory"), ("digits", "streamed")]
+)
+def test_workers_split_each_global_batch_exactly(data_dir, dataset, storage, monkeypatch):
+    _store(storage, monkeypatch)
     config = helpers.make_config(data_dir, dataset=dataset, synthetic_shape=(4, 4, 1), synthetic_examples=256)
     loaded = data.load(config)
     one = _batches(loaded.train_fn(tf.distribute.InputContext()), 30)  # spans several epochs
@@ -91,8 +101,10 @@ def test_synthetic_is_deterministic_and_learnable_shape(data_dir):
     assert len(np.unique(np.concatenate([a[0][1], a[1][1]]))) > 1
 
 
+@pytest.mark.parametrize("storage", ["in_memory", "streamed"])
 @pytest.mark.parametrize("pipelines", [1, 2])
-def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(data_dir, pipelines):
+def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(data_dir, pipelines, storage, monkeypatch):
+    _store(storage, monkeypatch)
     loaded = data.load(helpers.make_config(data_dir))
     for i in range(pipelines):
         ctx = tf.distribute.InputContext(pipelines, i, pipelines)
@@ -113,3 +125,22 @@ def test_each_epoch_is_a_permutation(data_dir):
     assert sorted(map(_key, epochs[0])) == sorted(map(_key, epochs[1]))  # the same examples, once each
     assert len(set(map(_key, epochs[0]))) == 256
     assert not np.array_equal(epochs[0], epochs[1])  # in a new order
+
+
+def test_streamed_epochs_are_new_permutations_of_the_split(data_dir, monkeypatch):
+    config = helpers.make_config(data_dir, eval_split="train", eval_batch_size=2)
+    in_memory = data.load(config)
+    split = _examples(in_memory.eval_fn(tf.distribute.InputContext()))  # the training split, each example once
+    _store("streamed", monkeypatch)
+    streamed = data.load(config)
+    n = streamed.train_examples
+    stream = [
+        (x.tobytes(), int(y))
+        for xs, ys in _batches(streamed.train_fn(tf.distribute.InputContext()), 2 * n // 64 + 1)
+        for x, y in zip(xs, ys)
+    ]
+    epochs = [stream[:n], stream[n : 2 * n]]
+    assert collections.Counter(epochs[0]) == collections.Counter(epochs[1]) == collections.Counter(split)
+    assert epochs[0] != epochs[1], "the second epoch repeats the first one's order"
+    first = _batches(in_memory.train_fn(tf.distribute.InputContext()), 1)[0][0]
+    assert [x.tobytes() for x in first] != [x for x, _ in stream[:64]]  # the streamed path, not the in-memory one

@@ -1,5 +1,6 @@
-"""The same model, data and seed end with the same weights on one device, two mirrored replicas and two
-multi-worker processes: every optimizer with clipping active, and the ResNet with batch norm."""
+"""The same model, data and seed end with the same weights, loss and gradient norm on one device, two mirrored
+replicas and two multi-worker processes: every optimizer with clipping active, SGD without clipping, and the
+ResNet with batch norm."""
 
 import os
 
@@ -32,7 +33,14 @@ def _max_difference(a, b):
     return max(difference(k) for k in a)
 
 
-@pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
+def _assert_same_outputs(out, reference):
+    """The round's mean loss and last gradient norm: a gradient of the wrong scale shows here even when
+    clipping hides it from the weights."""
+    assert out["loss"] == pytest.approx(reference["loss"], rel=TOLERANCE)
+    assert out["grad_norm"] == pytest.approx(reference["grad_norm"], rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("case", [name for name, settings in helpers.PARITY_CASES.items() if "clip_norm" in settings])
 def test_clipping_is_active(one_device_runs, case):
     _, out = one_device_runs[case]
     assert out["grad_norm"] > helpers.PARITY_CASES[case]["clip_norm"]
@@ -40,12 +48,13 @@ def test_clipping_is_active(one_device_runs, case):
 
 @pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
 def test_mirrored_matches_one_device(data_dir, mirrored, one_device_runs, case):
-    snap, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, **helpers.PARITY_CASES[case]), mirrored)
+    snap, out = helpers.train_and_snapshot(helpers.make_config(data_dir, **helpers.PARITY_CASES[case]), mirrored)
     for copies in snap.values():  # the two replicas hold identical values, batch-norm statistics included
         np.testing.assert_array_equal(copies[0], copies[1])
     reference = {k: v[0] for k, v in one_device_runs[case][0].items()}
     assert _max_difference({k: v[0] for k, v in snap.items()}, reference) < TOLERANCE
     assert snap["iterations"][0] == 20  # every step applied
+    _assert_same_outputs(out, one_device_runs[case][1])
 
 
 @pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
@@ -54,3 +63,7 @@ def test_multi_worker_matches_one_device(multi_worker_dir, one_device_runs, case
     assert _max_difference(workers[0], workers[1]) == 0.0
     reference = {k: v[0] for k, v in one_device_runs[case][0].items()}
     assert _max_difference(workers[0], reference) < TOLERANCE
+    outs = [np.load(os.path.join(multi_worker_dir, f"{case}_out_worker{i}.npz")) for i in range(2)]
+    outs = [{k: float(out[k]) for k in ("loss", "grad_norm")} for out in outs]
+    assert outs[0] == outs[1]
+    _assert_same_outputs(outs[0], one_device_runs[case][1])

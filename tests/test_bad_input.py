@@ -1,0 +1,169 @@
+"""Bad input found before anything is written: one `error: --flag=value: why` line, exit 2, no workdir.
+
+Most cases fail in config.validate, before TensorFlow is imported; a dataset that is neither in --data_dir
+nor reachable fails as the data loads, still before the workdir exists.
+"""
+
+import concurrent.futures
+import dataclasses
+
+import pytest
+
+import models
+from engine import config as config_lib
+from engine.config import Config, ConfigError, validate
+from tests import helpers
+from tests.helpers import launch
+
+# (flags, the flag and value the error line starts with); {tmp} is the test's directory.
+CASES = [
+    (["--seed=4294967296"], "--seed=4294967296"),
+    (["--model=../tests/helpers"], "--model=../tests/helpers"),
+    (["--model=..tests.helpers"], "--model=..tests.helpers"),
+    (["--model=."], "--model=."),
+    (["--model=mlp.os"], "--model=mlp.os"),
+    (["--hidden_sizes=100000000000"], "--hidden_sizes=100000000000"),
+    (["--dataset=synthetic", "--synthetic_shape=100000,100000,100"], "--synthetic_shape=100000,100000,100"),
+    (["--flagfile={tmp}/binary"], "--flagfile={tmp}/binary"),
+    (["--flagfile={tmp}/missing"], "--flagfile={tmp}/missing"),
+    (["--hiden_sizes=3"], "--hiden_sizes=3"),
+    (["--seed=abc"], "--seed=abc"),
+    (["--mode=tune", "--tune_pruner=none", "--tune_space={tmp}/binary"], "--tune_space={tmp}/binary"),
+    (["--mode=tune", "--tune_pruner=none", "--tune_space={tmp}/inf.space"], "--tune_space={tmp}/inf.space"),
+    (["--mode=tune", "--tune_pruner=none", "--tune_space={tmp}/model.space"], "--tune_space={tmp}/model.space"),
+    (["--eval_batch_size=100000000"], "--eval_batch_size=100000000"),
+    (["--train_steps=99999999999999999999999"], "--train_steps=99999999999999999999999"),
+    (["--num_cpu_devices=100000"], "--num_cpu_devices=100000"),
+]
+# Downloads go through a proxy that refuses connections: the network is unreachable, on any machine.
+OFFLINE = {name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+OFFLINE.update(NO_PROXY="", no_proxy="")
+
+
+def test_bad_input_fails_before_anything_is_written(tmp_path):
+    (tmp_path / "binary").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "inf.space").write_text("learning_rate float 1e-4 inf\n")
+    (tmp_path / "model.space").write_text("model choice ..x mlp\n")
+
+    def attempt(index):
+        args = [a.format(tmp=tmp_path) for a in CASES[index][0]]
+        return launch(f"--workdir={tmp_path}/work{index}", *args, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(attempt, range(len(CASES))))
+    for index, ((args, expected), result) in enumerate(zip(CASES, results)):
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert len(lines) == 1, (args, result.stderr[-2000:])
+        assert lines[0].startswith(f"error: {expected.format(tmp=tmp_path)}: "), (args, lines[0])
+        assert not (tmp_path / f"work{index}").exists(), args
+
+
+def test_dataset_neither_prepared_nor_reachable_fails_at_once(tmp_path):
+    """tfds alone retries each download for minutes; this fails in seconds, before the workdir or a lock exists."""
+    result = launch(f"--workdir={tmp_path}/work", "--dataset=mnist", f"--data_dir={tmp_path}/tfds", env=OFFLINE)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0] == (
+        f"error: --dataset=mnist: not prepared in --data_dir={tmp_path}/tfds ({tmp_path}/tfds/mnist/3.0.1) and the "
+        "network is unreachable (proxy 127.0.0.1:9: Connection refused); prepare it on a machine with a network and "
+        "copy it there"
+    )
+    assert not (tmp_path / "work").exists() and not (tmp_path / "tfds").exists()
+
+
+def test_help_exits_zero():
+    result = launch("--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--hidden_sizes" in result.stdout and result.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(seed=2**32), "--seed=4294967296: must be in [0, 2**32)"),
+        (dict(seed=2**32 - 1), None),
+        (dict(model="transformer"), None),
+        (dict(model="_private"), "--model=_private: must name a file in models/ (mlp, resnet, transformer)"),
+        (dict(model="os"), "--model=os: must name a file in models/ (mlp, resnet, transformer)"),
+        (dict(num_cpu_devices=64), None),
+        (dict(num_cpu_devices=65), "--num_cpu_devices=65: must be at most 64"),
+        (dict(train_steps=2**63 // 128 - 1), None),
+        (dict(train_steps=2**63 // 128), "--train_steps=72057594037927936: times --global_batch_size=128"),
+        (dict(warmup_steps=2**63), "--warmup_steps=9223372036854775808: must be less than 2**63"),
+    ],
+)
+def test_bounds(overrides, message):
+    config = Config(**overrides)
+    if message is None:
+        assert validate(config) == config
+    else:
+        with pytest.raises(ConfigError) as error:
+            validate(config)
+        assert str(error.value).startswith(message), str(error.value)
+
+
+def test_memory_estimate_names_its_size(monkeypatch):
+    monkeypatch.setattr(config_lib, "memory_bytes", lambda: 16 * 2**30)
+    config = dataclasses.replace(Config(), dataset="synthetic", synthetic_shape=(8, 8, 4))
+    validate(config)
+    with pytest.raises(ConfigError) as error:
+        validate(dataclasses.replace(config, hidden_sizes=(300_000, 300_000)))
+    # 90,080,400,010 parameters (256 x 300k + 300k x 300k + 300k x 10 and biases) in float32, each with its gradient
+    # and AdamW's two slots; batches of 128 with 256 input and 600,266 activation floats each, kept for the backward
+    # pass in training; 5,120 synthetic examples of 256 floats and a label, and the 256 x 10 labelling projection.
+    assert str(error.value) == (
+        "--hidden_sizes=300000,300000: needs about 1.44 TB of memory (model, gradients and optimizer slots 1.44 TB, "
+        "training batch 615 MB, evaluation batch 307 MB, synthetic data 5.29 MB), more than this machine's 17.2 GB"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,input_shape",
+    [
+        (dict(model="mlp", hidden_sizes=(32, 16)), (8, 8, 1)),
+        (dict(model="resnet", resnet_depth=14, resnet_width=4), (8, 8, 3)),
+        (dict(model="transformer", transformer_layers=2, transformer_dim=16, transformer_heads=2), (8, 8, 1)),
+    ],
+)
+def test_parameter_count_is_what_keras_builds(overrides, input_shape):
+    import tensorflow as tf
+
+    from engine.loop import create_model
+
+    config = Config(**overrides)
+    with tf.device("/cpu:0"):
+        model = create_model(config, input_shape, 10)
+    assert models.size(config, input_shape, 10)[0] == model.count_params()
+
+
+def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
+    import optuna
+
+    from engine import tune
+
+    def first_draw(sampler):
+        study = optuna.create_study(sampler=sampler)
+        study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+        return study.trials[0].params["x"]
+
+    # A resumed study offsets the seed by the trials already drawn: (2**32 - 1 + 5) wraps to 4, as NumPy under
+    # Optuna's samplers takes 32 bits.
+    resumed = tune._sampler(Config(seed=2**32 - 1, tune_sampler="random"), offset=5)
+    assert first_draw(resumed) == first_draw(optuna.samplers.RandomSampler(seed=4))
+
+
+def test_memory_is_checked_again_with_the_datasets_own_shape(data_dir, monkeypatch):
+    from engine import data
+
+    config = helpers.make_config(data_dir)  # validated without the digits' shape: one value, two classes
+    monkeypatch.setattr(config_lib, "memory_bytes", lambda: 100_000)
+    with pytest.raises(ConfigError) as error:
+        data.load(config)
+    # 8 x 8 inputs, 10 classes: 3,466 parameters (64 x 32 + 32 x 32 + 32 x 10 and biases) with their gradients and
+    # AdamW's slots; batches of 64 with 64 input and 138 activation floats each, kept for the backward pass in
+    # training. Every size setting is at or below its default, so the model itself is named.
+    assert str(error.value) == (
+        "--model=mlp: needs about 194 kB of memory (model, gradients and optimizer slots 55.5 kB, training batch "
+        "87 kB, evaluation batch 51.7 kB), more than this machine's 100 kB"
+    )

@@ -1,0 +1,182 @@
+"""A cluster that stays healthy: threads that do not grow with the steps, servers whose exposure is stated,
+a TPU that is not there refused in time, a bad or empty TF_CONFIG handled before TensorFlow starts."""
+
+import ipaddress
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from engine import distribute
+from engine.config import Config
+from tests import helpers
+from tests.helpers import ROOT, launch
+
+
+def threads(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"^Threads:\s+(\d+)", f.read(), re.M).group(1))
+
+
+def listening_ports(pid):
+    """{local address: port} of the TCP sockets `pid` listens on, e.g. {'[::]': 40123}."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    host, port = fields[1].split(":")
+                    # /proc prints each 32-bit word of the address in host byte order
+                    raw = b"".join(bytes.fromhex(host)[i : i + 4][::-1] for i in range(0, len(host) // 2, 4))
+                    name = str(ipaddress.ip_address(raw))
+                    found[name if table == "tcp" else f"[{name}]"] = int(port, 16)
+    return found
+
+
+def test_threads_stay_flat_over_thousands_of_collectives(data_dir, tmp_path):
+    """A multi-worker job's thread count must not grow with the number of collectives it has run: TensorFlow
+    starts one sleeping thread per collective that has a timeout. And the launcher says where the workers'
+    servers listen: on every interface (TensorFlow cannot be told to bind 127.0.0.1)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "launch.py",
+            f"--workdir={tmp_path}",
+            f"--data_dir={data_dir}",
+            "--strategy=multi_worker",
+            "--local_workers=2",
+            "--hidden_sizes=8",
+            "--global_batch_size=16",
+            "--steps_per_loop=5",  # with a host round trip and its metric all-reduces every five steps
+            "--train_steps=2400",
+            "--checkpoint_every=0",
+            "--collective_timeout=600",
+            "--connect_timeout=120",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids, ports, counts, listening, output = {}, {}, {}, {}, []
+    for line in proc.stdout:
+        output.append(line)
+        started = re.match(r"\[launcher\] (worker \d) pid (\d+) on localhost:(\d+)", line)
+        if started:
+            pids[started.group(1)], ports[started.group(1)] = int(started.group(2)), int(started.group(3))
+        step = re.match(r"\[(worker \d)\] train step=(200|2000) ", line)
+        if step:
+            counts[step.groups()] = threads(pids[step.group(1)])
+            listening.setdefault(step.group(1), listening_ports(pids[step.group(1)]))
+    proc.wait(timeout=60)
+    text = "".join(output)
+    assert proc.returncode == 0, text[-3000:]
+    print("threads at steps 200 and 2000:", counts)
+    for worker in ("worker 0", "worker 1"):
+        assert abs(counts[worker, "2000"] - counts[worker, "200"]) < 5, counts
+        # every interface: [::] (dual-stack), or 0.0.0.0 on a host without IPv6
+        assert listening[worker] in ({"[::]": ports[worker]}, {"0.0.0.0": ports[worker]}), listening
+    assert (
+        "[launcher] note: TensorFlow's servers listen on every network interface without authentication (ports "
+        f"{ports['worker 0']}, {ports['worker 1']}): use --local_workers on a trusted network, or firewall these ports"
+    ) in text.splitlines()
+
+
+def test_unreachable_tpu_address_is_refused_within_the_connect_timeout(tmp_path):
+    port = helpers.free_ports(1)[0]  # nothing listens there
+    result = launch(
+        f"--workdir={tmp_path / 'run'}", "--strategy=tpu", f"--tpu=grpc://127.0.0.1:{port}", "--connect_timeout=5"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: --tpu=grpc://127.0.0.1:{port}: no TPU reachable (no answer within --connect_timeout=5s)"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_tpu_name_off_google_cloud_is_refused_without_a_traceback(tmp_path):
+    result = launch(f"--workdir={tmp_path / 'run'}", "--strategy=tpu", "--tpu=some-name", "--connect_timeout=60")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --tpu=some-name: no TPU reachable ("), lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_while_connecting_to_a_tpu_ends_the_run(tmp_path):
+    """A TPU address that accepts the connection and never answers: the run waits inside TensorFlow, where
+    the first SIGTERM must still end it."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "launch.py",
+                f"--workdir={tmp_path / 'run'}",
+                "--strategy=tpu",
+                f"--tpu=grpc://127.0.0.1:{port}",
+                "--connect_timeout=600",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        silent.settimeout(120)
+        connection, _ = silent.accept()  # the run is connecting now
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            connection.close()
+    assert proc.returncode == 75, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: preempted: stopped by SIGTERM"), err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_mixed_float16_on_a_tpu_is_refused(tmp_path):
+    result = launch(f"--workdir={tmp_path}", "--strategy=tpu", "--tpu=local", "--precision=mixed_float16")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --precision=mixed_float16: TPUs compute in bfloat16, not float16: use --precision=mixed_bfloat16"
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker", "one_device"])
+def test_malformed_tf_config_is_refused_before_tensorflow_is_imported(tmp_path, strategy):
+    # A `tensorflow` that cannot be imported: the refusal must come first.
+    fake = tmp_path / "fake" / "tensorflow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('TensorFlow was imported')\n")
+    result = launch(
+        f"--workdir={tmp_path / 'run'}",
+        f"--strategy={strategy}",
+        env={"TF_CONFIG": '{"cluster": {"worker": ["host1:2222"]}', "PYTHONPATH": str(tmp_path / "fake")},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        'error: TF_CONFIG=\'{"cluster": {"worker": ["host1:2222"]}\': not valid JSON '
+        "(Expecting ',' delimiter at character 38)"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_tf_config_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "")
+    strategy = distribute.create_strategy(Config(strategy="mirrored", num_cpu_devices=2))
+    assert strategy.num_replicas_in_sync == 2
+    assert "TF_CONFIG" not in os.environ

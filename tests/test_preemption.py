@@ -1,0 +1,179 @@
+"""Preemption: a multi-worker job stops at one saved step whichever worker the scheduler signals; outside the
+training loop (start-up, continuous evaluation; Ctrl-C while a cluster forms) a signal ends the process at once."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine import checkpoint
+from engine.preemption import PREEMPTED_EXIT_CODE
+from tests import helpers
+from tests.helpers import ROOT, checkpoint_tensors, logged_steps
+
+ROUND = 1000  # steps per round: the signal lands inside the second one
+FINAL = 2 * ROUND + 20  # the resumed run ends past the second round, wherever the signal stopped it
+
+
+@contextlib.contextmanager
+def running(workdir, *args, env=None):
+    """`python launch.py --workdir=workdir *args`, killed if still running when the block ends."""
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", f"--workdir={workdir}", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def worker_env(cluster, index):
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+
+
+def wait_until(condition, proc, timeout=240):
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run_job(workdir, data_dir, train_steps, signalled=None):
+    """A 2-worker job; worker `signalled` gets SIGTERM once the first round is logged. Returns the workers'
+    (returncode, stdout, stderr)."""
+    cluster = {"worker": [f"localhost:{p}" for p in helpers.free_ports(2)]}
+    args = [
+        f"--data_dir={data_dir}",
+        "--strategy=multi_worker",
+        "--deterministic",
+        f"--steps_per_loop={ROUND}",
+        "--checkpoint_every=0",
+        "--hidden_sizes=32",
+        "--connect_timeout=120",
+        "--collective_timeout=120",
+        f"--train_steps={train_steps}",
+    ]
+    with running(workdir, *args, env=worker_env(cluster, 0)) as chief:
+        with running(workdir, *args, env=worker_env(cluster, 1)) as other:
+            procs = [chief, other]
+            if signalled is not None:
+                wait_until(lambda: logged_steps(workdir), chief)
+                procs[signalled].send_signal(signal.SIGTERM)
+            outputs = [p.communicate(timeout=240) for p in procs]
+            return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    results = run_job(workdir, data_dir, FINAL)
+    assert [r[0] for r in results] == [0, 0], results[0][2][-2000:]
+    return workdir
+
+
+@pytest.mark.parametrize("signalled", [0, 1], ids=["chief", "worker1"])
+def test_sigterm_to_one_worker_stops_every_worker_at_one_saved_step(data_dir, tmp_path, uninterrupted, signalled):
+    results = run_job(tmp_path, data_dir, 1_000_000, signalled)
+    assert [code for code, _, _ in results] == [PREEMPTED_EXIT_CODE] * 2, [err[-1500:] for _, _, err in results]
+    last_lines = [err.strip().splitlines()[-1] for _, _, err in results]
+    stopped = int(re.search(r"at step (\d+);", last_lines[0]).group(1))
+    assert ROUND < stopped < FINAL  # inside the second round: the step loop itself noticed
+    saved = os.path.join(tmp_path, "checkpoints", f"ckpt-{stopped}")
+    for index, line in enumerate(last_lines):
+        cause = "stopped by SIGTERM" if index == signalled else "stopped by a peer worker's signal"
+        assert (
+            line == f"error: preempted: {cause} at step {stopped}; checkpoint {saved}; run the same command to resume"
+        )
+    assert checkpoint.latest(tmp_path / "checkpoints") == saved
+    assert not any(name.startswith(".worker") for name in os.listdir(tmp_path / "checkpoints"))
+    assert logged_steps(tmp_path) == [ROUND, stopped]
+
+    results = run_job(tmp_path, data_dir, FINAL)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
+    assert f"resumed from step {stopped}" in results[0][1]
+    # No step redone, none lost: the resumed rounds end at the next multiple of ROUND and at the end.
+    assert logged_steps(tmp_path) == [ROUND, stopped] + ([2 * ROUND] if stopped < 2 * ROUND else []) + [FINAL]
+    (path_a, a), (path_b, b) = checkpoint_tensors(uninterrupted), checkpoint_tensors(tmp_path)
+    assert path_a.endswith(f"ckpt-{FINAL}") and path_b.endswith(f"ckpt-{FINAL}") and a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def signals_blocked(pid):
+    """True once launch.py installed the preemption watcher (it blocks SIGTERM in the main thread)."""
+    with open(f"/proc/{pid}/status") as f:
+        blocked = int(re.search(r"^SigBlk:\s+([0-9a-f]+)", f.read(), re.M).group(1), 16)
+    return bool(blocked & (1 << (signal.SIGTERM - 1)))
+
+
+def test_sigterm_during_start_up_exits_at_once_saving_nothing(data_dir, tmp_path):
+    with running(tmp_path, f"--data_dir={data_dir}", "--hidden_sizes=32") as proc:
+        wait_until(lambda: signals_blocked(proc.pid), proc)  # the watcher is up; TensorFlow is still loading
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, err[-2000:]
+    assert err.strip().splitlines() == [
+        "error: preempted: stopped by SIGTERM outside the training loop (nothing to save)"
+    ]
+    assert not os.path.exists(tmp_path / "checkpoints") and logged_steps(tmp_path) == []
+
+
+def test_ctrl_c_while_the_cluster_forms_ends_the_process_at_once(tmp_path):
+    # Worker 1 never comes: worker 0 waits for it inside TensorFlow, which holds Python's lock meanwhile.
+    cluster = {"worker": [f"localhost:{p}" for p in helpers.free_ports(2)]}
+    host, port = cluster["worker"][0].split(":")
+
+    def listening():
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
+            return True
+        return False
+
+    args = ["--strategy=multi_worker", "--dataset=synthetic", "--connect_timeout=300"]
+    with running(tmp_path, *args, env=worker_env(cluster, 0)) as proc:
+        wait_until(listening, proc)  # its server is up: it is waiting for the peer
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)  # far less than --connect_timeout
+    assert proc.returncode == -signal.SIGINT, err[-2000:]  # SIGINT's default action: the shell reports 130
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("signum,code,verb", [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")])
+def test_continuous_eval_exits_on_the_first_signal(data_dir, tmp_path, signum, code, verb):
+    with running(tmp_path, "--mode=continuous_eval", f"--data_dir={data_dir}", "--eval_timeout=300") as proc:
+        assert proc.stdout.readline().startswith("continuous_eval: following")  # polling for checkpoints
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err[-2000:]
+    name = signal.Signals(signum).name
+    assert (
+        err.strip().splitlines()[-1] == f"error: {verb}: stopped by {name} outside the training loop (nothing to save)"
+    )
+
+
+def test_ctrl_c_in_training_saves_and_says_interrupted(data_dir, tmp_path):
+    args = [f"--data_dir={data_dir}", "--hidden_sizes=32", "--steps_per_loop=4000", "--train_steps=1000000"]
+    with running(tmp_path, *args, "--checkpoint_every=0") as proc:
+        wait_until(lambda: logged_steps(tmp_path), proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    stopped = int(re.search(r"at step (\d+);", err).group(1))
+    saved = os.path.join(tmp_path, "checkpoints", f"ckpt-{stopped}")
+    assert err.strip().splitlines()[-1] == (
+        f"error: interrupted: stopped by SIGINT at step {stopped}; checkpoint {saved}; run the same command to resume"
+    )
+    assert checkpoint.latest(tmp_path / "checkpoints") == saved and logged_steps(tmp_path) == [4000, stopped]

@@ -1,0 +1,128 @@
+"""The README's "Running" commands, run in order in one fresh copy of the repository, and the Markdown of the
+README and BUILD.md rendered as CommonMark does."""
+
+import json
+import os
+import resource
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from markdown_it import MarkdownIt
+
+from tests.helpers import ROOT
+
+# Training commands run 30 steps instead of their own count: the section then takes about 75 s of CPU.
+QUICK = ["--train_steps=30", "--steps_per_loop=10", "--warmup_steps=0"]
+BUNDLED = ("digits", "synthetic")  # datasets that need no network
+
+
+def running_commands():
+    """The lines of the first bash block under README's '## Running', as argument lists."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text.split("\n## Running\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+
+
+def flag(args, name, repo):
+    """The last value of --name in args or in the flagfiles they name (as absl reads them), else None."""
+    value = None
+    for arg in args:
+        if arg.startswith("--flagfile="):
+            with open(os.path.join(repo, arg.split("=", 1)[1])) as f:
+                value = flag([line.strip() for line in f if line.startswith("--")], name, repo) or value
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def online():
+    try:
+        socket.create_connection(("storage.googleapis.com", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def clone(destination):
+    """The repository's files (committed, or new and not ignored) copied as a fresh clone would have them."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = os.path.join(ROOT, name)
+        if os.path.isfile(source):  # a tracked file someone deleted is no longer part of the tree
+            os.makedirs(os.path.dirname(os.path.join(destination, name)), exist_ok=True)
+            shutil.copy2(source, os.path.join(destination, name))
+
+
+def test_running_commands_succeed_in_order_in_one_clone(tmp_path):
+    repo = str(tmp_path / "repo")
+    clone(repo)
+    commands = running_commands()
+    assert len(commands) >= 4 and all(c[:2] == ["python", "launch.py"] for c in commands), commands
+    network = online()
+    workdirs = []
+    for args in commands:
+        training = "--help" not in args
+        dataset = flag(args, "dataset", repo) or "digits"
+        if dataset not in BUNDLED and not network:
+            # Without a network tensorflow-datasets retries its download for minutes before the clear error.
+            print(f"skipped without a network: {shlex.join(args)}")
+            continue
+        command = [sys.executable, *args[1:], *(QUICK if training else [])]
+        started, cpu = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(
+            command,
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        )
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
+        print(f"{time.monotonic() - started:.1f} s ({seconds:.1f} s of CPU): {shlex.join(command[1:])}")
+        assert proc.returncode == 0, (shlex.join(args), proc.stderr[-3000:])
+        if not training:
+            assert "--workdir" in proc.stdout + proc.stderr
+            continue
+        assert "test accuracy" in proc.stdout, shlex.join(args)
+        workdir = flag(args, "workdir", repo) or "runs/default"
+        workdirs.append(workdir)
+        with open(os.path.join(repo, workdir, "summary.json")) as f:
+            assert json.load(f)["step"] == 30, shlex.join(args)
+    # Runs of different settings in one workdir would resume each other's checkpoints.
+    assert len(set(workdirs)) == len(workdirs), workdirs
+
+
+def fence_problems(name, text):
+    """Where a fenced code block, as CommonMark renders it, does not close on a plain ``` line or swallowed
+    prose: another fence or a heading inside it."""
+    problems = []
+    lines = text.splitlines()
+    for token in MarkdownIt("commonmark").parse(text):
+        if token.type != "fence":
+            continue
+        start, end = token.map
+        if lines[end - 1].rstrip() != "```":
+            problems.append(f"{name}:{start + 1}: the block never closes")
+        swallowed = [line for line in token.content.splitlines() if line.startswith(("```", "## "))]
+        if swallowed:
+            problems.append(f"{name}:{start + 1}: the block swallowed {swallowed}")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["README.md", "BUILD.md"])
+def test_code_blocks_close_where_they_should(name):
+    with open(os.path.join(ROOT, name)) as f:
+        assert fence_problems(name, f.read()) == []

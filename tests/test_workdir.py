@@ -1,0 +1,394 @@
+"""A workdir holds one run: other settings are refused, one process trains at a time, the files stay consistent
+through a kill at any moment, damaged bookkeeping is rebuilt from the checkpoints, and the other modes rebuild the
+run from its config.json."""
+
+import dataclasses
+import json
+import os
+import re
+import resource
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.util import event_pb2
+
+from engine import checkpoint, ensemble, evaluate, loop, report
+from engine.config import Config, ConfigError, show, validate
+from tests import helpers
+from tests.helpers import ROOT, logged_steps
+
+
+def files(workdir, names=("config.json", "metrics.jsonl", "eval.jsonl", "summary.json")):
+    return {name: (workdir / name).read_bytes() for name in names}
+
+
+def jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def event_steps(directory, tag):
+    """The steps of TensorBoard scalar `tag` over every events file in `directory`, sorted."""
+    steps = []
+    for path in tf.io.gfile.glob(os.path.join(directory, "events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(path):
+            event = event_pb2.Event.FromString(record.numpy())
+            steps += [event.step for value in event.summary.value if value.tag == tag]
+    return sorted(steps)
+
+
+# 1. One run per workdir: its identity settings.
+
+
+def test_a_run_with_other_settings_is_refused_naming_them(data_dir, one_device, tmp_path):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10)
+    loop.train(config, one_device)
+    before = files(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        loop.train(dataclasses.replace(config, learning_rate=0.01, seed=1, deterministic=True), one_device)
+    message = str(refused.value)
+    assert message.startswith(f"--workdir={tmp_path} holds a run with other settings")
+    assert "--learning_rate=0.001 there, 0.01 here; --seed=0 there, 1 here" in message
+    assert "deterministic" not in message and f"new --workdir ({tmp_path}-2 is free)" in message
+    assert files(tmp_path) == before
+
+
+def test_same_command_resumes_more_steps_continue_and_cadence_never_blocks(
+    data_dir, one_device, mirrored, tmp_path, capsys
+):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, checkpoint_every=10)
+    first = loop.train(config, one_device)
+    assert loop.train(config, one_device) == first
+    assert "already trained to step 20" in capsys.readouterr().out
+    # Other cadence, logging and execution settings (two replicas instead of one), and more steps: it continues.
+    longer = dataclasses.replace(
+        config, train_steps=30, steps_per_loop=5, eval_every=5, checkpoint_every=5, keep_checkpoints=1
+    )
+    summary = loop.train(longer, mirrored)
+    out = capsys.readouterr().out
+    assert "resumed from step 20" in out and "--train_steps=30 (was 20): training on to step 30" in out
+    assert summary["step"] == 30 and summary["num_replicas"] == 2
+    assert logged_steps(tmp_path) == [10, 20, 25, 30] and logged_steps(tmp_path, "eval.jsonl") == [20, 25, 30]
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-30"]
+    before = files(tmp_path)
+    with pytest.raises(ConfigError, match=rf"--train_steps=25: the run in {tmp_path} is already at step 30"):
+        loop.train(dataclasses.replace(longer, train_steps=25), one_device)
+    assert files(tmp_path) == before
+
+
+def _readme_commands():
+    """Every `python launch.py` command of the README's bash blocks, in order, as argument lists."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split(" #")[0])
+            if "launch.py" in words:
+                commands.append(words[words.index("launch.py") + 1 :])
+    return commands
+
+
+def test_readme_commands_pasted_in_order_never_meet_another_run(monkeypatch):
+    """The README's commands, run in order from a fresh checkout: no train command lands in a workdir that holds
+    a run with other settings, and every eval, export and ensemble names a workdir trained before."""
+    monkeypatch.chdir(ROOT)
+    from absl import flags
+
+    import launch  # defines the flags
+    from engine.config import for_evaluation, identity_changes
+
+    runs, checked = {}, 0
+    for args in _readme_commands():
+        if "--help" in args or any(a.startswith("--flagfile=runs/") for a in args):
+            continue  # a file a previous command writes (tune's best.flags)
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["launch.py", *args])
+        config = launch._config_from_flags()
+        checked += 1
+        if config.mode == "train":
+            saved = runs.get(config.workdir)
+            assert saved is None or not identity_changes(saved, config), (args, identity_changes(saved, config))
+            assert saved is None or config.train_steps >= saved.train_steps, args
+            runs[config.workdir] = config
+        elif config.mode in ("eval", "continuous_eval", "export"):
+            assert config.workdir in runs, args
+            for_evaluation(config, runs[config.workdir], config.workdir)
+        elif config.mode == "ensemble":
+            assert all(m in runs for m in config.members.split(",")), args
+    flags.FLAGS.unparse_flags()
+    assert checked >= 10
+
+
+def test_a_checkpoint_of_another_model_names_this_runs_variable_as_this_runs(data_dir, one_device, tmp_path):
+    """A workdir without config.json (written before it existed): the checkpoint's own check still speaks."""
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10)
+    loop.train(config, one_device)
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(ConfigError) as refused:
+        loop.train(dataclasses.replace(config, model="resnet"), one_device)
+    message = str(refused.value)
+    assert re.search(r"model variable 0 \(resnet/\S+ in this run\) has shape \[64, 32\] in the checkpoint", message)
+    assert message.endswith("give this run a new --workdir")
+
+
+# 2. One process at a time.
+
+
+def test_a_second_process_is_refused_and_a_dead_ones_lock_is_taken_over(data_dir, one_device, tmp_path, capsys):
+    settings = dict(data_dir=data_dir, workdir=str(tmp_path), hidden_sizes=(32,), steps_per_loop=10)
+    settings.update(checkpoint_every=50)
+    args = [f"--{k}={show(v)}" for k, v in settings.items()]
+    first = subprocess.Popen(
+        [sys.executable, "launch.py", *args, "--train_steps=1000000"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while (not logged_steps(tmp_path) or logged_steps(tmp_path)[-1] < 60) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ConfigError) as refused:
+            loop.train(validate(Config(**settings, train_steps=5)), one_device)
+        assert f"another run is training here: pid {first.pid} on host {socket.gethostname()}" in str(refused.value)
+    finally:
+        first.kill()
+        first.communicate()
+    assert (tmp_path / "train.lock").exists()  # left by the killed process
+    saved = int(checkpoint.latest(tmp_path / "checkpoints").rsplit("-", 1)[1])
+    summary = loop.train(validate(Config(**settings, train_steps=saved + 10)), one_device)
+    out = capsys.readouterr().out
+    assert f"took over {tmp_path / 'train.lock'} from pid {first.pid}" in out and f"resumed from step {saved}" in out
+    assert summary["step"] == saved + 10 and logged_steps(tmp_path) == list(range(10, saved + 11, 10))
+    assert event_steps(tmp_path / "train", "loss") == list(range(10, saved + 11, 10))  # TensorBoard too
+    assert not (tmp_path / "train.lock").exists()
+
+
+def _foreign_lock(path, heartbeat):
+    holder = dict(pid=12345, host="another-host", boot="x", started=1, token="theirs", heartbeat=heartbeat)
+    path.write_text(json.dumps(holder))
+
+
+def test_a_lock_of_another_host_is_taken_only_when_its_heartbeat_stops(tmp_path, monkeypatch):
+    from engine import workdir
+
+    monkeypatch.setattr(workdir, "STALE_SECONDS", 1.0)
+    lock_file = tmp_path / workdir.LOCK_NAME
+    _foreign_lock(lock_file, time.time())
+    beating = threading.Event()
+
+    def heartbeat():  # the other host's run, alive
+        while not beating.wait(0.05):
+            _foreign_lock(lock_file, time.time())
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    try:
+        with pytest.raises(ConfigError, match="another run is training here: pid 12345 on host another-host"):
+            workdir.Lock(str(tmp_path), log=lambda line: None).acquire()
+    finally:
+        beating.set()
+        thread.join()
+    # Its heartbeat stopped: taken after STALE_SECONDS, released at the end.
+    with workdir.Lock(str(tmp_path), log=lambda line: None) as lock:
+        assert json.loads(lock_file.read_text())["token"] == lock.token
+    assert not lock_file.exists()
+
+
+def test_on_a_file_system_without_exclusive_create_the_lock_is_written_and_read_back():
+    """ram:// stands in for an object store (gs://): no O_EXCL there."""
+    from engine import workdir
+
+    with workdir.Lock("ram://object_store_run", log=lambda line: None):
+        with pytest.raises(ConfigError, match=f"another run is training here: pid {os.getpid()} on host"):
+            workdir.Lock("ram://object_store_run").acquire()
+    assert not tf.io.gfile.exists("ram://object_store_run/train.lock")
+
+
+# 3. A kill at any moment of the end of a run.
+
+
+class Killed(BaseException):
+    """A kill: nothing after it runs (the test process itself survives)."""
+
+
+@pytest.mark.parametrize("killed_in", ["final_evaluation", "summary"])
+def test_a_kill_after_the_final_save_leaves_the_files_of_an_uninterrupted_run(
+    data_dir, one_device, tmp_path, monkeypatch, killed_in
+):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, eval_every=10)
+    if killed_in == "summary":  # after the final eval line
+        monkeypatch.setattr(report.Report, "summary", lambda self, summary: (_ for _ in ()).throw(Killed()))
+    else:  # after the final checkpoint, before its evaluation
+        real = loop.Trainer.evaluate
+
+        def evaluate_or_die(self):
+            if int(self.step.numpy()) == 20:
+                raise Killed()
+            return real(self)
+
+        monkeypatch.setattr(loop.Trainer, "evaluate", evaluate_or_die)
+    with pytest.raises(Killed):
+        loop.train(config, one_device)
+    assert checkpoint.latest(tmp_path / "checkpoints").endswith("ckpt-20") and not (tmp_path / "summary.json").exists()
+    monkeypatch.undo()
+    summary = loop.train(config, one_device)
+    metrics, evals = jsonl(tmp_path / "metrics.jsonl"), jsonl(tmp_path / "eval.jsonl")
+    assert [r["step"] for r in metrics] == [10, 20] and [r["step"] for r in evals] == [10, 20]
+    assert event_steps(tmp_path / "train", "loss") == [10, 20] and event_steps(tmp_path / "eval", "accuracy") == [
+        10,
+        20,
+    ]
+    saved = json.load(open(tmp_path / "summary.json"))
+    assert saved == summary and saved["train_loss"] == metrics[-1]["loss"] and saved["train_loss"] is not None
+    assert saved["examples_per_sec"] == pytest.approx(metrics[-1]["examples_per_sec"])
+    assert saved["eval"] == {k: v for k, v in evals[-1].items() if k != "step"}
+
+
+# 4. Leftovers of saves a kill cut short.
+
+
+def test_leftovers_of_killed_saves_are_removed(data_dir, one_device, tmp_path):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, checkpoint_every=10)
+    loop.train(config, one_device)
+    for step in (20, 30):
+        temp = tmp_path / "checkpoints" / f"ckpt-{step}_temp"
+        temp.mkdir()
+        (temp / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"\0" * 2_000_000)
+    loop.train(dataclasses.replace(config, train_steps=20), one_device)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "checkpoint",
+        "ckpt-10.data-00000-of-00001",
+        "ckpt-10.index",
+        "ckpt-20.data-00000-of-00001",
+        "ckpt-20.index",
+    ]
+
+
+# 5. Damaged bookkeeping; damaged checkpoints in --mode=eval.
+
+
+def test_a_damaged_state_file_is_rebuilt_from_the_checkpoints(data_dir, one_device, tmp_path, capsys):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, checkpoint_every=10, keep_checkpoints=2)
+    loop.train(config, one_device)
+    (tmp_path / "checkpoints" / "checkpoint").write_bytes(b'all_model_checkpoint_paths: "zz\x00\xff"\n')
+    summary = loop.train(dataclasses.replace(config, train_steps=30), one_device)
+    out = capsys.readouterr().out
+    assert "checkpoint is unreadable" in out and "resumed from step 20" in out and summary["step"] == 30
+    # The rebuilt state knew ckpt-10: keeping two deleted it.
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")]
+    assert names == ["ckpt-30", "ckpt-20"]
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-30")
+
+
+def test_eval_falls_back_from_a_damaged_newest_checkpoint(data_dir, one_device, tmp_path, capsys):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, checkpoint_every=10)
+    loop.train(config, one_device)
+    newest = checkpoint.latest(tmp_path / "checkpoints")
+    data_file = newest + ".data-00000-of-00001"
+    with open(data_file, "r+b") as f:
+        f.truncate(os.path.getsize(data_file) // 2)
+    capsys.readouterr()
+    result = evaluate.evaluate(dataclasses.replace(config, mode="eval"), one_device)
+    assert f"checkpoint {newest} is unreadable" in capsys.readouterr().out
+    assert result["step"] == 10 and result["checkpoint"].endswith("ckpt-10")
+
+
+# 6. --mode=eval, continuous_eval and export rebuild the run from its config.json.
+
+
+def test_other_modes_rebuild_the_run_from_its_config_json(data_dir, one_device, tmp_path):
+    transformer = dict(
+        model="transformer", transformer_layers=1, transformer_dim=16, transformer_heads=2, transformer_mlp_dim=32
+    )
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, eval_split="validation", **transformer)
+    trained = loop.train(config, one_device)
+    given = validate(Config(mode="eval", workdir=str(tmp_path), data_dir=data_dir))  # --mode=eval --workdir=W
+    on_test = evaluate.evaluate(given, one_device)
+    assert on_test["step"] == 20 and on_test["split"] == "test" and on_test["eval"]["examples"] == 360
+    given = dataclasses.replace(given, eval_split="validation", eval_batch_size=40)
+    evaluated = evaluate.evaluate(given, one_device)
+    assert evaluated["split"] == "validation" and evaluated["eval"]["examples"] == 180
+    assert evaluated["eval"]["accuracy"] == trained["eval"]["accuracy"]
+    assert evaluated["eval"]["loss"] == pytest.approx(trained["eval"]["loss"], rel=1e-5)
+    with pytest.raises(ConfigError, match=rf"--model=resnet: {tmp_path} was trained with --model=transformer"):
+        evaluate.evaluate(dataclasses.replace(given, model="resnet"), one_device)
+    follow = dataclasses.replace(given, mode="continuous_eval", eval_timeout=60)
+    results = evaluate.follow(follow, one_device, poll_seconds=0.1)  # stops at the run's own last step
+    assert [r["step"] for r in results] == [20] and results[0]["accuracy"] == trained["eval"]["accuracy"]
+    assert (tmp_path / "eval_test.json").exists() and (tmp_path / "eval_validation.json").exists()
+    export_dir = evaluate.export(dataclasses.replace(given, mode="export"))
+    assert os.path.exists(os.path.join(export_dir, "saved_model.pb"))
+
+
+@pytest.mark.parametrize(
+    "saved,why",
+    [
+        ({"model": 5}, "model=5: must be a string"),
+        ([1, 2, 3], "must be a JSON object of settings, not list"),
+        ({"global_batch_size": "x"}, 'global_batch_size="x": must be an integer'),
+    ],
+)
+def test_a_members_bad_config_json_is_refused_like_a_bad_flag(tmp_path, saved, why):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(saved))
+    config = helpers.make_config("", str(tmp_path / "ensemble"), mode="ensemble", members=f"{tmp_path / 'a'},b")
+    with pytest.raises(ConfigError) as refused:
+        ensemble.ensemble(config)
+    assert str(refused.value) == f"{tmp_path / 'a' / 'config.json'}: {why}"
+
+
+def test_launch_refuses_a_bad_member_config_in_one_line(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"model": 5}')
+    proc = helpers.launch("--mode=ensemble", f"--members={tmp_path / 'a'},{tmp_path / 'b'}", f"--workdir={tmp_path}/e")
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"error: {tmp_path / 'a' / 'config.json'}: model=5: must be a string"
+    )
+
+
+# Export of a mixed_bfloat16 run.
+
+
+def test_a_mixed_bfloat16_run_exports_float32_that_tflite_converts(data_dir, one_device, tmp_path):
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, precision="mixed_bfloat16")
+    loop.train(config, one_device)
+    export_dir = evaluate.export(dataclasses.replace(config, mode="export"))
+    served = tf.saved_model.load(export_dir).signatures["serving_default"]
+    interpreter = tf.lite.Interpreter(model_content=tf.lite.TFLiteConverter.from_saved_model(export_dir).convert())
+    runner = interpreter.get_signature_runner("serving_default")
+    images = np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32)
+    np.testing.assert_allclose(runner(images=images)["logits"], served(images=images)["logits"].numpy(), atol=1e-4)
+
+
+# Issue 10, defect 9: a disk that fills up between checkpoints.
+
+
+def test_a_disk_full_between_checkpoints_ends_in_one_error_line(data_dir, tmp_path):
+    def small_disk():  # files may not grow past 16 KiB: the TensorBoard events fill up within a few dozen steps
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    proc = subprocess.run(
+        [sys.executable, "launch.py", f"--workdir={tmp_path}", f"--data_dir={data_dir}", "--hidden_sizes=32"]
+        + ["--steps_per_loop=1", "--checkpoint_every=0", "--train_steps=5000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=small_disk,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert len(lines) == 1 and re.fullmatch(rf"error: cannot write {tmp_path}/\S+: File too large", lines[0]), lines
+    assert not (tmp_path / "train.lock").exists()
