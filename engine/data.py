@@ -100,7 +100,7 @@ def load(config):
                 [
                     tf.fill(tf.shape(epoch), tf.constant(config.seed, tf.int64)),
                     epoch,
-                    tf.fill(tf.shape(epoch), tf.constant(stream, tf.int64)),
+                    tf.fill(tf.shape(epoch), tf.cast(stream, tf.int64)),
                 ],
                 axis=1,
             )

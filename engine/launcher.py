@@ -103,6 +103,9 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout):
                 stderr=subprocess.STDOUT,
                 text=True,
                 bufsize=1,
+                # Its own session: a terminal's Ctrl-C reaches the launcher alone, which forwards it once. Sent to
+                # the whole process group as well, a worker would see it twice, and a second signal exits unsaved.
+                start_new_session=True,
             )
             name = f"{job} {index}"
             tasks[name] = proc

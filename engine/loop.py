@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import itertools
 import json
 import os
 import time
@@ -102,10 +101,15 @@ class Trainer:
             return iter(self.data.train_fn(tf.distribute.InputContext(), start))
         if self.coordinator is None:
             return iter(self.strategy.distribute_datasets_from_function(lambda ctx: self.data.train_fn(ctx, start)))
-        workers = itertools.count(1)  # called once per worker, in order: each reads its own stream
+        with self.strategy.scope():  # on a parameter server, shared by the workers
+            streams = tf.Variable(0, dtype=tf.int64, trainable=False, name="streams")
+            lock = tf.CriticalSection(name="streams")
 
         def per_worker():
-            stream = next(workers)
+            # Traced once, then run by each worker as it builds its dataset: the server's counter, incremented
+            # under a lock, gives each worker (and a restarted one) its own stream 1, 2, ... With the tf.data
+            # service all workers consume one shared job instead, which hands each batch to one of them.
+            stream = 1 if self.config.tf_data_service else lock.execute(lambda: tf.identity(streams.assign_add(1)))
             return self.strategy.distribute_datasets_from_function(
                 lambda ctx: self.data.train_fn(ctx, start // distribute.num_workers(self.strategy), stream)
             )
@@ -226,6 +230,13 @@ class Profile:
             tf.profiler.experimental.start(self.logdir)
             self.running = True
 
+    def marker(self, current):
+        """A step marker around a traced round, which the Profile tab's step-time views need (one per round:
+        the steps inside a round run in one call of the traced loop, with no host code between them)."""
+        if not self.running:
+            return contextlib.nullcontext()
+        return tf.profiler.experimental.Trace("train", step_num=current + 1, _r=1)
+
     def after_round(self, current, report):
         if self.running and current >= self.steps[1]:
             self.stop()
@@ -327,7 +338,8 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
             start = current
             profile.before_round(current)
             tic = time.perf_counter()
-            out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
+            with profile.marker(current):
+                out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
             seconds = time.perf_counter() - tic
             steps = int(out["steps"])
             current += steps

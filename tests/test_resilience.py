@@ -201,7 +201,6 @@ def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
     args = [
         f"--data_dir={data_dir}",
         "--strategy=multi_worker",
-        "--collective_timeout=20",
         "--checkpoint_every=100",
         "--steps_per_loop=50",
         "--hidden_sizes=32",

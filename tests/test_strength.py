@@ -117,12 +117,6 @@ def _parameter_server_first_batches(data_dir):
     return [[x.tolist() for x in r.fetch()] for r in remote]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine bug: ClusterCoordinator.create_per_worker_dataset traces the per-worker dataset function "
-    "once, so Trainer.train_iterator's next(workers) runs once and every worker reads stream 1",
-)
 def test_parameter_server_workers_read_different_streams(data_dir):
     # A separate process: connecting to a cluster changes this process's devices for good.
     result = subprocess.run(
