@@ -86,7 +86,9 @@ class Checkpoints:
         self.directory = os.path.join(workdir, "checkpoints")
         self.checkpoint = tf.train.Checkpoint(**tracked_state(trainer))
         self.chief = chief
-        self.saved_step = None  # the step of the checkpoint that holds the current state, if one does
+        # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
+        # to be readable, unlike whatever is newest on disk.
+        self.saved_path = None
         write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
         try:
             if chief:  # the only writer of this directory (it holds the workdir's lock)
@@ -131,8 +133,8 @@ class Checkpoints:
     def save(self):
         """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
         step = int(self.trainer.step.numpy())
-        if step == self.saved_step:  # e.g. a run resumed at its last step: its checkpoint is already there
-            return self.latest()
+        if self.saved_path and _step_of(self.saved_path) == step:  # e.g. a run resumed at its last step
+            return self.saved_path
         # Every floating-point variable: weights and the statistics a forward pass updates alike.
         bad = [
             v.path
@@ -149,8 +151,8 @@ class Checkpoints:
             ) from None
         if not self.chief:
             shutil.rmtree(self.manager.directory, ignore_errors=True)
-        self.saved_step = step
-        return path
+        self.saved_path = os.path.join(self.directory, os.path.basename(path))  # a worker's own copy is gone
+        return self.saved_path
 
     def restore_latest(self, log=print):
         """Restores the newest readable checkpoint; returns its path, or None when there is none.
@@ -161,7 +163,7 @@ class Checkpoints:
         for path in list_checkpoints(self.directory):
             try:
                 restore(self.checkpoint, path, model=self.trainer.model)
-                self.saved_step = int(self.trainer.step.numpy())
+                self.saved_path = path
                 return path
             except Unreadable as e:
                 log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")

@@ -75,7 +75,9 @@ class Config:
     collective_timeout: float = _setting(
         10.0, "multi-worker: seconds a peer may go without a heartbeat before the job stops, naming it as lost"
     )
-    connect_timeout: float = _setting(300.0, "seconds to wait for every task of a cluster to come up at start")
+    connect_timeout: float = _setting(
+        300.0, "seconds to wait at start for every task of a cluster to come up, or for a TPU to answer"
+    )
     local_workers: int = _setting(0, "start this many worker processes on this machine (TF_CONFIG on localhost)")
     num_ps: int = _setting(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
     slurm_port_base: int = _setting(8888, "slurm: first port of the tasks' servers on each node")

@@ -18,6 +18,7 @@ import threading
 import time
 
 from engine.config import ConfigError
+from engine.preemption import PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 
@@ -136,6 +137,8 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout):
                 if status in (None, 0) or name in noted:
                     continue
                 noted.add(name)
+                if name in trainers and status in STOPPED_AND_SAVED:
+                    continue  # preempted: the other trainers stop at the same step and are still saving it
                 if name in fatal:
                     out.write(f"[launcher] {name} exited with {status}; stopping the others\n")
                     code = status
@@ -151,6 +154,10 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout):
     out.write(f"[launcher] job finished with exit code {code}\n")
     out.flush()
     return code
+
+
+# A trainer's exit after a signal, its checkpoint saved (SIGTERM, SIGINT): not a failure of the job.
+STOPPED_AND_SAVED = (PREEMPTED_EXIT_CODE, 128 + signal.SIGINT)
 
 
 def _stop(procs):

@@ -116,6 +116,20 @@ class Trainer:
 
         return iter(self.coordinator.create_per_worker_dataset(per_worker))
 
+    def stopping_anywhere(self):
+        """Whether any worker has been signalled. A signal that came during a round's last step is not in that
+        step's all-reduce: on several workers the flag is all-reduced once more, so all of them answer alike."""
+        if self.coordinator is not None or not distribute.is_multi_worker(self.strategy):
+            return bool(self.stop.numpy())
+        return bool(self._any_stop())
+
+    @tf.function
+    def _any_stop(self):
+        def replica_stop():
+            return tf.distribute.get_replica_context().all_reduce(step.SUM, tf.cast(self.stop, tf.float32))
+
+        return self._first_replica(self.strategy.run(replica_stop)) > 0
+
     def _first_replica(self, values):
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
 
@@ -261,6 +275,8 @@ def train(config, strategy=None, on_eval=None):
     trainer = Trainer(config, strategy)
     chief = distribute.is_chief(strategy)
     with workdir_lib.Lock(config.workdir) if chief else contextlib.nullcontext():
+        if chief:
+            saved = workdir_lib.check_same_run(config)  # again, under the lock: a run may have written it since
         checkpoints = checkpoint_lib.Checkpoints(
             trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
         )
@@ -290,14 +306,25 @@ def train(config, strategy=None, on_eval=None):
         return run(trainer, report, checkpoints, started, on_eval)
 
 
+def _preempted(checkpoints, current, report):
+    message = (
+        f"{PREEMPTION.cause} at step {current}; checkpoint {checkpoints.saved_path}; run the same command to resume"
+    )
+    report.line(message)
+    raise Preempted(message, PREEMPTION.exit_code)
+
+
 def _summary_at(workdir, step):
     """summary.json when it reports `step` (a run that ended there), else None (killed before writing it)."""
     path = os.path.join(workdir, "summary.json")
     if not tf.io.gfile.exists(path):
         return None
-    with tf.io.gfile.GFile(path) as f:
-        summary = json.loads(f.read())
-    return summary if summary.get("step") == step else None
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            summary = json.loads(f.read())
+    except ValueError:  # damaged: the final evaluation runs again and rewrites it
+        return None
+    return summary if isinstance(summary, dict) and summary.get("step") == step else None
 
 
 def _train_steps_change(saved, config):
@@ -331,7 +358,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
         f"precision={config.precision} global_batch_size={config.global_batch_size}"
     )
     iterator = trainer.train_iterator()
-    current, loss, saved_at, rollbacks = int(trainer.step.numpy()), float("nan"), None, 0
+    current, loss, rollbacks = int(trainer.step.numpy()), float("nan"), 0
     timed_steps, timed_seconds, first_round = 0, 0.0, None
     with PREEMPTION.watch(trainer.stop):  # from here on a signal stops the loop at a step, saved
         while current < config.train_steps:
@@ -349,7 +376,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
                 timed_steps, timed_seconds = timed_steps + steps, timed_seconds + seconds
 
             if out["skipped"] and not trainer.float16:
-                last_good = checkpoints.latest()
+                last_good = checkpoints.saved_path
                 where = f"non-finite loss or gradient between steps {start + 1} and {current}"
                 if config.on_nan != "rollback" or rollbacks >= MAX_ROLLBACKS:
                     raise TrainingError(
@@ -389,17 +416,14 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
                 or current == config.train_steps
                 or (config.checkpoint_every and current % config.checkpoint_every == 0)
             ):
-                path = checkpoints.save()
-                saved_at, rollbacks = current, 0
+                checkpoints.save()
+                rollbacks = 0
             if stopping:
-                # The chief's copy: the other workers' own (written because the save is collective) is deleted.
-                path = os.path.join(checkpoints.directory, os.path.basename(path))
-                message = f"{PREEMPTION.cause} at step {current}; checkpoint {path}; run the same command to resume"
-                report.line(message)
-                raise Preempted(message, PREEMPTION.exit_code)
+                _preempted(checkpoints, current, report)
 
-        if saved_at != current:
-            checkpoints.save()
+        checkpoints.save()  # nothing to do when this step is saved already
+        if trainer.stopping_anywhere():  # a signal during the last round: every worker stops here alike
+            _preempted(checkpoints, current, report)
     results = trainer.evaluate()
     report.eval(current, results)
     if not timed_steps and first_round:

@@ -65,7 +65,7 @@ class Preemption:
         with self._lock:
             self._flag = None
             if self.signal is not None:
-                self._exit_now()
+                self._exit_now("after the training loop, its last step saved")
 
     def interruptible(self, wait, *args, **kwargs):
         """Returns wait(*args, **kwargs), run so that Ctrl-C ends the process at once (status 130), as SIGINT
@@ -103,8 +103,8 @@ class Preemption:
             raise outcome["error"]
         return outcome["value"]
 
-    def _exit_now(self):
-        self._last_words(f"{self.cause} outside the training loop (nothing to save)")
+    def _exit_now(self, where="outside the training loop (nothing to save)"):
+        self._last_words(f"{self.cause} {where}")
         os._exit(self.exit_code)
 
     def _last_words(self, message):
@@ -119,10 +119,6 @@ class Preemption:
             return "preempted: stopped by a peer worker's signal"
         verb = "interrupted" if self.signal == signal.SIGINT else "preempted"
         return f"{verb}: stopped by {signal.Signals(self.signal).name}"
-
-    @property
-    def signal_name(self):
-        return signal.Signals(self.signal).name if self.signal is not None else "a peer worker's signal"
 
     @property
     def exit_code(self):

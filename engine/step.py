@@ -32,8 +32,9 @@ def split_state(model):
 def stateless_forward(model, inputs, state, seeds, step, replica):
     """The model's training forward pass with nothing assigned: returns (outputs, new values of `state`).
 
-    Each seed generator draws from (its own seed, `step`, `replica`): every replica and worker gets its own
-    dropout masks, and a resumed run draws exactly the masks an uninterrupted one would have.
+    Each seed generator draws from (its own seed, `step`, `replica`): every replica of a mirrored or
+    multi-worker job gets its own dropout masks, and a resumed run draws exactly the masks an uninterrupted
+    one would have. (Parameter-server workers all count as replica 0; they differ by the step they read.)
     """
     mapping = [(v, v.value) for v in state]
     if seeds:

@@ -2,6 +2,7 @@
 a dead worker, a full disk, evaluation modes and export."""
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -193,6 +194,21 @@ def test_nan_rollback_skips_the_offending_batches(data_dir, one_device, tmp_path
     reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "checkpoints")[0])
     assert reader.get_tensor("batches/.ATTRIBUTES/VARIABLE_VALUE") == 45  # 5 batches skipped
     assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 40
+
+
+def test_nan_rollback_never_picks_a_damaged_checkpoint(data_dir, one_device, tmp_path, monkeypatch, capsys):
+    # ckpt-20 is damaged, so the restart resumes from ckpt-10; a NaN after that must roll back to ckpt-10 (the
+    # checkpoint this process restored), not to ckpt-20, the newest on disk.
+    settings = dict(train_steps=20, steps_per_loop=5, checkpoint_every=10, on_nan="rollback")
+    loop.train(helpers.make_config(data_dir, str(tmp_path), **settings), one_device)
+    for path in glob.glob(str(tmp_path / "checkpoints" / "ckpt-20.data-*")):
+        with open(path, "r+b") as f:
+            f.truncate(16)
+    _poison(monkeypatch, [13, 14])
+    summary = loop.train(helpers.make_config(data_dir, str(tmp_path), **settings), one_device)
+    out = capsys.readouterr().out
+    assert "resumed from step 10" in out and "rolled back to step 10" in out
+    assert summary["step"] == 20 and np.isfinite(summary["train_loss"])
 
 
 def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
