@@ -467,13 +467,9 @@ def check_batch(config, num_replicas):
 
 # Where and how a run executes, not what it computes: a run resumes under other values (another strategy or
 # cluster size gives the same numbers, tests/test_parity.py), and evaluation takes them from its own command line.
-EXECUTION_SETTINGS = frozenset(
+# Where a run executes: the strategy and its cluster (also what a tuner cannot vary between trials).
+CLUSTER_SETTINGS = frozenset(
     {
-        "mode",
-        "workdir",
-        "checkpoint",
-        "export_dir",
-        "eval_timeout",
         "strategy",
         "num_cpu_devices",
         "tpu",
@@ -484,6 +480,15 @@ EXECUTION_SETTINGS = frozenset(
         "num_ps",
         "slurm_port_base",
         "kubernetes_selector",
+    }
+)
+EXECUTION_SETTINGS = CLUSTER_SETTINGS | frozenset(
+    {
+        "mode",
+        "workdir",
+        "checkpoint",
+        "export_dir",
+        "eval_timeout",
         "tf_data_service",
         "data_dir",
         "jit_compile",

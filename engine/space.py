@@ -12,27 +12,11 @@ tuner writes its study.
 import dataclasses
 import math
 
-from engine.config import Config, ConfigError, validate
+from engine.config import CLUSTER_SETTINGS, Config, ConfigError, validate
 
 KINDS = ("int", "float", "log", "choice")
 # One strategy (and cluster) serves every trial of the process; where trials are scored and written is the tuner's.
-NOT_SEARCHABLE = {
-    "mode",
-    "workdir",
-    "eval_split",
-    "validation_split",
-    "members",
-    "strategy",
-    "num_cpu_devices",
-    "tpu",
-    "cluster_resolver",
-    "collective_timeout",
-    "connect_timeout",
-    "local_workers",
-    "num_ps",
-    "slurm_port_base",
-    "kubernetes_selector",
-}
+NOT_SEARCHABLE = CLUSTER_SETTINGS | {"mode", "workdir", "eval_split", "validation_split", "members"}
 
 
 @dataclasses.dataclass(frozen=True)
