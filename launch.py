@@ -18,6 +18,7 @@ wait ends (75), or at --connect_timeout.
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 import traceback
@@ -88,6 +89,7 @@ def main(argv):
         "eval": evaluate.evaluate,
         "continuous_eval": evaluate.follow,
         "export": evaluate.export,
+        "sample": evaluate.sample,
         "tune": tune.tune,
         "ensemble": ensemble.ensemble,
     }[config.mode]
@@ -107,8 +109,9 @@ def main(argv):
         _exit(str(e), code=e.exit_code)
     if config.mode == "train":
         results = result["eval"]
+        headline = importlib.import_module(f"tasks.{config.task}").Task.headline
         print(
-            f"{config.eval_split} accuracy {results['accuracy']:.4f} on {results['examples']} examples "
+            f"{config.eval_split} {headline} {results[headline]:.4f} on {results['examples']} examples "
             f"({result['step']} steps, {result['wall_seconds']:.1f} s)"
         )
     if config.mode == "tune":

@@ -101,10 +101,12 @@ class FitRunner:
         from engine import data as data_lib
 
         data = data_lib.load(config)
-        self.dataset = data.train_fn(tf.distribute.InputContext())  # the engine's own pipeline, one replica
+        # The engine's own pipeline, one replica, as the (inputs, labels) pairs fit reads.
+        self.dataset = data.train_fn(tf.distribute.InputContext()).map(lambda b: (b["image"], b["label"]))
         module = importlib.import_module(f"models.{config.model}")
-        self.model = module.create(config, data.input_shape, data.num_classes)
-        self.model(tf.zeros((1, *data.input_shape)), training=False)
+        shape = tuple(data.spec["image"].shape)
+        self.model = module.create(config, shape, data.task.outputs)
+        self.model(tf.zeros((1, *shape)), training=False)
         self.model.compile(
             optimizer=keras.optimizers.AdamW(
                 learning_rate=config.learning_rate,

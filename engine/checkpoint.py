@@ -25,39 +25,43 @@ class CheckpointError(RuntimeError):
     """A file of the run (a checkpoint, a log, the summary) could not be written; the message names the path."""
 
 
-def model_state(model):
-    """The model's variables in Keras's own order. Keras 3 layers held in Python lists are invisible to
-    tf.train.Checkpoint's object graph (they would be silently left out), so the engine checkpoints the
-    variables themselves: weights, batch-norm statistics and dropout seed-generator states."""
-    return [v.value for v in model.variables]
+def model_state(models):
+    """{model name: {variable path: variable}} of every model: weights, batch-norm statistics and dropout
+    seed-generator states, keyed by their Keras paths (mlp/dense_1/kernel), never by position: a fork that
+    reorders its layers gets a clear mismatch, not another layer's weights. (Keras 3 layers held in Python lists
+    are invisible to tf.train.Checkpoint's object graph, so the engine checkpoints the variables themselves.)"""
+    state = {}
+    for name, model in models.items():
+        variables = {v.path: v.value for v in model.variables}
+        if len(variables) != len(model.variables):
+            raise ValueError(f"model {name!r} has two variables with one path; name its layers apart")
+        state[name] = variables
+    return state
 
 
-def model_checkpoint(model, step):
-    """The part of a training checkpoint that evaluation, export and ensembles read: the model and the step
-    (restore it with partial=True; the optimizer's state stays in the file)."""
-    return tf.train.Checkpoint(model=model_state(model), step=step)
+def model_checkpoint(models, step, ema=None):
+    """The part of a training checkpoint that evaluation, export and ensembles read: the models, their moving
+    averages and the step (restore it with partial=True; the optimizer's state stays in the file)."""
+    return tf.train.Checkpoint(models=model_state(models), step=step, **({"ema": ema} if ema else {}))
 
 
 def tracked_state(trainer):
     """What a checkpoint holds; one place, so training, evaluation and export restore the same names."""
     return dict(
-        model=model_state(trainer.model),
+        models=model_state(trainer.models),
         optimizer=trainer.optimizer,
         loss_scale=trainer.loss_scale,
         step=trainer.step,
         batches=trainer.batches,
         skipped=trainer.skipped,
+        **({"ema": trainer.ema_by_path} if trainer.ema else {}),
     )
 
 
-def describe_key(key, model):
-    """A checkpoint key as a person reads it: model variables get this run's Keras path (a checkpoint stores
-    positions, not names, so the checkpoint's own variable there may be another)."""
+def describe_key(key):
+    """A checkpoint key as a person reads it: models/model/mlp/dense/kernel."""
     name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
-    match = re.fullmatch(r"model/(\d+)", name)
-    if match and int(match.group(1)) < len(model.variables):
-        return f"model variable {match.group(1)} ({model.variables[int(match.group(1))].path} in this run)"
-    return name
+    return name.replace(".S", "/").replace("..", ".")
 
 
 def _step_of(path):
@@ -138,7 +142,8 @@ class Checkpoints:
         # Every floating-point variable: weights and the statistics a forward pass updates alike.
         bad = [
             v.path
-            for v in self.trainer.model.variables
+            for model in self.trainer.models.values()
+            for v in model.variables
             if v.dtype.startswith("float") and not bool(tf.reduce_all(tf.math.is_finite(v)))
         ]
         if bad:  # never let a diverged model replace a good checkpoint
@@ -162,7 +167,7 @@ class Checkpoints:
         """
         for path in list_checkpoints(self.directory):
             try:
-                restore(self.checkpoint, path, model=self.trainer.model)
+                restore(self.checkpoint, path)
                 self.saved_path = path
                 return path
             except Unreadable as e:
@@ -170,11 +175,82 @@ class Checkpoints:
         return None
 
 
+def _escaped(path):
+    """A variable path as tf.train.Checkpoint writes it inside a key."""
+    return path.replace(".", "..").replace("/", ".S")
+
+
+def find(source, flag):
+    """The checkpoint `source` names: a checkpoint prefix, or a workdir (its newest checkpoint). ConfigError naming
+    `flag` when there is none."""
+    if tf.io.gfile.exists(source + ".index"):
+        return source
+    found = list_checkpoints(os.path.join(source, "checkpoints"))
+    if found:
+        return found[0]
+    raise ConfigError(f"--{flag}={source}: neither a checkpoint (no {source}.index) nor a workdir with checkpoints")
+
+
+def warm_start(models, source, flag="init_checkpoint", log=print):
+    """Assigns each variable of `models` the value saved under the same Keras path in the checkpoint `source` (a
+    prefix or a workdir), whatever model name it was saved under: the moving average where the run kept one
+    (what it evaluated), else the weights. Variables it lacks, or holds in another shape, keep their initial
+    values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
+    prefix = find(source, flag)
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        shapes = reader.get_variable_to_shape_map()
+    except (tf.errors.OpError, IndexError) as e:
+        raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+    saved = {}  # Keras path -> key
+    for key in shapes:
+        parts = key.split("/")
+        if key.endswith(suffix) and parts[0] == "models" and len(parts) == 5:
+            saved.setdefault(describe_key(parts[2]), key)
+    averaged = {describe_key(key.split("/")[1]): key for key in shapes if key.startswith("ema/")}
+    if not saved:
+        raise ConfigError(
+            f"--{flag}={source}: {prefix} holds no model variables keyed by path (a checkpoint of another engine, "
+            "or of this one before variables were keyed by path)"
+        )
+    result = {"matched": [], "missing": [], "reshaped": [], "unused": []}
+    used = set()
+    for model in models.values():
+        for v in model.variables:
+            key = averaged.get(v.path, saved.get(v.path))
+            if key is None:
+                result["missing"].append(v.path)
+            elif shapes[key] != list(v.shape):
+                result["reshaped"].append(f"{v.path} {shapes[key]} -> {list(v.shape)}")
+                used.add(v.path)
+            else:
+                v.assign(reader.get_tensor(key))
+                result["matched"].append(v.path)
+                used.add(v.path)
+    result["unused"] = sorted(set(saved) - used)
+    if not result["matched"]:
+        raise ConfigError(
+            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {', '.join(sorted(saved)[:4])}"
+            f"{', ...' if len(saved) > 4 else ''}; this run has {', '.join(result['missing'][:4])}, ...)"
+        )
+    line = f"{flag}: {len(result['matched'])} variables from {prefix}"
+    for what, why in (
+        ("missing", "not in it (kept as initialized)"),
+        ("reshaped", "other shapes (kept as initialized)"),
+        ("unused", "in it but not in this run"),
+    ):
+        if result[what]:
+            line += f"; {why}: {', '.join(result[what])}"
+    log(line)
+    return result
+
+
 class Unreadable(Exception):
     """A checkpoint's files are missing or damaged."""
 
 
-def restore(checkpoint, path, partial=False, model=None):
+def restore(checkpoint, path, partial=False):
     """Restores `checkpoint` from `path`: all of it, or (`partial`) what exists in this program.
 
     Raises Unreadable for missing or damaged files, ConfigError for a checkpoint that does not fit.
@@ -188,19 +264,19 @@ def restore(checkpoint, path, partial=False, model=None):
     except (tf.errors.OpError, IndexError) as e:  # the reader raises IndexError for a truncated data file
         raise Unreadable(first_line(e)) from None
     except (AssertionError, ValueError):
-        why = _mismatch(checkpoint, path, partial, model)
+        why = _mismatch(checkpoint, path, partial)
         raise ConfigError(
             f"checkpoint {path} does not fit this run: {why} (a run with other settings saved it)"
         ) from None
 
 
-def _mismatch(checkpoint, path, partial, model):
+def _mismatch(checkpoint, path, partial):
     """Names the first variable whose presence or shape differs between this run and a checkpoint."""
     saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
     with tempfile.TemporaryDirectory() as tmp:
         ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()
     ignore = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
-    name = (lambda key: describe_key(key, model)) if model is not None else (lambda key: key)
+    name = describe_key
     for key in sorted((ours.keys() | saved.keys()) - ignore):
         if key not in saved:
             return f"this run has {name(key)} {ours[key]} that the checkpoint lacks"

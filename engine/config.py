@@ -10,8 +10,11 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import models
+import tasks
+from engine import sources
 
 STRATEGIES = ("one_device", "mirrored", "multi_worker", "parameter_server", "tpu")
 CLUSTER_RESOLVERS = ("tf_config", "slurm", "kubernetes", "tpu")
@@ -19,9 +22,9 @@ PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "adamw", "lamb")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCALINGS = ("none", "linear")
-MODES = ("train", "eval", "continuous_eval", "export", "tune", "ensemble")
+MODES = ("train", "eval", "continuous_eval", "export", "sample", "tune", "ensemble")
 ON_NAN = ("stop", "rollback")
-BUNDLED_DATASETS = ("digits", "synthetic")
+BUNDLED_DATASETS = ("digits", *sources.available())
 INT64_LIMIT = 2**63  # every integer setting reaches TensorFlow as an int64
 SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy generator, which takes 32 bits
 # Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step
@@ -60,6 +63,10 @@ class Config:
     checkpoint: str = _setting("", "eval, export: checkpoint path to use; empty: the latest in --workdir")
     export_dir: str = _setting("", "export: where to write the SavedModel; empty: <workdir>/export/<step>")
     eval_timeout: float = _setting(600.0, "continuous_eval: stop after this many seconds without a new checkpoint")
+    sample_length: int = _setting(500, "sample: how many tokens (characters) to generate")
+    sample_prompt: str = _setting("\n", "sample: the text the generated text continues")
+    sample_temperature: float = _setting(0.8, "sample: divides the logits before sampling; lower is more conservative")
+    sample_top_k: int = _setting(0, "sample: draw from the k likeliest tokens only; 0 = from all")
 
     # Distribution.
     strategy: str = _setting(
@@ -84,6 +91,9 @@ class Config:
     kubernetes_selector: str = _setting("", "kubernetes: label selector of the worker pods, e.g. job-name=w")
     tf_data_service: str = _setting("", "grpc://host:port of a tf.data service dispatcher to preprocess on")
 
+    # Task (tasks/<task>.py): what is trained, its loss and its metrics.
+    task: str = _setting("classification", "what to train, found as tasks/<task>.py")
+
     # Model (models/<model>.py). Each family reads only its own fields.
     model: str = _setting("mlp", "model family, found as models/<model>.py")
     hidden_sizes: tuple = _setting((512, 512), "mlp: widths of the hidden layers")
@@ -96,7 +106,9 @@ class Config:
     dropout: float = _setting(0.0, "dropout rate in the models that use it, 0 = off")
 
     # Data.
-    dataset: str = _setting("digits", "digits (bundled), synthetic, or any tensorflow-datasets name")
+    dataset: str = _setting(
+        "", "a bundled dataset (digits, synthetic, ...), or any tensorflow-datasets name; empty: the task's own"
+    )
     data_dir: str = _setting(
         "",
         "tensorflow-datasets directory, outside --workdir: prepared datasets, tfds's download cache (downloads/) "
@@ -128,6 +140,16 @@ class Config:
         "and skip the offending batches",
     )
 
+    grad_accum_steps: int = _setting(
+        1, "split each replica's batch into this many microbatches whose gradients add up before the one all-reduce"
+    )
+
+    # Starting from another run.
+    init_checkpoint: str = _setting(
+        "", "start from these weights (a workdir's latest checkpoint, or a checkpoint path), matched by variable path"
+    )
+    freeze: str = _setting("", "regular expression: trainable variables whose path it matches are not trained")
+
     # Optimizer and learning rate.
     optimizer: str = _setting("adamw", "sgd|adamw|lamb (engine-owned update rules)")
     learning_rate: float = _setting(1e-3, "peak learning rate (before --lr_scaling)")
@@ -143,6 +165,9 @@ class Config:
     base_batch_size: int = _setting(256, "batch size --learning_rate was tuned for (with --lr_scaling=linear)")
     clip_norm: float = _setting(0.0, "clip the all-reduced gradients to this global norm; 0 = off")
     clip_value: float = _setting(0.0, "clip each all-reduced gradient element to [-v, v]; 0 = off")
+    ema_decay: float = _setting(
+        0.0, "keep an exponential moving average of the weights with this decay per step, used to evaluate and export"
+    )
 
     # Tuning and ensembles.
     tune_space: str = _setting("", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)")
@@ -178,6 +203,7 @@ class Config:
     jit_compile: bool = _setting(False, "compile the replica step with XLA")
     seed: int = _setting(0, "seed for initialization, shuffling and dropout")
     deterministic: bool = _setting(False, "enable TensorFlow op determinism: same flags, same numbers")
+    run_eagerly: bool = _setting(False, "run the loop and step without graphs (print and pdb work in a task); slow")
 
     @property
     def per_eval_batch_size(self):
@@ -252,6 +278,7 @@ def validate(config):
         "train_steps",
         "steps_per_loop",
         "learning_rate",
+        "grad_accum_steps",
         "base_batch_size",
         "initial_loss_scale",
         "loss_scale_growth_interval",
@@ -265,6 +292,8 @@ def validate(config):
         "transformer_mlp_dim",
         "keep_checkpoints",
         "eval_timeout",
+        "sample_length",
+        "sample_temperature",
     )
     _non_negative(
         config,
@@ -279,6 +308,7 @@ def validate(config):
         "clip_value",
         "epsilon",
         "seed",
+        "sample_top_k",
     )
     if config.seed >= SEED_LIMIT:
         _fail(
@@ -300,7 +330,7 @@ def validate(config):
             f"times --global_batch_size={config.global_batch_size} must be less than 2**63: the data stream "
             "numbers its examples in int64",
         )
-    for name in ("beta_1", "beta_2", "dropout"):
+    for name in ("beta_1", "beta_2", "dropout", "ema_decay"):
         if not 0 <= getattr(config, name) < 1:
             _fail(name, getattr(config, name), "must be in [0, 1)")
     profile = config.profile_steps
@@ -331,6 +361,15 @@ def validate(config):
         _fail("resnet_depth", config.resnet_depth, "must be 6n+2 with n >= 1 (8, 14, 20, 32, 44, 56, 110)")
     if config.transformer_dim % config.transformer_heads:
         _fail("transformer_heads", config.transformer_heads, f"must divide --transformer_dim={config.transformer_dim}")
+    if config.task not in tasks.available():
+        _fail("task", config.task, f"must name a file in tasks/ ({', '.join(tasks.available())})")
+    if not config.dataset:
+        config = dataclasses.replace(config, dataset=tasks.default_dataset(config.task))
+    if config.freeze:
+        try:
+            re.compile(config.freeze)
+        except re.error as e:
+            _fail("freeze", config.freeze, f"not a regular expression ({e})")
     if config.model not in models.available():
         _fail("model", config.model, f"must name a file in models/ ({', '.join(models.available())})")
     _check_dataset_name(config.dataset)
@@ -461,6 +500,14 @@ def check_batch(config, num_replicas):
         value = getattr(config, name)
         if value and value % num_replicas:
             _fail(name, value, f"must be divisible by the number of replicas ({num_replicas})")
+    per_replica = config.global_batch_size // num_replicas
+    if per_replica % config.grad_accum_steps:
+        _fail(
+            "grad_accum_steps",
+            config.grad_accum_steps,
+            f"must divide each replica's batch ({per_replica} = --global_batch_size={config.global_batch_size} "
+            f"over {num_replicas} replicas)",
+        )
 
 
 # ---- A run's saved settings (workdir/config.json) ----------------------------------------------------------------
@@ -489,10 +536,15 @@ EXECUTION_SETTINGS = CLUSTER_SETTINGS | frozenset(
         "checkpoint",
         "export_dir",
         "eval_timeout",
+        "sample_length",
+        "sample_prompt",
+        "sample_temperature",
+        "sample_top_k",
         "tf_data_service",
         "data_dir",
         "jit_compile",
         "deterministic",
+        "run_eagerly",
     }
 )
 # When things happen and what is logged: never part of a run's identity.
@@ -574,12 +626,11 @@ def applies(name, config):
     them: --resnet_depth means nothing to an MLP."""
     help_text = _SETTINGS[name].metadata["help"]
     scope = [word.strip() for word in help_text.split(":")[0].split(",")] if ":" in help_text else []
-    known = set(OPTIMIZERS + PRECISIONS + BUNDLED_DATASETS + MODES)
-    if not scope or not all(
-        w in known or (w.isidentifier() and importlib.util.find_spec(f"models.{w}")) for w in scope
-    ):
+    known = set(OPTIMIZERS + PRECISIONS + BUNDLED_DATASETS + MODES) | set(models.available()) | set(tasks.available())
+    if not scope or not all(w in known for w in scope):
         return True
-    return bool({config.model, config.dataset, config.optimizer, config.precision, config.mode}.intersection(scope))
+    selected = {config.model, config.dataset, config.optimizer, config.precision, config.mode, config.task}
+    return bool(selected.intersection(scope))
 
 
 _SETTINGS = {f.name: f for f in dataclasses.fields(Config)}

@@ -1,4 +1,4 @@
-"""Input pipelines: the bundled digits and any tensorflow-datasets name, or synthetic data.
+"""Input pipelines: the bundled sources (engine/sources/), the bundled digits and any tensorflow-datasets name.
 
 Every pipeline is a function of `tf.distribute.InputContext`, for
 `strategy.distribute_datasets_from_function`. Training reads one global stream of
@@ -16,17 +16,19 @@ prepare it (<data_dir>/<dataset>/.prepare.lock).
 import contextlib
 import dataclasses
 import fcntl
+import importlib
 import math
 import os
 import socket
 import urllib.parse
 import urllib.request
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import engine.digits  # noqa: F401  (registers the bundled `digits` builder with tfds)
+import tasks
+from engine import sources
 from engine.config import ConfigError, check_memory, first_line
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -34,35 +36,78 @@ _IN_MEMORY_LIMIT_BYTES = 1 << 30  # splits below this are held as tensors and ba
 
 
 @dataclasses.dataclass(frozen=True)
-class Data:
-    train_fn: object  # (InputContext, start_batch) -> endless dataset of per-replica (images, labels) batches
-    eval_fn: object  # InputContext -> finite dataset of (images, labels, weights), eval_steps batches
-    eval_steps: int  # evaluation steps that cover every evaluation example once
-    eval_examples: int
-    train_examples: int
-    input_shape: tuple
-    num_classes: int
+class Split:
+    """One split of a source: `examples` dicts of features, in a fixed order."""
+
+    examples: int
+    make: object  # () -> dataset of example dicts, in order
+    fetch: object = None  # int64 indices [n] -> {feature: [n, ...]}: random access, when held in memory
+
+
+def in_memory(arrays):
+    """A Split of {feature: tensor of examples x ...} held in memory: batches are gathered, not iterated."""
+    examples = int(next(iter(arrays.values())).shape[0])
+    return Split(
+        examples,
+        lambda: tf.data.Dataset.from_tensor_slices(arrays),
+        lambda indices: {name: tf.gather(values, indices) for name, values in arrays.items()},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class _Split:
-    make: object  # () -> dataset of (image, label), unbatched, in a fixed order
-    examples: int
-    arrays: tuple = None  # (images, labels) tensors when the split is held in memory
+class Source:
+    """What a dataset gives: its splits, the spec of one example ({feature: tf.TensorSpec}, static shapes) and
+    what it knows about them (`num_classes` of a `label`, a text's `vocabulary`, ...)."""
+
+    train: Split
+    evals: Split
+    spec: dict
+    info: dict
 
 
-def load(config):
-    """The Data for `config`; raises ConfigError for an unknown split or an unusable dataset."""
-    if config.dataset == "synthetic":
-        train, evals, shape, classes = _synthetic(config)
-    else:
-        train, evals, shape, classes = _tfds(config)
+@dataclasses.dataclass(frozen=True)
+class Data:
+    # (InputContext, start_batch, stream) -> endless dataset of per-replica batches: {feature: tensor} after the
+    # task's `prepare`, plus `index`, each example's position in the global training stream (seeds per example).
+    train_fn: object
+    # InputContext -> finite dataset of eval_steps batches: the prepared features, `index` (the position in the
+    # split) and `weight` (1 for an example, 0 for padding).
+    eval_fn: object
+    eval_steps: int  # evaluation steps that cover every evaluation example once
+    eval_examples: int
+    train_examples: int
+    task: object  # the run's tasks/<name>.py Task
+    spec: dict  # {feature: tf.TensorSpec} of one prepared example
+
+
+def task_class(config):
+    """tasks/<config.task>.py's Task class."""
+    return importlib.import_module(f"tasks.{config.task}").Task
+
+
+def load(config, split=None):
+    """The Data for `config` (evaluating `split`, default --eval_split); raises ConfigError for an unknown split
+    or an unusable dataset."""
+    cls = task_class(config)
+    source = load_source(config, cls.features, split)
+    task = cls(config, source.spec, source.info)
+    train, evals = source.train, source.evals
     if train.examples < config.global_batch_size:
         raise ConfigError(
             f"--global_batch_size={config.global_batch_size}: larger than the "
             f"{train.examples} examples of --train_split={config.train_split}"
         )
     eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
+
+    def prepare(batch):
+        # The task sees its features; the engine's own (index, weight) pass around it.
+        own = {k: batch[k] for k in ("index", "weight") if k in batch}
+        return {**task.prepare({k: v for k, v in batch.items() if k not in own}), **own}
+
+    one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
+    task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepare).element_spec.items()}
+    input_spec = task.spec.get(task.input)
+    check_memory(config, tuple(input_spec.shape) if input_spec else None, source.info.get("num_classes"))
 
     def train_fn(ctx, start_batch=0, stream=0):
         """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each
@@ -83,11 +128,10 @@ def load(config):
     def batches(ctx, start_batch, stream):
         per_replica = ctx.get_per_replica_batch_size(config.global_batch_size)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        if train.arrays is None:
+        if train.fetch is None:
             ds = _streamed(train, config, start_example=start_batch * config.global_batch_size, stream=stream)
-            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(_preprocess, num_parallel_calls=AUTOTUNE)
-            return ds.batch(per_replica, drop_remainder=True)
-        images, labels = train.arrays
+            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            return ds.batch(per_replica, drop_remainder=True).map(prepare, num_parallel_calls=AUTOTUNE)
         n = train.examples
 
         def global_batch(k):
@@ -107,10 +151,10 @@ def load(config):
             # Epoch e's permutation, element by element. The raw op: tf.random.experimental.index_shuffle
             # mis-pads a batch of seeds.
             order = tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
-            x, y = _preprocess(tf.gather(images, order), tf.gather(labels, order))
+            batch = prepare({**train.fetch(order), "index": positions})
             if local_replicas == 1:
-                return x, y
-            return tf.reshape(x, [local_replicas, per_replica, *x.shape[1:]]), tf.reshape(y, [local_replicas, -1])
+                return batch
+            return {k: tf.reshape(v, [local_replicas, per_replica, *v.shape[1:]]) for k, v in batch.items()}
 
         # One gather per global batch instead of per-example work: the host stays off the critical path.
         ds = tf.data.Dataset.range(start_batch, 2**62).map(global_batch, num_parallel_calls=AUTOTUNE)
@@ -119,15 +163,16 @@ def load(config):
         return ds if local_replicas == 1 else ds.unbatch()
 
     def eval_fn(ctx):
-        ds = evals.make().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-        ds = ds.map(lambda x, y: (*_preprocess(x, y), tf.constant(1.0)), num_parallel_calls=AUTOTUNE)
-        padding = tf.data.Dataset.from_tensors((tf.zeros(shape), tf.constant(0, tf.int64), tf.constant(0.0)))
-        ds = ds.concatenate(padding.repeat())
+        ds = evals.make().enumerate().map(lambda i, x: {**x, "index": i, "weight": tf.constant(1.0)})
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        padding = {k: tf.zeros(s.shape, s.dtype) for k, s in source.spec.items()}
+        padding.update(index=tf.constant(-1, tf.int64), weight=tf.constant(0.0))
+        ds = ds.concatenate(tf.data.Dataset.from_tensors(padding).repeat())
         ds = ds.batch(ctx.get_per_replica_batch_size(config.per_eval_batch_size), drop_remainder=True)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        return ds.take(eval_steps * local_replicas).prefetch(AUTOTUNE)
+        return ds.take(eval_steps * local_replicas).map(prepare, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
 
-    return Data(train_fn, eval_fn, eval_steps, evals.examples, train.examples, tuple(shape), classes)
+    return Data(train_fn, eval_fn, eval_steps, evals.examples, train.examples, task, task.spec)
 
 
 def _streamed(split, config, start_example, stream):
@@ -136,71 +181,75 @@ def _streamed(split, config, start_example, stream):
     ds = split.make().shuffle(
         min(config.shuffle_buffer, split.examples), seed=config.seed * 1000 + stream, reshuffle_each_iteration=True
     )
-    return ds.repeat().skip(start_example)
+    ds = ds.repeat().skip(start_example).enumerate(start_example)
+    return ds.map(lambda i, x: {**x, "index": i})
 
 
-def _preprocess(image, label):
-    if image.dtype == tf.uint8:
-        image = tf.cast(image, tf.float32) / 255.0
-    return tf.cast(image, tf.float32), tf.cast(label, tf.int64)
-
-
-def _in_memory(arrays, examples):
-    return _Split(lambda: tf.data.Dataset.from_tensor_slices(arrays), examples, arrays)
-
-
-def _synthetic(config):
-    """A learnable random task, generated once with stateless ops: the label is the argmax of a fixed
-    random projection of the input."""
-    shape = tuple(config.synthetic_shape)
-    projection = tf.random.stateless_normal((int(np.prod(shape)), config.synthetic_classes), seed=[config.seed, 7])
-
-    def pool(stream, examples):
-        images = tf.random.stateless_uniform((examples, *shape), seed=[config.seed, stream])
-        labels = tf.argmax(
-            tf.reshape(images, [examples, -1]) @ projection - tf.reduce_mean(projection, 0) * 0.5, axis=-1
-        )
-        return _in_memory((images, labels), examples)
-
-    evals = pool(2, max(1, config.synthetic_examples // 4))
-    return pool(1, config.synthetic_examples), evals, shape, config.synthetic_classes
-
-
-def _tfds(config):
-    builder = _prepared_builder(config)
-    info = builder.info
-    if "image" not in info.features or "label" not in info.features:
+def load_source(config, features, split=None):
+    """The Source `config.dataset` names, keeping `features` (all when empty); its eval split is `split`, else
+    --eval_split."""
+    name = config.dataset or tasks.default_dataset(config.task)
+    if name in sources.available():
+        source = importlib.import_module(f"engine.sources.{name}").load(config, split or config.eval_split)
+    else:
+        source = _tfds(config, name, features, split or config.eval_split)
+    missing = [f for f in features if f not in source.spec]
+    if missing:
         raise ConfigError(
-            f"--dataset={config.dataset}: needs 'image' and 'label' features (it has {', '.join(info.features.keys())})"
+            f"--dataset={name}: --task={config.task} needs the features {', '.join(features)} "
+            f"(it has {', '.join(source.spec)})"
         )
-    shape = info.features["image"].shape
-    if None in shape:
-        raise ConfigError(f"--dataset={config.dataset}: images have no fixed shape ({shape})")
-    classes = info.features["label"].num_classes
-    check_memory(config, shape, classes)
+    for feature, spec in source.spec.items():
+        if not spec.shape.is_fully_defined():
+            raise ConfigError(f"--dataset={name}: {feature} has no fixed shape ({spec.shape})")
+    return source
 
-    def split_fn(flag):
-        split = getattr(config, flag)
+
+def _tfds(config, name, features, eval_split):
+    builder = _prepared_builder(config, name)
+    info = builder.info
+    keep = list(features or info.features.keys())
+    absent = [f for f in keep if f not in info.features]
+    if absent:
+        raise ConfigError(
+            f"--dataset={name}: --task={config.task} needs the features {', '.join(keep)} "
+            f"(it has {', '.join(info.features.keys())})"
+        )
+    spec = {f: tf.TensorSpec(info.features[f].shape, info.features[f].tf_dtype) for f in keep}
+    for feature, feature_spec in spec.items():
+        if not feature_spec.shape.is_fully_defined():
+            raise ConfigError(f"--dataset={name}: {feature} has no fixed shape ({feature_spec.shape})")
+    example_bytes = sum(s.shape.num_elements() * s.dtype.size for s in spec.values())
+    known = {}
+    if "label" in info.features and hasattr(info.features["label"], "num_classes"):
+        known["num_classes"] = info.features["label"].num_classes
+
+    def split_fn(flag, split):
         try:
             size = info.splits[split].num_examples
         except (KeyError, ValueError, AssertionError) as e:
             raise ConfigError(
-                f"--{flag}={split}: not a split of {config.dataset} (splits: {', '.join(info.splits.keys())}; {e})"
+                f"--{flag}={split}: not a split of {name} (splits: {', '.join(info.splits.keys())}; {e})"
             ) from None
-        if size * int(np.prod(shape)) < _IN_MEMORY_LIMIT_BYTES:
-            arrays = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False, batch_size=-1)
-            return _in_memory(arrays, size)
-        return _Split(lambda: builder.as_dataset(split=split, as_supervised=True, shuffle_files=False), size)
 
-    return split_fn("train_split"), split_fn("eval_split"), shape, classes
+        def make():
+            ds = builder.as_dataset(split=split, shuffle_files=False)
+            return ds.map(lambda x: {f: x[f] for f in keep})
+
+        if size * example_bytes < _IN_MEMORY_LIMIT_BYTES:
+            arrays = builder.as_dataset(split=split, shuffle_files=False, batch_size=-1)
+            return in_memory({f: arrays[f] for f in keep})
+        return Split(size, make)
+
+    return Source(split_fn("train_split", config.train_split), split_fn("eval_split", eval_split), spec, known)
 
 
-def _prepared_builder(config):
+def _prepared_builder(config, name):
     data_dir = os.path.expanduser(config.data_dir) if config.data_dir else None
     try:
-        builder = tfds.builder(config.dataset, data_dir=data_dir)
+        builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # tfds raises several kinds for names and configs it cannot resolve
-        raise ConfigError(f"--dataset={config.dataset}: {first_line(e)}") from None
+        raise ConfigError(f"--dataset={name}: {first_line(e)}") from None
     # What builder.is_prepared() reads, without its warning about the folder it expected.
     if not tf.io.gfile.exists(os.path.join(builder.data_dir, tfds.core.constants.DATASET_INFO_FILENAME)):
         _check_reachable(config, builder)

@@ -12,7 +12,7 @@ from engine import config as config_lib
 from engine import distribute
 from engine.config import ConfigError
 from engine.loop import Trainer
-from engine.report import write_json
+from engine.report import format_metrics, write_json
 
 
 def run_config(config):
@@ -30,7 +30,7 @@ def run_config(config):
 
 def _trainer(config, strategy):
     trainer = Trainer(config, strategy or distribute.create_strategy(config))
-    return trainer, checkpoint_lib.model_checkpoint(trainer.model, trainer.step)
+    return trainer, checkpoint_lib.model_checkpoint(trainer.models, trainer.step, trainer.ema_by_path)
 
 
 def _checkpoint_paths(config):
@@ -52,7 +52,7 @@ def _restore(trainer, checkpoint, config, paths):
     used, as training does. Returns the path restored."""
     for path in paths:
         try:
-            checkpoint_lib.restore(checkpoint, path, partial=True, model=trainer.model)
+            checkpoint_lib.restore(checkpoint, path, partial=True)
             return path
         except checkpoint_lib.Unreadable as e:
             if config.checkpoint:
@@ -70,11 +70,7 @@ def evaluate(config, strategy=None):
     path = _restore(trainer, checkpoint, config, paths)
     step = int(trainer.step.numpy())
     results = trainer.evaluate()
-    print(
-        f"eval step={step} split={config.eval_split} accuracy={results['accuracy']:.4f} "
-        f"loss={results['loss']:.5g} examples={results['examples']} checkpoint={path}",
-        flush=True,
-    )
+    print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
     summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
     if distribute.is_chief(trainer.strategy):
         write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
@@ -99,7 +95,7 @@ def follow(config, strategy=None, poll_seconds=2.0):
             time.sleep(poll_seconds)
             continue
         try:
-            checkpoint_lib.restore(checkpoint, latest, partial=True, model=trainer.model)
+            checkpoint_lib.restore(checkpoint, latest, partial=True)
         except checkpoint_lib.Unreadable:
             time.sleep(poll_seconds)  # still being written: try again
             continue
@@ -107,16 +103,13 @@ def follow(config, strategy=None, poll_seconds=2.0):
         step = int(trainer.step.numpy())
         result = {"step": step, "checkpoint": latest, **trainer.evaluate()}
         results.append(result)
-        print(
-            f"continuous_eval step={step} accuracy={result['accuracy']:.4f} loss={result['loss']:.5g} "
-            f"examples={result['examples']}",
-            flush=True,
-        )
+        print(f"continuous_eval step={step} {format_metrics(trainer_results(result))}", flush=True)
         with open(os.path.join(config.workdir, "continuous_eval.jsonl"), "a") as f:
             f.write(json.dumps(result) + "\n")
         with writer.as_default(step=step):
-            tf.summary.scalar("accuracy", result["accuracy"])
-            tf.summary.scalar("loss", result["loss"])
+            for name, value in trainer_results(result).items():
+                if name != "examples":
+                    tf.summary.scalar(name, value)
         writer.flush()
         if step >= config.train_steps:
             break
@@ -124,11 +117,17 @@ def follow(config, strategy=None, poll_seconds=2.0):
     return results
 
 
+def trainer_results(result):
+    """The evaluation's own numbers in a continuous_eval record (without step and checkpoint)."""
+    return {k: v for k, v in result.items() if k not in ("step", "checkpoint")}
+
+
 def export(config):
-    """--mode=export: writes a SavedModel whose serving signature maps images to logits, probabilities
-    and classes, with the weights of --checkpoint (or the latest readable in --workdir). It computes in float32
-    whatever the training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would
-    need TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
+    """--mode=export: writes a SavedModel whose serving signature is the task's (classification: images to
+    logits, probabilities and classes), with the weights of --checkpoint (or the latest readable in --workdir).
+    It computes in float32 whatever the training precision (the weights are float32 in every precision): a
+    mixed_bfloat16 graph would need TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs
+    rarely have bfloat16 units."""
     config = run_config(config)
     paths = _checkpoint_paths(config)
     trainer, checkpoint = _trainer(
@@ -139,27 +138,34 @@ def export(config):
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
         raise ConfigError(f"--export_dir={export_dir}: exists and is not empty; refusing to overwrite it")
-    model = trainer.model
     module = tf.Module()
-    module.variables_in_order = checkpoint_lib.model_state(model)  # tracked, so the SavedModel holds them
-
-    @tf.function(input_signature=[tf.TensorSpec([None, *trainer.data.input_shape], tf.float32, name="images")])
-    def serve(images):
-        logits = tf.cast(model(images, training=False), tf.float32)
-        return {
-            "logits": logits,
-            "probabilities": tf.nn.softmax(logits),
-            "classes": tf.argmax(logits, axis=-1, output_type=tf.int64),
-        }
-
-    module.serve = serve
-    try:
-        tf.saved_model.save(module, export_dir, signatures={"serving_default": serve})
-    except (tf.errors.OpError, OSError) as e:
-        raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
-    print(
-        f"exported step {step} from {path} to {export_dir} (serving_default: images float32 "
-        f"{[None, *trainer.data.input_shape]} in [0, 1] -> logits, probabilities, classes)",
-        flush=True,
-    )
+    module.variables_by_path = checkpoint_lib.model_state(trainer.models)  # tracked: the SavedModel holds them
+    module.serve = trainer.task.serve(trainer.models)
+    with trainer.averaged_weights():  # --ema_decay: the moving averages are what the run evaluated
+        try:
+            tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve})
+        except (tf.errors.OpError, OSError) as e:
+            raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
+    signature = module.serve.get_concrete_function()
+    inputs = ", ".join(f"{s.name} {s.dtype.name} {s.shape.as_list()}" for s in signature.structured_input_signature[0])
+    outputs = ", ".join(sorted(signature.structured_outputs))
+    print(f"exported step {step} from {path} to {export_dir} (serving_default: {inputs} -> {outputs})", flush=True)
     return export_dir
+
+
+def sample(config):
+    """--mode=sample: text generated by the trained model of --workdir (or --checkpoint), continuing
+    --sample_prompt, for tasks that generate (language_model)."""
+    config = run_config(config)
+    paths = _checkpoint_paths(config)
+    trainer, checkpoint = _trainer(
+        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
+    )
+    if not hasattr(trainer.task, "sample"):
+        raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
+    path = _restore(trainer, checkpoint, config, paths)
+    with trainer.averaged_weights():
+        text = trainer.task.sample(trainer.models, config)
+    print(text, flush=True)
+    print(f"(sampled {config.sample_length} tokens from step {int(trainer.step.numpy())}, {path})", flush=True)
+    return text

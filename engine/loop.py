@@ -7,16 +7,19 @@ evaluation, checkpoints and preemption between rounds. Round boundaries are mult
 where an uninterrupted one does (and at --profile_steps, so a trace covers exactly those steps).
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import importlib
 import json
 import os
+import re
 import time
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common import global_state
 
 from engine import checkpoint as checkpoint_lib
 from engine import data as data_lib
@@ -41,11 +44,26 @@ class Preempted(Exception):
         self.exit_code = exit_code
 
 
-def create_model(config, input_shape, num_classes):
-    """models/<config.model>.py's model with every variable built (call under strategy.scope())."""
-    model = importlib.import_module(f"models.{config.model}").create(config, input_shape, num_classes)
-    model(tf.zeros((1, *input_shape)), training=False)  # variables exist before the first trace
+def create_model(config, family, spec, outputs):
+    """models/<family>.py's model for examples like `spec` (a tf.TensorSpec), with every variable built (call under
+    strategy.scope()). Its layers are named afresh (dense, dense_1, ...), whatever was built before in this
+    process: checkpoints key variables by these paths."""
+    uids = global_state.get_global_attribute("object_name_uids")
+    global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
+    try:
+        model = importlib.import_module(f"models.{family}").create(config, tuple(spec.shape), outputs)
+        model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
+    finally:
+        global_state.set_global_attribute("object_name_uids", uids)
     return model
+
+
+def trained_variables(models, freeze):
+    """The variables the step trains: every model's trainable ones whose path --freeze does not match."""
+    pattern = re.compile(freeze) if freeze else None
+    return [
+        v for model in models.values() for v in model.trainable_variables if not (pattern and pattern.search(v.path))
+    ]
 
 
 class Trainer:
@@ -54,16 +72,25 @@ class Trainer:
     def __init__(self, config, strategy):
         self.config, self.strategy = config, strategy
         check_batch(config, strategy.num_replicas_in_sync)
+        tf.config.run_functions_eagerly(config.run_eagerly)
         # Data first: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
         # seeds its initializers from that generator, so seeding after it keeps the weights the same.
         self.data = data_lib.load(config)
+        self.task = self.data.task
         keras.utils.set_random_seed(config.seed)
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         precision.set_policy(config.precision)
         with strategy.scope():
-            self.model = create_model(config, self.data.input_shape, self.data.num_classes)
-            self.optimizer = optim.Optimizer(config, [v.value for v in self.model.trainable_variables])
+            self.models = self.task.models(functools.partial(create_model, config))
+            self.params = trained_variables(self.models, config.freeze)
+            if not self.params:
+                raise ConfigError(f"--freeze={config.freeze}: matches every trainable variable; nothing to train")
+            self.optimizer = optim.Optimizer(
+                config, [v.value for v in self.params], [v.path for v in self.params], self.task.optimizer_groups
+            )
+            # --ema_decay: the moving average of every trained variable, starting at its initial value.
+            self.ema = [tf.Variable(v.value, trainable=False, name="ema") for v in self.params if config.ema_decay]
             # Created in every precision so a checkpoint fits any of them; only float16 uses it.
             self.loss_scale = precision.LossScale(config.initial_loss_scale, config.loss_scale_growth_interval)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps run, skipped too
@@ -76,18 +103,46 @@ class Trainer:
             tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
         )
         self.train_step = step.make_train_step(
-            self.model,
+            self.task,
+            self.models,
+            self.params,
             self.optimizer,
             self.loss_scale if self.float16 else None,
             config,
             strategy.num_replicas_in_sync,
             self.stop,
             self.step,
+            ema=self.ema,
             asynchronous=self.coordinator is not None,
         )
-        self.eval_step = step.make_eval_step(self.model)
         self.train_loop = tf.function(self._train_loop)
         self.eval_loop = tf.function(self._eval_loop)
+        self.retraced = set()
+
+    @property
+    def ema_by_path(self):
+        return {v.path: average for v, average in zip(self.params, self.ema)}
+
+    def reset_ema(self):
+        """Starts the moving averages at the current weights (after a warm start)."""
+        for v, average in zip(self.params, self.ema):
+            average.assign(v.value)
+
+    @property
+    def model(self):
+        """The run's model (a task with several: the first)."""
+        return next(iter(self.models.values()))
+
+    @functools.cached_property
+    def metric_names(self):
+        """The task's metric names, in the order of the evaluation sums: found by tracing its metrics once."""
+        spec = self.data.eval_fn(tf.distribute.InputContext()).element_spec
+        traced = tf.function(lambda b: self.task.metrics(self.task.forward(self.models, b, False), b))
+        return sorted(traced.get_concrete_function(spec).structured_outputs)
+
+    @functools.cached_property
+    def eval_step(self):
+        return step.make_eval_step(self.task, self.models, self.metric_names)
 
     def train_iterator(self):
         """An iterator over the training batches from the current data position on."""
@@ -137,7 +192,7 @@ class Trainer:
         loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
         last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0, "stop": False}
         for _ in tf.range(steps):
-            out = self._first_replica(self.strategy.run(self.train_step, args=next(iterator)))
+            out = self._first_replica(self.strategy.run(self.train_step, args=(next(iterator),)))
             loss_sum += tf.where(out["finite"], out["loss"], 0.0)
             finite_steps += tf.cast(out["finite"], tf.float32)
             last = {k: out[k] for k in last}
@@ -151,9 +206,9 @@ class Trainer:
         return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, **last}
 
     def _eval_loop(self, iterator, steps):
-        totals = tf.zeros([3])
+        totals = tf.zeros([len(self.metric_names) + 1])
         for _ in tf.range(steps):
-            totals += self._first_replica(self.strategy.run(self.eval_step, args=next(iterator)))
+            totals += self._first_replica(self.strategy.run(self.eval_step, args=(next(iterator),)))
         return totals
 
     def run_steps(self, iterator, steps):
@@ -162,6 +217,7 @@ class Trainer:
             if self.coordinator is not None:
                 return self._run_scheduled(iterator, steps)
             out = self.train_loop(iterator, tf.constant(steps))
+            self._check_retrace("train_loop", self.train_loop)
         except RuntimeError as e:
             if "merge_call" in str(e) and self.config.jit_compile:
                 raise ConfigError(
@@ -199,26 +255,60 @@ class Trainer:
         """Built at the first evaluation: a parameter-server chief never needs it."""
         return self.strategy.distribute_datasets_from_function(self.data.eval_fn)
 
+    def _check_retrace(self, name, function):
+        """Warns once, naming the function, when a round's function was traced again: a shape or structure that
+        changes between rounds (a task's, a data source's) recompiles the step every time, silently slow."""
+        if function.experimental_get_tracing_count() > 1 and name not in self.retraced:
+            self.retraced.add(name)
+            print(
+                f"warning: {name} was traced {function.experimental_get_tracing_count()} times: its inputs changed "
+                "shape or structure between calls (a task's batch or outputs?); every retrace recompiles the step",
+                flush=True,
+            )
+
     def evaluate(self):
-        if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
-            return self._totals(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
+        """The task's reported metrics over the evaluation split (with --ema_decay, of the averaged weights)."""
+        with self.averaged_weights():
+            if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
+                return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
+            try:
+                totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
+                self._check_retrace("eval_loop", self.eval_loop)
+            except tf.errors.OpError as e:
+                raise distribute.explain_failure(self.strategy, self.config, e) from None
+            return self._results(totals)
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """With --ema_decay: the trained variables hold their moving averages inside the block."""
+        if not self.ema:
+            yield
+            return
+        saved = [tf.identity(v.value) for v in self.params]
+        for v, average in zip(self.params, self.ema):
+            v.assign(average)
         try:
-            totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
-        except tf.errors.OpError as e:
-            raise distribute.explain_failure(self.strategy, self.config, e) from None
-        return self._totals(totals)
+            yield
+        finally:
+            for v, value in zip(self.params, saved):
+                v.assign(value)
 
     @tf.function
     def eval_on_chief(self, dataset):
-        totals = tf.zeros([3])
-        for images, labels, weights in dataset:
-            totals += self.eval_step(images, labels, weights)
+        totals = tf.zeros([len(self.metric_names) + 1])
+        for batch in dataset:
+            totals += self.eval_step(batch)
         return totals
 
-    @staticmethod
-    def _totals(totals):
-        loss, correct, examples = totals.numpy()
-        return {"accuracy": float(correct / examples), "loss": float(loss / examples), "examples": int(examples)}
+    def _results(self, totals):
+        *sums, examples = totals.numpy()
+        results = self.task.report({name: float(total / examples) for name, total in zip(self.metric_names, sums)})
+        results.update(self.task.probe(self.models, self.examples))
+        return {**results, "examples": int(examples)}
+
+    def examples(self, split):
+        """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
+        return data_lib.load(self.config, split).eval_fn(tf.distribute.InputContext())
 
 
 def _next_boundary(config, current):
@@ -301,8 +391,12 @@ def train(config, strategy=None, on_eval=None):
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
                 report.line(_train_steps_change(saved, config))
-        elif config.on_nan == "rollback":
-            checkpoints.save()  # something to roll back to from the first step on
+        else:
+            if config.init_checkpoint:
+                checkpoint_lib.warm_start(trainer.models, config.init_checkpoint, log=report.line)
+                trainer.reset_ema()
+            if config.on_nan == "rollback":
+                checkpoints.save()  # something to roll back to from the first step on
         return run(trainer, report, checkpoints, started, on_eval)
 
 
@@ -351,9 +445,9 @@ def run(trainer, report, checkpoints, started, on_eval=None):
 
 def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     config, strategy = trainer.config, trainer.strategy
-    params = sum(int(tf.size(v)) for v in trainer.model.trainable_variables)
+    params = sum(int(tf.size(v)) for v in trainer.params)
     report.line(
-        f"model={config.model} parameters={params} dataset={config.dataset} "
+        f"task={config.task} model={config.model} parameters={params} dataset={config.dataset} "
         f"strategy={distribute.strategy_name(config)} replicas={strategy.num_replicas_in_sync} "
         f"precision={config.precision} global_batch_size={config.global_batch_size}"
     )
@@ -384,7 +478,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
                         f"checkpoint: {last_good or 'none'}; lower --learning_rate or set --clip_norm"
                     )
                 position = int(trainer.batches.numpy())
-                checkpoint_lib.restore(checkpoints.checkpoint, last_good, model=trainer.model)
+                checkpoint_lib.restore(checkpoints.checkpoint, last_good)
                 trainer.batches.assign(position)  # keep reading from here: the offending batches are skipped
                 current, rollbacks = int(trainer.step.numpy()), rollbacks + 1
                 report.rewind(current)

@@ -7,9 +7,19 @@ Keras's own optimizers cannot be used in the step: they all-reduce again inside
 `apply_gradients` and cannot skip a step for every replica at once.
 """
 
+import dataclasses
 import math
+import re
 
 import tensorflow as tf
+
+# Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
+# (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
+# engine/config.py's LR_SCHEDULES).
+SCHEDULES = {
+    "constant": None,
+    "cosine": lambda progress: 0.5 * (1.0 + tf.cos(math.pi * progress)),
+}
 
 
 def learning_rate(config, step):
@@ -21,9 +31,10 @@ def learning_rate(config, step):
     lr = tf.constant(peak, tf.float32)
     if config.warmup_steps:
         lr *= tf.minimum(1.0, (step + 1.0) / config.warmup_steps)
-    if config.lr_schedule == "cosine":
+    decay = SCHEDULES[config.lr_schedule]
+    if decay is not None:
         progress = (step - config.warmup_steps) / (config.train_steps - config.warmup_steps)
-        lr *= 0.5 * (1.0 + tf.cos(math.pi * tf.clip_by_value(progress, 0.0, 1.0)))
+        lr *= decay(tf.clip_by_value(progress, 0.0, 1.0))
     return lr
 
 
@@ -57,39 +68,61 @@ def _lamb(param, grad, slots, lr, t, hp):
     return param - trust * lr * update, [m, v]
 
 
-_RULES = {"sgd": (_sgd, 1), "adamw": (_adamw, 2), "lamb": (_lamb, 2)}
+# The update rules by --optimizer name, and how many slots each keeps per parameter: a fork adds its rule here
+# (and its name to engine/config.py's OPTIMIZERS).
+RULES = {"sgd": _sgd, "adamw": _adamw, "lamb": _lamb}
+SLOTS = {"sgd": 1, "adamw": 2, "lamb": 2}
+
+
+def _slots(hp):
+    return 0 if hp.optimizer == "sgd" and not hp.momentum else SLOTS[hp.optimizer]
 
 
 class Optimizer(tf.Module):
-    """Slots and update counter of one of the rules above. Create under `strategy.scope()`."""
+    """Slots and update counter of one of the rules above. Create under `strategy.scope()`.
 
-    def __init__(self, config, params):
+    `paths` name the parameters: slots are checkpointed by them. `groups` (a task's optimizer_groups):
+    ((regex, {setting: value}), ...); a parameter whose path matches a group's regex (the first that does) is
+    updated with those settings instead of the run's (its own learning rate, rule, weight decay).
+    """
+
+    def __init__(self, config, params, paths, groups=()):
         super().__init__(name="optimizer")
         self.config = config
-        self._rule, num_slots = _RULES[config.optimizer]
-        if config.optimizer == "sgd" and not config.momentum:
-            num_slots = 0
+        self.settings = []
+        for path in paths:
+            overrides = next((o for pattern, o in groups if re.search(pattern, path)), {})
+            self.settings.append(dataclasses.replace(config, **overrides) if overrides else config)
         # Counts applied updates only: a skipped (non-finite) step leaves it unchanged.
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
-        self.slots = [
-            [tf.Variable(tf.zeros(p.shape, p.dtype), trainable=False, name=f"slot{k}") for k in range(num_slots)]
-            for p in params
-        ]
+        self.slots_by_path = {
+            path: [tf.Variable(tf.zeros(p.shape, p.dtype), trainable=False, name=f"slot{k}") for k in range(_slots(hp))]
+            for path, p, hp in zip(paths, params, self.settings)
+        }
+        self.paths = list(paths)
         # Decay kernels only: biases and normalization scales are left alone.
         self.decays = [len(p.shape) >= 2 for p in params]
+
+    @property
+    def slots(self):
+        """The slot variables, one list per parameter in the order given."""
+        return [self.slots_by_path[path] for path in self.paths]
 
     def updates(self, params, slots, iterations, grads):
         """New parameter and slot values for one step from the values given; pure, nothing is read or assigned.
 
         `slots` is shaped like `self.slots`; returns (new_params, new_slots, learning_rate).
         """
-        lr = learning_rate(self.config, iterations)
         t = tf.cast(iterations + 1, tf.float32)
+        rates = {id(self.config): learning_rate(self.config, iterations)}
         new_params, new_slots = [], []
-        for param, grad, param_slots, decays in zip(params, grads, slots, self.decays):
-            if decays and self.config.weight_decay:
-                param -= param * self.config.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
-            param, param_slots = self._rule(param, tf.cast(grad, param.dtype), param_slots, lr, t, self.config)
+        for param, grad, param_slots, decays, hp in zip(params, grads, slots, self.decays, self.settings):
+            if id(hp) not in rates:
+                rates[id(hp)] = learning_rate(hp, iterations)
+            lr = rates[id(hp)]
+            if decays and hp.weight_decay:
+                param -= param * hp.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
+            param, param_slots = RULES[hp.optimizer](param, tf.cast(grad, param.dtype), param_slots, lr, t, hp)
             new_params.append(param)
             new_slots.append(param_slots)
-        return new_params, new_slots, lr
+        return new_params, new_slots, rates[id(self.config)]

@@ -103,6 +103,11 @@ def _rewind_events(path, last):
             tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
+def format_metrics(results):
+    """name=value pairs of a task's results, for one line of output."""
+    return " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items())
+
+
 class Report:
     def __init__(self, workdir, chief, total_steps, resume_step=0, stream=None):
         self.workdir, self.chief, self.total_steps = workdir, chief, total_steps
@@ -167,11 +172,8 @@ class Report:
             self._progress_shown = True
 
     def eval(self, step, results):
-        """results: accuracy, loss, examples."""
-        self.line(
-            f"eval step={step} accuracy={results['accuracy']:.4f} loss={results['loss']:.5g} "
-            f"examples={results['examples']}"
-        )
+        """results: the task's reported metrics and the example count."""
+        self.line(f"eval step={step} {format_metrics(results)}")
         if self.chief:
             self._append("eval.jsonl", {"step": step, **results})
             self._scalars("eval", step, {k: v for k, v in results.items() if k != "examples"})

@@ -20,29 +20,32 @@ def _maybe_jit(fn, jit_compile):
     return tf.function(fn, jit_compile=True) if jit_compile else fn
 
 
-def split_state(model):
-    """(state, seeds): the model's non-trainable variables a forward pass updates (batch-norm statistics),
-    and its random seed-generator states (Keras names them so), which the step derives instead."""
+def split_state(models):
+    """(state, seeds): the models' non-trainable variables a forward pass updates (batch-norm statistics),
+    and their random seed-generator states (Keras names them so), which the step derives instead."""
     state, seeds = [], []
-    for v in model.non_trainable_variables:
-        (seeds if v.path.endswith("seed_generator_state") else state).append(v)
+    for model in models.values():
+        for v in model.non_trainable_variables:
+            (seeds if v.path.endswith("seed_generator_state") else state).append(v)
     return state, seeds
 
 
-def stateless_forward(model, inputs, state, seeds, step, replica):
-    """The model's training forward pass with nothing assigned: returns (outputs, new values of `state`).
+def stateless_forward(task, models, batch, state, values, seeds, step, replica):
+    """The task's training forward pass with nothing assigned: returns (outputs, new values of `state`), starting
+    from `values` of `state`.
 
     Each seed generator draws from (its own seed, `step`, `replica`): every replica of a mirrored or
     multi-worker job gets its own dropout masks, and a resumed run draws exactly the masks an uninterrupted
     one would have. (Parameter-server workers all count as replica 0; they differ by the step they read.)
     """
-    mapping = [(v, v.value) for v in state]
+    mapping = list(zip(state, values))
     if seeds:
         noise = tf.random.stateless_uniform([], tf.stack([step, replica]), minval=None, maxval=None, dtype=tf.int64)
         mapping += [(v, tf.stack([v.value[0], noise])) for v in seeds]
     with keras.StatelessScope(state_mapping=mapping) as scope:
-        outputs = model(inputs, training=True)
-    return outputs, [scope.get_current_value(v) for v in state]
+        outputs = task.forward(models, batch, training=True)
+        regularization = [loss for model in models.values() for loss in model.losses]
+    return outputs, [scope.get_current_value(v) for v in state], regularization
 
 
 def global_norm(grads):
@@ -89,48 +92,70 @@ def _assign_add(variable, delta):
     return variable.assign_add(delta)
 
 
-def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_flag, step, asynchronous=False):
-    """Returns train_step(images, labels) -> dict of scalars, identical on every replica.
+def make_train_step(
+    task, models, params, optimizer, loss_scale, config, num_replicas, stop_flag, step, ema=(), asynchronous=False
+):
+    """Returns train_step(batch) -> dict of scalars, identical on every replica.
 
-    `loss_scale` is None unless float16. `stop_flag` (a boolean variable, set on preemption) rides the
-    all-reduce, so every replica and worker learns that any of them is stopping after this step. `step`
-    (the run's step counter) seeds the dropout masks.
-    `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
-    applies atomically, so concurrent workers never lose each other's updates or update counts.
+    `params`: the variables trained (every model's trainable ones, less --freeze). `loss_scale` is None unless
+    float16. `stop_flag` (a boolean variable, set on preemption) rides the all-reduce, so every replica and worker
+    learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout masks.
+    `ema`: moving averages of `params` (--ema_decay), updated with them. `asynchronous` (parameter servers):
+    updates are applied as deltas with assign_add, which the server applies atomically, so concurrent workers
+    never lose each other's updates or update counts.
     """
-    params = [v.value for v in model.trainable_variables]
-    state, seeds = split_state(model)
+    params = [v.value for v in params]
+    state, seeds = split_state(models)
     slot_counts = [len(param_slots) for param_slots in optimizer.slots]
     assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
-    assigned += [v.value for v in state]
+    assigned += [v.value for v in state] + list(ema)
     if loss_scale:
         assigned += [loss_scale.scale, loss_scale.good_steps]
     global_batch = config.global_batch_size
+    accumulate = config.grad_accum_steps
 
-    def forward_backward(images, labels, step, replica):
-        with tf.GradientTape() as tape:
-            logits, new_state = stateless_forward(model, images, state, seeds, step, replica)
-            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.cast(logits, tf.float32))
-            # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
-            # examples, the same number one device computes, whatever the replica count.
-            loss = tf.reduce_sum(per_example) / global_batch
-            if model.losses:
-                # Every replica holds the whole regularization term; the SUM would count it once per replica.
-                loss += tf.add_n(model.losses) / num_replicas
-            scaled = loss * loss_scale.scale if loss_scale else loss
-        grads = tape.gradient(scaled, params)
-        grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(params, grads)]
-        return loss, grads, new_state
+    def forward_backward(batch, step, replica):
+        # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
+        # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
+        size = next(iter(batch.values())).shape[0] // accumulate
+        loss, grads, values = 0.0, None, [v.value for v in state]
+        for k in range(accumulate):
+            part = batch if accumulate == 1 else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}
+            with tf.GradientTape() as tape:
+                outputs, values, regularization = stateless_forward(
+                    task, models, part, state, values, seeds, step, replica * accumulate + k
+                )
+                per_example = tf.cast(task.loss(outputs, part), tf.float32)
+                # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
+                # examples, the same number one device computes, whatever the replica count.
+                part_loss = tf.reduce_sum(per_example) / global_batch
+                if regularization:
+                    # Every replica (and microbatch) holds the whole regularization term; the SUM would count it
+                    # once per replica.
+                    part_loss += tf.add_n(regularization) / (num_replicas * accumulate)
+                scaled = part_loss * loss_scale.scale if loss_scale else part_loss
+            part_grads = [
+                tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+                for p, g in zip(params, tape.gradient(scaled, params))
+            ]
+            grads = part_grads if grads is None else [g + d for g, d in zip(grads, part_grads)]
+            loss += part_loss
+        return loss, grads, values
 
     def new_values(grads, new_state):
         current = [tf.convert_to_tensor(v) for v in assigned]  # every variable read once
         now_params, rest = current[: len(params)], iter(current[len(params) :])
         now_slots = [[next(rest) for _ in range(count)] for count in slot_counts]
         iterations = next(rest)
+        for _ in state:  # the statistics' new values come from the forward pass
+            next(rest)
+        now_ema = [next(rest) for _ in ema]
         grads, grad_norm, finite = process_gradients(grads, loss_scale.scale if loss_scale else None, config)
         new_params, new_slots, lr = optimizer.updates(now_params, now_slots, iterations, grads)
         updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1] + new_state
-        # A non-finite step changes nothing but the loss scale: no weight, slot, update count or statistic.
+        decay = config.ema_decay
+        updated += [decay * average + (1.0 - decay) * p for average, p in zip(now_ema, new_params)]
+        # A non-finite step changes nothing but the loss scale: no weight, slot, update count, statistic or average.
         values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
         if loss_scale:
             values.extend(loss_scale.next_state(finite))
@@ -151,10 +176,10 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
         for var, value in zip(assigned, values):
             strategy.extended.update(var, update, args=(value,), group=False)
 
-    def train_step(images, labels):
+    def train_step(batch):
         ctx = tf.distribute.get_replica_context()
         replica = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
-        loss, grads, new_state = forward_backward(images, labels, tf.convert_to_tensor(step), replica)
+        loss, grads, new_state = forward_backward(batch, tf.convert_to_tensor(step), replica)
         stop = tf.cast(stop_flag, tf.float32)
         loss, stop, *grads = ctx.all_reduce(SUM, [loss, stop, *grads])  # the one all-reduce of the step
         values, metrics = new_values(grads, new_state)
@@ -164,19 +189,14 @@ def make_train_step(model, optimizer, loss_scale, config, num_replicas, stop_fla
     return tf.function(train_step, jit_compile=True) if whole else train_step
 
 
-def make_eval_step(model):
-    """Returns eval_step(images, labels, weights) -> [loss_sum, correct, examples] over all replicas.
+def make_eval_step(task, models, names):
+    """Returns eval_step(batch) -> [sum of weight x metric for each of `names`..., sum of weights], summed over
+    all replicas. Padding examples carry weight 0, so every real example counts exactly once."""
 
-    Padding examples carry weight 0, so every real example counts exactly once.
-    """
-
-    def eval_step(images, labels, weights):
-        logits = tf.cast(model(images, training=False), tf.float32)
-        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
-        correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=labels.dtype), labels), tf.float32)
-        sums = tf.stack(
-            [tf.reduce_sum(weights * per_example), tf.reduce_sum(weights * correct), tf.reduce_sum(weights)]
-        )
-        return tf.distribute.get_replica_context().all_reduce(SUM, sums)
+    def eval_step(batch):
+        weights = batch["weight"]
+        values = task.metrics(task.forward(models, batch, training=False), batch)
+        sums = [tf.reduce_sum(weights * tf.cast(values[name], tf.float32)) for name in names]
+        return tf.distribute.get_replica_context().all_reduce(SUM, tf.stack([*sums, tf.reduce_sum(weights)]))
 
     return eval_step

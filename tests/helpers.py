@@ -81,27 +81,26 @@ def nonfinite_scenario(config, strategy, bad_replica):
     from engine.loop import Trainer
 
     trainer = Trainer(config, strategy)
-    images, labels = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
+    whole = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
 
     def batch(poison):
         def per_replica(ctx):
-            x = images[: config.global_batch_size // strategy.num_replicas_in_sync]
-            y = labels[: config.global_batch_size // strategy.num_replicas_in_sync]
+            part = {k: v[: config.global_batch_size // strategy.num_replicas_in_sync] for k, v in whole.items()}
             if poison and ctx.replica_id_in_sync_group == bad_replica:
-                x = tf.tensor_scatter_nd_update(x, [[0, 0, 0, 0]], [float("nan")])
-            return x, y
+                part["image"] = tf.tensor_scatter_nd_update(part["image"], [[0, 0, 0, 0]], [float("nan")])
+            return part
 
         return strategy.experimental_distribute_values_from_function(per_replica)
 
     @tf.function
-    def run(x, y):
-        out = strategy.run(trainer.train_step, args=(x, y))
+    def run(batch):
+        out = strategy.run(trainer.train_step, args=(batch,))
         return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
 
     before = snapshot(trainer)
-    bad_out = run(*batch(poison=True))
+    bad_out = run(batch(poison=True))
     after_bad = snapshot(trainer)
-    good_outs = [run(*batch(poison=False)) for _ in range(config.loss_scale_growth_interval)]
+    good_outs = [run(batch(poison=False)) for _ in range(config.loss_scale_growth_interval)]
     after_good = snapshot(trainer)
     as_numpy = lambda out: {k: np.array(v) for k, v in out.items()}  # noqa: E731
     return before, after_bad, after_good, as_numpy(bad_out), [as_numpy(o) for o in good_outs]

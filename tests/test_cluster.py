@@ -191,13 +191,13 @@ def test_every_step_function_compiles_with_xla(data_dir, one_device, model):
     """What a TPU runs: the whole replica step (all-reduce and update included) and the eval step, each one XLA
     computation with static shapes and no Python side effects."""
     trainer = loop.Trainer(helpers.make_config(data_dir, model=model, clip_norm=1.0), one_device)
-    images, labels = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
+    batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
     train = tf.function(trainer.train_step, jit_compile=True)
-    assert "HloModule" in train.experimental_get_compiler_ir(images, labels)(stage="hlo")
+    assert "HloModule" in train.experimental_get_compiler_ir(batch)(stage="hlo")
     evaluate = tf.function(trainer.eval_step, jit_compile=True)
-    weights = tf.ones([images.shape[0]])
-    assert "HloModule" in evaluate.experimental_get_compiler_ir(images, labels, weights)(stage="hlo")
-    out = one_device.run(tf.function(train), args=(images, labels))
+    weighted = {**batch, "weight": tf.ones([batch["image"].shape[0]])}
+    assert "HloModule" in evaluate.experimental_get_compiler_ir(weighted)(stage="hlo")
+    out = one_device.run(tf.function(train), args=(batch,))
     assert bool(out["finite"]) and int(trainer.optimizer.iterations.numpy()) == 1
 
 
@@ -207,7 +207,7 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
         tf.data.experimental.service.WorkerConfig(dispatcher_address=dispatcher.target.split("://")[1])
     )
     config = helpers.make_config(data_dir)
-    direct = [b[0].numpy() for b in data.load(config).train_fn(tf.distribute.InputContext()).take(5)]
+    direct = [b["image"].numpy() for b in data.load(config).train_fn(tf.distribute.InputContext()).take(5)]
     served_config = dataclasses.replace(config, tf_data_service=dispatcher.target)
-    served = [b[0].numpy() for b in data.load(served_config).train_fn(tf.distribute.InputContext()).take(5)]
+    served = [b["image"].numpy() for b in data.load(served_config).train_fn(tf.distribute.InputContext()).take(5)]
     assert sorted(b.tobytes() for b in served) == sorted(b.tobytes() for b in direct)

@@ -13,7 +13,8 @@ from tests import helpers
 
 
 def _batches(dataset, count):
-    return [tuple(t.numpy() for t in batch) for batch in dataset.take(count)]
+    """(images, labels) of the first `count` batches."""
+    return [(batch["image"].numpy(), batch["label"].numpy()) for batch in dataset.take(count)]
 
 
 def _key(image):
@@ -42,7 +43,12 @@ def test_workers_split_each_global_batch_exactly(data_dir, dataset, storage, mon
 
 
 def _examples(dataset):
-    return [(x.tobytes(), int(y)) for xs, ys, ws in dataset for x, y, w in zip(xs.numpy(), ys.numpy(), ws.numpy()) if w]
+    return [
+        (x.tobytes(), int(y))
+        for b in dataset
+        for x, y, w in zip(b["image"].numpy(), b["label"].numpy(), b["weight"].numpy())
+        if w
+    ]
 
 
 def test_one_epoch_of_two_workers_is_the_dataset_without_overlap(data_dir):
@@ -61,9 +67,9 @@ def test_eval_padding_counts_each_example_once(data_dir, pipelines):
     assert (loaded.eval_examples, loaded.eval_steps) == (360, 6)
     total, batches = 0.0, 0
     for i in range(pipelines):
-        for images, _, weights in loaded.eval_fn(tf.distribute.InputContext(pipelines, i, pipelines)):
-            assert images.shape[0] == 64 // pipelines  # static shape: padding, not a ragged last batch
-            total += float(tf.reduce_sum(weights))
+        for batch in loaded.eval_fn(tf.distribute.InputContext(pipelines, i, pipelines)):
+            assert batch["image"].shape[0] == 64 // pipelines  # static shape: padding, not a ragged last batch
+            total += float(tf.reduce_sum(batch["weight"]))
             batches += 1
     assert total == 360 and batches == 6 * pipelines
 

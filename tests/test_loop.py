@@ -59,13 +59,13 @@ def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
     """The TPU path: all of the replica step, all-reduce and update included, in one XLA computation."""
     config = helpers.make_config(data_dir, optimizer="lamb", clip_norm=0.2)
     compiled, plain = loop.Trainer(config, one_device), loop.Trainer(config, one_device)
-    images, labels = _batch(compiled)
+    batch = _batch(compiled)
     xla_step = tf.function(compiled.train_step, jit_compile=True)
-    assert "HloModule" in xla_step.experimental_get_compiler_ir(images, labels)(stage="hlo")
+    assert "HloModule" in xla_step.experimental_get_compiler_ir(batch)(stage="hlo")
     for fn in (xla_step, plain.train_step):
-        step = tf.function(lambda x, y, fn=fn: one_device.run(fn, args=(x, y)))
+        step = tf.function(lambda b, fn=fn: one_device.run(fn, args=(b,)))
         for _ in range(3):
-            out = step(images, labels)
+            out = step(batch)
         assert bool(out["finite"])
     for a, b in zip(helpers.all_variables(compiled).values(), helpers.all_variables(plain).values()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)

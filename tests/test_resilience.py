@@ -160,12 +160,13 @@ def _poison(monkeypatch, bad_batches):
     """Global batches `bad_batches` of the training stream carry a NaN (one device: one batch per step)."""
     real_load = data.load
 
-    def load(config):
-        loaded = real_load(config)
+    def load(config, split=None):
+        loaded = real_load(config, split)
 
         def train_fn(ctx, start_batch=0):
             ds = loaded.train_fn(ctx, start_batch).enumerate(start_batch)
-            return ds.map(lambda i, b: (tf.where(tf.reduce_any(tf.equal(i, bad_batches)), b[0] * np.nan, b[0]), b[1]))
+            bad = lambda i, x: tf.where(tf.reduce_any(tf.equal(i, bad_batches)), x * np.nan, x)  # noqa: E731
+            return ds.map(lambda i, b: {**b, "image": bad(i, b["image"])})
 
         return dataclasses.replace(loaded, train_fn=train_fn)
 
@@ -272,11 +273,11 @@ def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
     trainer = loop.Trainer(config, one_device)
     checkpoint.restore(
-        tf.train.Checkpoint(model=checkpoint.model_state(trainer.model)),
+        tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
         checkpoint.list_checkpoints(tmp_path / "checkpoints")[0],
         partial=True,
     )
-    images = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))[0]
+    images = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))["image"]
     out = served(images=images)
     np.testing.assert_allclose(out["logits"].numpy(), trainer.model(images).numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out["classes"].numpy(), np.argmax(out["logits"].numpy(), -1))

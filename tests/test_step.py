@@ -8,20 +8,20 @@ import tensorflow as tf
 from tests import helpers
 
 
-def _one_step(trainer, images, labels):
+def _one_step(trainer, batch):
     strategy = trainer.strategy
 
     @tf.function
-    def run(x, y):
-        out = strategy.run(trainer.train_step, args=(x, y))
+    def run(batch):
+        out = strategy.run(trainer.train_step, args=(batch,))
         return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
 
-    return {k: np.array(v) for k, v in run(images, labels).items()}
+    return {k: np.array(v) for k, v in run(batch).items()}
 
 
 def _batch(trainer, scale=1.0):
-    images, labels = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
-    return images * scale, labels
+    batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
+    return {**batch, "image": batch["image"] * scale}
 
 
 def test_skipped_step_keeps_batch_norm_statistics(data_dir, mirrored):
@@ -90,7 +90,8 @@ def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device
     # overflows although every element is finite.
     config = helpers.make_config(data_dir, optimizer="sgd", momentum=0.0, learning_rate=0.1, clip_norm=1.0)
     trainer = Trainer(config, one_device)
-    images, labels = _batch(trainer, scale=1e20)
+    batch = _batch(trainer, scale=1e20)
+    images, labels = batch["image"], batch["label"]
     params = [v.value for v in trainer.model.trainable_variables]
     with tf.GradientTape() as tape:
         logits = trainer.model(images, training=True)
@@ -100,7 +101,7 @@ def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device
     assert np.isfinite(expected) and expected > 1e19  # the case this test is about
     assert not np.isfinite(np.float32(sum(float((g**2).sum()) for g in grads)))
     before = [p.numpy() for p in params]
-    out = _one_step(trainer, images, labels)
+    out = _one_step(trainer, batch)
     assert out["finite"]
     np.testing.assert_allclose(out["grad_norm"], expected, rtol=1e-5)
     assert trainer.optimizer.iterations.numpy() == 1
@@ -112,16 +113,17 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
     from engine.loop import Trainer
 
     trainer = Trainer(helpers.make_config(data_dir, model="transformer", dropout=0.5), mirrored)
-    state, seeds = step.split_state(trainer.model)
+    state, seeds = step.split_state(trainer.models)
     assert seeds and not state
-    images, _ = _batch(trainer)
-    images = images[:8]  # the same batch on both replicas
+    images = _batch(trainer)["image"][:8]  # the same batch on both replicas
 
     @tf.function
     def forward(at_step):
         def replica_fn():
             replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-            return step.stateless_forward(trainer.model, images, state, seeds, at_step, replica)[0]
+            return step.stateless_forward(
+                trainer.task, trainer.models, {"image": images}, state, [], seeds, at_step, replica
+            )[0]
 
         return mirrored.experimental_local_results(mirrored.run(replica_fn))
 

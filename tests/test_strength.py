@@ -50,9 +50,9 @@ def test_round_loss_is_the_mean_of_its_finite_steps(data_dir, one_device):
     """A float16 round with one non-finite step (a NaN input) reports the mean loss of the other steps."""
     config = helpers.make_config(data_dir, **helpers.NONFINITE_CASE)
     whole = loop.Trainer(config, one_device)
-    images, labels = zip(*whole.data.train_fn(tf.distribute.InputContext()).take(4))
-    poisoned = tf.tensor_scatter_nd_update(images[1], [[0, 0, 0, 0]], [float("nan")])
-    batches = tf.data.Dataset.from_tensor_slices((tf.stack([images[0], poisoned, *images[2:]]), tf.stack(labels)))
+    taken = list(whole.data.train_fn(tf.distribute.InputContext()).take(4))
+    taken[1] = {**taken[1], "image": tf.tensor_scatter_nd_update(taken[1]["image"], [[0, 0, 0, 0]], [float("nan")])}
+    batches = tf.data.Dataset.from_tensor_slices({k: tf.stack([b[k] for b in taken]) for k in taken[0]})
     out = whole.run_steps(iter(batches), 4)
     # The same steps one round each: their losses and which of them were skipped.
     stepwise, iterator = loop.Trainer(config, one_device), iter(batches)
@@ -65,8 +65,8 @@ def test_round_loss_is_the_mean_of_its_finite_steps(data_dir, one_device):
 def _epochs(loaded, stream, count):
     """The first `count` epochs of a training stream on one input pipeline, as lists of example keys."""
     n, keys = loaded.train_examples, []
-    for images, _ in loaded.train_fn(tf.distribute.InputContext(), 0, stream):
-        keys.extend(x.tobytes() for x in images.numpy())
+    for batch in loaded.train_fn(tf.distribute.InputContext(), 0, stream):
+        keys.extend(x.tobytes() for x in batch["image"].numpy())
         if len(keys) >= count * n:
             break
     return [keys[e * n : (e + 1) * n] for e in range(count)]

@@ -1,0 +1,36 @@
+"""Tasks, one file each: `--task=NAME` loads `tasks/NAME.py` and builds its `Task(config, data)`.
+
+A task says what a batch holds, the per-example loss from the models' outputs, its evaluation metrics
+as per-example values (the engine sums them over replicas and workers, with padding weighted 0), how
+the means become the reported numbers, the tuning objective and the export signature. `tasks/base.py`
+holds the protocol with its defaults; `tasks/classification.py` is the smallest complete task to copy.
+
+Tasks never import the loop and never read flags; the engine knows a task only through this protocol.
+This file imports no TensorFlow: flags are checked against it before TensorFlow starts.
+"""
+
+import os
+
+
+def available():
+    """The task names `--task` accepts: the files in this directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return sorted(
+        name[:-3]
+        for name in os.listdir(here)
+        if name.endswith(".py") and name[:-3].isidentifier() and name[0] != "_" and name != "base.py"
+    )
+
+
+def default_dataset(name):
+    """The dataset `--task=name` trains on when --dataset is empty: the module-level `DATASET = "..."` of
+    tasks/<name>.py (read from the file, not imported: no TensorFlow starts), else digits."""
+    import ast
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["DATASET"]:
+            return ast.literal_eval(node.value)
+    return "digits"

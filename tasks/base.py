@@ -1,0 +1,101 @@
+"""The task protocol: the questions the engine asks of a batch, with the defaults most tasks keep.
+
+A task file, `tasks/<name>.py`, defines `class Task(base.Task)` and overrides what differs. The engine
+builds it once per run as `Task(config, spec, info)`: `spec` is {feature: tf.TensorSpec} of one example as
+the data source gives it, `info` what the source knows (`num_classes` of a label, a text's `vocabulary`).
+After `prepare`, the engine sets `self.spec` to the prepared example's spec (what `models` and `serve` read).
+
+The engine owns everything else: the step (the global-batch loss, loss scaling, one all-reduce, the finite
+check, clipping, the update), the loop, checkpoints, reports, evaluation, export, tuning and ensembles.
+"""
+
+import math
+
+import tensorflow as tf
+
+
+class Task:
+    features = ()  # the source features a batch needs, checked to exist; the others are dropped before batching
+    input = ""  # the feature the default model reads (forward, export)
+    objective = ("loss", "min")  # the default tuning objective: a reported metric, and "max" or "min"
+    headline = "loss"  # the reported metric launch.py prints at the end of a run
+
+    def __init__(self, config, spec, info):
+        self.config, self.spec, self.info = config, spec, info
+
+    # ---- Data ----------------------------------------------------------------------------------------------
+
+    def prepare(self, batch):
+        """A batch of source examples -> a batch the model reads (scaling, casting, decoding). Runs in the input
+        pipeline on the host, batched; must keep the batch dimension first and every shape static."""
+        return batch
+
+    # ---- Models --------------------------------------------------------------------------------------------
+
+    def models(self, create):
+        """{name: model} of the run. `create(family, spec, outputs)` builds `models/<family>.py` for inputs like
+        `spec` (a tf.TensorSpec of one example). Every model's trainable variables are trained, in one step; set
+        `model.trainable = False` on one the task only reads (a teacher)."""
+        return {"model": create(self.config.model, self.spec[self.input], self.outputs)}
+
+    # Per-group optimizer settings: ((regex on a variable's path, {setting: value}), ...), the first match wins;
+    # e.g. ((r"^discriminator/", {"learning_rate": 4e-4}),). Every group is updated in the one step.
+    optimizer_groups = ()
+
+    @property
+    def outputs(self):
+        """Width of the default model's last layer."""
+        raise NotImplementedError(f"{type(self).__module__}: say the model's outputs, or override models()")
+
+    def forward(self, models, batch, training):
+        """The models' outputs for a batch (any structure `loss` and `metrics` read)."""
+        return models["model"](batch[self.input], training=training)
+
+    # ---- Loss and metrics ----------------------------------------------------------------------------------
+
+    def loss(self, outputs, batch):
+        """Per-example loss, float32, shape [batch]. The engine sums it and divides by the GLOBAL batch: never
+        average it here. A loss that needs the whole global batch (contrastive negatives) gathers what it needs
+        with tf.distribute.get_replica_context().all_gather; nothing else here may know about replicas."""
+        raise NotImplementedError
+
+    def metrics(self, outputs, batch):
+        """{name: per-example float32 values} on an evaluation batch. The engine sums weight x value and the
+        weights over every replica and worker (padding weighs 0), so the means are exact."""
+        return {"loss": self.loss(outputs, batch)}
+
+    def report(self, means):
+        """The reported numbers from the metrics' means over the evaluation split (e.g. RMSE from MSE)."""
+        return dict(means)
+
+    def probe(self, models, examples):
+        """Numbers that need more than per-example sums (a linear probe on frozen features): {} by default.
+        `examples(split)` iterates over the prepared batches of a split, each example once (a `weight` of 0
+        marks padding)."""
+        return {}
+
+    # ---- Export and ensembles ------------------------------------------------------------------------------
+
+    def serve(self, models):
+        """The SavedModel's serving function: a tf.function with an input_signature, returning named outputs."""
+        spec = self.spec[self.input]
+        signature = [tf.TensorSpec([None, *spec.shape], spec.dtype, name=self.input)]
+        return tf.function(
+            lambda x: {"outputs": tf.cast(self.forward(models, {self.input: x}, False), tf.float32)},
+            input_signature=signature,
+        )
+
+    ensemble = None  # how members' predictions average: "probabilities", "values", or None (refused)
+
+    def predictions(self, outputs):
+        """What an ensemble averages, from one member's outputs (probabilities, predicted values)."""
+        raise NotImplementedError
+
+    def score(self, predictions, batch):
+        """{name: per-example values} of averaged predictions, like `metrics` (numpy in, numpy out)."""
+        raise NotImplementedError
+
+
+def bits(nats):
+    """Nats to bits."""
+    return nats / math.log(2.0)

@@ -1,0 +1,62 @@
+"""Classification: an input and an integer label; softmax cross-entropy; accuracy.
+
+A batch holds `image` (any fixed shape; uint8 is scaled to [0, 1]) and `label` (an integer class).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tasks import base
+
+DATASET = "digits"  # the default --dataset
+
+
+class Task(base.Task):
+    features = ("image", "label")
+    input = "image"
+    objective = ("accuracy", "max")
+    headline = "accuracy"
+    ensemble = "probabilities"
+
+    @property
+    def outputs(self):
+        return self.info["num_classes"]
+
+    def prepare(self, batch):
+        image = batch["image"]
+        if image.dtype == tf.uint8:
+            image = tf.cast(image, tf.float32) / 255.0
+        return {"image": tf.cast(image, tf.float32), "label": tf.cast(batch["label"], tf.int64)}
+
+    def loss(self, outputs, batch):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(batch["label"], tf.cast(outputs, tf.float32))
+
+    def metrics(self, outputs, batch):
+        logits = tf.cast(outputs, tf.float32)
+        correct = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int64), batch["label"])
+        return {"loss": self.loss(logits, batch), "accuracy": tf.cast(correct, tf.float32)}
+
+    def serve(self, models):
+        spec = self.spec["image"]
+
+        @tf.function(input_signature=[tf.TensorSpec([None, *spec.shape], tf.float32, name="images")])
+        def serve(images):
+            logits = tf.cast(self.forward(models, {"image": images}, False), tf.float32)
+            return {
+                "logits": logits,
+                "probabilities": tf.nn.softmax(logits),
+                "classes": tf.argmax(logits, axis=-1, output_type=tf.int64),
+            }
+
+        return serve
+
+    def predictions(self, outputs):
+        return tf.nn.softmax(tf.cast(outputs, tf.float64))
+
+    def score(self, predictions, batch):
+        labels = np.asarray(batch["label"])
+        picked = predictions[np.arange(len(labels)), labels]
+        return {
+            "loss": -np.log(np.maximum(picked, np.finfo(predictions.dtype).tiny)),
+            "accuracy": (np.argmax(predictions, axis=1) == labels).astype(np.float64),
+        }
