@@ -82,7 +82,8 @@ def main(argv):
     PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     with _quiet_native_stderr():
         # Deferred: TensorFlow starts here, after the flags are known good.
-        from engine import checkpoint, distribute, ensemble, evaluate, loop, tune
+        from engine import checkpoint, distribute, evaluate, loop
+        from research import ensemble, tune
 
     run = {
         "train": loop.train,
@@ -126,11 +127,12 @@ def main(argv):
         else:
             print(f"no trial completed {counts}")
     if config.mode == "ensemble":
-        test = {name: result[name]["test"]["accuracy"] for name in ("weighted", "average")}
+        metric = result["objective"]  # the task's, e.g. accuracy
+        test = {name: result[name]["test"][metric] for name in ("weighted", "average")}
+        best = (max if result["direction"] == "max" else min)(m["test"][metric] for m in result["members"])
         print(
-            f"{config.eval_split} accuracy {test['weighted']:.4f} weighted, {test['average']:.4f} average, "
-            f"{max(m['test']['accuracy'] for m in result['members']):.4f} best member "
-            f"({len(result['members'])} members, {result['test_examples']} examples)"
+            f"{config.eval_split} {metric} {test['weighted']:.4f} weighted, {test['average']:.4f} average, "
+            f"{best:.4f} best member ({len(result['members'])} members, {result['test_examples']} examples)"
         )
 
 

@@ -193,9 +193,9 @@ def find(source, flag):
 
 def warm_start(models, source, flag="init_checkpoint", log=print):
     """Assigns each variable of `models` the value saved under the same Keras path in the checkpoint `source` (a
-    prefix or a workdir), whatever model name it was saved under: the moving average where the run kept one
-    (what it evaluated), else the weights. Variables it lacks, or holds in another shape, keep their initial
-    values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
+    prefix or a workdir), under the same model name where the checkpoint has one, else another's: the moving average
+    where the run kept one (what it evaluated), else the weights. Variables it lacks, or holds in another shape,
+    keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
     prefix = find(source, flag)
     try:
         reader = tf.train.load_checkpoint(prefix)
@@ -203,12 +203,12 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
     except (tf.errors.OpError, IndexError) as e:
         raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
     suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
-    saved = {}  # Keras path -> key
+    saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
     for key in shapes:
         parts = key.split("/")
-        if key.endswith(suffix) and parts[0] == "models" and len(parts) == 5:
-            saved.setdefault(describe_key(parts[2]), key)
-    averaged = {describe_key(key.split("/")[1]): key for key in shapes if key.startswith("ema/")}
+        if key.endswith(suffix) and parts[0] in ("models", "ema") and len(parts) == 5:
+            (saved if parts[0] == "models" else averaged)[parts[1], describe_key(parts[2])] = key
+    paths = {path for _, path in saved}
     if not saved:
         raise ConfigError(
             f"--{flag}={source}: {prefix} holds no model variables keyed by path (a checkpoint of another engine, "
@@ -216,9 +216,12 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
         )
     result = {"matched": [], "missing": [], "reshaped": [], "unused": []}
     used = set()
-    for model in models.values():
+    for name, model in models.items():
+        # This model's own variables first (a distillation run holds its student and its teacher under the same
+        # paths), then another model's, in name order.
+        owners = sorted({owner for owner, _ in saved}, key=lambda owner: (owner != name, owner))
         for v in model.variables:
-            key = averaged.get(v.path, saved.get(v.path))
+            key = next((t[o, v.path] for o in owners for t in (averaged, saved) if (o, v.path) in t), None)
             if key is None:
                 result["missing"].append(v.path)
             elif shapes[key] != list(v.shape):
@@ -228,11 +231,11 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
                 v.assign(reader.get_tensor(key))
                 result["matched"].append(v.path)
                 used.add(v.path)
-    result["unused"] = sorted(set(saved) - used)
+    result["unused"] = sorted(paths - used)
     if not result["matched"]:
         raise ConfigError(
-            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {', '.join(sorted(saved)[:4])}"
-            f"{', ...' if len(saved) > 4 else ''}; this run has {', '.join(result['missing'][:4])}, ...)"
+            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {', '.join(sorted(paths)[:4])}"
+            f"{', ...' if len(paths) > 4 else ''}; this run has {', '.join(result['missing'][:4])}, ...)"
         )
     line = f"{flag}: {len(result['matched'])} variables from {prefix}"
     for what, why in (

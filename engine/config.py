@@ -30,21 +30,6 @@ SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy gene
 # Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step
 # (measured on 2 cores: 64 take 2.7 s to the first step and 18x the all-reduce time of 8; 100,000 hang).
 MAX_CPU_DEVICES = 64
-# What the memory estimate reads: the one whose default shrinks the estimate most is named when it is too large.
-MEMORY_SETTINGS = (
-    "hidden_sizes",
-    "resnet_depth",
-    "resnet_width",
-    "transformer_layers",
-    "transformer_dim",
-    "transformer_heads",
-    "transformer_mlp_dim",
-    "synthetic_shape",
-    "synthetic_classes",
-    "synthetic_examples",
-    "global_batch_size",
-    "eval_batch_size",
-)
 
 
 class ConfigError(ValueError):
@@ -56,7 +41,9 @@ def _setting(default, help_text):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class _RunSettings:
+    """The settings every run has; Config below adds each model family's, task's and bundled source's own."""
+
     # What to do and where.
     mode: str = _setting("train", "what to run: " + "|".join(MODES))
     workdir: str = _setting("runs/default", "directory for checkpoints, metrics.jsonl, summary.json, TensorBoard")
@@ -93,16 +80,25 @@ class Config:
 
     # Task (tasks/<task>.py): what is trained, its loss and its metrics.
     task: str = _setting("classification", "what to train, found as tasks/<task>.py")
+    teacher: str = _setting(
+        "", "distillation: workdir of a trained classification run; its model, frozen, supplies the soft targets"
+    )
+    distill_temperature: float = _setting(
+        4.0, "distillation: divides teacher and student logits in the soft-target term (higher is softer)"
+    )
+    distill_weight: float = _setting(
+        0.9, "distillation: weight of the soft-target KL term (times T^2); the label cross-entropy gets 1 - it"
+    )
+    contrastive_temperature: float = _setting(
+        0.2, "contrastive: divides the projections' cosine similarities in the NT-Xent loss (lower is sharper)"
+    )
+    contrastive_dim: int = _setting(64, "contrastive: width of the encoder's embedding and of the projection head")
 
-    # Model (models/<model>.py). Each family reads only its own fields.
+    # Model (models/<model>.py). Each family declares its own settings in its file (SETTINGS).
     model: str = _setting("mlp", "model family, found as models/<model>.py")
-    hidden_sizes: tuple = _setting((512, 512), "mlp: widths of the hidden layers")
-    resnet_depth: int = _setting(20, "resnet: number of layers, 6n+2 (20, 32, 44, 56, 110)")
-    resnet_width: int = _setting(16, "resnet: channels of the first stage; stages use 1x, 2x, 4x")
-    transformer_layers: int = _setting(2, "transformer: number of encoder blocks")
-    transformer_dim: int = _setting(64, "transformer: model width (token embedding size)")
-    transformer_heads: int = _setting(4, "transformer: attention heads; must divide transformer_dim")
-    transformer_mlp_dim: int = _setting(128, "transformer: hidden width of each block's MLP")
+    gpt_layers: int = _setting(4, "gpt: number of decoder blocks")
+    gpt_heads: int = _setting(4, "gpt: attention heads; must divide gpt_dim")
+    gpt_dim: int = _setting(128, "gpt: model width (token embedding size); each block's MLP is 4x wider")
     dropout: float = _setting(0.0, "dropout rate in the models that use it, 0 = off")
 
     # Data.
@@ -117,9 +113,7 @@ class Config:
     train_split: str = _setting("train", "split to train on")
     eval_split: str = _setting("test", "split to evaluate on; every example is counted exactly once")
     shuffle_buffer: int = _setting(10_000, "training shuffle buffer, in examples")
-    synthetic_shape: tuple = _setting((28, 28, 1), "synthetic: shape of one input example")
-    synthetic_classes: int = _setting(10, "synthetic: number of classes")
-    synthetic_examples: int = _setting(4096, "synthetic: examples in the training pool (the eval pool is a quarter)")
+    sequence_length: int = _setting(64, "language_model: tokens of context per example")
 
     # Batch and steps.
     global_batch_size: int = _setting(128, "examples per step over all replicas")
@@ -172,8 +166,12 @@ class Config:
     # Tuning and ensembles.
     tune_space: str = _setting("", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)")
     tune_trials: int = _setting(20, "tune: complete or pruned trials the study runs to; a resumed study runs the rest")
-    tune_objective: str = _setting("accuracy", "tune: eval metric on --validation_split to optimize: accuracy|loss")
-    tune_direction: str = _setting("", "tune: max|min the objective; empty: max for accuracy, min for loss")
+    tune_objective: str = _setting(
+        "", "tune: metric the task reports on --validation_split to optimize; empty: the task's objective"
+    )
+    tune_direction: str = _setting(
+        "", "tune: max|min the objective; empty: the task's direction (another --tune_objective must say it)"
+    )
     tune_sampler: str = _setting("tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)")
     tune_pruner: str = _setting(
         "hyperband",
@@ -190,11 +188,16 @@ class Config:
     validation_split: str = _setting(
         "validation", "tune, ensemble: split that scores trials and fits ensemble weights; never the test split"
     )
-    members: str = _setting("", "ensemble: comma-separated workdirs of trained runs (different models)")
+    members: str = _setting(
+        "", "ensemble: comma-separated workdirs of trained runs and .npz files of other models' predictions"
+    )
     ensemble_search: str = _setting(
         "nelder_mead", "ensemble: how weights on the simplex are fitted on validation: nelder_mead|random"
     )
     ensemble_samples: int = _setting(2000, "ensemble, random: weight vectors drawn uniformly from the simplex")
+    ensemble_mean: str = _setting(
+        "arithmetic", "ensemble: how members' probabilities combine: arithmetic|geometric (normalized)"
+    )
 
     # Numerics.
     precision: str = _setting("float32", "float32|mixed_float16|mixed_bfloat16")
@@ -208,6 +211,53 @@ class Config:
     @property
     def per_eval_batch_size(self):
         return self.eval_batch_size or self.global_batch_size
+
+
+_TYPES = {bool: bool, int: int, float: float, str: str, tuple: tuple}
+
+
+def _declared_settings():
+    """Fields for the settings each model family, task and bundled source declares in its own file
+    (`SETTINGS = {"name": (default, "help")}` or `(default, "help", (low, high))` for a number's range):
+    --resnet_depth is resnet's, not everybody's. A name declared twice is a fork's mistake, refused here."""
+    owners = {f.name: "engine/config.py" for f in dataclasses.fields(_RunSettings)}
+    fields = []
+    for package in (models, tasks, sources):
+        directory = os.path.dirname(os.path.abspath(package.__file__))
+        for module, declared in models.settings(directory, package.available()).items():
+            where = os.path.relpath(os.path.join(directory, f"{module}.py"), os.path.dirname(directory))
+            for name, (default, help_text, *bounds) in declared.items():
+                if name in owners:
+                    raise TypeError(f"{where}: setting {name!r} is already declared by {owners[name]}")
+                owners[name] = where
+                kind = _TYPES[type(default)]
+                metadata = {"help": f"{module}: {help_text}", "bounds": bounds[0] if bounds else None}
+                fields.append((name, kind, dataclasses.field(default=default, metadata=metadata)))
+    return fields
+
+
+Config = dataclasses.make_dataclass("Config", _declared_settings(), bases=(_RunSettings,), frozen=True)
+Config.__module__ = __name__
+Config.__doc__ = """Every setting of a run: the engine's (_RunSettings) and those the chosen model, task and source
+declare. Frozen; build one with validate(Config(...))."""
+_DECLARED = [f for f in dataclasses.fields(Config) if "bounds" in f.metadata]
+# What the memory estimate reads: the one whose default shrinks the estimate most is named when it is too large.
+MEMORY_SETTINGS = tuple(f.name for f in _DECLARED if f.type in (int, tuple)) + ("global_batch_size", "eval_batch_size")
+
+
+def _check_declared(config):
+    """The declared settings of the chosen model, task and source: numbers positive (or in their declared range),
+    lists of positive integers. What only the module can judge (a depth of 6n+2) it raises when it builds."""
+    for field in _DECLARED:
+        if not applies(field.name, config):
+            continue
+        value, bounds = getattr(config, field.name), field.metadata["bounds"]
+        if field.type is tuple and not (value and min(value) > 0):
+            _fail(field.name, value, "must be a list of positive integers, e.g. 64,64")
+        if field.type in (int, float) and bounds and not bounds[0] <= value <= bounds[1]:
+            _fail(field.name, value, f"must be in [{bounds[0]}, {bounds[1]}]")
+        if field.type in (int, float) and not bounds and not (value > 0 and math.isfinite(value)):
+            _fail(field.name, value, "must be a positive number")
 
 
 def _fail(flag, value, why):
@@ -283,17 +333,16 @@ def validate(config):
         "initial_loss_scale",
         "loss_scale_growth_interval",
         "shuffle_buffer",
-        "synthetic_classes",
-        "synthetic_examples",
-        "resnet_width",
-        "transformer_layers",
-        "transformer_dim",
-        "transformer_heads",
-        "transformer_mlp_dim",
+        "gpt_layers",
+        "gpt_heads",
+        "gpt_dim",
+        "sequence_length",
         "keep_checkpoints",
         "eval_timeout",
         "sample_length",
         "sample_temperature",
+        "contrastive_temperature",
+        "contrastive_dim",
     )
     _non_negative(
         config,
@@ -353,16 +402,22 @@ def validate(config):
         _fail("precision", config.precision, "TPUs compute in bfloat16, not float16: use --precision=mixed_bfloat16")
     if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
         _fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
-    if not config.hidden_sizes or min(config.hidden_sizes) <= 0:
-        _fail("hidden_sizes", config.hidden_sizes, "must be a list of positive widths, e.g. 1024,1024")
-    if not config.synthetic_shape or min(config.synthetic_shape) <= 0:
-        _fail("synthetic_shape", config.synthetic_shape, "must be positive dimensions, e.g. 28,28,1")
-    if (config.resnet_depth - 2) % 6 or config.resnet_depth < 8:
-        _fail("resnet_depth", config.resnet_depth, "must be 6n+2 with n >= 1 (8, 14, 20, 32, 44, 56, 110)")
-    if config.transformer_dim % config.transformer_heads:
-        _fail("transformer_heads", config.transformer_heads, f"must divide --transformer_dim={config.transformer_dim}")
+    if config.model == "gpt" and config.gpt_dim % config.gpt_heads:
+        _fail("gpt_heads", config.gpt_heads, f"must divide --gpt_dim={config.gpt_dim}")
     if config.task not in tasks.available():
         _fail("task", config.task, f"must name a file in tasks/ ({', '.join(tasks.available())})")
+    if config.task == "distillation" and not config.teacher:
+        _fail("teacher", "", "--task=distillation needs the workdir of a trained classification run to learn from")
+    if config.task == "contrastive" and config.grad_accum_steps > 1:
+        _fail(
+            "grad_accum_steps",
+            config.grad_accum_steps,
+            "--task=contrastive draws its negatives from the whole global batch, which microbatches would split; use 1",
+        )
+    if not (config.distill_temperature > 0 and math.isfinite(config.distill_temperature)):
+        _fail("distill_temperature", config.distill_temperature, "must be a positive number")
+    if not 0 <= config.distill_weight <= 1:
+        _fail("distill_weight", config.distill_weight, "must be in [0, 1]")
     if not config.dataset:
         config = dataclasses.replace(config, dataset=tasks.default_dataset(config.task))
     if config.freeze:
@@ -373,12 +428,15 @@ def validate(config):
     if config.model not in models.available():
         _fail("model", config.model, f"must name a file in models/ ({', '.join(models.available())})")
     _check_dataset_name(config.dataset)
+    _check_declared(config)
     check_memory(config)
-    _choice(config, "tune_objective", ("accuracy", "loss"))
+    if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):
+        _fail("tune_objective", config.tune_objective, "must name a metric the task reports (e.g. accuracy, loss)")
     _choice(config, "tune_direction", ("max", "min"), allow_empty=True)
     _choice(config, "tune_sampler", ("random", "tpe", "gp"))
     _choice(config, "tune_pruner", ("none", "median", "successive_halving", "hyperband"))
     _choice(config, "ensemble_search", ("nelder_mead", "random"))
+    _choice(config, "ensemble_mean", ("arithmetic", "geometric"))
     _positive(config, "tune_trials", "ensemble_samples")
     _non_negative(config, "tune_startup_trials", "tune_timeout")
     if config.mode in ("tune", "ensemble") and config.validation_split.split("[")[0] == "test":
@@ -395,11 +453,11 @@ def validate(config):
     if config.mode == "tune" and config.tune_sampler == "gp" and importlib.util.find_spec("torch") is None:
         _fail("tune_sampler", "gp", "Optuna's Gaussian-process sampler needs PyTorch (pip install torch); or use tpe")
     if config.mode == "ensemble" and len(members(config)) < 2:
-        _fail("members", config.members, "--mode=ensemble needs at least two comma-separated workdirs")
+        _fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
     if config.mode == "ensemble" and config.validation_split == config.eval_split:
         _fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
     if config.mode == "tune":  # last: each searched value is tried in this config, which must be good already
-        from engine import space  # deferred: it reads this module
+        from research import space  # deferred: it reads this module
 
         space.parse_space(config.tune_space, config)
     return config
@@ -650,12 +708,15 @@ def for_evaluation(config, saved, where):
     split and eval batch; the command line's non-default EVALUATION_SETTINGS. A non-default identity setting that
     differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
     trained."""
-    default = Config()
+    # validate() gave an empty --dataset the command line's task's own: that is no dataset given either.
+    default = dataclasses.replace(Config(), dataset=tasks.default_dataset(config.task))
     values = {}
     for field in dataclasses.fields(Config):
         name = field.name
         given, theirs = getattr(config, name), getattr(saved, name)
         if name in ("eval_split", "eval_batch_size"):
+            values[name] = given
+        elif name == "seed" and config.mode == "sample":  # the draws' seed; the weights come from the checkpoint
             values[name] = given
         elif name in EVALUATION_SETTINGS:
             values[name] = given if given != getattr(default, name) else theirs

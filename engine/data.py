@@ -57,7 +57,8 @@ def in_memory(arrays):
 @dataclasses.dataclass(frozen=True)
 class Source:
     """What a dataset gives: its splits, the spec of one example ({feature: tf.TensorSpec}, static shapes) and
-    what it knows about them (`num_classes` of a `label`, a text's `vocabulary`, ...)."""
+    what it knows about them (`num_classes` of a `label`, a text's `vocabulary`, ...). An evaluation example may
+    carry a float32 `weight`, how much it counts in the means (default 1)."""
 
     train: Split
     evals: Split
@@ -163,7 +164,8 @@ def load(config, split=None):
         return ds if local_replicas == 1 else ds.unbatch()
 
     def eval_fn(ctx):
-        ds = evals.make().enumerate().map(lambda i, x: {**x, "index": i, "weight": tf.constant(1.0)})
+        # An example counts once unless its source says how much it counts (a text window: its characters).
+        ds = evals.make().enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
         padding = {k: tf.zeros(s.shape, s.dtype) for k, s in source.spec.items()}
         padding.update(index=tf.constant(-1, tf.int64), weight=tf.constant(0.0))

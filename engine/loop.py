@@ -51,11 +51,19 @@ def create_model(config, family, spec, outputs):
     uids = global_state.get_global_attribute("object_name_uids")
     global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
     try:
-        model = importlib.import_module(f"models.{family}").create(config, tuple(spec.shape), outputs)
+        try:
+            model = importlib.import_module(f"models.{family}").create(config, tuple(spec.shape), outputs)
+        except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
+            raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
         model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
     finally:
         global_state.set_global_attribute("object_name_uids", uids)
     return model
+
+
+def _create(run_config, family, spec, outputs, config=None):
+    """A task's `create`: the model of this run's settings, or of `config`, another run's (a distillation teacher)."""
+    return create_model(config or run_config, family, spec, outputs)
 
 
 def trained_variables(models, freeze):
@@ -82,12 +90,16 @@ class Trainer:
             tf.config.experimental.enable_op_determinism()
         precision.set_policy(config.precision)
         with strategy.scope():
-            self.models = self.task.models(functools.partial(create_model, config))
+            self.models = self.task.models(functools.partial(_create, config))
             self.params = trained_variables(self.models, config.freeze)
             if not self.params:
                 raise ConfigError(f"--freeze={config.freeze}: matches every trainable variable; nothing to train")
+            # Each trained variable as <model name>/<path>: two models of one family share their Keras paths, and
+            # must not share optimizer slots or moving averages.
+            owner = {id(v): name for name, model in self.models.items() for v in model.trainable_variables}
+            self.param_names = [f"{owner[id(v)]}/{v.path}" for v in self.params]
             self.optimizer = optim.Optimizer(
-                config, [v.value for v in self.params], [v.path for v in self.params], self.task.optimizer_groups
+                config, [v.value for v in self.params], self.param_names, self.task.optimizer_groups
             )
             # --ema_decay: the moving average of every trained variable, starting at its initial value.
             self.ema = [tf.Variable(v.value, trainable=False, name="ema") for v in self.params if config.ema_decay]
@@ -121,7 +133,12 @@ class Trainer:
 
     @property
     def ema_by_path(self):
-        return {v.path: average for v, average in zip(self.params, self.ema)}
+        """{model name: {variable path: moving average}}, keyed like the models in a checkpoint."""
+        averages = collections.defaultdict(dict)
+        for name, average in zip(self.param_names, self.ema):
+            model, path = name.split("/", 1)
+            averages[model][path] = average
+        return dict(averages)
 
     def reset_ema(self):
         """Starts the moving averages at the current weights (after a warm start)."""
@@ -221,8 +238,9 @@ class Trainer:
         except RuntimeError as e:
             if "merge_call" in str(e) and self.config.jit_compile:
                 raise ConfigError(
-                    f"--jit_compile=true: {self.config.model} synchronizes replicas inside its forward pass "
-                    f"(synchronized batch norm), which XLA cannot compile with "
+                    f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
+                    "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
+                    f"which XLA cannot compile with "
                     f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
                 ) from None
             raise
@@ -384,6 +402,11 @@ def train(config, strategy=None, on_eval=None):
         if finished:
             print(f"already trained to step {current} ({restored}); nothing to do", flush=True)
             return finished
+        if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
+            # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
+            trained = {name: model for name, model in trainer.models.items() if model.trainable}
+            checkpoint_lib.warm_start(trained, config.init_checkpoint)
+            trainer.reset_ema()
         report = Report(config.workdir, chief, config.train_steps, resume_step=current)
         if chief:
             write_config(config)
@@ -391,12 +414,8 @@ def train(config, strategy=None, on_eval=None):
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
                 report.line(_train_steps_change(saved, config))
-        else:
-            if config.init_checkpoint:
-                checkpoint_lib.warm_start(trainer.models, config.init_checkpoint, log=report.line)
-                trainer.reset_ema()
-            if config.on_nan == "rollback":
-                checkpoints.save()  # something to roll back to from the first step on
+        elif config.on_nan == "rollback":
+            checkpoints.save()  # something to roll back to from the first step on
         return run(trainer, report, checkpoints, started, on_eval)
 
 

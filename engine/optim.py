@@ -93,6 +93,9 @@ class Optimizer(tf.Module):
         for path in paths:
             overrides = next((o for pattern, o in groups if re.search(pattern, path)), {})
             self.settings.append(dataclasses.replace(config, **overrides) if overrides else config)
+        for pattern, _ in groups:  # a typo in a group's regex would otherwise train with the run's settings, silently
+            if not any(re.search(pattern, path) for path in paths):
+                print(f"warning: optimizer group {pattern!r} matches no trained variable (e.g. {paths[0]})", flush=True)
         # Counts applied updates only: a skipped (non-finite) step leaves it unchanged.
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
         self.slots_by_path = {

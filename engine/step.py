@@ -117,7 +117,8 @@ def make_train_step(
     def forward_backward(batch, step, replica):
         # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
         # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
-        size = next(iter(batch.values())).shape[0] // accumulate
+        # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
+        size = tf.shape(next(iter(batch.values())))[0] // accumulate
         loss, grads, values = 0.0, None, [v.value for v in state]
         for k in range(accumulate):
             part = batch if accumulate == 1 else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}

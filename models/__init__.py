@@ -1,14 +1,34 @@
 """Model families, one file each: `--model=NAME` loads `models/NAME.py` and calls its
-`create(config, input_shape, num_classes)`, which returns a `tf.keras.Model`.
+`create(config, input_shape, num_outputs)`, which returns a `tf.keras.Model`.
 
-Models never import the engine; `config` is read only for the family's own fields.
-The last layer computes in float32 so the loss is float32 under any precision.
+A family's own settings are declared in its file as a literal `SETTINGS = {"name": (default, "help")}`:
+each becomes a flag and a field of the run's Config (engine/config.py), meaningful only when the family
+is chosen. `create` reads them from `config` and raises ValueError("--name=value: why") for a value it
+cannot build. Models never import the engine. The last layer computes in float32 so the loss is float32
+under any precision.
 
 This file imports no TensorFlow: flags are checked against it before TensorFlow starts.
 """
 
+import ast
 import math
 import os
+
+
+def read_constant(path, name, default):
+    """The literal value a module assigns to `name` at its top level, read from its file without importing it
+    (no TensorFlow starts), or `default`."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    return default
+
+
+def settings(directory, names):
+    """{module name: its SETTINGS} for the modules `names` in `directory`."""
+    return {name: read_constant(os.path.join(directory, f"{name}.py"), "SETTINGS", {}) for name in names}
 
 
 def available():
@@ -32,6 +52,8 @@ def size(config, input_shape, num_classes):
         return _resnet(config, input_shape, num_classes)
     if config.model == "transformer":
         return _transformer(config, input_shape, num_classes)
+    if config.model == "gpt":
+        return _gpt(config, input_shape, num_classes)
     return 0, 0
 
 
@@ -66,3 +88,14 @@ def _transformer(config, input_shape, num_classes):
     # hidden layer before and after its activation, and every head's token-by-token scores and softmax.
     activations = tokens * features + config.transformer_layers * (tokens * (8 * dim + 2 * mlp) + 2 * heads * tokens**2)
     return parameters, activations + num_classes
+
+
+def _gpt(config, input_shape, vocabulary):
+    tokens, dim, layers = input_shape[0], config.gpt_dim, config.gpt_layers
+    # Per block: two norms (4 x dim), query/key/value (3 x dim wide), the output projection, the 4x MLP.
+    block = 4 * dim + (dim * 3 * dim + 3 * dim) + (dim * dim + dim) + (dim * 4 * dim + 4 * dim) + (4 * dim * dim + dim)
+    parameters = vocabulary * dim + tokens * dim + layers * block + 2 * dim + dim * vocabulary + vocabulary
+    # Per token and block: norms, query/key/value, attention output and projection, residuals, the MLP's hidden
+    # layer before and after its activation (about 17 x dim); every head's scores and softmax; the logits.
+    activations = tokens * (2 * dim + layers * 17 * dim + vocabulary) + layers * 2 * config.gpt_heads * tokens**2
+    return parameters, activations

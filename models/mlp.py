@@ -4,6 +4,8 @@ import tensorflow as tf
 
 keras = tf.keras
 
+SETTINGS = {"hidden_sizes": ((512, 512), "widths of the hidden layers")}
+
 
 class MLP(keras.Model):
     def __init__(self, hidden_sizes, num_classes, dropout=0.0, **kwargs):

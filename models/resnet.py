@@ -8,6 +8,11 @@ import tensorflow as tf
 
 keras = tf.keras
 
+SETTINGS = {
+    "resnet_depth": (20, "number of layers, 6n+2 (20, 32, 44, 56, 110)"),
+    "resnet_width": (16, "channels of the first stage; stages use 1x, 2x, 4x"),
+}
+
 
 def _conv(filters, strides=1):
     return keras.layers.Conv2D(
@@ -108,4 +113,6 @@ class ResNet(keras.Model):
 def create(config, input_shape, num_classes):
     if len(input_shape) != 3:
         raise ValueError(f"resnet needs images of shape (height, width, channels), got {input_shape}")
+    if (config.resnet_depth - 2) % 6 or config.resnet_depth < 8:
+        raise ValueError(f"--resnet_depth={config.resnet_depth}: must be 6n+2 with n >= 1 (8, 14, 20, 32, 44, 56, 110)")
     return ResNet(config.resnet_depth, config.resnet_width, num_classes, name="resnet")

@@ -9,6 +9,13 @@ import tensorflow as tf
 
 keras = tf.keras
 
+SETTINGS = {
+    "transformer_layers": (2, "number of encoder blocks"),
+    "transformer_dim": (64, "model width (token embedding size)"),
+    "transformer_heads": (4, "attention heads; must divide transformer_dim"),
+    "transformer_mlp_dim": (128, "hidden width of each block's MLP"),
+}
+
 
 class Block(keras.layers.Layer):
     def __init__(self, dim, heads, mlp_dim, dropout, **kwargs):
@@ -52,6 +59,10 @@ class Transformer(keras.Model):
 def create(config, input_shape, num_classes):
     if len(input_shape) < 2:
         raise ValueError(f"transformer needs inputs of shape (tokens, features...), got {input_shape}")
+    if config.transformer_dim % config.transformer_heads:
+        raise ValueError(
+            f"--transformer_heads={config.transformer_heads}: must divide --transformer_dim={config.transformer_dim}"
+        )
     return Transformer(
         input_shape[0],
         config.transformer_layers,

@@ -6,7 +6,8 @@ the means become the reported numbers, the tuning objective and the export signa
 holds the protocol with its defaults; `tasks/classification.py` is the smallest complete task to copy.
 
 Tasks never import the loop and never read flags; the engine knows a task only through this protocol.
-This file imports no TensorFlow: flags are checked against it before TensorFlow starts.
+A task's own settings are declared in its file as `SETTINGS = {"name": (default, "help")}`, like a model's
+(models/__init__.py). This file imports no TensorFlow: flags are checked against it before TensorFlow starts.
 """
 
 import os
@@ -25,12 +26,8 @@ def available():
 def default_dataset(name):
     """The dataset `--task=name` trains on when --dataset is empty: the module-level `DATASET = "..."` of
     tasks/<name>.py (read from the file, not imported: no TensorFlow starts), else digits."""
-    import ast
+    import models
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["DATASET"]:
-            return ast.literal_eval(node.value)
-    return "digits"
+    return models.read_constant(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"), "DATASET", "digits"
+    )

@@ -34,12 +34,13 @@ class Task:
 
     def models(self, create):
         """{name: model} of the run. `create(family, spec, outputs)` builds `models/<family>.py` for inputs like
-        `spec` (a tf.TensorSpec of one example). Every model's trainable variables are trained, in one step; set
-        `model.trainable = False` on one the task only reads (a teacher)."""
+        `spec` (a tf.TensorSpec of one example); `create(..., config=c)` with another run's settings `c`. Every
+        model's trainable variables are trained, in one step; set `model.trainable = False` on one the task only
+        reads (a teacher)."""
         return {"model": create(self.config.model, self.spec[self.input], self.outputs)}
 
-    # Per-group optimizer settings: ((regex on a variable's path, {setting: value}), ...), the first match wins;
-    # e.g. ((r"^discriminator/", {"learning_rate": 4e-4}),). Every group is updated in the one step.
+    # Per-group optimizer settings: ((regex on <model name>/<variable path>, {setting: value}), ...), the first match
+    # wins; e.g. ((r"^discriminator/", {"learning_rate": 4e-4}),). Every group is updated in the one step.
     optimizer_groups = ()
 
     @property

@@ -84,8 +84,8 @@ def test_help_exits_zero():
         (dict(seed=2**32), "--seed=4294967296: must be in [0, 2**32)"),
         (dict(seed=2**32 - 1), None),
         (dict(model="transformer"), None),
-        (dict(model="_private"), "--model=_private: must name a file in models/ (mlp, resnet, transformer)"),
-        (dict(model="os"), "--model=os: must name a file in models/ (mlp, resnet, transformer)"),
+        (dict(model="_private"), "--model=_private: must name a file in models/ (gpt, mlp, resnet, transformer)"),
+        (dict(model="os"), "--model=os: must name a file in models/ (gpt, mlp, resnet, transformer)"),
         (dict(num_cpu_devices=64), None),
         (dict(num_cpu_devices=65), "--num_cpu_devices=65: must be at most 64"),
         (dict(train_steps=2**63 // 128 - 1), None),
@@ -96,7 +96,7 @@ def test_help_exits_zero():
 def test_bounds(overrides, message):
     config = Config(**overrides)
     if message is None:
-        assert validate(config) == config
+        assert validate(config) == dataclasses.replace(config, dataset="digits")  # the task's own dataset
     else:
         with pytest.raises(ConfigError) as error:
             validate(config)
@@ -124,6 +124,8 @@ def test_memory_estimate_names_its_size(monkeypatch):
         (dict(model="mlp", hidden_sizes=(32, 16)), (8, 8, 1)),
         (dict(model="resnet", resnet_depth=14, resnet_width=4), (8, 8, 3)),
         (dict(model="transformer", transformer_layers=2, transformer_dim=16, transformer_heads=2), (8, 8, 1)),
+        (dict(model="gpt", gpt_layers=2, gpt_dim=16, gpt_heads=2), (8,)),
+        (dict(model="gpt", gpt_layers=1, gpt_dim=12, gpt_heads=3, dropout=0.1), (5,)),
     ],
 )
 def test_parameter_count_is_what_keras_builds(overrides, input_shape):
@@ -133,14 +135,14 @@ def test_parameter_count_is_what_keras_builds(overrides, input_shape):
 
     config = Config(**overrides)
     with tf.device("/cpu:0"):
-        model = create_model(config, input_shape, 10)
+        model = create_model(config, config.model, tf.TensorSpec(input_shape, tf.float32), 10)
     assert models.size(config, input_shape, 10)[0] == model.count_params()
 
 
 def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
     import optuna
 
-    from engine import tune
+    from research import tune
 
     def first_draw(sampler):
         study = optuna.create_study(sampler=sampler)

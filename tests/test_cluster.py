@@ -20,7 +20,7 @@ from tests.helpers import ROOT, launch
 
 
 def final_tensors(workdir):
-    return {k: v for k, v in helpers.checkpoint_tensors(workdir)[1].items() if k.startswith("model/")}
+    return {k: v for k, v in helpers.checkpoint_tensors(workdir)[1].items() if k.startswith("models/")}
 
 
 def test_launcher_runs_two_workers_that_match_one_device(data_dir, tmp_path):

@@ -1,14 +1,19 @@
 """Ensembles of trained runs on digits: weights fitted on validation only, never worse there than the best
-member, reported on test; members that cannot be averaged are refused."""
+member, reported on test; the geometric mean of probabilities; a file of another model's predictions as a
+member; members that cannot be averaged, and tasks whose outputs cannot be, are refused."""
 
 import dataclasses
 import json
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from engine import ensemble, loop
+from engine import data as data_lib
+from engine import loop
 from engine.config import ConfigError
+from research import ensemble
+from tasks import classification
 from tests import helpers
 
 # Three different models, trained briefly so that they disagree on some validation digits.
@@ -91,12 +96,13 @@ def test_test_data_never_touches_the_weights(data_dir, members, tmp_path):
     [
         (
             dict(synthetic_shape=(8, 8, 1), synthetic_classes=5),
-            r"synthetic 8,8,1 with 5 classes\) predicts 5 classes but .*/mlp \(digits\) predicts 10: "
+            r"synthetic 8,8,1 with 5 classes\) predicts 5 classes but .*/mlp \(digits\) predicts 10 classes: "
             "an ensemble's members must share one label space",
         ),
         (
             dict(synthetic_shape=(4, 4, 1), synthetic_classes=10),
-            r"takes inputs of shape \(4, 4, 1\) but .*/mlp \(digits\) takes \(8, 8, 1\)",
+            r"takes image float32 \(4, 4, 1\) but .*/mlp \(digits\) takes image float32 \(8, 8, 1\): "
+            "an ensemble's members must share one input space",
         ),
         (
             dict(synthetic_shape=(8, 8, 1), synthetic_classes=10),
@@ -155,6 +161,177 @@ def test_fit_weights_prefers_the_better_member_on_a_made_up_case():
     right = np.eye(2)[labels] * 0.8 + 0.1
     half = np.where(np.arange(100)[:, None] % 4 < 2, right, right[:, ::-1])
     config = helpers.make_config("", mode="ensemble", members="a,b")
-    weights, chosen, fitted = ensemble.fit_weights([right, half], labels, config)
-    assert ensemble.score(ensemble.combine([right, half], weights), labels)["accuracy"] == 1.0
+    task = classification.Task(config, {}, {"num_classes": 2})
+    weights, chosen, fitted = ensemble.fit_weights([right, half], {"label": labels}, task, config)
+    combined = ensemble.combine([right, half], weights)
+    assert np.mean(task.score(combined, {"label": labels})["accuracy"]) == 1.0
     assert fitted[0] > 0.9 and chosen in ("nelder_mead", "member 0 alone")
+
+
+def geometric_mean(probabilities, weights):
+    """The weighted geometric mean of probabilities, renormalized: numpy, in the plainest form."""
+    product = np.prod([p**w for p, w in zip(probabilities, weights)], axis=0)
+    return product / product.sum(axis=1, keepdims=True)
+
+
+def test_geometric_mean_of_probabilities_matches_numpy():
+    rng = np.random.default_rng(0)
+    members = [rng.dirichlet(np.ones(5), size=7) for _ in range(3)]
+    for weights in ([1 / 3] * 3, [0.2, 0.5, 0.3], [1.0, 0.0, 0.0]):
+        np.testing.assert_allclose(
+            ensemble.combine(members, weights, "geometric"), geometric_mean(members, weights), rtol=1e-12
+        )
+    np.testing.assert_allclose(
+        ensemble.combine(members, [0.2, 0.5, 0.3]), 0.2 * members[0] + 0.5 * members[1] + 0.3 * members[2]
+    )
+    # A member sure that a class is impossible vetoes it (weight > 0), and is ignored at weight 0.
+    certain = np.array([[0.0, 1.0], [0.5, 0.5]])
+    other = np.array([[0.9, 0.1], [0.2, 0.8]])
+    vetoed = ensemble.combine([certain, other], [0.5, 0.5], "geometric")[0]
+    np.testing.assert_allclose(vetoed, [0.0, 1.0], atol=1e-150)  # 0 is clipped at float64's tiny, ** 0.5
+    np.testing.assert_allclose(ensemble.combine([certain, other], [0.0, 1.0], "geometric"), other)
+
+
+def write_centroid_member(data_dir, path, splits=("validation", "test"), shuffle_seed=0):
+    """Another kind of model, written as an ensemble member: nearest class centroids of the digits' pixels (numpy
+    only), its probabilities a softmax of the negative squared distances. The rows are written shuffled, with
+    each example's position in the split (the evaluation batches' `index`), as a model outside the engine might."""
+
+    def examples(split):
+        batches = data_lib.load(helpers.make_config(data_dir), split).eval_fn(tf.distribute.InputContext())
+        real = [{k: v.numpy()[b["weight"].numpy() > 0] for k, v in b.items()} for b in batches]
+        return {k: np.concatenate([b[k] for b in real]) for k in ("image", "label", "index")}
+
+    train = examples("train")
+    pixels = train["image"].reshape(len(train["image"]), -1)
+    centroids = np.stack([pixels[train["label"] == c].mean(axis=0) for c in range(10)])
+    arrays = {}
+    for split in splits:
+        held = examples(split)
+        distances = ((held["image"].reshape(len(held["image"]), 1, -1) - centroids) ** 2).sum(axis=-1)
+        logits = -distances / 0.5
+        probabilities = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        order = np.random.default_rng(shuffle_seed).permutation(len(probabilities))
+        arrays[split], arrays[f"{split}_index"] = probabilities[order], held["index"][order]
+    np.savez(path, **arrays)
+    return arrays
+
+
+def in_split_order(arrays, split):
+    order = np.argsort(arrays[f"{split}_index"])
+    return arrays[split][order]
+
+
+@pytest.fixture(scope="module")
+def centroids(data_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("centroids") / "centroids.npz"
+    return str(path), write_centroid_member(data_dir, path)
+
+
+def test_a_file_of_another_models_predictions_joins_two_nets_in_a_geometric_mean(
+    data_dir, members, centroids, tmp_path
+):
+    workdirs, own = members
+    path, centroids = centroids
+    names = [workdirs["mlp"], workdirs["resnet"], path]
+    config = ensemble_config(data_dir, tmp_path / "ensemble", names, ensemble_mean="geometric")
+    summary = ensemble.ensemble(config)
+    assert summary["mean"] == "geometric" and summary["combines"] == "probabilities"
+    file_member = summary["members"][2]
+    assert (file_member["name"], file_member["model"], file_member["step"]) == (names[2], "predictions", None)
+    # The file's rows were shuffled: scored in the split's order, they give the centroids' own numbers.
+    splits = {"validation": "validation", "test": "test"}
+    labels = {}
+    for key, split in splits.items():
+        reference = data_lib.load(helpers.make_config(data_dir), split).eval_fn(tf.distribute.InputContext())
+        labels[key] = np.concatenate([b["label"].numpy()[b["weight"].numpy() > 0] for b in reference])
+        probabilities = in_split_order(centroids, split)
+        accuracy = np.mean(np.argmax(probabilities, axis=1) == labels[key])
+        assert file_member[key]["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+        assert file_member[key]["examples"] == len(labels[key])
+    assert 0.8 < file_member["validation"]["accuracy"] < 1.0
+    assert summary["members"][0]["validation"]["accuracy"] == pytest.approx(own["mlp"]["eval"]["accuracy"], abs=1e-6)
+    # The plain and the weighted geometric means, against numpy on each member's probabilities as written to
+    # predictions.npz (in the split's order; the file member's rows put back in it).
+    written = np.load(tmp_path / "ensemble" / "predictions.npz")
+    np.testing.assert_array_equal(written["member2_validation"], in_split_order(centroids, "validation"))
+    np.testing.assert_array_equal(written["validation_index"], np.arange(180))
+    for split in ("validation", "test"):
+        probabilities = [written[f"member{i}_{split}"] for i in range(3)]
+        for row in ("average", "weighted"):
+            combined = geometric_mean(probabilities, summary[row]["weights"])
+            picked = combined[np.arange(len(labels[split])), labels[split]]
+            assert summary[row][split]["loss"] == pytest.approx(-np.mean(np.log(picked)), rel=1e-12)
+            accuracy = np.mean(np.argmax(combined, axis=1) == labels[split])
+            assert summary[row][split]["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+        # The weighted ensemble's own predictions, a member file for another ensemble.
+        np.testing.assert_allclose(written[split], geometric_mean(probabilities, summary["weighted"]["weights"]))
+    best = max(m["validation"]["accuracy"] for m in summary["members"])
+    assert summary["weighted"]["validation"]["accuracy"] >= best
+
+
+def test_a_predictions_file_of_other_examples_is_refused_naming_it(members, centroids, tmp_path):
+    workdirs, _ = members
+    _, good = centroids
+    cases = {
+        "short.npz": (
+            {**good, "test": good["test"][:-1], "test_index": good["test_index"][:-1]},
+            r"short.npz holds 359 test predictions but .*/mlp sees 360 examples: an ensemble's members must "
+            "predict the same examples",
+        ),
+        "shifted.npz": (
+            {**good, "validation_index": good["validation_index"] + 1},
+            r"shifted.npz: 'validation_index' names other validation examples than .*/mlp sees \(positions 1 where "
+            r"0 was expected\)",
+        ),
+        "untested.npz": (
+            {k: v for k, v in good.items() if not k.startswith("test")},
+            r"untested.npz has no array 'test' \(it must hold 'test' and 'test_index' for --eval_split=test; it has "
+            r"validation, validation_index\)",
+        ),
+        "scores.npz": ({**good, "test": good["test"] * 2}, r"scores.npz: 'test' must hold probabilities"),
+    }
+    for name, (arrays, message) in cases.items():
+        np.savez(tmp_path / name, **arrays)
+        workdir = tmp_path / f"ensemble_{name}"
+        with pytest.raises(ConfigError, match=message):
+            ensemble.ensemble(ensemble_config("", workdir, [workdirs["mlp"], str(tmp_path / name)]))
+        assert not workdir.exists()  # refused before anything was written
+
+
+def test_a_task_whose_outputs_cannot_be_averaged_is_refused(data_dir, members, tmp_path, monkeypatch):
+    workdirs, _ = members
+    config = ensemble_config(data_dir, tmp_path / "ensemble", workdirs.values())
+    monkeypatch.setattr(classification.Task, "ensemble", None)
+    with pytest.raises(ConfigError) as refused:
+        ensemble.ensemble(config)
+    assert str(refused.value) == (
+        f"--members: {workdirs['mlp']} trains --task=classification, whose outputs an ensemble cannot average "
+        "(its Task.ensemble is None)"
+    )
+    monkeypatch.setattr(classification.Task, "ensemble", "values")
+    with pytest.raises(ConfigError, match="--ensemble_mean=geometric: --task=classification averages values, not"):
+        ensemble.ensemble(dataclasses.replace(config, ensemble_mean="geometric"))
+    assert not (tmp_path / "ensemble").exists()
+
+
+def test_values_average_and_score_as_the_regression_task_reports():
+    """--task=regression averages predicted values (arithmetic only) and reports RMSE in the target's units."""
+    from tasks import regression
+
+    config = helpers.make_config("", mode="ensemble", members="a,b", task="regression")
+    info = {"feature_mean": [0.0], "feature_std": [1.0], "target_mean": 10.0, "target_std": 2.0}
+    task = regression.Task(config, {}, info)
+    target = np.array([8.0, 10.0, 13.0, 9.0])
+    examples = {"target": (target - 10.0) / 2.0}  # as prepared: standardized
+    high, low = target + 1.0, target - 3.0  # one member 1 too high, one 3 too low: 3:1 weights cancel them
+    weights, chosen, fitted = ensemble.fit_weights([high, low], examples, task, config)
+    assert fitted == pytest.approx([0.75, 0.25], abs=1e-3) and chosen == "nelder_mead"
+    assert ensemble._scores(task, ensemble.combine([high, low], [0.5, 0.5]), examples) == {
+        "loss": 0.25,  # (1 / 2)^2: the standardized squared error
+        "mse": 1.0,
+        "mae": 1.0,
+        "rmse": 1.0,
+        "examples": 4,
+    }

@@ -37,7 +37,7 @@ def test_matches_keras_step_by_step(name, hyper, make_keras, weight_decay):
     ours = [tf.Variable(x) for x in start]
     theirs = [keras.Variable(x) for x in start]
     config = Config(optimizer=name, learning_rate=0.05, weight_decay=weight_decay, **hyper)
-    optimizer = optim.Optimizer(config, ours)
+    optimizer = optim.Optimizer(config, ours, [f"p{i}" for i in range(len(ours))])
     reference = make_keras(0.05, weight_decay)
     reference.build(theirs)
     # The engine decays kernels only; tell Keras the same.
@@ -86,7 +86,8 @@ def test_constant_and_linear_scaling():
 
 def test_weight_decay_skips_biases():
     params = [tf.Variable(np.ones((2, 2), np.float32)), tf.Variable(np.ones(2, np.float32))]
-    optimizer = optim.Optimizer(Config(optimizer="sgd", momentum=0.0, learning_rate=0.5, weight_decay=0.1), params)
+    config = Config(optimizer="sgd", momentum=0.0, learning_rate=0.5, weight_decay=0.1)
+    optimizer = optim.Optimizer(config, params, ["kernel", "bias"])
     new, _, _ = optimizer.updates(
         [p.value() for p in params], [[], []], tf.constant(0, tf.int64), [tf.zeros((2, 2)), tf.zeros(2)]
     )

@@ -15,9 +15,9 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine import ensemble, tune
 from engine.config import Config
 from engine.launcher import free_ports
+from research import ensemble, tune
 from tests.helpers import launch
 
 # The MLP's search space (experiments/digits_mlp.space): eight axes, long names.
@@ -50,10 +50,10 @@ PARAMS = [  # one draw per trial, cycled
 COMPLETE, PRUNED = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
 
 
-def make_study(outcomes):
+def make_study(outcomes, direction="maximize"):
     """An in-memory study with one trial per (state, value, {step: intermediate value}); complete ones ran
     150 steps."""
-    study = optuna.create_study(direction="maximize")
+    study = optuna.create_study(direction=direction)
     for (state, value, reports), params in zip(outcomes, itertools.cycle(PARAMS)):
         trial = optuna.trial.create_trial(
             state=state,
@@ -67,9 +67,9 @@ def make_study(outcomes):
     return study
 
 
-def tune_figure(study):
+def tune_figure(study, objective=("accuracy", "max")):
     importances = tune._importances(study)
-    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, importances, "max")
+    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, importances, *objective)
     fig.draw_without_rendering()  # lays out the text, so extents can be compared
     return fig, {ax.get_label(): ax for ax in fig.axes}, importances
 
@@ -109,6 +109,27 @@ def test_tied_trials_are_reported_as_ties():
     for name in ("history", "curves"):
         low, high = axes[name].get_ylim()
         assert 0 <= low < 0.6 and 0.9833 < high <= 1.0, (name, low, high)
+
+
+def test_a_loss_objective_is_drawn_on_its_own_scale_and_never_below_zero():
+    losses = [
+        (COMPLETE, 0.31, {50: 1.2, 100: 0.6}),
+        (PRUNED, None, {50: 2.3}),
+        (COMPLETE, 0.05, {50: 0.9, 100: 0.2}),
+        (COMPLETE, 1.7, {50: 2.1, 100: 1.9}),
+    ]
+    study = make_study(losses, direction="minimize")
+    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
+    fig.draw_without_rendering()
+    axes = {ax.get_label(): ax for ax in fig.axes}
+    assert "(min validation loss)" in fig.get_suptitle()
+    for name, top in (("history", 2.3), ("curves", 2.3)):
+        low, high = axes[name].get_ylim()
+        assert low == 0 and high > top, (name, low, high)  # no negative loss; nothing clipped at 1
+        assert axes[name].get_ylabel() == "validation loss"
+    # The best so far steps down: the lowest loss is the best.
+    best_line = [line for line in axes["history"].get_lines() if line.get_label() == "best so far"][0]
+    assert list(best_line.get_ydata()) == [0.31, 0.05, 0.05]
 
 
 def test_curves_are_drawn_as_the_legend_says():
@@ -187,6 +208,11 @@ ENSEMBLE = {
                 "test": scores(0.9889, 0.0433, 360)},
     "weighted": {"name": "weighted (nelder_mead)", "chosen": "nelder_mead", "weights": [0.0, 0.658, 0.342],
                  "validation": scores(0.9833, 0.0468, 180), "test": scores(0.9778, 0.0435, 360)},
+    "task": "classification",
+    "combines": "probabilities",
+    "mean": "arithmetic",
+    "objective": "accuracy",
+    "direction": "max",
     "validation_split": "validation",
     "eval_split": "test",
     "validation_examples": 180,
@@ -198,11 +224,11 @@ def test_ensemble_report_bars_start_at_zero_with_loss_and_a_clear_legend():
     fig = ensemble.figure(ENSEMBLE)
     fig.draw_without_rendering()
     axes = {ax.get_label(): ax for ax in fig.axes}
-    assert {"error", "loss", "weights"} <= set(axes), sorted(axes)
+    assert {"accuracy", "loss", "weights"} <= set(axes), sorted(axes)
+    assert axes["accuracy"].get_title() == "accuracy, higher is better" and axes["loss"].get_title() == "loss"
     rows = [*ENSEMBLE["members"], ENSEMBLE["average"], ENSEMBLE["weighted"]]
     expected = {
-        "error": [100 * (1 - r[split]["accuracy"]) for split in ("validation", "test") for r in rows],
-        "loss": [r[split]["loss"] for split in ("validation", "test") for r in rows],
+        name: [r[split][name] for split in ("validation", "test") for r in rows] for name in ("accuracy", "loss")
     }
     legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
     assert legends

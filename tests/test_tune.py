@@ -1,5 +1,6 @@
 """Hyperparameter search on digits: it finds the good learning rates, a killed study resumes without running a
-trial twice, pruning stops a hopeless trial early, and the best trial's flagfile reruns to the same numbers."""
+trial twice, pruning stops a hopeless trial early, and the best trial's flagfile reruns to the same numbers. The
+objective is the task's own unless another is named, with its direction."""
 
 import dataclasses
 import json
@@ -11,8 +12,9 @@ import time
 import optuna
 import pytest
 
-from engine import checkpoint, tune
+from engine import checkpoint
 from engine.config import ConfigError
+from research import tune
 from tests import helpers
 from tests.helpers import ROOT, launch
 
@@ -74,6 +76,8 @@ def test_search_finds_learning_rates_better_than_a_known_bad_one(study):
     config, summary = study
     records = {t["number"]: t for t in summary["all"]}
     bad, best = records[0], summary["best"]
+    # The task's own objective: classification maximizes accuracy.
+    assert (summary["task"], summary["objective"], summary["direction"]) == ("classification", "accuracy", "max")
     assert bad["params"] == {"learning_rate": 1e-5}
     assert summary["trials"] == 6 and summary["complete"] + summary["pruned"] == 6 and summary["failed"] == 0
     assert best["params"]["learning_rate"] > 1e-3
@@ -176,13 +180,42 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
 
 def test_time_budget_stops_starting_trials(data_dir, one_device, tmp_path):
     space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
-    config = tune_config(data_dir, tmp_path, space, tune_trials=5, tune_timeout=0.01, tune_objective="loss")
+    config = tune_config(
+        data_dir, tmp_path, space, tune_trials=5, tune_timeout=0.01, tune_objective="loss", tune_direction="min"
+    )
     summary = tune.tune(config, one_device)
-    assert summary["trials"] == 1 and summary["direction"] == "min"  # the budget was gone after the first
+    assert summary["trials"] == 1  # the budget was gone after the first
+    # Classification's loss instead of its accuracy, minimized as asked.
+    assert (summary["objective"], summary["direction"]) == ("loss", "min")
+    assert load_study(tmp_path).direction == optuna.study.StudyDirection.MINIMIZE
     assert summary["best"]["value"] == json.loads(read(summary["best"]["workdir"], "summary.json"))["eval"]["loss"]
+    assert "add --eval_split=test (after the flagfile) for its held-out loss." in read(tmp_path, "best.flags")
     again = dataclasses.replace(config, tune_objective="accuracy")
     with pytest.raises(ConfigError, match="--tune_objective=accuracy: study 'tune' in .* was started with --tune_obj"):
         tune.tune(again, one_device)
+
+
+def test_an_objective_is_refused_before_any_trial_without_its_direction_or_when_not_reported(
+    data_dir, one_device, tmp_path
+):
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    workdir = tmp_path / "study"
+    config = tune_config(data_dir, workdir, space, tune_objective="loss")
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(config, one_device)
+    assert str(refused.value) == (
+        "--tune_objective=loss: --task=classification's own objective is accuracy (max); for loss say which way "
+        "is better with --tune_direction=max or min"
+    )
+    # The task's own objective named: its direction is the task's.
+    assert tune.objective_of(dataclasses.replace(config, tune_objective="accuracy")) == ("accuracy", "max")
+    unreported = dataclasses.replace(config, tune_objective="rmse", tune_direction="min")
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(unreported, one_device)
+    assert str(refused.value) == (
+        "--tune_objective=rmse: --task=classification reports no such metric (it reports accuracy, loss)"
+    )
+    assert not workdir.exists()  # no study, no trial
 
 
 @pytest.mark.parametrize(

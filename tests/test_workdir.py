@@ -20,8 +20,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine import checkpoint, ensemble, evaluate, loop, report
+from engine import checkpoint, evaluate, loop, report
 from engine.config import Config, ConfigError, show, validate
+from research import ensemble
 from tests import helpers
 from tests.helpers import ROOT, logged_steps
 
@@ -126,15 +127,16 @@ def test_readme_commands_pasted_in_order_never_meet_another_run(monkeypatch):
     assert checked >= 10
 
 
-def test_a_checkpoint_of_another_model_names_this_runs_variable_as_this_runs(data_dir, one_device, tmp_path):
-    """A workdir without config.json (written before it existed): the checkpoint's own check still speaks."""
+def test_a_checkpoint_of_another_model_names_the_variable_by_path(data_dir, one_device, tmp_path):
+    """A workdir without config.json (written before it existed): the checkpoint's own check still speaks, naming
+    a variable by its path (checkpoints key variables by path, never by position)."""
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=10)
     loop.train(config, one_device)
     os.remove(tmp_path / "config.json")
     with pytest.raises(ConfigError) as refused:
         loop.train(dataclasses.replace(config, model="resnet"), one_device)
     message = str(refused.value)
-    assert re.search(r"model variable 0 \(resnet/\S+ in this run\) has shape \[64, 32\] in the checkpoint", message)
+    assert re.search(r"the checkpoint has models/model/mlp/dense/\S+ \[\d+(, \d+)?\] that this run lacks", message)
     assert message.endswith("give this run a new --workdir")
 
 

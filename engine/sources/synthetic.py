@@ -6,6 +6,12 @@ import tensorflow as tf
 
 from engine import data
 
+SETTINGS = {
+    "synthetic_shape": ((28, 28, 1), "shape of one input example"),
+    "synthetic_classes": (10, "number of classes"),
+    "synthetic_examples": (4096, "examples in the training pool (the eval pool is a quarter)"),
+}
+
 
 def load(config, eval_split):
     del eval_split  # one pool for training, another (a quarter of its size) for every evaluation

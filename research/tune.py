@@ -7,7 +7,9 @@ The study lives in SQLite in the workdir (or in --tune_storage, which several ma
 killed tuner restarted with the same command keeps its finished trials and resumes an interrupted one from
 that trial's own checkpoint. Trials are scored on --validation_split: tuning never sees the test split.
 
-The search space is a text file, one searched flag per line; engine/space.py reads it and says how it looks.
+Every task is tuned alike: the objective is a metric the task reports, by default its own `Task.objective`
+(name and direction). The search space is a text file, one searched flag per line; research/space.py reads it and
+says how it looks.
 """
 
 import contextlib
@@ -22,12 +24,12 @@ import warnings
 import optuna
 import tensorflow as tf
 
+from engine import data as data_lib
 from engine import distribute, loop
 from engine.config import SEED_LIMIT, Config, ConfigError, first_line, show
 from engine.report import make_workdir, write_json
-from engine.space import Param, parse_space, with_values  # noqa: F401  (Param: the space's entries, for callers)
+from research.space import Param, parse_space, with_values  # noqa: F401  (Param: the space's entries, for callers)
 
-BETTER = {"accuracy": "max", "loss": "min"}  # the direction an eval metric improves in
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
 
@@ -42,7 +44,7 @@ def tune(config, strategy=None):
     summary, also written to workdir/summary.json, with best.flags and tune_report.png beside it."""
     started = time.time()
     space = parse_space(config.tune_space)
-    direction = config.tune_direction or BETTER[config.tune_objective]
+    objective, direction = objective_of(config)
     name = distribute.strategy_name(config)
     if name not in ("one_device", "mirrored", "tpu"):
         raise ConfigError(
@@ -50,6 +52,8 @@ def tune(config, strategy=None):
             "on several machines start one tuner on each, sharing a study through --tune_storage"
         )
     strategy = strategy or distribute.create_strategy(config)
+    if objective != data_lib.task_class(config).objective[0]:
+        _check_reported(config, objective, strategy)
     make_workdir(config.workdir)
     # Every trial builds its own tf.functions, which TensorFlow would report as excessive retracing.
     tf.get_logger().setLevel("ERROR")
@@ -57,22 +61,70 @@ def tune(config, strategy=None):
     # Heartbeats and the retry callback are marked experimental; they have been stable since Optuna 2.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     with _only_tuner(config):
-        study = _open_study(config, direction, space)
+        study = _open_study(config, objective, direction, space)
         finished = len(study.get_trials(deepcopy=False, states=FINISHED))
         if finished < config.tune_trials:
             print(
                 f"tune: study '{config.tune_study}' in {_masked(_storage_url(config))}: {finished} of "
                 f"{config.tune_trials} trials finished; objective {config.validation_split} "
-                f"{config.tune_objective} ({direction}), sampler {config.tune_sampler}, pruner {config.tune_pruner}",
+                f"{objective} ({direction}), sampler {config.tune_sampler}, pruner {config.tune_pruner}",
                 flush=True,
             )
             study.optimize(
-                _objective(config, space, strategy),
+                _objective(config, space, strategy, objective),
                 timeout=config.tune_timeout or None,
-                callbacks=[optuna.study.MaxTrialsCallback(config.tune_trials, states=FINISHED), _announce(config)],
+                callbacks=[
+                    optuna.study.MaxTrialsCallback(config.tune_trials, states=FINISHED),
+                    _announce(objective),
+                ],
                 gc_after_trial=True,
             )
-    return _results(config, study, space, direction, time.time() - started)
+    return _results(config, study, space, objective, direction, time.time() - started)
+
+
+def objective_of(config):
+    """(metric, "max" or "min") the study optimizes: --tune_objective, by default the task's own objective, and
+    --tune_direction, by default the task's direction for its own objective. Another metric needs its direction
+    said: a task's reported numbers do not say which way is better."""
+    own, own_direction = data_lib.task_class(config).objective
+    name = config.tune_objective or own
+    if config.tune_direction:
+        return name, config.tune_direction
+    if name != own:
+        raise ConfigError(
+            f"--tune_objective={name}: --task={config.task}'s own objective is {own} ({own_direction}); "
+            f"for {name} say which way is better with --tune_direction=max or min"
+        )
+    return name, own_direction
+
+
+def _check_reported(config, name, strategy):
+    """Refuses, before any trial, an objective that an evaluation of this task does not report: the task's metrics
+    as its report() names them, then what its probe() adds."""
+    trainer = loop.Trainer(with_values(config, {}), strategy)
+    # Ones, not zeros: a report may take a logarithm or divide.
+    reported = set(trainer.task.report({metric: 1.0 for metric in trainer.metric_names}))
+    if name not in reported:
+        reported |= set(trainer.task.probe(trainer.models, trainer.examples))
+    if name not in reported:
+        raise ConfigError(
+            f"--tune_objective={name}: --task={config.task} reports no such metric "
+            f"(it reports {', '.join(sorted(reported))})"
+        )
+
+
+class Unreported(ConfigError):
+    """An evaluation did not report the objective (a task whose own objective is none of its metrics)."""
+
+
+def _value(results, name, config):
+    """The objective in an evaluation's results; Unreported when the task did not report it."""
+    if name not in results:
+        reported = ", ".join(sorted(k for k in results if k != "examples"))
+        raise Unreported(
+            f"--tune_objective={name}: --task={config.task} reports no such metric (it reports {reported})"
+        )
+    return results[name]
 
 
 def _storage_url(config):
@@ -102,7 +154,7 @@ def _only_tuner(config):
         yield
 
 
-def _open_study(config, direction, space):
+def _open_study(config, objective, direction, space):
     url = _storage_url(config)
     shared = bool(config.tune_storage)
     for attempt in range(3):
@@ -128,7 +180,7 @@ def _open_study(config, direction, space):
                 time.sleep(1 + attempt)  # tuners started together race to create a new database's tables
                 continue
             raise ConfigError(f"--tune_storage={_masked(url)}: cannot open the study ({first_line(e)})") from None
-    wanted = {"objective": config.tune_objective, "direction": direction}
+    wanted = {"objective": objective, "direction": direction}
     for key, value in wanted.items():
         if study.user_attrs.get(key, value) != value:
             raise ConfigError(
@@ -180,7 +232,7 @@ def _pruner(config, space):
     return optuna.pruners.NopPruner()
 
 
-def _objective(config, space, strategy):
+def _objective(config, space, strategy, name):
     def objective(trial):
         values = {p.name: p.suggest(trial) for p in space}
         resumes = trial.user_attrs.get(RESUMES)
@@ -202,7 +254,7 @@ def _objective(config, space, strategy):
         pruned_at = []
 
         def on_eval(step, results):
-            trial.report(results[config.tune_objective], step)
+            trial.report(_value(results, name, config), step)
             if trial.should_prune():
                 pruned_at.append(step)
             return bool(pruned_at)
@@ -215,12 +267,14 @@ def _objective(config, space, strategy):
         except loop.Preempted:
             _requeue(trial.study, trial)  # it saved a checkpoint; the next tuner continues from it
             raise
+        except Unreported:
+            raise
         except ConfigError as e:
             raise ConfigError(f"--tune_space={config.tune_space}: trial {trial.number} cannot run: {e}") from None
         trial.set_user_attr("steps", summary["step"])
         if pruned_at:
             raise optuna.TrialPruned(f"at step {pruned_at[0]}")
-        return summary["eval"][config.tune_objective]
+        return _value(summary["eval"], name, config)
 
     return objective
 
@@ -229,16 +283,16 @@ def _flags(values):
     return " ".join(f"--{name}={show(value)}" for name, value in values.items())
 
 
-def _announce(config):
+def _announce(objective):
     def callback(study, trial):
         if trial.state == optuna.trial.TrialState.COMPLETE:
-            outcome = f"complete: {config.tune_objective}={trial.value:.5g}"
+            outcome = f"complete: {objective}={trial.value:.5g}"
         elif "diverged" in trial.user_attrs:
             outcome = "pruned: diverged"
         elif trial.state == optuna.trial.TrialState.PRUNED:
             last = max(trial.intermediate_values, default=None)
             outcome = f"pruned at step {last}" + (
-                f" ({config.tune_objective}={trial.intermediate_values[last]:.5g})" if last is not None else ""
+                f" ({objective}={trial.intermediate_values[last]:.5g})" if last is not None else ""
             )
         else:
             outcome = trial.state.name.lower()
@@ -257,7 +311,7 @@ def _best(study):
         return None
 
 
-def _results(config, study, space, direction, wall_seconds):
+def _results(config, study, space, objective, direction, wall_seconds):
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state in FINISHED]
     best = _best(study)
@@ -265,7 +319,8 @@ def _results(config, study, space, direction, wall_seconds):
     summary = {
         "study": config.tune_study,
         "storage": _masked(_storage_url(config)),
-        "objective": config.tune_objective,
+        "task": config.task,
+        "objective": objective,
         "direction": direction,
         "split": config.validation_split,
         "sampler": config.tune_sampler,
@@ -293,7 +348,7 @@ def _results(config, study, space, direction, wall_seconds):
     }
     if best is not None:
         flagfile = os.path.join(config.workdir, "best.flags")
-        write_flagfile(flagfile, config, best, space)
+        write_flagfile(flagfile, config, best, space, objective)
         summary["best"] = {
             "trial": best.number,
             "value": best.value,
@@ -303,7 +358,9 @@ def _results(config, study, space, direction, wall_seconds):
             "flagfile": flagfile,
         }
     write_json(os.path.join(config.workdir, "summary.json"), summary)
-    plot(os.path.join(config.workdir, "tune_report.png"), config, trials, space, best, importances, direction)
+    plot(
+        os.path.join(config.workdir, "tune_report.png"), config, trials, space, best, importances, objective, direction
+    )
     return summary
 
 
@@ -325,7 +382,7 @@ def _importances(study):
     return {name: value / total for name, value in sorted(raw.items(), key=lambda kv: -kv[1])} if total > 0 else {}
 
 
-def write_flagfile(path, config, best, space):
+def write_flagfile(path, config, best, space, objective):
     """best.flags: every flag of the best trial that differs from the defaults, plus its seed and determinism,
     so `launch.py --flagfile=best.flags` trains it again and reaches the same number."""
     run_config = trial_config(config, best.params, best.number)
@@ -352,20 +409,20 @@ def write_flagfile(path, config, best, space):
     )
     header = [
         f"# Best trial {best.number} of study '{config.tune_study}' ({config.workdir}): "
-        f"{config.validation_split} {config.tune_objective} {best.value:.6g} at step {best.user_attrs.get('steps')}.",
+        f"{config.validation_split} {objective} {best.value:.6g} at step {best.user_attrs.get('steps')}.",
         f"#   python launch.py --flagfile={path}",
-        f"# reruns it with {exact}; add --eval_split=test (after the flagfile) for its held-out accuracy.",
+        f"# reruns it with {exact}; add --eval_split=test (after the flagfile) for its held-out {objective}.",
     ]
     with open(path, "w") as f:
         f.write("\n".join(header + lines) + "\n")
 
 
-def plot(path, config, trials, space, best, importances, direction):
+def plot(path, config, trials, space, best, importances, objective, direction):
     """Writes tune_report.png (see figure)."""
-    figure(config, trials, space, best, importances, direction).savefig(path, dpi=80)
+    figure(config, trials, space, best, importances, objective, direction).savefig(path, dpi=80)
 
 
-def figure(config, trials, space, best, importances, direction):
+def figure(config, trials, space, best, importances, objective, direction):
     """tune_report.png as a matplotlib Figure: the objective per trial with the best so far, the learning curves
     that pruning judged, the parameters' importance (panels labelled history, curves, importance) and, below, a
     parallel-coordinates view of the complete trials (coordinates, with its colorbar when their values differ)."""
@@ -377,7 +434,7 @@ def figure(config, trials, space, best, importances, direction):
     pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
     values = [t.value for t in complete]
     tied = len(complete) > 1 and min(values) == max(values)
-    metric = f"{config.validation_split} {config.tune_objective}"
+    metric = f"{config.validation_split} {objective}"
     fig = Figure(figsize=(18, 11), layout="constrained")
     grid = fig.add_gridspec(2, 3)
     history, curves, importance = (
@@ -425,10 +482,15 @@ def figure(config, trials, space, best, importances, direction):
     handles = [Line2D([], [], label=f"{kind} ({n})", **styles[kind]) for kind, n in counts.items() if n]
     if handles:
         curves.legend(handles=handles)
-    if config.tune_objective == "accuracy":
-        for ax in (history, curves):
-            low, high = ax.get_ylim()
-            ax.set_ylim(max(low, 0.0), min(high, 1.0))  # margins must not promise an accuracy past 1
+    drawn = values + [v for t in trials for v in t.intermediate_values.values()]
+    for ax in (history, curves):
+        # Margins must not cross 0 or 1 where no value does: an accuracy past 1, a negative loss or error.
+        low, high = ax.get_ylim()
+        if drawn and min(drawn) >= 0:
+            low = max(low, 0.0)
+        if drawn and max(drawn) <= 1:
+            high = min(high, 1.0)
+        ax.set_ylim(low, high)
 
     if importances:
         names = list(importances)[::-1]

@@ -5,8 +5,8 @@
     warmup_steps    int     0     100       # integer in [low, high]
     hidden_sizes    choice  64 128,128      # one of these values, written as after --flag=
 
-No TensorFlow here: config.validate reads the file before anything starts, so a bad space fails before the
-tuner writes its study.
+No TensorFlow here: engine/config.py's validate reads the file before anything starts, so a bad space fails
+before the tuner writes its study.
 """
 
 import dataclasses

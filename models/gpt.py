@@ -1,0 +1,85 @@
+"""A GPT: a causal pre-norm Transformer decoder over integer tokens, as nanoGPT builds it.
+
+Inputs (T,) token ids; outputs (T, vocabulary) logits of the next token at every position. Token and
+learned position embeddings; each block adds causal self-attention (one fused query/key/value projection,
+a fixed lower-triangular mask) and a 4x MLP to its input; a final norm; the head computes in float32.
+(The attention written out with einsum took about 8% less CPU time per training step than Keras's
+MultiHeadAttention at nanoGPT's CPU size; XLA made neither faster on 2 shared cores.)
+Weights start as GPT-2's: normal(0.02), the residual projections scaled by 1/sqrt(2 x layers).
+"""
+
+import math
+
+import tensorflow as tf
+
+keras = tf.keras
+
+
+def _normal(stddev=0.02):
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, dim, heads, layers, dropout, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = heads
+        residual = _normal(0.02 / math.sqrt(2 * layers))
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-5)
+        self.qkv = keras.layers.Dense(3 * dim, kernel_initializer=_normal())
+        self.proj = keras.layers.Dense(dim, kernel_initializer=residual)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-5)
+        self.mlp_in = keras.layers.Dense(4 * dim, activation="gelu", kernel_initializer=_normal())
+        self.mlp_out = keras.layers.Dense(dim, kernel_initializer=residual)
+        # Layers without a rate create no random state: a dropout-free model's checkpoint holds weights only.
+        self.dropouts = [keras.layers.Dropout(dropout) for _ in range(3)] if dropout else None
+
+    def _drop(self, i, x, training):
+        return self.dropouts[i](x, training=training) if self.dropouts else x
+
+    def call(self, x, training=False):
+        batch, tokens, dim = tf.shape(x)[0], x.shape[1], x.shape[2]
+        qkv = tf.reshape(self.qkv(self.norm1(x)), [batch, tokens, 3, self.heads, dim // self.heads])
+        q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [batch, heads, tokens, head_dim]
+        scores = tf.einsum("bhqd,bhkd->bhqk", q, k) * tf.cast(1.0 / math.sqrt(dim // self.heads), q.dtype)
+        # Position q attends to keys 0..q only: the mask is a constant of the static sequence length.
+        causal = tf.linalg.band_part(tf.ones([tokens, tokens], tf.bool), -1, 0)
+        scores = tf.where(causal, scores, tf.cast(-1e4 if scores.dtype == tf.float16 else -1e9, scores.dtype))
+        weights = self._drop(0, tf.nn.softmax(scores, axis=-1), training)
+        attended = tf.reshape(
+            tf.transpose(tf.einsum("bhqk,bhkd->bhqd", weights, v), [0, 2, 1, 3]), [batch, tokens, dim]
+        )
+        x = x + self._drop(1, self.proj(attended), training)
+        return x + self._drop(2, self.mlp_out(self.mlp_in(self.norm2(x))), training)
+
+
+class GPT(keras.Model):
+    def __init__(self, sequence_length, vocabulary, layers, heads, dim, dropout=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Embedding(vocabulary, dim, embeddings_initializer=_normal())
+        self.position = self.add_weight(shape=(sequence_length, dim), initializer=_normal(), name="position")
+        self.dropout = keras.layers.Dropout(dropout) if dropout else None
+        self.blocks = [Block(dim, heads, layers, dropout) for _ in range(layers)]
+        self.norm = keras.layers.LayerNormalization(epsilon=1e-5)
+        self.head = keras.layers.Dense(vocabulary, dtype="float32", kernel_initializer=_normal())
+
+    def call(self, tokens, training=False):
+        x = self.embed(tokens) + tf.cast(self.position[: tokens.shape[1]], self.compute_dtype)
+        if self.dropout:
+            x = self.dropout(x, training=training)
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(self.norm(x))
+
+
+def create(config, input_shape, num_outputs):
+    if len(input_shape) != 1:
+        raise ValueError(f"gpt reads a sequence of token ids of shape (tokens,), got {input_shape}")
+    return GPT(
+        input_shape[0],
+        num_outputs,
+        config.gpt_layers,
+        config.gpt_heads,
+        config.gpt_dim,
+        config.dropout,
+        name="gpt",
+    )

@@ -1,0 +1,113 @@
+"""Language modelling: predict every next token of a window of text (nanoGPT's one loss line).
+
+A batch holds `tokens`, windows of --sequence_length + 1 token ids: the model reads the first T and is scored
+on the last T, each position predicting the token after it. The loss is the mean next-token cross-entropy over
+a window's positions (nats per token; a character-level source makes it nats per character). Evaluation
+windows may be partly padding: their `weight` says how many of their targets are real (the first ones), so
+the reported means are per token over the evaluation text. --mode=sample generates text (`sample`).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from engine.config import ConfigError
+from tasks import base
+
+DATASET = "shakespeare"  # the default --dataset
+
+
+class Task(base.Task):
+    features = ("tokens",)
+    input = "tokens"
+    objective = ("loss", "min")
+    headline = "loss"
+    ensemble = None  # averaging next-token distributions of separately trained members is not offered
+
+    @property
+    def outputs(self):
+        return len(self.info["vocabulary"])
+
+    def prepare(self, batch):
+        return {"tokens": tf.cast(batch["tokens"], tf.int32)}
+
+    def models(self, create):
+        context = tf.TensorSpec([self.spec["tokens"].shape[0] - 1], tf.int32)
+        return {"model": create(self.config.model, context, self.outputs)}
+
+    def forward(self, models, batch, training):
+        return models["model"](batch["tokens"][:, :-1], training=training)
+
+    def _losses(self, outputs, batch):
+        """[batch, T] next-token cross-entropies, float32."""
+        targets = batch["tokens"][:, 1:]
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(targets, tf.cast(outputs, tf.float32))
+
+    def loss(self, outputs, batch):
+        return tf.reduce_mean(self._losses(outputs, batch), axis=-1)
+
+    def metrics(self, outputs, batch):
+        logits = tf.cast(outputs, tf.float32)
+        correct = tf.cast(
+            tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), batch["tokens"][:, 1:]), tf.float32
+        )
+        # A window's weight counts its real targets, the first ones; the rest is padding at the text's end.
+        real = tf.cast(tf.range(logits.shape[1], dtype=tf.float32)[None, :] < batch["weight"][:, None], tf.float32)
+        count = tf.reduce_sum(real, axis=-1)
+        return {
+            "loss": tf.math.divide_no_nan(tf.reduce_sum(real * self._losses(logits, batch), axis=-1), count),
+            "accuracy": tf.math.divide_no_nan(tf.reduce_sum(real * correct, axis=-1), count),
+        }
+
+    def report(self, means):
+        return {**means, "bits_per_character": base.bits(means["loss"])}
+
+    def serve(self, models):
+        length = self.spec["tokens"].shape[0] - 1
+
+        @tf.function(input_signature=[tf.TensorSpec([None, length], tf.int32, name="tokens")])
+        def serve(tokens):
+            # The logits at the last position: those of the character after the window.
+            return {"logits": tf.cast(models["model"](tokens, training=False)[:, -1], tf.float32)}
+
+        return serve
+
+    def sample(self, models, config):
+        """config.sample_length tokens continuing config.sample_prompt, drawn at config.sample_temperature from
+        the config.sample_top_k likeliest (all when 0), seeded by config.seed; the context is the last
+        --sequence_length tokens. Returns the prompt and the generated text."""
+        chars = self.info["vocabulary"]
+        prompt = config.sample_prompt
+        unknown = sorted(set(prompt) - set(chars))
+        if unknown:
+            raise ConfigError(
+                f"--sample_prompt={prompt!r}: characters not in the vocabulary: {' '.join(repr(c) for c in unknown)}"
+            )
+        if not prompt:
+            raise ConfigError("--sample_prompt='': needs at least one character to continue")
+        index = {c: i for i, c in enumerate(chars)}
+        window = self.spec["tokens"].shape[0] - 1
+        model = models["model"]
+        length = config.sample_length
+        # Prompt and generated text in one buffer, at least a window long so every window slice is in range.
+        buffer = np.zeros(max(len(prompt) + length, window), np.int32)
+        buffer[: len(prompt)] = [index[c] for c in prompt]
+        top_k = min(config.sample_top_k, len(chars)) if config.sample_top_k else 0
+
+        @tf.function
+        def generate(buffer):
+            def step(i, buffer):
+                end = len(prompt) + i  # tokens so far; the next goes here
+                start = tf.maximum(end - window, 0)
+                # Causal attention: padding after the context does not change the logits at its last position.
+                context = buffer[start : start + window][None, :]
+                logits = model(context, training=False)[0, end - start - 1] / config.sample_temperature
+                if top_k:
+                    logits = tf.where(logits < tf.math.top_k(logits, top_k).values[-1], -np.inf, logits)
+                seed = tf.stack([tf.constant(config.seed, tf.int64), tf.cast(i, tf.int64)])
+                token = tf.random.stateless_categorical(logits[None, :], 1, seed, dtype=tf.int32)[0, 0]
+                return i + 1, tf.tensor_scatter_nd_update(buffer, [[end]], [token])
+
+            return tf.while_loop(lambda i, _: i < length, step, (tf.constant(0), buffer))[1]
+
+        tokens = generate(tf.constant(buffer)).numpy()[: len(prompt) + length]
+        return "".join(chars[t] for t in tokens)

@@ -1,0 +1,170 @@
+"""Fine-tuning: --init_checkpoint warm-starts by variable path with a fresh optimizer, --freeze keeps variables as
+they are, and checkpoints are keyed by path, so a fork that reorders its layers is refused by name."""
+
+import os
+import shutil
+import sys
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import checkpoint, evaluate, loop
+from engine.config import ConfigError
+from tests.helpers import checkpoint_tensors, launch, make_config
+
+keras = tf.keras
+
+
+@pytest.fixture(scope="module")
+def source(data_dir, tmp_path_factory):
+    """A trained digits MLP (32, 32) that kept moving averages: what a fine-tuning run starts from."""
+    workdir = str(tmp_path_factory.mktemp("source"))
+    loop.train(make_config(data_dir, workdir, ema_decay=0.5), tf.distribute.OneDeviceStrategy("/cpu:0"))
+    return workdir
+
+
+def saved_weights(workdir):
+    """{variable path: value} that a warm start from `workdir` takes: the moving average where the run kept one."""
+    _, tensors = checkpoint_tensors(workdir)
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+    weights = {checkpoint.describe_key(k.split("/")[2]): v for k, v in tensors.items() if k.startswith("models/model/")}
+    averages = {checkpoint.describe_key(k.split("/")[2]): v for k, v in tensors.items() if k.startswith("ema/model/")}
+    assert all(k.endswith(suffix) for k in tensors if k.startswith(("models/", "ema/")))
+    assert averages and averages.keys() <= weights.keys()
+    return {**weights, **averages}
+
+
+@pytest.fixture
+def at_start(monkeypatch):
+    """What the new run holds when its first step is about to run (after any warm start): its trainer, weights
+    {path: value}, optimizer update count and slots, and moving averages."""
+    seen = {}
+    original = loop.run
+
+    def run(trainer, *args, **kwargs):
+        seen["trainer"] = trainer
+        seen["weights"] = {v.path: v.numpy() for v in trainer.model.variables}
+        seen["iterations"] = int(trainer.optimizer.iterations.numpy())
+        seen["slots"] = [s.numpy() for slots in trainer.optimizer.slots for s in slots]
+        seen["ema"] = {v.path: a.numpy() for v, a in zip(trainer.params, trainer.ema)}
+        return original(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "run", run)
+    return seen
+
+
+def test_init_checkpoint_starts_from_the_source_by_path_with_a_fresh_optimizer(
+    data_dir, source, tmp_path, one_device, at_start, capsys
+):
+    config = make_config(data_dir, str(tmp_path), init_checkpoint=source, ema_decay=0.9, train_steps=10, seed=1)
+    loop.train(config, one_device)
+    saved = saved_weights(source)
+    assert sorted(at_start["weights"]) == sorted(saved)
+    for path, value in at_start["weights"].items():  # the source's moving averages, bit for bit
+        np.testing.assert_array_equal(value, saved[path], err_msg=path)
+    assert at_start["iterations"] == 0
+    assert at_start["slots"] and all(not s.any() for s in at_start["slots"])
+    for path, average in at_start["ema"].items():  # this run's averages start at the warm-started weights
+        np.testing.assert_array_equal(average, saved[path], err_msg=path)
+    assert f"init_checkpoint: 6 variables from {source}/checkpoints/ckpt-20\n" in capsys.readouterr().out
+
+
+def test_fine_tuning_another_head_names_what_did_not_match_and_freeze_keeps_the_rest(
+    data_dir, source, tmp_path, one_device, at_start, capsys
+):
+    """Digits features, a 4-class synthetic head: the hidden layers start from the source and, frozen, stay
+    bit-identical through training with weight decay; the head (other shapes) starts as initialized and trains."""
+    config = make_config(
+        data_dir,
+        str(tmp_path),
+        dataset="synthetic",
+        synthetic_shape=(8, 8, 1),
+        synthetic_classes=4,
+        init_checkpoint=source,
+        freeze=r"^mlp/dense(_1)?/",
+        weight_decay=0.01,
+        train_steps=10,
+    )
+    loop.train(config, one_device)
+    out = capsys.readouterr().out
+    assert (
+        f"init_checkpoint: 4 variables from {source}/checkpoints/ckpt-20; other shapes (kept as initialized): "
+        "mlp/dense_2/kernel [32, 10] -> [32, 4], mlp/dense_2/bias [10] -> [4]\n"
+    ) in out
+    trainer, saved = at_start["trainer"], saved_weights(source)
+    assert [v.path for v in trainer.params] == ["mlp/dense_2/kernel", "mlp/dense_2/bias"]
+    after = {v.path: v.numpy() for v in trainer.model.variables}
+    for path in ("mlp/dense/kernel", "mlp/dense/bias", "mlp/dense_1/kernel", "mlp/dense_1/bias"):
+        np.testing.assert_array_equal(at_start["weights"][path], saved[path], err_msg=path)
+        np.testing.assert_array_equal(after[path], saved[path], err_msg=path)
+    for path in ("mlp/dense_2/kernel", "mlp/dense_2/bias"):
+        assert at_start["weights"][path].shape == after[path].shape != saved[path].shape
+        assert np.abs(after[path] - at_start["weights"][path]).max() > 1e-4, path
+
+
+def test_init_checkpoint_without_a_matching_path_is_refused_leaving_the_workdir_free(
+    data_dir, source, tmp_path, one_device
+):
+    """A ResNet shares no variable path with the MLP. The refusal comes before anything is written, so the
+    corrected command runs in the same --workdir."""
+    workdir = str(tmp_path / "run")
+    flags = [f"--workdir={workdir}", f"--data_dir={data_dir}", "--global_batch_size=64", "--train_steps=2"]
+    result = launch("--model=resnet", "--resnet_depth=8", "--resnet_width=4", f"--init_checkpoint={source}", *flags)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        f"error: --init_checkpoint={source}: no variable of this run is in {source}/checkpoints/ckpt-20 by path "
+        "(it has mlp/dense/bias, mlp/dense/kernel, mlp/dense_1/bias, mlp/dense_1/kernel, ...; this run has resnet/"
+    )
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not os.path.exists(os.path.join(workdir, "config.json"))
+    config = make_config(data_dir, workdir, init_checkpoint=source, train_steps=2)
+    assert loop.train(config, one_device)["step"] == 2
+
+
+class ReorderedMLP(keras.Model):
+    """models/mlp.py forked to create its head first: Keras names layers in creation order, so the head is
+    mlp/dense now and the hidden layers mlp/dense_1, mlp/dense_2."""
+
+    def __init__(self, hidden_sizes, num_classes, **kwargs):
+        super().__init__(**kwargs)
+        self.head = keras.layers.Dense(num_classes, dtype="float32")
+        self.flatten = keras.layers.Flatten()
+        self.hidden = [keras.layers.Dense(width, activation="relu") for width in hidden_sizes]
+
+    def call(self, inputs, training=False):
+        x = self.flatten(inputs)
+        for layer in self.hidden:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def reordered_mlp(monkeypatch):
+    """models/mlp.py replaced by the fork for this test, as a fork that edits the file would have it."""
+    fork = types.ModuleType("models.mlp")
+    fork.create = lambda config, input_shape, num_classes: ReorderedMLP(config.hidden_sizes, num_classes, name="mlp")
+    monkeypatch.setitem(sys.modules, "models.mlp", fork)
+
+
+def test_a_fork_that_reorders_its_layers_is_refused_by_variable_path(
+    data_dir, source, tmp_path, one_device, reordered_mlp
+):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(source, workdir)
+    before = checkpoint_tensors(workdir)[1]
+    mismatch = r"mlp/dense/(kernel|bias) has shape \[(64, 32|32)\] in the checkpoint and \[(32, 10|10)\] in this run"
+    with pytest.raises(ConfigError, match=rf"^--workdir={workdir}: checkpoint \S+ckpt-20 does not fit .*{mismatch}"):
+        loop.train(make_config(data_dir, workdir, ema_decay=0.5), one_device)  # resuming the run
+    with pytest.raises(ConfigError, match=rf"^checkpoint \S+ckpt-20 does not fit this run: .*{mismatch}"):
+        evaluate.evaluate(make_config(data_dir, workdir, mode="eval"), one_device)
+    after = checkpoint_tensors(workdir)[1]
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_a_freeze_that_matches_everything_is_refused_before_anything_is_written(data_dir, tmp_path, one_device):
+    workdir = str(tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"^--freeze=\^mlp/: matches every trainable variable; nothing to train$"):
+        loop.train(make_config(data_dir, workdir, freeze="^mlp/"), one_device)
+    assert not os.path.exists(workdir)
