@@ -80,25 +80,9 @@ class _RunSettings:
 
     # Task (tasks/<task>.py): what is trained, its loss and its metrics.
     task: str = _setting("classification", "what to train, found as tasks/<task>.py")
-    teacher: str = _setting(
-        "", "distillation: workdir of a trained classification run; its model, frozen, supplies the soft targets"
-    )
-    distill_temperature: float = _setting(
-        4.0, "distillation: divides teacher and student logits in the soft-target term (higher is softer)"
-    )
-    distill_weight: float = _setting(
-        0.9, "distillation: weight of the soft-target KL term (times T^2); the label cross-entropy gets 1 - it"
-    )
-    contrastive_temperature: float = _setting(
-        0.2, "contrastive: divides the projections' cosine similarities in the NT-Xent loss (lower is sharper)"
-    )
-    contrastive_dim: int = _setting(64, "contrastive: width of the encoder's embedding and of the projection head")
 
     # Model (models/<model>.py). Each family declares its own settings in its file (SETTINGS).
     model: str = _setting("mlp", "model family, found as models/<model>.py")
-    gpt_layers: int = _setting(4, "gpt: number of decoder blocks")
-    gpt_heads: int = _setting(4, "gpt: attention heads; must divide gpt_dim")
-    gpt_dim: int = _setting(128, "gpt: model width (token embedding size); each block's MLP is 4x wider")
     dropout: float = _setting(0.0, "dropout rate in the models that use it, 0 = off")
 
     # Data.
@@ -113,7 +97,6 @@ class _RunSettings:
     train_split: str = _setting("train", "split to train on")
     eval_split: str = _setting("test", "split to evaluate on; every example is counted exactly once")
     shuffle_buffer: int = _setting(10_000, "training shuffle buffer, in examples")
-    sequence_length: int = _setting(64, "language_model: tokens of context per example")
 
     # Batch and steps.
     global_batch_size: int = _setting(128, "examples per step over all replicas")
@@ -142,7 +125,9 @@ class _RunSettings:
     init_checkpoint: str = _setting(
         "", "start from these weights (a workdir's latest checkpoint, or a checkpoint path), matched by variable path"
     )
-    freeze: str = _setting("", "regular expression: trainable variables whose path it matches are not trained")
+    freeze: str = _setting(
+        "", "regular expression: trainable variables whose <model name>/<path> it matches (model/mlp/dense/) stay fixed"
+    )
 
     # Optimizer and learning rate.
     optimizer: str = _setting("adamw", "sgd|adamw|lamb (engine-owned update rules)")
@@ -218,11 +203,12 @@ _TYPES = {bool: bool, int: int, float: float, str: str, tuple: tuple}
 
 def _declared_settings():
     """Fields for the settings each model family, task and bundled source declares in its own file
-    (`SETTINGS = {"name": (default, "help")}` or `(default, "help", (low, high))` for a number's range):
+    (`SETTINGS = {"name": (default, "help")}`, `(default, "help", (low, high))` for a number's range, or
+    `(default, "help", "required")` for a string that must be given):
     --resnet_depth is resnet's, not everybody's. A name declared twice is a fork's mistake, refused here."""
     owners = {f.name: "engine/config.py" for f in dataclasses.fields(_RunSettings)}
     fields = []
-    for package in (models, tasks, sources):
+    for package, flag in ((models, "model"), (tasks, "task"), (sources, "dataset")):
         directory = os.path.dirname(os.path.abspath(package.__file__))
         for module, declared in models.settings(directory, package.available()).items():
             where = os.path.relpath(os.path.join(directory, f"{module}.py"), os.path.dirname(directory))
@@ -232,6 +218,7 @@ def _declared_settings():
                 owners[name] = where
                 kind = _TYPES[type(default)]
                 metadata = {"help": f"{module}: {help_text}", "bounds": bounds[0] if bounds else None}
+                metadata["owner"] = (flag, module)
                 fields.append((name, kind, dataclasses.field(default=default, metadata=metadata)))
     return fields
 
@@ -247,13 +234,17 @@ MEMORY_SETTINGS = tuple(f.name for f in _DECLARED if f.type in (int, tuple)) + (
 
 def _check_declared(config):
     """The declared settings of the chosen model, task and source: numbers positive (or in their declared range),
-    lists of positive integers. What only the module can judge (a depth of 6n+2) it raises when it builds."""
+    lists of positive integers, "required" strings given. What only the module can judge (a depth of 6n+2) it
+    raises when it builds."""
     for field in _DECLARED:
         if not applies(field.name, config):
             continue
         value, bounds = getattr(config, field.name), field.metadata["bounds"]
         if field.type is tuple and not (value and min(value) > 0):
             _fail(field.name, value, "must be a list of positive integers, e.g. 64,64")
+        if field.type is str and bounds == "required" and not value:
+            flag, module = field.metadata["owner"]
+            _fail(field.name, value, f"--{flag}={module} needs it ({field.metadata['help'].split(': ', 1)[1]})")
         if field.type in (int, float) and bounds and not bounds[0] <= value <= bounds[1]:
             _fail(field.name, value, f"must be in [{bounds[0]}, {bounds[1]}]")
         if field.type in (int, float) and not bounds and not (value > 0 and math.isfinite(value)):
@@ -333,16 +324,10 @@ def validate(config):
         "initial_loss_scale",
         "loss_scale_growth_interval",
         "shuffle_buffer",
-        "gpt_layers",
-        "gpt_heads",
-        "gpt_dim",
-        "sequence_length",
         "keep_checkpoints",
         "eval_timeout",
         "sample_length",
         "sample_temperature",
-        "contrastive_temperature",
-        "contrastive_dim",
     )
     _non_negative(
         config,
@@ -402,22 +387,8 @@ def validate(config):
         _fail("precision", config.precision, "TPUs compute in bfloat16, not float16: use --precision=mixed_bfloat16")
     if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
         _fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
-    if config.model == "gpt" and config.gpt_dim % config.gpt_heads:
-        _fail("gpt_heads", config.gpt_heads, f"must divide --gpt_dim={config.gpt_dim}")
     if config.task not in tasks.available():
         _fail("task", config.task, f"must name a file in tasks/ ({', '.join(tasks.available())})")
-    if config.task == "distillation" and not config.teacher:
-        _fail("teacher", "", "--task=distillation needs the workdir of a trained classification run to learn from")
-    if config.task == "contrastive" and config.grad_accum_steps > 1:
-        _fail(
-            "grad_accum_steps",
-            config.grad_accum_steps,
-            "--task=contrastive draws its negatives from the whole global batch, which microbatches would split; use 1",
-        )
-    if not (config.distill_temperature > 0 and math.isfinite(config.distill_temperature)):
-        _fail("distill_temperature", config.distill_temperature, "must be a positive number")
-    if not 0 <= config.distill_weight <= 1:
-        _fail("distill_weight", config.distill_weight, "must be in [0, 1]")
     if not config.dataset:
         config = dataclasses.replace(config, dataset=tasks.default_dataset(config.task))
     if config.freeze:
@@ -564,7 +535,7 @@ def check_batch(config, num_replicas):
             "grad_accum_steps",
             config.grad_accum_steps,
             f"must divide each replica's batch ({per_replica} = --global_batch_size={config.global_batch_size} "
-            f"over {num_replicas} replicas)",
+            f"over {num_replicas} replica{'s' if num_replicas > 1 else ''})",
         )
 
 

@@ -67,10 +67,14 @@ def _create(run_config, family, spec, outputs, config=None):
 
 
 def trained_variables(models, freeze):
-    """The variables the step trains: every model's trainable ones whose path --freeze does not match."""
+    """The variables the step trains: every model's trainable ones whose <model name>/<path> (model/mlp/dense/kernel)
+    --freeze does not match."""
     pattern = re.compile(freeze) if freeze else None
     return [
-        v for model in models.values() for v in model.trainable_variables if not (pattern and pattern.search(v.path))
+        v
+        for name, model in models.items()
+        for v in model.trainable_variables
+        if not (pattern and pattern.search(f"{name}/{v.path}"))
     ]
 
 

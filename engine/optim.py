@@ -92,6 +92,9 @@ class Optimizer(tf.Module):
         self.settings = []
         for path in paths:
             overrides = next((o for pattern, o in groups if re.search(pattern, path)), {})
+            unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+            if unknown:
+                raise ValueError(f"optimizer group for {path}: no such setting {', '.join(sorted(unknown))}")
             self.settings.append(dataclasses.replace(config, **overrides) if overrides else config)
         for pattern, _ in groups:  # a typo in a group's regex would otherwise train with the run's settings, silently
             if not any(re.search(pattern, path) for path in paths):

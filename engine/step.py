@@ -25,6 +25,8 @@ def split_state(models):
     and their random seed-generator states (Keras names them so), which the step derives instead."""
     state, seeds = [], []
     for model in models.values():
+        if not model.trainable:  # a frozen model (a teacher) is only read: nothing of it changes, nothing is assigned
+            continue
         for v in model.non_trainable_variables:
             (seeds if v.path.endswith("seed_generator_state") else state).append(v)
     return state, seeds

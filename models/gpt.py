@@ -14,6 +14,12 @@ import tensorflow as tf
 
 keras = tf.keras
 
+SETTINGS = {
+    "gpt_layers": (4, "number of decoder blocks"),
+    "gpt_heads": (4, "attention heads; must divide gpt_dim"),
+    "gpt_dim": (128, "model width (token embedding size); each block's MLP is 4x wider"),
+}
+
 
 def _normal(stddev=0.02):
     return keras.initializers.RandomNormal(stddev=stddev)
@@ -74,6 +80,8 @@ class GPT(keras.Model):
 def create(config, input_shape, num_outputs):
     if len(input_shape) != 1:
         raise ValueError(f"gpt reads a sequence of token ids of shape (tokens,), got {input_shape}")
+    if config.gpt_dim % config.gpt_heads:
+        raise ValueError(f"--gpt_heads={config.gpt_heads}: must divide --gpt_dim={config.gpt_dim}")
     return GPT(
         input_shape[0],
         num_outputs,

@@ -18,6 +18,7 @@ predictions.npz (the weighted ensemble's predictions as a member file, and each 
 """
 
 import dataclasses
+import io
 import os
 import time
 import zipfile
@@ -318,8 +319,10 @@ def _write_predictions(path, predictions, weights, reference, config):
         arrays[split] = combine(members, weights, config.ensemble_mean)
         arrays[f"{split}_index"] = reference.examples[split]["index"]
         arrays.update({f"member{i}_{split}": p for i, p in enumerate(members)})
+    buffer = io.BytesIO()  # zipfile reads back what it writes, which a GFile (any file system) cannot
+    np.savez(buffer, **arrays)
     with tf.io.gfile.GFile(path, "wb") as f:
-        np.savez(f, **arrays)
+        f.write(buffer.getvalue())
 
 
 def _first_difference(ours, theirs):

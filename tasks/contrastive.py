@@ -11,9 +11,17 @@ gets the same views on one device, on several replicas or workers, and in a resu
 import numpy as np
 import tensorflow as tf
 
+from engine.config import ConfigError
 from tasks import base
 
 DATASET = "digits"  # the default --dataset
+SETTINGS = {
+    "contrastive_temperature": (
+        0.2,
+        "divides the projections' cosine similarities in the NT-Xent loss (lower is sharper)",
+    ),
+    "contrastive_dim": (64, "width of the encoder's embedding and of the projection head"),
+}
 
 # The views: a zoom and a shift resampled bilinearly, a contrast and brightness change, pixel noise. Sized for
 # small images like the 8x8 digits: a shift of a pixel or a zoom of 20% changes a digit's pixels a lot already.
@@ -36,6 +44,14 @@ class Task(base.Task):
     input = "image"
     objective = ("probe_accuracy", "max")
     headline = "probe_accuracy"
+
+    def __init__(self, config, spec, info):
+        super().__init__(config, spec, info)
+        if config.grad_accum_steps > 1:  # one device and several replicas would split the batch differently
+            raise ConfigError(
+                f"--grad_accum_steps={config.grad_accum_steps}: --task=contrastive draws its negatives from the "
+                "whole global batch, which microbatches would split; use 1"
+            )
 
     def prepare(self, batch):
         image = batch["image"]

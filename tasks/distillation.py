@@ -19,6 +19,19 @@ from engine.config import ConfigError, load_run_config
 from tasks import classification
 
 DATASET = "digits"  # the default --dataset
+SETTINGS = {
+    "teacher": (
+        "",
+        "workdir of a trained classification run; its model, frozen, supplies the soft targets",
+        "required",
+    ),
+    "distill_temperature": (4.0, "divides teacher and student logits in the soft-target term (higher is softer)"),
+    "distill_weight": (
+        0.9,
+        "weight of the soft-target KL term (times T^2); the label cross-entropy gets 1 - it",
+        (0.0, 1.0),
+    ),
+}
 
 
 class Task(classification.Task):

@@ -14,6 +14,7 @@ from engine.config import ConfigError
 from tasks import base
 
 DATASET = "shakespeare"  # the default --dataset
+SETTINGS = {"sequence_length": (64, "tokens of context per example")}
 
 
 class Task(base.Task):

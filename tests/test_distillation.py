@@ -92,8 +92,12 @@ def test_the_teacher_stays_as_trained_and_export_serves_the_student(data_dir, te
 @pytest.mark.parametrize(
     "flags, error",
     [
-        ((), "--teacher=: --task=distillation needs the workdir of a trained classification run to learn from"),
-        (("--teacher=t", "--distill_weight=1.5"), "--distill_weight=1.5: must be in [0, 1]"),
+        (
+            (),
+            "--teacher=: --task=distillation needs it (workdir of a trained classification run; its model, frozen, "
+            "supplies the soft targets)",
+        ),
+        (("--teacher=t", "--distill_weight=1.5"), "--distill_weight=1.5: must be in [0.0, 1.0]"),
         (("--teacher=t", "--distill_temperature=0"), "--distill_temperature=0.0: must be a positive number"),
     ],
 )

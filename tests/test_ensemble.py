@@ -310,6 +310,13 @@ def test_a_task_whose_outputs_cannot_be_averaged_is_refused(data_dir, members, t
         f"--members: {workdirs['mlp']} trains --task=classification, whose outputs an ensemble cannot average "
         "(its Task.ensemble is None)"
     )
+    # A real one: next-token distributions of separately trained language models are not averaged.
+    language_models = {f"runs/lm{i}": dataclasses.replace(config, task="language_model") for i in (0, 1)}
+    with pytest.raises(ConfigError, match=r"^--members: runs/lm0 trains --task=language_model, whose outputs an "):
+        ensemble._check_task(config, language_models)
+    mixed = {workdirs["mlp"]: ensemble.read_config(workdirs["mlp"]), "runs/lm1": language_models["runs/lm1"]}
+    with pytest.raises(ConfigError, match=r"runs/lm1 trains --task=language_model but .*/mlp trains --task=classif"):
+        ensemble._check_task(config, mixed)
     monkeypatch.setattr(classification.Task, "ensemble", "values")
     with pytest.raises(ConfigError, match="--ensemble_mean=geometric: --task=classification averages values, not"):
         ensemble.ensemble(dataclasses.replace(config, ensemble_mean="geometric"))

@@ -83,7 +83,7 @@ def test_fine_tuning_another_head_names_what_did_not_match_and_freeze_keeps_the_
         synthetic_shape=(8, 8, 1),
         synthetic_classes=4,
         init_checkpoint=source,
-        freeze=r"^mlp/dense(_1)?/",
+        freeze=r"^model/mlp/dense(_1)?/",
         weight_decay=0.01,
         train_steps=10,
     )
@@ -165,6 +165,8 @@ def test_a_fork_that_reorders_its_layers_is_refused_by_variable_path(
 
 def test_a_freeze_that_matches_everything_is_refused_before_anything_is_written(data_dir, tmp_path, one_device):
     workdir = str(tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"^--freeze=\^mlp/: matches every trainable variable; nothing to train$"):
-        loop.train(make_config(data_dir, workdir, freeze="^mlp/"), one_device)
+    with pytest.raises(
+        ConfigError, match=r"^--freeze=\^model/mlp/: matches every trainable variable; nothing to train$"
+    ):
+        loop.train(make_config(data_dir, workdir, freeze="^model/mlp/"), one_device)
     assert not os.path.exists(workdir)

@@ -207,8 +207,10 @@ def test_an_objective_is_refused_before_any_trial_without_its_direction_or_when_
         "--tune_objective=loss: --task=classification's own objective is accuracy (max); for loss say which way "
         "is better with --tune_direction=max or min"
     )
-    # The task's own objective named: its direction is the task's.
+    # The task's own objective named: its direction is the task's. Each task has its own.
     assert tune.objective_of(dataclasses.replace(config, tune_objective="accuracy")) == ("accuracy", "max")
+    for task, objective in [("regression", ("rmse", "min")), ("language_model", ("loss", "min"))]:
+        assert tune.objective_of(dataclasses.replace(config, task=task, tune_objective="")) == objective
     unreported = dataclasses.replace(config, tune_objective="rmse", tune_direction="min")
     with pytest.raises(ConfigError) as refused:
         tune.tune(unreported, one_device)
