@@ -6,7 +6,8 @@ the data source gives it, `info` what the source knows (`num_classes` of a label
 After `prepare`, the engine sets `self.spec` to the prepared example's spec (what `models` and `serve` read).
 
 The engine owns everything else: the step (the global-batch loss, loss scaling, one all-reduce, the finite
-check, clipping, the update), the loop, checkpoints, reports, evaluation, export, tuning and ensembles.
+check, clipping, the update), the loop, checkpoints, reports, evaluation and export; research/ (tuning,
+ensembles) reads the task too.
 """
 
 import math
