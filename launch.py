@@ -68,6 +68,10 @@ def main(argv):
         _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     try:
         config = _config_from_flags()
+        if config.mode == "tune":  # each searched value is tried in this config, which must be good already
+            from research import space
+
+            space.parse_space(config.tune_space, config)
     except ConfigError as e:
         _exit(str(e))
     from engine import launcher

@@ -34,7 +34,7 @@ def model_state(models):
     for name, model in models.items():
         variables = {v.path: v.value for v in model.variables}
         if len(variables) != len(model.variables):
-            raise ValueError(f"model {name!r} has two variables with one path; name its layers apart")
+            raise ConfigError(f"--model={model.name}: two of its variables have one path; name its layers apart")
         state[name] = variables
     return state
 
@@ -268,9 +268,9 @@ def restore(checkpoint, path, partial=False):
         raise Unreadable(first_line(e)) from None
     except (AssertionError, ValueError):
         why = _mismatch(checkpoint, path, partial)
-        raise ConfigError(
-            f"checkpoint {path} does not fit this run: {why} (a run with other settings saved it)"
-        ) from None
+        if "keyed variables by path" not in why:
+            why += " (a run with other settings saved it)"
+        raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
 
 
 def _mismatch(checkpoint, path, partial):
@@ -278,6 +278,11 @@ def _mismatch(checkpoint, path, partial):
     saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
     with tempfile.TemporaryDirectory() as tmp:
         ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()
+    if any(k.startswith("model/") for k in saved) and not any(k.startswith("models/") for k in saved):
+        return (
+            "it was saved before this engine keyed variables by path (its keys are model/0, model/1, ...); "
+            "finish that run with the engine version that wrote it"
+        )
     ignore = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
     name = describe_key
     for key in sorted((ours.keys() | saved.keys()) - ignore):

@@ -50,10 +50,6 @@ class _RunSettings:
     checkpoint: str = _setting("", "eval, export: checkpoint path to use; empty: the latest in --workdir")
     export_dir: str = _setting("", "export: where to write the SavedModel; empty: <workdir>/export/<step>")
     eval_timeout: float = _setting(600.0, "continuous_eval: stop after this many seconds without a new checkpoint")
-    sample_length: int = _setting(500, "sample: how many tokens (characters) to generate")
-    sample_prompt: str = _setting("\n", "sample: the text the generated text continues")
-    sample_temperature: float = _setting(0.8, "sample: divides the logits before sampling; lower is more conservative")
-    sample_top_k: int = _setting(0, "sample: draw from the k likeliest tokens only; 0 = from all")
 
     # Distribution.
     strategy: str = _setting(
@@ -82,7 +78,7 @@ class _RunSettings:
     task: str = _setting("classification", "what to train, found as tasks/<task>.py")
 
     # Model (models/<model>.py). Each family declares its own settings in its file (SETTINGS).
-    model: str = _setting("mlp", "model family, found as models/<model>.py")
+    model: str = _setting("", "model family, found as models/<model>.py; empty: the task's own (mlp for most)")
     dropout: float = _setting(0.0, "dropout rate in the models that use it, 0 = off")
 
     # Data.
@@ -126,7 +122,9 @@ class _RunSettings:
         "", "start from these weights (a workdir's latest checkpoint, or a checkpoint path), matched by variable path"
     )
     freeze: str = _setting(
-        "", "regular expression: trainable variables whose <model name>/<path> it matches (model/mlp/dense/) stay fixed"
+        "",
+        "regular expression: variables whose <model name>/<path> it matches (model/mlp/dense/) stay fixed, "
+        "batch-norm statistics included",
     )
 
     # Optimizer and learning rate.
@@ -326,8 +324,6 @@ def validate(config):
         "shuffle_buffer",
         "keep_checkpoints",
         "eval_timeout",
-        "sample_length",
-        "sample_temperature",
     )
     _non_negative(
         config,
@@ -342,7 +338,6 @@ def validate(config):
         "clip_value",
         "epsilon",
         "seed",
-        "sample_top_k",
     )
     if config.seed >= SEED_LIMIT:
         _fail(
@@ -391,6 +386,8 @@ def validate(config):
         _fail("task", config.task, f"must name a file in tasks/ ({', '.join(tasks.available())})")
     if not config.dataset:
         config = dataclasses.replace(config, dataset=tasks.default_dataset(config.task))
+    if not config.model:
+        config = dataclasses.replace(config, model=tasks.default_model(config.task))
     if config.freeze:
         try:
             re.compile(config.freeze)
@@ -427,10 +424,6 @@ def validate(config):
         _fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
     if config.mode == "ensemble" and config.validation_split == config.eval_split:
         _fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
-    if config.mode == "tune":  # last: each searched value is tried in this config, which must be good already
-        from research import space  # deferred: it reads this module
-
-        space.parse_space(config.tune_space, config)
     return config
 
 
@@ -447,7 +440,11 @@ def _check_dataset_name(name):
     try:
         tfds.builder_cls(name.split(":")[0].split("/")[0])
     except Exception:  # tfds raises several kinds for a name it cannot resolve
-        _fail("dataset", name, "unknown dataset: not digits, synthetic, nor a tensorflow-datasets name")
+        _fail(
+            "dataset",
+            name,
+            f"unknown dataset: not bundled ({', '.join(BUNDLED_DATASETS)}) nor a tensorflow-datasets name",
+        )
 
 
 def memory_estimate(config, input_shape=None, num_classes=None):
@@ -541,6 +538,7 @@ def check_batch(config, num_replicas):
 
 # ---- A run's saved settings (workdir/config.json) ----------------------------------------------------------------
 
+# (The sample_* settings are language_model's own, declared in its file: how a trained run is sampled.)
 # Where and how a run executes, not what it computes: a run resumes under other values (another strategy or
 # cluster size gives the same numbers, tests/test_parity.py), and evaluation takes them from its own command line.
 # Where a run executes: the strategy and its cluster (also what a tuner cannot vary between trials).
@@ -679,8 +677,10 @@ def for_evaluation(config, saved, where):
     split and eval batch; the command line's non-default EVALUATION_SETTINGS. A non-default identity setting that
     differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
     trained."""
-    # validate() gave an empty --dataset the command line's task's own: that is no dataset given either.
-    default = dataclasses.replace(Config(), dataset=tasks.default_dataset(config.task))
+    # validate() gave an empty --dataset and --model the command line's task's own: that is none given either.
+    default = dataclasses.replace(
+        Config(), dataset=tasks.default_dataset(config.task), model=tasks.default_model(config.task)
+    )
     values = {}
     for field in dataclasses.fields(Config):
         name = field.name

@@ -108,7 +108,11 @@ def load(config, split=None):
     one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
     task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepare).element_spec.items()}
     input_spec = task.spec.get(task.input)
-    check_memory(config, tuple(input_spec.shape) if input_spec else None, source.info.get("num_classes"))
+    try:
+        outputs = task.outputs
+    except NotImplementedError:  # a task that builds its own models
+        outputs = None
+    check_memory(config, tuple(input_spec.shape) if input_spec else None, outputs)
 
     def train_fn(ctx, start_batch=0, stream=0):
         """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each

@@ -161,7 +161,7 @@ def sample(config):
     trainer, checkpoint = _trainer(
         dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
     )
-    if not hasattr(trainer.task, "sample"):
+    if trainer.task.sample is None:
         raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
     path = _restore(trainer, checkpoint, config, paths)
     with trainer.averaged_weights():

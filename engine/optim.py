@@ -13,6 +13,8 @@ import re
 
 import tensorflow as tf
 
+from engine.config import ConfigError, validate
+
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
 # engine/config.py's LR_SCHEDULES).
@@ -78,6 +80,17 @@ def _slots(hp):
     return 0 if hp.optimizer == "sgd" and not hp.momentum else SLOTS[hp.optimizer]
 
 
+def _group_settings(config, overrides, pattern):
+    """The run's settings with a task's optimizer group's, checked like flags (a fork's typo is one clear line)."""
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+    if unknown:
+        raise ConfigError(f"optimizer group {pattern!r}: no setting {', '.join(sorted(unknown))}")
+    try:
+        return validate(dataclasses.replace(config, **overrides))
+    except ConfigError as e:
+        raise ConfigError(f"optimizer group {pattern!r}: {e}") from None
+
+
 class Optimizer(tf.Module):
     """Slots and update counter of one of the rules above. Create under `strategy.scope()`.
 
@@ -89,13 +102,11 @@ class Optimizer(tf.Module):
     def __init__(self, config, params, paths, groups=()):
         super().__init__(name="optimizer")
         self.config = config
-        self.settings = []
-        for path in paths:
-            overrides = next((o for pattern, o in groups if re.search(pattern, path)), {})
-            unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
-            if unknown:
-                raise ValueError(f"optimizer group for {path}: no such setting {', '.join(sorted(unknown))}")
-            self.settings.append(dataclasses.replace(config, **overrides) if overrides else config)
+        group_settings = [_group_settings(config, overrides, pattern) for pattern, overrides in groups]
+        self.settings = [
+            next((hp for (pattern, _), hp in zip(groups, group_settings) if re.search(pattern, path)), config)
+            for path in paths
+        ]
         for pattern, _ in groups:  # a typo in a group's regex would otherwise train with the run's settings, silently
             if not any(re.search(pattern, path) for path in paths):
                 print(f"warning: optimizer group {pattern!r} matches no trained variable (e.g. {paths[0]})", flush=True)

@@ -8,6 +8,8 @@ replica alike. The forward pass runs stateless: what it would update in place
 (batch-norm statistics) comes back as values and is masked like the weights.
 """
 
+import re
+
 import keras
 import tensorflow as tf
 
@@ -20,15 +22,20 @@ def _maybe_jit(fn, jit_compile):
     return tf.function(fn, jit_compile=True) if jit_compile else fn
 
 
-def split_state(models):
+def split_state(models, freeze=""):
     """(state, seeds): the models' non-trainable variables a forward pass updates (batch-norm statistics),
-    and their random seed-generator states (Keras names them so), which the step derives instead."""
+    and their random seed-generator states (Keras names them so), which the step derives instead. A frozen
+    model (a teacher) and the statistics whose <model>/<path> matches --freeze keep their values."""
+    pattern = re.compile(freeze) if freeze else None
     state, seeds = [], []
-    for model in models.values():
-        if not model.trainable:  # a frozen model (a teacher) is only read: nothing of it changes, nothing is assigned
+    for name, model in models.items():
+        if not model.trainable:  # only read: nothing of it changes, nothing is assigned
             continue
         for v in model.non_trainable_variables:
-            (seeds if v.path.endswith("seed_generator_state") else state).append(v)
+            if v.path.endswith("seed_generator_state"):
+                seeds.append(v)
+            elif not (pattern and pattern.search(f"{name}/{v.path}")):
+                state.append(v)
     return state, seeds
 
 
@@ -46,7 +53,7 @@ def stateless_forward(task, models, batch, state, values, seeds, step, replica):
         mapping += [(v, tf.stack([v.value[0], noise])) for v in seeds]
     with keras.StatelessScope(state_mapping=mapping) as scope:
         outputs = task.forward(models, batch, training=True)
-        regularization = [loss for model in models.values() for loss in model.losses]
+        regularization = [loss for model in models.values() if model.trainable for loss in model.losses]
     return outputs, [scope.get_current_value(v) for v in state], regularization
 
 
@@ -107,7 +114,7 @@ def make_train_step(
     never lose each other's updates or update counts.
     """
     params = [v.value for v in params]
-    state, seeds = split_state(models)
+    state, seeds = split_state(models, config.freeze)
     slot_counts = [len(param_slots) for param_slots in optimizer.slots]
     assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
     assigned += [v.value for v in state] + list(ema)

@@ -43,7 +43,7 @@ def tune(config, strategy=None):
     """Runs (or resumes) the study until --tune_trials trials finished or --tune_timeout passed; returns the
     summary, also written to workdir/summary.json, with best.flags and tune_report.png beside it."""
     started = time.time()
-    space = parse_space(config.tune_space)
+    space = parse_space(config.tune_space, config)
     objective, direction = objective_of(config)
     name = distribute.strategy_name(config)
     if name not in ("one_device", "mirrored", "tpu"):

@@ -87,6 +87,9 @@ class Task:
             input_signature=signature,
         )
 
+    # A task that generates (language_model) defines sample(self, models, config) -> text, for --mode=sample.
+    sample = None
+
     ensemble = None  # how members' predictions average: "probabilities", "values", or None (refused)
 
     def predictions(self, outputs):

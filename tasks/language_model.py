@@ -14,7 +14,15 @@ from engine.config import ConfigError
 from tasks import base
 
 DATASET = "shakespeare"  # the default --dataset
-SETTINGS = {"sequence_length": (64, "tokens of context per example")}
+MODEL = "gpt"  # the default --model: a causal decoder, one prediction per position
+SETTINGS = {
+    "sequence_length": (64, "tokens of context per example"),
+    # --mode=sample: how a trained run's text is drawn (the run's identity is its training, not these).
+    "sample_length": (500, "--mode=sample: how many tokens (characters) to generate"),
+    "sample_prompt": ("\n", "--mode=sample: the text the generated text continues"),
+    "sample_temperature": (0.8, "--mode=sample: divides the logits before sampling; lower is more conservative"),
+    "sample_top_k": (0, "--mode=sample: draw from the k likeliest tokens only; 0 = from all", (0, 2_147_483_647)),
+}
 
 
 class Task(base.Task):
@@ -51,8 +59,13 @@ class Task(base.Task):
         correct = tf.cast(
             tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), batch["tokens"][:, 1:]), tf.float32
         )
-        # A window's weight counts its real targets, the first ones; the rest is padding at the text's end.
-        real = tf.cast(tf.range(logits.shape[1], dtype=tf.float32)[None, :] < batch["weight"][:, None], tf.float32)
+        # A source that pads its last window says so (info["weight_counts_targets"]): a window's weight then counts
+        # its real targets, the first ones. Otherwise every target of a window is real and its weight is 1 or 0.
+        positions = tf.range(logits.shape[1], dtype=tf.float32)[None, :]
+        if self.info.get("weight_counts_targets"):
+            real = tf.cast(positions < batch["weight"][:, None], tf.float32)
+        else:
+            real = tf.ones_like(positions) * tf.cast(batch["weight"][:, None] > 0, tf.float32)
         count = tf.reduce_sum(real, axis=-1)
         return {
             "loss": tf.math.divide_no_nan(tf.reduce_sum(real * self._losses(logits, batch), axis=-1), count),

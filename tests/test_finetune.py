@@ -170,3 +170,31 @@ def test_a_freeze_that_matches_everything_is_refused_before_anything_is_written(
     ):
         loop.train(make_config(data_dir, workdir, freeze="^model/mlp/"), one_device)
     assert not os.path.exists(workdir)
+
+
+def test_freeze_keeps_the_batch_norm_statistics_it_matches(data_dir, tmp_path, one_device):
+    """--freeze names variables; a frozen block's batch-norm statistics are variables too and must not drift."""
+    config = make_config(
+        data_dir, str(tmp_path), model="resnet", train_steps=3, steps_per_loop=3, freeze=r"^model/resnet/(?!dense)"
+    )
+    trainer = loop.Trainer(config, one_device)
+    statistics = {v.path: v.numpy() for v in trainer.model.non_trainable_variables if "moving" in v.path}
+    assert statistics
+    trainer.run_steps(trainer.train_iterator(), 3)
+    for v in trainer.model.non_trainable_variables:
+        if v.path in statistics:
+            np.testing.assert_array_equal(v.numpy(), statistics[v.path], err_msg=v.path)
+    unfrozen = loop.Trainer(config.__class__(**{**config.__dict__, "freeze": r"^model/resnet/dense"}), one_device)
+    unfrozen.run_steps(unfrozen.train_iterator(), 3)
+    moved = [v for v in unfrozen.model.non_trainable_variables if "moving" in v.path]
+    assert any(not np.array_equal(v.numpy(), statistics[v.path]) for v in moved)  # the test can tell
+
+
+def test_a_workdir_saved_before_variables_were_keyed_by_path_is_named_so(data_dir, tmp_path, one_device):
+    config = make_config(data_dir, str(tmp_path), train_steps=2)
+    trainer = loop.Trainer(config, one_device)
+    # The layout this engine wrote before: the model's variables by position.
+    old = tf.train.Checkpoint(model=[v.value for v in trainer.model.variables], step=trainer.step)
+    old.write(str(tmp_path / "checkpoints" / "ckpt-1"))
+    with pytest.raises(ConfigError, match="saved before this engine keyed variables by path"):
+        loop.train(config, one_device)

@@ -170,3 +170,13 @@ def test_mirrored_matches_one_device(one_device, mirrored):
         np.testing.assert_array_equal(copies[0], copies[1])
     assert _max_difference({k: v[0] for k, v in snap.items()}, {k: v[0] for k, v in reference.items()}) < TOLERANCE
     assert out["loss"] == pytest.approx(reference_out["loss"], rel=TOLERANCE)
+
+
+def test_the_task_alone_picks_its_model_and_dataset():
+    """`--task=language_model` alone trains the causal decoder on Shakespeare: an MLP's one prediction per window
+    would not fit the task's per-position targets."""
+    from engine.config import Config, validate
+
+    config = validate(Config(task="language_model"))
+    assert (config.model, config.dataset) == ("gpt", "shakespeare")
+    assert validate(Config()).model == "mlp"

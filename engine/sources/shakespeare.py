@@ -90,4 +90,6 @@ def load(config, eval_split):
     evals = data.in_memory({"tokens": tf.constant(padded[rows]), "weight": tf.constant(weights)})
 
     spec = {"tokens": tf.TensorSpec([window], tf.int32)}
-    return data.Source(train, evals, spec, {"vocabulary": chars, "characters": targets})
+    # "weight_counts_targets": an evaluation window's weight is its number of real targets (the first ones).
+    info = {"vocabulary": chars, "characters": targets, "weight_counts_targets": True}
+    return data.Source(train, evals, spec, info)

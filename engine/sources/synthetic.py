@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine import data
+from engine.config import ConfigError
 
 SETTINGS = {
     "synthetic_shape": ((28, 28, 1), "shape of one input example"),
@@ -14,7 +15,7 @@ SETTINGS = {
 
 
 def load(config, eval_split):
-    del eval_split  # one pool for training, another (a quarter of its size) for every evaluation
+    """Three pools: train (--synthetic_examples), validation and test (a quarter of that each)."""
     shape = tuple(config.synthetic_shape)
     projection = tf.random.stateless_normal((int(np.prod(shape)), config.synthetic_classes), seed=[config.seed, 7])
 
@@ -26,5 +27,9 @@ def load(config, eval_split):
         return data.in_memory({"image": images, "label": labels})
 
     spec = {"image": tf.TensorSpec(shape, tf.float32), "label": tf.TensorSpec([], tf.int64)}
-    evals = pool(2, max(1, config.synthetic_examples // 4))
-    return data.Source(pool(1, config.synthetic_examples), evals, spec, {"num_classes": config.synthetic_classes})
+    held_out = max(1, config.synthetic_examples // 4)
+    pools = {"train": (1, config.synthetic_examples), "validation": (3, held_out), "test": (2, held_out)}
+    if eval_split not in pools:
+        raise ConfigError(f"--eval_split={eval_split}: not a split of synthetic ({', '.join(pools)})")
+    info = {"num_classes": config.synthetic_classes}
+    return data.Source(pool(*pools["train"]), pool(*pools[eval_split]), spec, info)
