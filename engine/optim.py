@@ -13,7 +13,7 @@ import re
 
 import tensorflow as tf
 
-from engine.config import ConfigError, validate
+from engine.config import ConfigError
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
@@ -85,10 +85,13 @@ def _group_settings(config, overrides, pattern):
     unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
     if unknown:
         raise ConfigError(f"optimizer group {pattern!r}: no setting {', '.join(sorted(unknown))}")
-    try:
-        return validate(dataclasses.replace(config, **overrides))
-    except ConfigError as e:
-        raise ConfigError(f"optimizer group {pattern!r}: {e}") from None
+    for name, value in overrides.items():
+        # A group may stand still (learning rate 0), unlike a run: every number zero or more, rules by name.
+        if name == "optimizer" and value not in RULES:
+            raise ConfigError(f"optimizer group {pattern!r}: optimizer={value}: must be one of {', '.join(RULES)}")
+        if isinstance(value, (int, float)) and not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"optimizer group {pattern!r}: {name}={value}: must be zero or positive")
+    return dataclasses.replace(config, **overrides)
 
 
 class Optimizer(tf.Module):

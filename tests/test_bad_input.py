@@ -96,7 +96,7 @@ def test_help_exits_zero():
 def test_bounds(overrides, message):
     config = Config(**overrides)
     if message is None:
-        assert validate(config) == dataclasses.replace(config, dataset="digits")  # the task's own dataset
+        assert validate(config) == dataclasses.replace(config, dataset="digits", model=config.model or "mlp")
     else:
         with pytest.raises(ConfigError) as error:
             validate(config)

@@ -114,7 +114,7 @@ def _parameter_server_first_batches(data_dir):
 
     remote = [trainer.coordinator.schedule(first_batch, args=(iterator,)) for _ in range(2)]
     trainer.coordinator.join()
-    return [[x.tolist() for x in r.fetch()] for r in remote]
+    return [r.fetch()["image"].tolist() for r in remote]
 
 
 def test_parameter_server_workers_read_different_streams(data_dir):
@@ -129,7 +129,7 @@ def test_parameter_server_workers_read_different_streams(data_dir):
     )
     if result.returncode:
         pytest.fail(f"the parameter-server probe failed: {result.stderr[-3000:]}")
-    first, second = (np.array(images) for images, _ in json.loads(result.stdout.splitlines()[-1]))
+    first, second = (np.array(images) for images in json.loads(result.stdout.splitlines()[-1]))
     assert first.shape == second.shape == (64, 8, 8, 1)
     assert not np.array_equal(first, second), "both workers read the same first batch: the same stream"
 
