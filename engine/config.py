@@ -433,7 +433,7 @@ def members(config):
 
 
 def _check_dataset_name(name):
-    if name in BUNDLED_DATASETS:
+    if name.partition(":")[0] in BUNDLED_DATASETS:  # a bundled source, or one that reads its argument (npz:PATH)
         return
     import tensorflow_datasets as tfds  # deferred: importing it costs a second
 

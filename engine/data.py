@@ -195,8 +195,9 @@ def load_source(config, features, split=None):
     """The Source `config.dataset` names, keeping `features` (all when empty); its eval split is `split`, else
     --eval_split."""
     name = config.dataset or tasks.default_dataset(config.task)
-    if name in sources.available():
-        source = importlib.import_module(f"engine.sources.{name}").load(config, split or config.eval_split)
+    kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is engine/sources/KIND.py's to read
+    if kind in sources.available():
+        source = importlib.import_module(f"engine.sources.{kind}").load(config, split or config.eval_split)
     else:
         source = _tfds(config, name, features, split or config.eval_split)
     missing = [f for f in features if f not in source.spec]

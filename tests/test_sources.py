@@ -1,0 +1,83 @@
+"""Bundled sources that read the user's own files: --dataset=npz:PATH."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import data, loop
+from engine.config import ConfigError
+from tests import helpers
+
+
+def _write(path, splits):
+    np.savez(
+        path,
+        **{f"{split}/{feature}": values for split, features in splits.items() for feature, values in features.items()},
+    )
+    return str(path)
+
+
+def _digits_like(seed, count):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, count)
+    images = (rng.random((count, 4, 4, 1)) * 20 + labels[:, None, None, None] * 100).astype(np.uint8)
+    return {"image": images, "label": labels}
+
+
+def test_an_npz_file_trains_and_evaluates_every_example_once(data_dir, tmp_path, one_device):
+    path = _write(tmp_path / "mine.npz", {"train": _digits_like(0, 300), "test": _digits_like(1, 70)})
+    config = helpers.make_config(
+        data_dir,
+        str(tmp_path / "run"),
+        dataset=f"npz:{path}",
+        train_steps=60,
+        global_batch_size=32,
+        eval_batch_size=32,
+        hidden_sizes=(16,),
+        learning_rate=1e-2,
+    )
+    loaded = data.load(config)
+    assert (loaded.train_examples, loaded.eval_examples, loaded.task.outputs) == (300, 70, 3)
+    seen = [b for b in loaded.eval_fn(tf.distribute.InputContext())]
+    weights = np.concatenate([b["weight"].numpy() for b in seen])
+    assert weights.sum() == 70 and len(weights) == 96  # 3 batches of 32, the last padded with weight 0
+    summary = loop.train(config, one_device)
+    assert summary["eval"]["examples"] == 70 and summary["eval"]["accuracy"] > 0.9  # the classes are separable
+    assert json.load(open(tmp_path / "run" / "config.json"))["dataset"] == f"npz:{path}"
+
+
+@pytest.mark.parametrize(
+    "contents,why",
+    [
+        (b"not a zip file", "cannot read it as a .npz file"),
+        ({"train/image": np.zeros((4, 2)), "train/label": np.zeros(3, np.int64)}, "differ in length"),
+        ({"image": np.zeros((4, 2))}, "is not named <split>/<feature>"),
+        ({"train/image": np.zeros((4, 2)), "train/label": np.zeros(4, np.int64)}, "--eval_split=test: not a split"),
+    ],
+    ids=["corrupt", "lengths", "names", "split"],
+)
+def test_a_bad_npz_file_is_refused_naming_it(data_dir, tmp_path, contents, why):
+    path = tmp_path / "bad.npz"
+    if isinstance(contents, bytes):
+        path.write_bytes(contents)
+    else:
+        np.savez(path, **contents)
+    config = helpers.make_config(data_dir, dataset=f"npz:{path}")
+    with pytest.raises(ConfigError, match=why):
+        data.load(config)
+
+
+def test_a_missing_npz_file_ends_in_one_line(data_dir, tmp_path):
+    result = helpers.launch(f"--dataset=npz:{tmp_path}/absent.npz", f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --dataset=npz:{tmp_path}/absent.npz: cannot read it"), lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_npz_needs_a_path(data_dir):
+    with pytest.raises(ConfigError, match=r"--dataset=npz: name the file, --dataset=npz:PATH"):
+        data.load(dataclasses.replace(helpers.make_config(data_dir), dataset="npz"))
