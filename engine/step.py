@@ -127,10 +127,10 @@ def make_train_step(
         # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
         # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
         # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
-        size = tf.shape(next(iter(batch.values())))[0] // accumulate
+        size = tf.shape(next(iter(batch.values())))[0] // accumulate if accumulate > 1 else None
         loss, grads, values = 0.0, None, [v.value for v in state]
         for k in range(accumulate):
-            part = batch if accumulate == 1 else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}
+            part = batch if size is None else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}
             with tf.GradientTape() as tape:
                 outputs, values, regularization = stateless_forward(
                     task, models, part, state, values, seeds, step, replica * accumulate + k

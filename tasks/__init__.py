@@ -23,19 +23,21 @@ def available():
     )
 
 
-def default_model(name):
-    """The model `--task=name` trains when --model is empty: the module-level `MODEL = "..."` of tasks/<name>.py
-    (read from the file, not imported), else mlp."""
-    import models
-
-    return models.read_constant(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"), "MODEL", "mlp")
-
-
-def default_dataset(name):
-    """The dataset `--task=name` trains on when --dataset is empty: the module-level `DATASET = "..."` of
-    tasks/<name>.py (read from the file, not imported: no TensorFlow starts), else digits."""
+def _declared(name, constant, fallback):
+    """The module-level `constant = "..."` of tasks/<name>.py, read from the file (not imported: no TensorFlow
+    starts), else `fallback`."""
     import models
 
     return models.read_constant(
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"), "DATASET", "digits"
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"), constant, fallback
     )
+
+
+def default_model(name):
+    """The model `--task=name` trains when --model is empty: its file's `MODEL`, else mlp."""
+    return _declared(name, "MODEL", "mlp")
+
+
+def default_dataset(name):
+    """The dataset `--task=name` trains on when --dataset is empty: its file's `DATASET`, else digits."""
+    return _declared(name, "DATASET", "digits")

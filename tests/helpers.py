@@ -71,6 +71,25 @@ def train_and_snapshot(config, strategy):
     return snapshot(trainer), out
 
 
+def step_function(trainer):
+    """A tf.function running one replica step of `trainer` on a batch; returns the first replica's outputs."""
+    import tensorflow as tf
+
+    strategy = trainer.strategy
+
+    @tf.function
+    def run(batch):
+        out = strategy.run(trainer.train_step, args=(batch,))
+        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
+
+    return run
+
+
+def one_step(trainer, batch):
+    """One replica step of `trainer` on `batch`; its outputs as numpy."""
+    return {k: np.array(v) for k, v in step_function(trainer)(batch).items()}
+
+
 def nonfinite_scenario(config, strategy, bad_replica):
     """One step where only `bad_replica` sees a NaN input, then `growth` finite steps.
 
@@ -92,11 +111,7 @@ def nonfinite_scenario(config, strategy, bad_replica):
 
         return strategy.experimental_distribute_values_from_function(per_replica)
 
-    @tf.function
-    def run(batch):
-        out = strategy.run(trainer.train_step, args=(batch,))
-        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
-
+    run = step_function(trainer)
     before = snapshot(trainer)
     bad_out = run(batch(poison=True))
     after_bad = snapshot(trainer)

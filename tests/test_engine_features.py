@@ -51,17 +51,6 @@ def _poisoned(trainer):
     return {**batch, "image": image}
 
 
-def _one_step(trainer, batch):
-    strategy = trainer.strategy
-
-    @tf.function
-    def run(batch):
-        out = strategy.run(trainer.train_step, args=(batch,))
-        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
-
-    return {k: np.array(v) for k, v in run(batch).items()}
-
-
 def _with_task(monkeypatch, cls):
     """Runs built from now on use `cls` as their task (config.task stays a real name, for validation)."""
     monkeypatch.setattr(data_lib, "task_class", lambda config: cls)
@@ -145,7 +134,7 @@ def test_ema_is_the_numpy_moving_average_and_skips_what_the_step_skips(data_dir,
         copies = helpers.local_values(strategy, e)
         assert all(np.array_equal(c, copies[0]) for c in copies)  # every replica holds the same average
 
-    out = _one_step(trainer, _poisoned(trainer))
+    out = helpers.one_step(trainer, _poisoned(trainer))
     assert not out["finite"]
     for e, g in zip(trainer.ema, got):
         np.testing.assert_array_equal(e.numpy(), g)
