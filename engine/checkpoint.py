@@ -54,6 +54,7 @@ def tracked_state(trainer):
         step=trainer.step,
         batches=trainer.batches,
         skipped=trainer.skipped,
+        input_pipelines=trainer.input_pipelines,
         **({"ema": trainer.ema_by_path} if trainer.ema else {}),
     )
 

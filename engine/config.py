@@ -93,6 +93,16 @@ class _RunSettings:
     train_split: str = _setting("train", "split to train on")
     eval_split: str = _setting("test", "split to evaluate on; every example is counted exactly once")
     shuffle_buffer: int = _setting(10_000, "training shuffle buffer, in examples")
+    interleave_files: int = _setting(
+        16,
+        "streamed splits (files too large for memory): files each input pipeline reads at once, example by "
+        "example, shuffled together; a restart reads at most that many files before its position",
+    )
+    image_size: int = _setting(
+        0,
+        "encoded images (JPEG, PNG; any size): train on random-resized crops of this many pixels a side, "
+        "flipped at random; evaluate on the centre crop; 0 = images must already have one shape",
+    )
 
     # Batch and steps.
     global_batch_size: int = _setting(128, "examples per step over all replicas")
@@ -322,6 +332,7 @@ def validate(config):
         "initial_loss_scale",
         "loss_scale_growth_interval",
         "shuffle_buffer",
+        "interleave_files",
         "keep_checkpoints",
         "eval_timeout",
     )
@@ -338,6 +349,7 @@ def validate(config):
         "clip_value",
         "epsilon",
         "seed",
+        "image_size",
     )
     if config.seed >= SEED_LIMIT:
         _fail(
@@ -656,7 +668,8 @@ def applies(name, config):
     known = set(OPTIMIZERS + PRECISIONS + BUNDLED_DATASETS + MODES) | set(models.available()) | set(tasks.available())
     if not scope or not all(w in known for w in scope):
         return True
-    selected = {config.model, config.dataset, config.optimizer, config.precision, config.mode, config.task}
+    source = config.dataset.partition(":")[0]  # a source that reads its argument (tfrecord:GLOB) is its kind's
+    selected = {config.model, source, config.optimizer, config.precision, config.mode, config.task}
     return bool(selected.intersection(scope))
 
 

@@ -1,12 +1,27 @@
-"""Input pipelines: the bundled sources (engine/sources/), the bundled digits and any tensorflow-datasets name.
+"""Input pipelines: the bundled sources (engine/sources/), your own files and any tensorflow-datasets name.
 
 Every pipeline is a function of `tf.distribute.InputContext`, for
-`strategy.distribute_datasets_from_function`. Training reads one global stream of
-examples, shuffled per epoch; global batch k is examples [k*G, (k+1)*G) of that stream,
-and each input pipeline (one per worker) takes every n-th of them, so a step sees exactly
-the examples one device would. The stream is a pure function of the batch index, so a
-restored run starts at its data position and reads what an uninterrupted one would.
-Evaluation pads with weight-0 examples so every real example is counted exactly once.
+`strategy.distribute_datasets_from_function`. Training reads one stream of examples per run, a pure
+function of the data position (global batches consumed), so a restored run starts at its position in
+constant time and reads what an uninterrupted one would. Evaluation pads with weight-0 examples so
+every real example is counted exactly once. Splits come in three kinds:
+
+- held in memory (`in_memory`: arrays, or file paths and labels): random access. Global batch k is
+  examples [k*G, (k+1)*G) of one global stream, each epoch a permutation by (seed, epoch); each input
+  pipeline (one per worker) takes every n-th of them, so a step sees exactly the examples one device
+  would, whatever the number of workers, and a pipeline reads only its own examples.
+- record files too large for memory (`sharded`: TFRecords, a prepared tensorflow-datasets split): each
+  input pipeline owns every n-th file (of a permutation by seed) and reads only those: its stream is
+  its files, each epoch in an order by (seed, epoch), --interleave_files at a time interleaved example
+  by example and shuffled together. The counts of records per file place any position by arithmetic:
+  a restart skips whole epochs and groups of files unread and reads at most one group before its
+  position. The stream depends on the number of pipelines, so a resumed run must have as many.
+- anything else (`make` only): streamed and replayed up to the position on a restart.
+
+A source may give a per-example `decode` (photos: decode, crop, flip) seeded by the example's stream
+position, so a resumed run crops alike. An example that cannot be decoded stops the run naming its
+file (Data.origin): nothing is skipped silently, and the run resumes from its last checkpoint once the
+file is fixed or removed.
 
 A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default when empty), outside --workdir:
 the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
@@ -19,10 +34,12 @@ import fcntl
 import importlib
 import math
 import os
+import re
 import socket
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -33,6 +50,13 @@ from engine.config import ConfigError, check_memory, first_line
 
 AUTOTUNE = tf.data.AUTOTUNE
 _IN_MEMORY_LIMIT_BYTES = 1 << 30  # splits below this are held as tensors and batched with one gather
+_RECORD_FRAMING = 16  # bytes a TFRecord adds to each record: length, its CRC, the data's CRC
+UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
+UNREADABLE = "record file unreadable after"  # the pipeline's error naming a truncated or corrupt record file
+
+
+class DecodeError(ConfigError):
+    """An example of the data could not be decoded; the message names its file."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +66,8 @@ class Split:
     examples: int
     make: object  # () -> dataset of example dicts, in order
     fetch: object = None  # int64 indices [n] -> {feature: [n, ...]}: random access, when held in memory
+    files: tuple = ()  # ((path, records), ...): record files, read in shards by input pipeline
+    parse: object = None  # a serialized record -> {feature: tensor}, for `files`
 
 
 def in_memory(arrays):
@@ -54,22 +80,59 @@ def in_memory(arrays):
     )
 
 
+def sharded(files, parse):
+    """A Split of TFRecord files, ((path, number of records), ...), each record `parse`d into an example. The
+    counts must be exact: they place every position of the stream."""
+    files = tuple((str(path), int(records)) for path, records in files)
+
+    def make():
+        paths, counts = zip(*files)
+        ds = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
+        return ds.flat_map(_records).map(lambda origin, record: {**parse(record), "origin": origin})
+
+    return Split(sum(records for _, records in files), make, files=files, parse=parse)
+
+
+def _records(path, expected, counter=None):
+    """(origin, record) of a file's `expected` records. A file that ends early (truncated, or a record whose
+    checksum fails) stops the run naming it: the stream's arithmetic needs every record."""
+    ds = tf.data.TFRecordDataset(path).ignore_errors().take(expected).map(lambda r: (r, True))
+    ds = ds.concatenate(tf.data.Dataset.from_tensors((tf.constant(b""), False)))
+
+    def check(i, item):
+        record, real = item
+        ended = tf.logical_and(tf.logical_not(real), i < expected)
+        message = [UNREADABLE, i, "of its", expected, "records:", path]
+        ops = [tf.debugging.Assert(tf.logical_not(ended), message, summarize=1)]
+        if counter is not None:  # bytes read, for the read-amplification count
+            ops.append(counter.assign_add(tf.cast(tf.strings.length(record) + _RECORD_FRAMING, tf.int64)))
+        with tf.control_dependencies(ops):
+            return tf.strings.join([path, " record ", tf.strings.as_string(i)]), tf.identity(record), real
+
+    ds = ds.enumerate().map(check).filter(lambda origin, record, real: real)
+    return ds.map(lambda origin, record, real: (origin, record))
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """What a dataset gives: its splits, the spec of one example ({feature: tf.TensorSpec}, static shapes) and
-    what it knows about them (`num_classes` of a `label`, a text's `vocabulary`, ...). An evaluation example may
-    carry a float32 `weight`, how much it counts in the means (default 1)."""
+    """What a dataset gives: its splits, the spec of one (decoded) example ({feature: tf.TensorSpec}, static
+    shapes) and what it knows about them (`num_classes` of a `label`, a text's `vocabulary`, ...). An evaluation
+    example may carry a float32 `weight`, how much it counts in the means (default 1). `decode(example, seed,
+    training)` runs on each example before batching (seed: [2] int64, from the run's seed and the example's
+    stream position); an example may carry `origin` (its file), named when it cannot be decoded."""
 
     train: Split
     evals: Split
     spec: dict
     info: dict
+    decode: object = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-    # (InputContext, start_batch, stream) -> endless dataset of per-replica batches: {feature: tensor} after the
-    # task's `prepare`, plus `index`, each example's position in the global training stream (seeds per example).
+    # (InputContext, start_batch, stream, counter) -> endless dataset of per-replica batches: {feature: tensor}
+    # after the task's `prepare`, plus `index`, each example's position in the training stream (seeds per
+    # example). `counter`, an int64 variable, counts the bytes of record files read.
     train_fn: object
     # InputContext -> finite dataset of eval_steps batches: the prepared features, `index` (the position in the
     # split) and `weight` (1 for an example, 0 for padding).
@@ -79,6 +142,9 @@ class Data:
     train_examples: int
     task: object  # the run's tasks/<name>.py Task
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
+    sharded: bool = False  # the training stream depends on the number of input pipelines
+    train_bytes: int = 0  # record bytes of the training files, when sharded
+    origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
 
 
 def task_class(config):
@@ -113,11 +179,12 @@ def load(config, split=None):
     except NotImplementedError:  # a task that builds its own models
         outputs = None
     check_memory(config, tuple(input_spec.shape) if input_spec else None, outputs)
+    pipelines = _Pipelines(config, source)
 
-    def train_fn(ctx, start_batch=0, stream=0):
+    def train_fn(ctx, start_batch=0, stream=0, counter=None):
         """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each
         parameter-server worker reads its own)."""
-        ds = batches(ctx, start_batch, stream)
+        ds = pipelines.train(ctx, start_batch, stream, counter).map(prepare, num_parallel_calls=AUTOTUNE)
         if config.tf_data_service:
             # The service's workers build the batches; each is built once (dynamic sharding), but they
             # arrive in the order the service's workers finish them, not always the stream's.
@@ -130,33 +197,93 @@ def load(config, split=None):
             )
         return ds.prefetch(AUTOTUNE)
 
-    def batches(ctx, start_batch, stream):
+    def eval_fn(ctx):
+        return pipelines.evaluation(ctx, eval_steps).map(prepare, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
+
+    return Data(
+        train_fn,
+        eval_fn,
+        eval_steps,
+        evals.examples,
+        train.examples,
+        task,
+        task.spec,
+        sharded=bool(train.files),
+        train_bytes=pipelines.train_bytes,
+        origin=pipelines.origin,
+    )
+
+
+class _Pipelines:
+    """The training and evaluation streams of a source."""
+
+    def __init__(self, config, source):
+        self.config, self.source = config, source
+        self.train_split, self.evals = source.train, source.evals
+        self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
+
+    def position(self, ctx, local):
+        """The global stream position of this pipeline's `local`-th training example: its share of global
+        batch k is every n-th position of that batch, as with random access."""
+        share = self.config.global_batch_size // ctx.num_input_pipelines
+        return (
+            (local // share) * self.config.global_batch_size
+            + ctx.input_pipeline_id
+            + (local % share) * ctx.num_input_pipelines
+        )
+
+    def seeds(self, index, stream):
+        # Per example, from the run's seed, the stream and the example's position: a resumed run crops alike.
+        return tf.stack([tf.constant(self.config.seed, tf.int64) + tf.cast(stream, tf.int64) * (1 << 32), index])
+
+    # Training.
+
+    def train(self, ctx, start_batch, stream, counter):
+        """This pipeline's per-replica batches from global batch `start_batch` on."""
+        split, config = self.train_split, self.config
         per_replica = ctx.get_per_replica_batch_size(config.global_batch_size)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        if train.fetch is None:
-            ds = _streamed(train, config, start_example=start_batch * config.global_batch_size, stream=stream)
-            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            return ds.batch(per_replica, drop_remainder=True).map(prepare, num_parallel_calls=AUTOTUNE)
-        n = train.examples
+        if split.fetch is not None and self.source.decode is None:
+            return self._gathered(ctx, start_batch, stream, per_replica, local_replicas)
+        ds = self.examples(ctx, start_batch, stream, counter)
+        first = start_batch * (config.global_batch_size // ctx.num_input_pipelines)
+        ds = self._decoded(ds, True, stream, first, lambda local: self.position(ctx, local))
+        return ds.batch(per_replica, drop_remainder=True)
+
+    def examples(self, ctx, start_batch, stream, counter=None):
+        """This pipeline's training examples from global batch `start_batch` on, undecoded, with `index`."""
+        split = self.train_split
+        if split.fetch is not None:
+            share = self.config.global_batch_size // ctx.num_input_pipelines
+            return self._gathered(ctx, start_batch, stream, share, 1).unbatch()
+        if split.files:
+            return self._sharded(ctx, start_batch, stream, counter)
+        return self._replayed(ctx, start_batch, stream)
+
+    def order(self, positions, stream):
+        """The examples at global stream `positions`: epoch e's permutation, element by element."""
+        n = self.train_split.examples
+        epoch, within = positions // n, positions % n
+        seeds = tf.stack(
+            [
+                tf.fill(tf.shape(epoch), tf.constant(self.config.seed, tf.int64)),
+                epoch,
+                tf.fill(tf.shape(epoch), tf.cast(stream, tf.int64)),
+            ],
+            axis=-1,
+        )
+        # The raw op: tf.random.experimental.index_shuffle mis-pads a batch of seeds.
+        return tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
+
+    def _gathered(self, ctx, start_batch, stream, per_replica, local_replicas):
+        config, split = self.config, self.train_split
 
         def global_batch(k):
             # This pipeline's share of global batch k: every n-th position of the stream.
             positions = k * config.global_batch_size + tf.range(
                 ctx.input_pipeline_id, config.global_batch_size, ctx.num_input_pipelines, dtype=tf.int64
             )
-            epoch, within = positions // n, positions % n
-            seeds = tf.stack(
-                [
-                    tf.fill(tf.shape(epoch), tf.constant(config.seed, tf.int64)),
-                    epoch,
-                    tf.fill(tf.shape(epoch), tf.cast(stream, tf.int64)),
-                ],
-                axis=1,
-            )
-            # Epoch e's permutation, element by element. The raw op: tf.random.experimental.index_shuffle
-            # mis-pads a batch of seeds.
-            order = tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
-            batch = prepare({**train.fetch(order), "index": positions})
+            batch = {**split.fetch(self.order(positions, stream)), "index": positions}
             if local_replicas == 1:
                 return batch
             return {k: tf.reshape(v, [local_replicas, per_replica, *v.shape[1:]]) for k, v in batch.items()}
@@ -167,28 +294,162 @@ def load(config, split=None):
         # 1 ms a step for a 256 x 784 batch on 2 cores, so one replica skips it.)
         return ds if local_replicas == 1 else ds.unbatch()
 
-    def eval_fn(ctx):
+    def owned(self, ctx):
+        """This pipeline's files, ((path, records), ...): every n-th of a permutation fixed by the seed."""
+        files = self.train_split.files
+        if len(files) < ctx.num_input_pipelines:
+            raise ConfigError(
+                f"--dataset={self.config.dataset}: its {len(files)} record files of --train_split="
+                f"{self.config.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
+                "each of which reads its own files; write the split in more files"
+            )
+        order = np.random.default_rng(self.config.seed).permutation(len(files))
+        return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
+
+    def _sharded(self, ctx, start_batch, stream, counter):
+        config, parse = self.config, self.train_split.parse
+        files = self.owned(ctx)
+        paths = tf.constant([path for path, _ in files])
+        counts = tf.constant([records for _, records in files], tf.int64)
+        per_epoch = sum(records for _, records in files)
+        width = min(config.interleave_files, len(files))
+        groups = math.ceil(len(files) / width)
+        # Seeds of this pipeline's orders: the run's, its stream's, its own.
+        key = tf.constant([config.seed, stream * 65536 + ctx.input_pipeline_id], tf.int64)
+
+        def file_order(epoch):
+            seed = tf.concat([key[:1], [epoch], key[1:]], axis=0)
+            return tf.raw_ops.RandomIndexShuffle(
+                index=tf.range(len(files), dtype=tf.int64), seed=seed, max_index=len(files) - 1, rounds=4
+            )
+
+        def group(epoch, g):
+            chosen = file_order(epoch)[g * width : (g + 1) * width]
+            ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, chosen), tf.gather(counts, chosen)))
+            ds = ds.interleave(
+                lambda path, n: _records(path, n, counter),
+                cycle_length=width,
+                block_length=1,
+                num_parallel_calls=AUTOTUNE,
+                deterministic=True,
+            )
+
+            # Shuffled within the group, window by window of --shuffle_buffer examples, each window's order a
+            # function of (seed, stream, pipeline, epoch, group, window): alike on every restart.
+            def shuffle(w, window):
+                n = tf.shape(window[0], out_type=tf.int64)[0]
+                seed = tf.stack([key[0], key[1] * 1_000_003 + epoch, g * 1_000_003 + w])
+                order = tf.raw_ops.RandomIndexShuffle(index=tf.range(n), seed=seed, max_index=n - 1, rounds=4)
+                return tuple(tf.gather(part, order) for part in window)
+
+            return ds.batch(config.shuffle_buffer).enumerate().map(shuffle).unbatch()
+
+        def epoch_stream(epoch, first_group=0):
+            return tf.data.Dataset.range(first_group, groups).flat_map(lambda g: group(epoch, g))
+
+        # Where the start lies, by arithmetic on the counts: the epochs and groups before it are never read.
+        local = start_batch * (config.global_batch_size // ctx.num_input_pipelines)
+        epoch, within = divmod(local, per_epoch)
+        with tf.init_scope():
+            order = file_order(tf.constant(epoch, tf.int64)).numpy()
+        first_group, before = 0, 0
+        while True:
+            size = sum(files[i][1] for i in order[first_group * width : (first_group + 1) * width])
+            if before + size > within:
+                break
+            before, first_group = before + size, first_group + 1
+        ds = epoch_stream(tf.constant(epoch, tf.int64), first_group).skip(within - before)
+        ds = ds.concatenate(tf.data.Dataset.range(epoch + 1, 2**62).flat_map(epoch_stream))
+        return ds.enumerate(local).map(
+            lambda i, item: {**parse(item[1]), "origin": item[0], "index": self.position(ctx, i)},
+            num_parallel_calls=AUTOTUNE,
+        )
+
+    def _replayed(self, ctx, start_batch, stream):
+        """A split with neither random access nor files: a shuffle buffer reshuffled each epoch; a restart
+        replays the stream up to its position (reading, not training on, the examples before it)."""
+        config, split = self.config, self.train_split
+        ds = split.make().shuffle(
+            min(config.shuffle_buffer, split.examples), seed=config.seed * 1000 + stream, reshuffle_each_iteration=True
+        )
+        start = start_batch * config.global_batch_size
+        ds = ds.repeat().skip(start).enumerate(start).map(lambda i, x: {**x, "index": i})
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+
+    # Decoding.
+
+    def _decoded(self, ds, training, stream, first, position, end=None):
+        """`ds` with the source's decode applied to each example. A failure stops the pipeline naming the
+        example's position: the decode runs in parallel and its errors are dropped, and the positions that come
+        out are checked against `position(first), position(first + 1), ...` (up to `end`, exclusive)."""
+        decode = self.source.decode
+        if decode is None:
+            return ds.map(lambda x: {k: v for k, v in x.items() if k != "origin"})
+
+        def run(x):
+            own = {k: x[k] for k in ("index", "weight") if k in x}
+            features = {k: v for k, v in x.items() if k not in own and k != "origin"}
+            return {**decode(features, self.seeds(x["index"], stream), training), **own}
+
+        ds = ds.map(run, num_parallel_calls=AUTOTUNE).ignore_errors()
+        if end is not None:  # a last example dropped must show too
+            blank = {k: tf.zeros(s.shape, s.dtype) for k, s in ds.element_spec.items()}
+            ds = ds.concatenate(tf.data.Dataset.from_tensors({**blank, "index": tf.cast(position(end), tf.int64)}))
+
+        def check(local, x):
+            expected = position(local)
+            found = tf.debugging.Assert(
+                tf.equal(x["index"], expected), [UNDECODABLE, expected, "of stream", stream], summarize=1
+            )
+            with tf.control_dependencies([found]):
+                return local + 1, {k: tf.identity(v) for k, v in x.items()}
+
+        ds = ds.scan(tf.constant(first, tf.int64), check)
+        return ds if end is None else ds.take(end - first)
+
+    def origin(self, position, stream=0, training=True, pipelines=1):
+        """Why the example at `position` (of the training stream read with `pipelines` input pipelines, or
+        of the evaluation split) could not be decoded: its file and the decoder's error."""
+        config = self.config
+        if training:
+            pipeline = position % config.global_batch_size % pipelines
+            ctx = tf.distribute.InputContext(pipelines, pipeline, pipelines)
+            k, within = divmod(position, config.global_batch_size)
+            ds = self.examples(ctx, k, stream).skip((within - pipeline) // pipelines)
+        else:
+            ds = self.evals.make().skip(position)
+        try:
+            example = next(iter(ds.take(1)))
+        except tf.errors.OpError as e:  # the file itself is damaged
+            damaged = unreadable(e) or f"cannot read example {position}: {_op_message(e)}"
+            return f"--dataset={config.dataset}: {damaged}"
+        where = example.get("origin")
+        where = where.numpy().decode() if where is not None else f"example {position} of the split"
+        features = {k: v for k, v in example.items() if k not in ("index", "weight", "origin")}
+        try:
+            self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
+        except tf.errors.OpError as e:
+            return f"--dataset={config.dataset}: cannot decode {where}: {_op_message(e)}"
+        return f"--dataset={config.dataset}: the example at position {position} ({where}) was lost before decoding"
+
+    # Evaluation.
+
+    def evaluation(self, ctx, eval_steps):
+        """This pipeline's share of the evaluation split, in order, padded with weight-0 examples to
+        `eval_steps` batches per replica: every example counts exactly once."""
+        config, source = self.config, self.source
         # An example counts once unless its source says how much it counts (a text window: its characters).
-        ds = evals.make().enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
+        ds = self.evals.make().enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        pid, n = ctx.input_pipeline_id, ctx.num_input_pipelines
+        mine = len(range(pid, self.evals.examples, n))
+        ds = self._decoded(ds, False, 0, 0, lambda local: pid + local * n, end=mine)
         padding = {k: tf.zeros(s.shape, s.dtype) for k, s in source.spec.items()}
         padding.update(index=tf.constant(-1, tf.int64), weight=tf.constant(0.0))
         ds = ds.concatenate(tf.data.Dataset.from_tensors(padding).repeat())
         ds = ds.batch(ctx.get_per_replica_batch_size(config.per_eval_batch_size), drop_remainder=True)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        return ds.take(eval_steps * local_replicas).map(prepare, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
-
-    return Data(train_fn, eval_fn, eval_steps, evals.examples, train.examples, task, task.spec)
-
-
-def _streamed(split, config, start_example, stream):
-    """A split too large for memory: a shuffle buffer, reshuffled each epoch. Resuming replays the stream
-    up to the position (reading, not training on, the examples before it)."""
-    ds = split.make().shuffle(
-        min(config.shuffle_buffer, split.examples), seed=config.seed * 1000 + stream, reshuffle_each_iteration=True
-    )
-    ds = ds.repeat().skip(start_example).enumerate(start_example)
-    return ds.map(lambda i, x: {**x, "index": i})
+        return ds.take(eval_steps * local_replicas)
 
 
 def load_source(config, features, split=None):
@@ -212,6 +473,23 @@ def load_source(config, features, split=None):
     return source
 
 
+def _op_message(error):
+    """A TensorFlow error's first line without the function node and op names TensorFlow wraps it in."""
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", first_line(error.message or str(error)))
+    return re.sub(r"\s*\[Op:\w+\].*$", "", text)
+
+
+def unreadable(error):
+    """The line naming a damaged record file, when `error` is the pipeline's check of one; else None."""
+    found = re.search(
+        rf"{UNREADABLE}\] \[(\d+)\] \[of its\] \[(\d+)\] \[records:\] \[(.*?)\]$", error.message or "", re.M
+    )
+    if not found:
+        return None
+    read, expected, path = found.groups()
+    return f"{path}: truncated or corrupt: {read} of its {expected} records could be read"
+
+
 def _tfds(config, name, features, eval_split):
     builder = _prepared_builder(config, name)
     info = builder.info
@@ -222,33 +500,60 @@ def _tfds(config, name, features, eval_split):
             f"--dataset={name}: --task={config.task} needs the features {', '.join(keep)} "
             f"(it has {', '.join(info.features.keys())})"
         )
+    # Photos of many sizes (imagenet2012 and most photo datasets) are read encoded and decoded per example.
+    encoded = [
+        f for f in keep if isinstance(info.features[f], tfds.features.Image) and None in info.features[f].shape[:2]
+    ]
+    decoders = {f: tfds.decode.SkipDecoding() for f in encoded}
     spec = {f: tf.TensorSpec(info.features[f].shape, info.features[f].tf_dtype) for f in keep}
+    decode = None
+    if encoded:
+        from engine import images  # noqa: PLC0415  (only runs that read photos need it)
+
+        steps = [images.decoder(config, f) for f in encoded]
+
+        def decode(example, seed, training):
+            for one in steps:
+                example = one(example, seed, training)
+            return example
+
+        spec.update({f: tf.TensorSpec([config.image_size, config.image_size, 3], tf.uint8) for f in encoded})
     for feature, feature_spec in spec.items():
         if not feature_spec.shape.is_fully_defined():
             raise ConfigError(f"--dataset={name}: {feature} has no fixed shape ({feature_spec.shape})")
-    example_bytes = sum(s.shape.num_elements() * s.dtype.size for s in spec.values())
+    decoded_bytes = sum(s.shape.num_elements() * s.dtype.size for f, s in spec.items() if f not in encoded)
     known = {}
     if "label" in info.features and hasattr(info.features["label"], "num_classes"):
         known["num_classes"] = info.features["label"].num_classes
 
+    def parse(record):
+        example = info.features.deserialize_example(record, decoders=decoders)
+        return {f: example[f] for f in keep}
+
     def split_fn(flag, split):
         try:
-            size = info.splits[split].num_examples
+            split_info = info.splits[split]
         except (KeyError, ValueError, AssertionError) as e:
             raise ConfigError(
                 f"--{flag}={split}: not a split of {name} (splits: {', '.join(info.splits.keys())}; {e})"
             ) from None
+        size = split_info.num_examples
+        held = size * decoded_bytes + (int(split_info.num_bytes) if encoded else 0)
+        if held < _IN_MEMORY_LIMIT_BYTES:
+            arrays = builder.as_dataset(split=split, shuffle_files=False, batch_size=-1, decoders=decoders)
+            return in_memory({f: arrays[f] for f in keep})
+        files = [str(path) for path in split_info.filepaths]
+        if info.file_format == tfds.core.FileFormat.TFRECORD and all(tf.io.gfile.exists(f) for f in files):
+            return sharded(zip(files, split_info.shard_lengths), parse)
 
-        def make():
-            ds = builder.as_dataset(split=split, shuffle_files=False)
+        def make():  # another file format: tfds reads it
+            ds = builder.as_dataset(split=split, shuffle_files=False, decoders=decoders)
             return ds.map(lambda x: {f: x[f] for f in keep})
 
-        if size * example_bytes < _IN_MEMORY_LIMIT_BYTES:
-            arrays = builder.as_dataset(split=split, shuffle_files=False, batch_size=-1)
-            return in_memory({f: arrays[f] for f in keep})
         return Split(size, make)
 
-    return Source(split_fn("train_split", config.train_split), split_fn("eval_split", eval_split), spec, known)
+    train = split_fn("train_split", config.train_split)
+    return Source(train, split_fn("eval_split", eval_split), spec, known, decode)
 
 
 def _prepared_builder(config, name):

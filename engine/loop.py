@@ -20,6 +20,7 @@ import time
 import keras
 import tensorflow as tf
 from keras.src.backend.common import global_state
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
 
 from engine import checkpoint as checkpoint_lib
 from engine import data as data_lib
@@ -30,6 +31,10 @@ from engine.preemption import PREEMPTION
 from engine.report import Report, write_json
 
 MAX_ROLLBACKS = 3  # --on_nan=rollback gives up after this many rollbacks without a save in between
+# A run warns once when its steps waited for input more than this share of the time, measured (as bench.run does)
+# over a window of at least this many steps after the first round, which includes tracing.
+INPUT_BOUND = 0.10
+INPUT_WINDOW_STEPS = 50
 
 
 class TrainingError(RuntimeError):
@@ -112,8 +117,12 @@ class Trainer:
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps run, skipped too
             self.batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches")  # the data position
             self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped")
+            # The input pipelines that read up to the data position: a streamed split's order depends on it.
+            self.input_pipelines = tf.Variable(0, dtype=tf.int64, trainable=False, name="input_pipelines")
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
         self.float16 = config.precision == "mixed_float16"
+        # Bytes of record files this process read (a streamed split): the read-amplification count.
+        self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
         # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
         self.coordinator = (
             tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
@@ -165,18 +174,38 @@ class Trainer:
     def eval_step(self):
         return step.make_eval_step(self.task, self.models, self.metric_names)
 
+    @property
+    def pipelines(self):
+        """Input pipelines reading the training stream: one per worker (a parameter server's read their own)."""
+        return 1 if self.coordinator is not None else distribute.num_workers(self.strategy)
+
     def train_iterator(self):
         """An iterator over the training batches from the current data position on."""
         start = int(self.batches.numpy())
+        saved = int(self.input_pipelines.numpy())
+        if self.data.sharded and saved and saved != self.pipelines:
+            raise ConfigError(
+                f"--dataset={self.config.dataset}: this run read its streamed training files with {saved} input "
+                f"pipelines (workers) up to its data position, and now has {self.pipelines}: each pipeline reads its "
+                f"own files, so the position means nothing to {self.pipelines}; resume it with {saved} workers, or "
+                "train in a new --workdir"
+            )
+        self.input_pipelines.assign(self.pipelines)
+        # The byte count stays on this host: a tf.data service ships the pipeline's graph, without variables.
+        counter = None if self.config.tf_data_service else self.bytes_read
         if (
             isinstance(self.strategy, tf.distribute.OneDeviceStrategy)
             and "CPU" in self.strategy.extended.worker_devices[0]
         ):
             # One CPU device: the dataset's own iterator. The distributed one adds a hop of about 1 ms of host
             # time per batch here, on the cores the step needs.
-            return iter(self.data.train_fn(tf.distribute.InputContext(), start))
+            return iter(self.data.train_fn(tf.distribute.InputContext(), start, counter=counter))
         if self.coordinator is None:
-            return iter(self.strategy.distribute_datasets_from_function(lambda ctx: self.data.train_fn(ctx, start)))
+            return iter(
+                self.strategy.distribute_datasets_from_function(
+                    lambda ctx: self.data.train_fn(ctx, start, counter=counter)
+                )
+            )
         with self.strategy.scope():  # on a parameter server, shared by the workers
             streams = tf.Variable(0, dtype=tf.int64, trainable=False, name="streams")
             lock = tf.CriticalSection(name="streams")
@@ -211,9 +240,19 @@ class Trainer:
 
     def _train_loop(self, iterator, steps):
         loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
+        waited = tf.constant(0.0, tf.float64)
         last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0, "stop": False}
+        timed = not tf_config.is_op_determinism_enabled()  # which refuses tf.timestamp
         for _ in tf.range(steps):
-            out = self._first_replica(self.strategy.run(self.train_step, args=(next(iterator),)))
+            # Seconds spent waiting for the next batch: the timestamps are ordered around it by hand (automatic
+            # control dependencies leave a timestamp free to run anywhere).
+            asked = tf.timestamp() if timed else tf.constant(0.0, tf.float64)
+            with tf.control_dependencies([asked] if timed else []):
+                batch = next(iterator)
+            if timed:
+                with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+                    waited += tf.timestamp() - asked
+            out = self._first_replica(self.strategy.run(self.train_step, args=(batch,)))
             loss_sum += tf.where(out["finite"], out["loss"], 0.0)
             finite_steps += tf.cast(out["finite"], tf.float32)
             last = {k: out[k] for k in last}
@@ -224,7 +263,7 @@ class Trainer:
                 break
         skipped = tf.cast(done, tf.float32) - finite_steps
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
-        return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, **last}
+        return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, "input_wait": waited, **last}
 
     def _eval_loop(self, iterator, steps):
         totals = tf.zeros([len(self.metric_names) + 1])
@@ -249,8 +288,25 @@ class Trainer:
                 ) from None
             raise
         except tf.errors.OpError as e:
-            raise distribute.explain_failure(self.strategy, self.config, e) from None
+            raise self._explain(e, training=True) from None
         return {k: float(v) for k, v in out.items()}
+
+    def _explain(self, error, training):
+        """An example the pipeline could not decode becomes DecodeError naming its file; a lost peer, PeerLost."""
+        found = re.search(rf"{data_lib.UNDECODABLE}\] \[(\d+)\] \[of stream\] \[(\d+)", error.message or "")
+        if found:
+            position, stream = int(found.group(1)), int(found.group(2))
+            return data_lib.DecodeError(
+                f"{self.data.origin(position, stream, training, self.pipelines)}; fix or remove it and run the same "
+                "command: the run resumes from its last checkpoint"
+            )
+        damaged = data_lib.unreadable(error)
+        if damaged:
+            return data_lib.DecodeError(
+                f"--dataset={self.config.dataset}: {damaged}; restore the file and run the same command: the run "
+                "resumes from its last checkpoint"
+            )
+        return distribute.explain_failure(self.strategy, self.config, error)
 
     def _run_scheduled(self, iterator, steps):
         """Parameter servers: the round's steps as functions of a few steps each, scheduled on whichever
@@ -270,6 +326,7 @@ class Trainer:
             "skipped": done - finite,
             "loss": loss / finite if finite else float("nan"),
             "stop": stop,
+            "input_wait": sum(o["input_wait"] for o in outs),
         }
 
     @functools.cached_property
@@ -297,7 +354,7 @@ class Trainer:
                 totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
                 self._check_retrace("eval_loop", self.eval_loop)
             except tf.errors.OpError as e:
-                raise distribute.explain_failure(self.strategy, self.config, e) from None
+                raise self._explain(e, training=False) from None
             return self._results(totals)
 
     @contextlib.contextmanager
@@ -477,6 +534,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     iterator = trainer.train_iterator()
     current, loss, rollbacks = int(trainer.step.numpy()), float("nan"), 0
     timed_steps, timed_seconds, first_round = 0, 0.0, None
+    waited, warned = 0.0, False
     with PREEMPTION.watch(trainer.stop):  # from here on a signal stops the loop at a step, saved
         while current < config.train_steps:
             start = current
@@ -491,6 +549,14 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
                 first_round = (steps, seconds)  # includes tracing and compilation: kept out of the throughput
             else:
                 timed_steps, timed_seconds = timed_steps + steps, timed_seconds + seconds
+                waited += out["input_wait"]
+                if not warned and timed_steps >= INPUT_WINDOW_STEPS and waited > INPUT_BOUND * timed_seconds:
+                    warned = True
+                    report.line(
+                        f"warning: input-bound: the steps waited for input {waited / timed_seconds:.0%} of the time "
+                        f"over steps {first_round[0] + 1}-{current}; the input pipeline does not keep up (more "
+                        "workers, --tf_data_service, a smaller --image_size or data held in memory would)"
+                    )
 
             if out["skipped"] and not trainer.float16:
                 last_good = checkpoints.saved_path
@@ -550,6 +616,11 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
         "train_loss": loss,
         "eval": results,
         "examples_per_sec": timed_steps * config.global_batch_size / timed_seconds if timed_steps else None,
+        # The share of the timed rounds' time the steps waited for their batches.
+        "input_wait_fraction": waited / timed_seconds
+        if timed_seconds and not tf_config.is_op_determinism_enabled()
+        else None,
+        "input_bytes_read": int(trainer.bytes_read.numpy()) if trainer.data.sharded else None,
         "skipped_steps": int(trainer.skipped.numpy()),
         "loss_scale": float(trainer.loss_scale.scale.numpy()) if trainer.float16 else None,
         "wall_seconds": time.time() - started,

@@ -1,0 +1,236 @@
+"""Your own TFRecord files, no builder: `--dataset=tfrecord:GLOB`, files of tf.train.Example records (what TPU jobs
+read from cloud storage: gs:// works), one glob for every split with `{split}` where a split's name goes:
+
+    --dataset='tfrecord:/data/imagenet/{split}-*.tfrecord' --tfrecord_features=image:jpeg,label:int64
+    --tfrecord_classes=1000 --image_size=224
+
+trains on /data/imagenet/train-*.tfrecord (--train_split) and evaluates /data/imagenet/test-*.tfrecord (--eval_split).
+
+--tfrecord_features names the features a run reads, `name:type` or `name:type:shape`, comma separated (the records'
+other features are ignored):
+- `jpeg`, `png` or `image`: an encoded JPEG or PNG of any size (a bytes_list of one value); needs --image_size:
+  training reads random-resized crops of that side, flipped at random, evaluation the centre crop (engine/images.py).
+- `int64`, `float32`, `string`: a scalar (a list of one value).
+- `int64:AxBx..`, `float32:AxBx..`: a tensor of that shape stored flat, row-major, as an int64_list or float_list
+  of A*B*.. values (e.g. `image:float32:28x28x1`).
+- `uint8:AxBx..`: a tensor of that shape stored as its raw bytes, one bytes_list value (numpy's `array.tobytes()`,
+  e.g. `image:uint8:28x28x1`): a quarter of the size of a float_list.
+An int64 `label` needs --tfrecord_classes, its number of classes: the records cannot tell it without reading them
+all. A label outside [0, --tfrecord_classes) stops the run.
+
+Each split is streamed file by file (engine/data.py `sharded`): each input pipeline reads its own files, and a resume
+skips whole files by arithmetic on their exact numbers of records. Those are counted from the record headers (each
+record's length; the payloads are skipped, not read) once per file and kept in <--data_dir>/tfrecord_counts.json,
+keyed by the file's path, size and modification time, so later runs do not read them again (a data dir that cannot
+be written only costs the recount). A file that does not end on a record boundary (truncated, or not an uncompressed
+TFRecord file) is refused naming it; a record that fails its checksum or does not parse stops the run naming its
+file and record.
+"""
+
+import concurrent.futures
+import json
+import os
+import struct
+import uuid
+
+import tensorflow as tf
+
+from engine import data
+from engine.config import ConfigError
+
+SETTINGS = {
+    "tfrecord_features": (
+        "",
+        "the features to read, name:type[:shape],... with type jpeg, png, image, int64, float32, string, uint8 "
+        "(e.g. image:jpeg,label:int64 or image:uint8:28x28x1,label:int64)",
+        "required",
+    ),
+    "tfrecord_classes": (0, "number of classes of an int64 `label` (labels 0 .. N-1)", (0, 2147483647)),
+}
+IMAGES = ("jpeg", "png", "image")  # encoded, any size: decoded to --image_size by engine/images.py
+SCALARS = {"int64": tf.int64, "float32": tf.float32, "string": tf.string}
+CACHE = "tfrecord_counts.json"  # in --data_dir: {path: {"size", "mtime_nsec", "records"}}
+_BLOCK = 1 << 20  # bytes read at once while counting: the headers of records smaller than this come in one read
+_HEADER = 12  # a record: length (8 bytes, little-endian), its CRC (4), the payload, the payload's CRC (4)
+
+
+def load(config, eval_split):
+    pattern = config.dataset.partition(":")[2]
+    where = f"--dataset={config.dataset}"
+    if not pattern:
+        raise ConfigError(f"{where}: name the files, --dataset=tfrecord:GLOB with {{split}} in it")
+    if "{split}" not in pattern:
+        raise ConfigError(
+            f"{where}: put {{split}} where the split's name goes, e.g. tfrecord:/data/{{split}}-*.tfrecord"
+        )
+    features = _features(config)
+    parse, spec, decode = _reader(config, features)
+    info = {}
+    if features.get("label") == ("int64", ()):
+        if not config.tfrecord_classes:
+            raise ConfigError(
+                f"{where}: its int64 label needs --tfrecord_classes, the number of classes (labels 0 .. N-1)"
+            )
+        info["num_classes"] = config.tfrecord_classes
+    splits = {}
+    for flag, split in (("train_split", config.train_split), ("eval_split", eval_split)):
+        files = pattern.replace("{split}", split)
+        paths = sorted(tf.io.gfile.glob(files))
+        if not paths:
+            raise ConfigError(f"{where}: no files match {files} (--{flag}={split})")
+        counted = record_counts(paths, _data_dir(config), where)
+        if not sum(counted):
+            raise ConfigError(f"{where}: the {len(paths)} files of {files} hold no records (--{flag}={split})")
+        splits[split] = data.sharded(tuple(zip(paths, counted)), parse)
+    return data.Source(splits[config.train_split], splits[eval_split], spec, info, decode=decode)
+
+
+def _features(config):
+    """{name: (type, shape)} from --tfrecord_features."""
+    text = config.tfrecord_features
+
+    def refuse(why):
+        raise ConfigError(f"--tfrecord_features={text}: {why}")
+
+    if not text:
+        refuse(f"--dataset={config.dataset} needs it, e.g. image:jpeg,label:int64")
+    features = {}
+    for item in text.split(","):
+        name, _, typed = item.strip().partition(":")
+        kind, *shape = typed.split(":")
+        if not name or kind not in (*IMAGES, *SCALARS, "uint8") or len(shape) > 1:
+            refuse(f"{item!r} is not name:type[:shape] with type one of {', '.join((*IMAGES, *SCALARS, 'uint8'))}")
+        if name in features:
+            refuse(f"{name} is named twice")
+        dims = tuple(shape[0].split("x")) if shape else ()
+        if not all(d.isdigit() and int(d) > 0 for d in dims):
+            refuse(f"{item!r}: the shape must be sizes joined by x, e.g. 28x28x1")
+        if dims and kind not in ("int64", "float32", "uint8"):
+            refuse(f"{item!r}: a {kind} is one value, with no shape")
+        if kind == "uint8" and not dims:
+            refuse(f"{item!r}: uint8 is a tensor's raw bytes and needs its shape, e.g. {name}:uint8:28x28x1")
+        features[name] = (kind, tuple(int(d) for d in dims))
+    return features
+
+
+def _reader(config, features):
+    """(parse: serialized Example -> {feature: tensor}, spec of a decoded example, decode or None)."""
+    wire, spec, images = {}, {}, []
+    for name, (kind, shape) in features.items():
+        if kind in IMAGES or kind == "uint8":
+            wire[name] = tf.io.FixedLenFeature([], tf.string)
+        else:
+            wire[name] = tf.io.FixedLenFeature(shape, SCALARS[kind])
+        if kind in IMAGES:
+            images.append(name)
+            spec[name] = tf.TensorSpec([config.image_size, config.image_size, 3], tf.uint8)
+        else:
+            spec[name] = tf.TensorSpec(shape, tf.uint8 if kind == "uint8" else SCALARS[kind])
+    if images and not config.image_size:
+        raise ConfigError(
+            f"--dataset={config.dataset}: {', '.join(images)} holds encoded images, which come in many sizes: "
+            "set --image_size (e.g. 224), the side of the crops"
+        )
+    classes = config.tfrecord_classes if features.get("label") == ("int64", ()) else 0
+
+    def parse(serialized):
+        example = tf.io.parse_single_example(serialized, wire)
+        for name, (kind, shape) in features.items():
+            if kind == "uint8":
+                # reshape refuses a record whose bytes are not exactly the shape's.
+                example[name] = tf.reshape(tf.io.decode_raw(example[name], tf.uint8), shape)
+        if classes:
+            label = example["label"]
+            check = tf.debugging.assert_equal(
+                (label >= 0) & (label < classes),
+                True,
+                message=f"label outside [0, {classes}) (--tfrecord_classes={classes})",
+            )
+            with tf.control_dependencies([check]):
+                example["label"] = tf.identity(label)
+        return example
+
+    if not images:
+        return parse, spec, None
+
+    from engine import images as decoding  # deferred: only encoded images need it
+
+    decoders = [decoding.decoder(config, feature=name) for name in images]
+
+    def decode(example, seed, training):
+        for i, decoder in enumerate(decoders):
+            # Each image feature its own crop: the example's seed folded with the feature's position.
+            example = decoder(example, tf.random.experimental.stateless_fold_in(seed, i) if i else seed, training)
+        return example
+
+    return parse, spec, decode
+
+
+def _data_dir(config):
+    return os.path.expanduser(config.data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets")
+
+
+def record_counts(paths, data_dir, where):
+    """The exact number of records of each TFRecord file in `paths`, from the cache in `data_dir` where the file's
+    size and modification time match, else counted (and cached)."""
+    cache_path = os.path.join(data_dir, CACHE)
+    cached = _read_cache(cache_path)
+    keys = [p if "://" in p else os.path.abspath(p) for p in paths]
+
+    def count(key):
+        stat = tf.io.gfile.stat(key)
+        entry = cached.get(key)
+        if entry and (entry["size"], entry["mtime_nsec"]) == (stat.length, stat.mtime_nsec):
+            return entry
+        return {"size": stat.length, "mtime_nsec": stat.mtime_nsec, "records": _count(key, stat.length, where)}
+
+    # Threads: on an object store each file costs round trips, not CPU.
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        entries = dict(zip(keys, pool.map(count, keys)))
+    if any(cached.get(k) != e for k, e in entries.items()):
+        _write_cache(cache_path, entries)
+    return [entries[k]["records"] for k in keys]
+
+
+def _count(path, size, where):
+    """Records in the TFRecord file `path` of `size` bytes, reading only their headers."""
+    records, position = 0, 0
+    block, start = b"", 0  # the bytes read last and where they start: small records' headers share a read
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while position + _HEADER <= size:
+            if position + _HEADER > start + len(block):
+                f.seek(position)
+                block, start = f.read(_BLOCK), position
+                if len(block) < _HEADER:
+                    break
+            end = position + _HEADER + struct.unpack_from("<Q", block, position - start)[0] + 4
+            if end > size:
+                break
+            position, records = end, records + 1
+    if position != size:
+        raise ConfigError(
+            f"{where}: {path} is truncated: its {size} bytes do not end on a record boundary (after {records} whole "
+            f"records; or it is not an uncompressed TFRecord file)"
+        )
+    return records
+
+
+def _read_cache(cache_path):
+    try:
+        with tf.io.gfile.GFile(cache_path, "r") as f:
+            return json.load(f)
+    except (tf.errors.OpError, OSError, ValueError):
+        return {}  # none yet, or unreadable: count again
+
+
+def _write_cache(cache_path, entries):
+    # Re-read first: other jobs may have cached other files meanwhile. Write then rename: a reader never sees half.
+    merged = {**_read_cache(cache_path), **entries}
+    temporary = f"{cache_path}.{uuid.uuid4().hex}"
+    try:
+        tf.io.gfile.makedirs(os.path.dirname(cache_path))
+        with tf.io.gfile.GFile(temporary, "w") as f:
+            json.dump(merged, f)
+        tf.io.gfile.rename(temporary, cache_path, overwrite=True)
+    except (tf.errors.OpError, OSError):
+        pass  # a data dir that cannot be written: the next run counts again

@@ -1,0 +1,370 @@
+"""Sources that read the user's own files without a builder: --dataset=folder:PATH (photos in class folders) and
+--dataset=tfrecord:GLOB (tf.train.Example records). The datasets are generated here: photos of varied sizes, many
+small TFRecord shards."""
+
+import dataclasses
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import data, loop
+from engine.config import ConfigError
+from engine.sources import folder, tfrecord
+from tests import helpers
+
+CLASSES = ("ant", "bee", "cat")
+
+
+def _photo(path, seed, label=0):
+    """A JPEG or PNG (by the name's extension) of a size drawn from `seed`, tinted by `label`'s colour channel."""
+    rng = np.random.default_rng(seed)
+    height, width = int(rng.integers(12, 40)), int(rng.integers(12, 40))
+    pixels = rng.integers(0, 80, (height, width, 3))
+    pixels[..., label % 3] += 170
+    pixels = tf.constant(pixels.astype(np.uint8))
+    encode = tf.io.encode_png if str(path).lower().endswith(".png") else tf.io.encode_jpeg
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(encode(pixels).numpy())
+
+
+def _photos(root, per_class=20, classes=CLASSES, start=0):
+    """`per_class` photos in each class folder of `root`, alternately .jpg and .png."""
+    for label, name in enumerate(classes):
+        for i in range(start, start + per_class):
+            _photo(f"{root}/{name}/{i:03d}.{'jpg' if i % 2 else 'png'}", seed=label * 1000 + i, label=label)
+
+
+def _config(data_dir, path, kind="folder", **overrides):
+    defaults = dict(image_size=16, global_batch_size=8, eval_batch_size=8, hidden_sizes=(16,))
+    return helpers.make_config(data_dir, dataset=f"{kind}:{path}", **{**defaults, **overrides})
+
+
+def _paths(split):
+    """{path: label} of an in-memory split."""
+    arrays = split.fetch(tf.range(split.examples, dtype=tf.int64))
+    assert arrays["path"].numpy().tolist() == arrays["origin"].numpy().tolist()
+    return {p.decode(): int(label) for p, label in zip(arrays["path"].numpy(), arrays["label"].numpy())}
+
+
+def _refused(config, why):
+    """The one-line ConfigError that loading `config`'s data raises; it starts with --dataset=... unless `why`
+    names another flag."""
+    with pytest.raises(ConfigError) as caught:
+        data.load(config)
+    message = str(caught.value)
+    assert "\n" not in message and why in message, message
+    return message
+
+
+# Photos in class folders.
+
+
+def test_a_folder_gives_sorted_classes_and_carves_the_held_out_part_by_path(data_dir, tmp_path):
+    root = tmp_path / "photos"
+    _photos(root)
+    _photo(f"{root}/bee/IMG_9.JPG", seed=7, label=1)  # the extension in any case
+    for ignored in ("ant/.hidden.jpg", "ant/notes.txt", "cat/thumbs.db", ".cache/x/1.jpg"):
+        os.makedirs(os.path.dirname(root / ignored), exist_ok=True)
+        (root / ignored).write_bytes(b"not a photo")
+    source = folder.load(_config(data_dir, root), "test")
+    assert source.info == {"num_classes": 3, "class_names": CLASSES}
+    assert source.spec == {"image": tf.TensorSpec([16, 16, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
+    train, held_out = _paths(source.train), _paths(source.evals)
+    assert (len(train), len(held_out)) == (51, 10)  # of 61 photos, 10 paths hash into the held-out 10%
+    assert not set(train) & set(held_out)
+    for path, label in {**train, **held_out}.items():
+        assert CLASSES[label] == os.path.basename(os.path.dirname(path))
+    # validation is the same held-out part, train the training one.
+    assert _paths(folder.load(_config(data_dir, root), "validation").evals) == held_out
+    assert _paths(folder.load(_config(data_dir, root), "train").evals) == train
+    # The same files, the same split; new photos leave the others where they were.
+    _photos(root, per_class=10, start=20)
+    grown = folder.load(_config(data_dir, root), "test")
+    grown_train, grown_held_out = _paths(grown.train), _paths(grown.evals)
+    assert (len(grown_train), len(grown_held_out)) == (79, 12)
+    assert set(train) < set(grown_train) and set(held_out) < set(grown_held_out)
+    # A larger percent only adds to the held-out part.
+    larger = _paths(folder.load(_config(data_dir, root, folder_eval_percent=30), "test").evals)
+    assert set(grown_held_out) < set(larger) and len(larger) == 34
+
+
+def test_split_folders_are_used_as_given(data_dir, tmp_path):
+    root = tmp_path / "photos"
+    for split, count in (("train", 6), ("validation", 3), ("test", 2)):
+        _photos(root / split, per_class=count, classes=("cat", "dog"))
+    config = _config(data_dir, root)
+    for split, count in (("validation", 3), ("test", 2)):
+        source = folder.load(config, split)
+        assert source.info == {"num_classes": 2, "class_names": ("cat", "dog")}
+        assert (source.train.examples, source.evals.examples) == (12, 2 * count)
+        assert {os.path.relpath(p, root).split("/")[0] for p in _paths(source.evals)} == {split}
+        assert sorted(_paths(source.train).values()) == [0] * 6 + [1] * 6
+    _refused(dataclasses.replace(config, eval_split="dev"), f"--eval_split=dev: not a split of {root}")
+    # A split with other classes than the training one is refused, naming the difference.
+    _photos(root / "test", per_class=1, classes=("emu",))
+    os.rename(root / "test" / "dog", tmp_path / "dog")
+    why = "splits 'train' and 'test' must have the same class folders ('test' lacks: dog; has beyond 'train': emu)"
+    _refused(config, why)
+
+
+@pytest.mark.parametrize(
+    "layout,why",
+    [
+        (None, "no such folder"),
+        ({"readme.txt": b"hi"}, "has no class folders (a sub-folder per class of JPEG or PNG files)"),
+        ({"ant/1.jpg": "photo", "bee/notes.txt": b"hi"}, "class folder {root}/bee holds no JPEG or PNG files"),
+        ({"ant/notes.txt": b"hi", "bee/.hidden.png": b"x"}, "no JPEG or PNG files (.jpg, .jpeg, .png) in the class"),
+        ({"ant/1.jpg": "photo"}, "none of its 1 photos fall in the held-out 10% (--folder_eval_percent)"),
+    ],
+    ids=["missing", "no-classes", "empty-class", "no-photos", "none-held-out"],
+)
+def test_a_bad_folder_is_refused_naming_it(data_dir, tmp_path, layout, why):
+    root = tmp_path / "photos"
+    for name, contents in (layout or {}).items():
+        if contents == "photo":
+            _photo(root / name, seed=1)
+        else:
+            os.makedirs(os.path.dirname(root / name), exist_ok=True)
+            (root / name).write_bytes(contents)
+    message = _refused(_config(data_dir, root), why.format(root=root))
+    assert message.startswith(f"--dataset=folder:{root}: ")
+
+
+def test_a_folder_needs_a_path_an_image_size_and_splits_it_has(data_dir, tmp_path):
+    _photos(tmp_path, per_class=2)
+    _refused(_config(data_dir, ""), "--dataset=folder:: name the folder, --dataset=folder:PATH")
+    why = f"--dataset=folder:{tmp_path}: photos come in many sizes: set --image_size"
+    _refused(_config(data_dir, tmp_path, image_size=0), why)
+    why = f"--eval_split=dev: not a split of {tmp_path} (it has no split folders: train, and the held-out 10% as"
+    _refused(_config(data_dir, tmp_path, eval_split="dev"), why)
+    why = f"--train_split=all: {tmp_path} has no folder 'all'; without split folders its photos are carved"
+    _refused(_config(data_dir, tmp_path, train_split="all"), why)
+
+
+def test_folder_photos_decode_to_the_image_size(data_dir, tmp_path):
+    _photos(tmp_path, per_class=4)
+    source = folder.load(_config(data_dir, tmp_path), "train")
+    example = {k: v for k, v in next(iter(source.train.make())).items() if k != "origin"}  # the engine drops it
+    seed = tf.constant([3, 4], tf.int64)
+    cropped = source.decode(example, seed, True)
+    assert set(cropped) == set(source.spec) and cropped["image"].shape == (16, 16, 3)
+    assert cropped["image"].dtype == tf.uint8 and int(cropped["label"]) == 0
+    assert np.array_equal(source.decode(example, seed, True)["image"], cropped["image"])  # seeded: resumes alike
+    centre = source.decode(example, seed, False)["image"].numpy()
+    # Photos of class 0 are tinted red.
+    assert centre[..., 0].mean() > 150 and centre[..., 1].mean() < 100
+
+
+def test_a_folder_of_photos_trains_and_evaluates_every_held_out_photo_once(data_dir, tmp_path, one_device):
+    _photos(tmp_path / "photos")
+    config = _config(data_dir, tmp_path / "photos", workdir=str(tmp_path / "run"), train_steps=30, learning_rate=1e-2)
+    summary = loop.train(config, one_device)
+    assert summary["eval"]["examples"] == 10 and summary["step"] == 30
+    assert summary["eval"]["accuracy"] >= 0.8  # the classes are tinted red, green and blue
+
+
+def test_a_corrupt_photo_stops_the_run_naming_it(data_dir, tmp_path, one_device):
+    root = tmp_path / "photos"
+    _photos(root, per_class=6)
+    bad = root / "bee" / "broken.jpg"  # in the training part (its path's hash)
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+    assert str(bad) in _paths(folder.load(_config(data_dir, root), "test").train)
+    config = _config(data_dir, root, workdir=str(tmp_path / "run"), train_steps=10)
+    with pytest.raises(ConfigError, match=re.escape(f"cannot decode {bad}")):
+        loop.train(config, one_device)
+
+
+# TFRecord files.
+
+
+def _example(i, image_kind="raw"):
+    """The features of record `i`: a 4x4x1 image (raw bytes, or an encoded JPEG of a varied size), its label
+    (i % 3), a float score, a 3-vector and a name."""
+    if image_kind == "raw":
+        image = np.full((4, 4, 1), i % 256, np.uint8).tobytes()
+    else:
+        rng = np.random.default_rng(i)
+        pixels = rng.integers(0, 80, (int(rng.integers(10, 30)), int(rng.integers(10, 30)), 3))
+        pixels[..., i % 3] += 170
+        image = tf.io.encode_jpeg(tf.constant(pixels.astype(np.uint8))).numpy()
+    feature = {
+        "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image])),
+        "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i % 3])),
+        "score": tf.train.Feature(float_list=tf.train.FloatList(value=[i / 2])),
+        "vector": tf.train.Feature(float_list=tf.train.FloatList(value=[i, -i, 0.5])),
+        "name": tf.train.Feature(bytes_list=tf.train.BytesList(value=[f"record {i}".encode()])),
+    }
+    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+def _shards(root, split, counts, image_kind="raw", first=0):
+    """TFRecord files root/<split>-NNNNN-of-MMMMM of `counts` records; returns their paths."""
+    paths, i = [], first
+    for n, count in enumerate(counts):
+        path = f"{root}/{split}-{n:05d}-of-{len(counts):05d}.tfrecord"
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(count):
+                writer.write(_example(i, image_kind))
+                i += 1
+        paths.append(path)
+    return paths
+
+
+FEATURES = "image:uint8:4x4x1,label:int64,score:float32,vector:float32:3,name:string"
+
+
+def test_tfrecord_files_are_counted_exactly_and_their_counts_cached(data_dir, tmp_path, monkeypatch):
+    train = _shards(tmp_path, "train", [5, 0, 12, 1, 7, 3, 9])
+    test = _shards(tmp_path, "test", [4, 6])
+    cache = tmp_path / "tfds"
+    config = _config(
+        cache, f"{tmp_path}/{{split}}-*.tfrecord", "tfrecord", tfrecord_features=FEATURES, tfrecord_classes=3
+    )
+    source = tfrecord.load(config, "test")
+    assert source.train.files == tuple(zip(train, [5, 0, 12, 1, 7, 3, 9]))
+    assert source.evals.files == tuple(zip(test, [4, 6]))
+    assert (source.train.examples, source.evals.examples, source.info) == (37, 10, {"num_classes": 3})
+    assert source.decode is None and (cache / tfrecord.CACHE).exists()
+    assert source.spec == {
+        "image": tf.TensorSpec([4, 4, 1], tf.uint8),
+        "label": tf.TensorSpec([], tf.int64),
+        "score": tf.TensorSpec([], tf.float32),
+        "vector": tf.TensorSpec([3], tf.float32),
+        "name": tf.TensorSpec([], tf.string),
+    }
+    # A second run reads no headers; a file rewritten (another size and time) is counted again, alone.
+    counted = []
+    monkeypatch.setattr(tfrecord, "_count", lambda path, size, where: counted.append(path) or 99)
+    assert tfrecord.load(config, "test").train.files == source.train.files and counted == []
+    with tf.io.TFRecordWriter(test[1]) as writer:
+        writer.write(_example(0))
+    assert [n for _, n in tfrecord.load(config, "test").evals.files] == [4, 99] and counted == [test[1]]
+
+
+def test_a_tfrecord_parses_into_the_named_features(data_dir, tmp_path):
+    _shards(tmp_path, "train", [3])
+    config = _config(data_dir, f"{tmp_path}/{{split}}-*", "tfrecord", tfrecord_features=FEATURES, eval_split="train")
+    parse = tfrecord.load(dataclasses.replace(config, tfrecord_classes=3), "train").train.parse
+    example = {k: v.numpy() for k, v in parse(tf.constant(_example(7))).items()}
+    assert set(example) == {"image", "label", "score", "vector", "name"}
+    assert example["image"].shape == (4, 4, 1) and (example["image"] == 7).all()
+    assert (example["label"], example["score"], example["name"]) == (1, 3.5, b"record 7")
+    assert example["vector"].tolist() == [7.0, -7.0, 0.5]
+    # A label beyond --tfrecord_classes stops the run.
+    parse = tfrecord.load(dataclasses.replace(config, tfrecord_classes=1), "train").train.parse
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"label outside \[0, 1\) \(--tfrecord_classes=1\)"):
+        parse(tf.constant(_example(7)))
+
+
+def test_encoded_images_in_tfrecords_decode_to_the_image_size(data_dir, tmp_path):
+    _shards(tmp_path, "train", [2], image_kind="jpeg")
+    config = _config(
+        data_dir, f"{tmp_path}/{{split}}-*", "tfrecord", tfrecord_features="image:jpeg,label:int64", eval_split="train"
+    )
+    source = tfrecord.load(dataclasses.replace(config, tfrecord_classes=3), "train")
+    assert source.spec["image"] == tf.TensorSpec([16, 16, 3], tf.uint8)
+    example = source.train.parse(tf.constant(_example(1, "jpeg")))
+    decoded = source.decode(example, tf.constant([1, 2], tf.int64), False)
+    assert decoded["image"].shape == (16, 16, 3) and int(decoded["label"]) == 1
+    assert decoded["image"].numpy()[..., 1].mean() > 150  # record 1 is tinted green
+
+
+@pytest.mark.parametrize(
+    "glob,features,why",
+    [
+        ("{root}/*.tfrecord", "label:int64", "put {{split}} where the split's name goes"),
+        ("{root}/{{split}}-*.rec", "score:float32", "no files match {root}/train-*.rec (--train_split=train)"),
+        ("{root}/{{split}}-*", "image:jpg", "'image:jpg' is not name:type[:shape] with type one of jpeg"),
+        ("{root}/{{split}}-*", "label", "'label' is not name:type[:shape] with type one of jpeg, png, image, int64"),
+        ("{root}/{{split}}-*", "x:float32:28xa", "'x:float32:28xa': the shape must be sizes joined by x"),
+        ("{root}/{{split}}-*", "name:string:2", "'name:string:2': a string is one value, with no shape"),
+        ("{root}/{{split}}-*", "image:uint8", "uint8 is a tensor's raw bytes and needs its shape"),
+        ("{root}/{{split}}-*", "label:int64,label:float32", "label is named twice"),
+        ("{root}/{{split}}-*", "image:jpeg", "image holds encoded images, which come in many sizes: set --image_size"),
+        ("{root}/{{split}}-*", "", "--tfrecord_features=: --dataset=tfrecord needs it"),
+        ("{root}/{{split}}-*", "image:uint8:4x4x1,label:int64", "its int64 label needs --tfrecord_classes"),
+        ("{root}/{{split}}-0000[1]-*", "score:float32", "the 1 files of {root}/train-0000[1]-* hold no records"),
+    ],
+    ids=[
+        "no-split",
+        "no-files",
+        "type",
+        "no-type",
+        "shape",
+        "scalar-shape",
+        "uint8-shape",
+        "twice",
+        "image-size",
+        "no-features",
+        "classes",
+        "empty",
+    ],
+)
+def test_a_bad_tfrecord_dataset_is_refused(data_dir, tmp_path, glob, features, why):
+    _shards(tmp_path, "train", [2, 0])
+    _shards(tmp_path, "test", [2])
+    glob, why = glob.format(root=tmp_path), why.format(root=tmp_path)
+    overrides = dict(tfrecord_features=features, image_size=0, eval_split="train")
+    if not features:  # refused when the flags are checked
+        with pytest.raises(ConfigError, match=why):
+            _config(data_dir, glob, "tfrecord", **overrides)
+        return
+    _refused(_config(data_dir, glob, "tfrecord", **overrides), why)
+
+
+def test_a_truncated_tfrecord_file_is_refused_naming_it_in_one_line(data_dir, tmp_path):
+    paths = _shards(tmp_path, "train", [3, 4])
+    _shards(tmp_path, "test", [2])
+    with open(paths[1], "rb+") as f:
+        f.truncate(os.path.getsize(paths[1]) - 5)
+    result = helpers.launch(
+        f"--dataset=tfrecord:{tmp_path}/{{split}}-*",
+        "--tfrecord_features=image:uint8:4x4x1,label:int64",
+        "--tfrecord_classes=3",
+        f"--data_dir={data_dir}",
+        f"--workdir={tmp_path / 'run'}",
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(f"error: --dataset=tfrecord:{tmp_path}/{{split}}-*: {paths[1]} is truncated: its ")
+    assert "(after 3 whole records;" in lines[0] and not (tmp_path / "run").exists()
+
+
+def test_tfrecord_files_of_photos_train_end_to_end(data_dir, tmp_path, one_device):
+    _shards(tmp_path, "train", [9, 11, 7, 13], image_kind="jpeg")
+    _shards(tmp_path, "test", [6, 6], image_kind="jpeg", first=1000)
+    config = _config(
+        data_dir,
+        f"{tmp_path}/{{split}}-*.tfrecord",
+        "tfrecord",
+        tfrecord_features="image:jpeg,label:int64",
+        workdir=str(tmp_path / "run"),
+        train_steps=30,
+        learning_rate=1e-2,
+    )
+    summary = loop.train(dataclasses.replace(config, tfrecord_classes=3), one_device)
+    assert summary["eval"]["examples"] == 12 and summary["step"] == 30
+    assert summary["eval"]["accuracy"] >= 0.75  # tinted red, green and blue by label
+
+
+def test_a_corrupt_tfrecord_record_stops_the_run_naming_the_file(data_dir, tmp_path, one_device):
+    paths = _shards(tmp_path, "train", [5, 5])
+    _shards(tmp_path, "test", [2])
+    contents = bytearray(open(paths[0], "rb").read())
+    contents[len(contents) // 2] ^= 0xFF  # a payload byte: its record's checksum fails
+    open(paths[0], "wb").write(bytes(contents))
+    config = _config(
+        data_dir,
+        f"{tmp_path}/{{split}}-*",
+        "tfrecord",
+        tfrecord_features="image:uint8:4x4x1,label:int64",
+        workdir=str(tmp_path / "run"),
+        global_batch_size=4,
+        train_steps=10,
+    )
+    with pytest.raises((ConfigError, tf.errors.OpError), match=re.escape(paths[0])):
+        loop.train(dataclasses.replace(config, tfrecord_classes=3), one_device)
