@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from bench import decode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
 
@@ -170,9 +172,25 @@ def measure(models, quick, gpu, jobs):
     # Timed processes run alone, so nothing else competes for the cores while they measure;
     # peak memory is not timed, and those processes may share them.
     mirrored(speed())
+    attempt("decode", decode_pipeline)
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         concurrent.futures.wait([pool.submit(memory, *run) for run in memory_runs])
     return results
+
+
+def decode_pipeline():
+    """bench/decode.py's measurements (full mode only: it times its own windows, alone on the cores)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "decode.json")
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.decode", f"--json={out}"], cwd=ROOT, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"bench.decode failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
+        with open(out) as f:
+            return json.load(f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +391,8 @@ def rows(results, models):
             lambda v: v <= MEMORY_TARGET,
             detail or "",
         )
+    if "decode" in results:
+        out.extend(decode.rows(results["decode"]))
     return out
 
 
