@@ -29,8 +29,33 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags, logging  # noqa: E402
 
-from engine.config import Config, ConfigError, validate  # noqa: E402
+from engine.config import Config, ConfigError, Switch, validate  # noqa: E402
 from engine.preemption import PREEMPTION  # noqa: E402  (imports no TensorFlow)
+
+
+class _SwitchParser(flags.ArgumentParser):
+    """auto, true or false, spelled as absl spells a bool's true and false (1, t, yes...)."""
+
+    def parse(self, argument):
+        text = str(argument).lower()
+        for value, spellings in (("auto", ("auto",)), ("true", ("true", "t", "1")), ("false", ("false", "f", "0"))):
+            if text in spellings:
+                return value
+        raise ValueError("must be auto, true or false")
+
+    def flag_type(self):
+        return "auto|true|false"
+
+
+class _SwitchFlag(flags.Flag):
+    """A Switch setting: --name=auto|true|false; as for a bool, --name alone is true and --noname false."""
+
+    def __init__(self, name, default, help_text):
+        super().__init__(_SwitchParser(), flags.ArgumentSerializer(), name, default, help_text, boolean=True)
+
+    def _serialize(self, value):
+        return f"--{self.name}={value}"
+
 
 _DEFINE = {
     str: flags.DEFINE_string,
@@ -38,6 +63,7 @@ _DEFINE = {
     float: flags.DEFINE_float,
     bool: flags.DEFINE_boolean,
     tuple: flags.DEFINE_list,
+    Switch: lambda name, default, help_text: flags.DEFINE_flag(_SwitchFlag(name, default, help_text)),
 }
 
 for _field in dataclasses.fields(Config):

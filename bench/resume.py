@@ -1,11 +1,13 @@
-"""Restarting a streamed run: how long until the first batch, and how many bytes read, at a data position near the
-start and one far into the run, side by side with replaying the stream (what the engine did before it placed
-positions by arithmetic on the files' record counts).
+"""Streamed record files: the bytes each input pipeline reads over an epoch (read amplification, counted as the
+engine counts them), and restarting: how long until the first batch, and how many bytes read, at a data position
+near the start and one far into the run, side by side with replaying the stream (what the engine did before it
+placed positions by arithmetic on the files' record counts).
 
     python -m bench.resume            # 64 files of 1,000 records of 3 KiB (about 200 MB, written to a temp dir)
     python -m bench.resume --quick    # 16 files of 200 records
 
-Prints, for each position: seconds to the first batch and bytes read, by file arithmetic and by replay.
+Prints the share of the split's bytes each of 1, 2 and 4 pipelines read for one epoch of training, then, for each
+position, seconds to the first batch and bytes read, by file arithmetic and by replay.
 """
 
 import argparse
@@ -59,6 +61,22 @@ def first_batch(pipelines, start, replay):
     return time.perf_counter() - tic, int(counter.numpy())
 
 
+def shares(pipelines, files, records):
+    """The bytes each of `count` pipelines reads while the job trains one epoch, as shares of the split's."""
+    out = {}
+    for count in (1, 2, 4):
+        read = []
+        for i in range(count):
+            counter = tf.Variable(0, dtype=tf.int64)
+            ctx = tf.distribute.InputContext(count, i, count)
+            examples = pipelines.examples(ctx, 0, 0, counter)
+            # One epoch of the job: its share of every global batch, until the job has seen the split once.
+            next(iter(examples.skip(files * records // count - 1)))
+            read.append(int(counter.numpy()) / pipelines.train_bytes)
+        out[count] = read
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -76,6 +94,11 @@ def main(argv=None):
             f"{files} files x {records} records, {total / 2**20:.0f} MiB; global batch 256; --interleave_files="
             f"{config.interleave_files}"
         )
+        for count, read in shares(pipelines, files, records).items():
+            print(
+                f"{count} pipeline{'s' if count > 1 else ' '}: each read "
+                f"{', '.join(f'{r:.3f}' for r in read)} of the split's bytes in one epoch (total {sum(read):.3f})"
+            )
         epoch_batches = files * records // 256
         # Replay reads everything before the position: far positions only by arithmetic (it would take hours).
         near, far = 100, 100_000

@@ -36,6 +36,13 @@ class ConfigError(ValueError):
     """Bad user input: the message names the flag (or file) and the value."""
 
 
+class Switch(str):
+    """The type of a setting that is "auto" (the engine chooses), "true" or "false". A bool given for it (an
+    older run's config.json, a notebook's True) means "true" or "false"."""
+
+    VALUES = ("auto", "true", "false")
+
+
 def _setting(default, help_text):
     return dataclasses.field(default=default, metadata={"help": help_text})
 
@@ -196,7 +203,11 @@ class _RunSettings:
     precision: str = _setting("float32", "float32|mixed_float16|mixed_bfloat16")
     initial_loss_scale: float = _setting(2.0**15, "mixed_float16: starting dynamic loss scale")
     loss_scale_growth_interval: int = _setting(2000, "mixed_float16: double the scale after this many finite steps")
-    jit_compile: bool = _setting(False, "compile the replica step with XLA")
+    jit_compile: Switch = _setting(
+        "auto",
+        "compile the replica step with XLA: true, false, or auto (the engine chooses from the model, the precision "
+        "and the device, and the run's first line says what and why)",
+    )
     seed: int = _setting(0, "seed for initialization, shuffling and dropout")
     deterministic: bool = _setting(False, "enable TensorFlow op determinism: same flags, same numbers")
     run_eagerly: bool = _setting(False, "run the loop and step without graphs (print and pdb work in a task); slow")
@@ -314,6 +325,10 @@ def validate(config):
     _choice(config, "on_nan", ON_NAN)
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if field.type is Switch and isinstance(value, bool):
+            config = dataclasses.replace(config, **{field.name: show(value)})
+        elif field.type is Switch and value not in Switch.VALUES:
+            _fail(field.name, value, "must be auto, true or false")
         if field.type in (int, tuple) and max(value if field.type is tuple else (value,), default=0) >= INT64_LIMIT:
             _fail(field.name, value, "must be less than 2**63 (TensorFlow's int64)")
     _positive(
@@ -611,10 +626,19 @@ IDENTITY_SETTINGS = tuple(
     and not f.name.startswith(("tune_", "ensemble_"))
 )
 
-_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", tuple: "a list of integers"}
+_KINDS = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    tuple: "a list of integers",
+    Switch: "auto, true or false",
+}
 
 
 def _is(value, kind):
+    if kind is Switch:  # an older run saved jit_compile as a JSON bool
+        return isinstance(value, bool) or value in Switch.VALUES
     if kind is bool or isinstance(value, bool):
         return kind is bool and isinstance(value, bool)
     if kind is tuple:

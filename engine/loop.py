@@ -24,9 +24,9 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 
 from engine import checkpoint as checkpoint_lib
 from engine import data as data_lib
-from engine import distribute, optim, precision, step
+from engine import distribute, optim, precision, step, xla
 from engine import workdir as workdir_lib
-from engine.config import ConfigError, check_batch
+from engine.config import ConfigError, check_batch, show
 from engine.preemption import PREEMPTION
 from engine.report import Report, write_json
 
@@ -41,12 +41,31 @@ class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss in float32 or bfloat16); the message says where."""
 
 
+class Recompiled(Exception):
+    """--jit_compile=auto chose XLA and the first step could not compile: the step was rebuilt without it, and the
+    round runs again from the same data position (the message says why)."""
+
+
 class Preempted(Exception):
     """A signal stopped the run after a checkpoint; `exit_code` tells a scheduler to restart it."""
 
     def __init__(self, message, exit_code):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def stops_each_step(strategy):
+    """Whether the inner loop ends a round at the first step that all-reduced a set stop flag (on CPUs), or runs
+    the round to its end and leaves the flag to the host between rounds (on GPUs and TPUs).
+
+    At a step, a signal stops the run one step after it lands. But the loop's condition then depends on a value
+    each step computes, which on an accelerator must come back to the host before the next step can be queued:
+    the device idles between steps. On a GPU or TPU a signal therefore stops the run at the end of the round it
+    lands in, at most --steps_per_loop steps later; a round's time (steps_per_loop times a step's) plus a
+    checkpoint's save must fit in the scheduler's grace period (30 s by default on Kubernetes and for a GCE spot
+    VM).
+    """
+    return xla.device_kind(strategy) == "CPU"
 
 
 def create_model(config, family, spec, outputs):
@@ -127,22 +146,28 @@ class Trainer:
         self.coordinator = (
             tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
         )
+        self.stops_each_step = stops_each_step(strategy)
+        self.jit_compile, self.jit_reason = xla.resolve(config, strategy, self.models)
+        self._build_train_step()
+        self.eval_loop = tf.function(self._eval_loop)
+        self.retraced = set()
+
+    def _build_train_step(self):
         self.train_step = step.make_train_step(
             self.task,
             self.models,
             self.params,
             self.optimizer,
             self.loss_scale if self.float16 else None,
-            config,
-            strategy.num_replicas_in_sync,
+            self.config,
+            self.strategy.num_replicas_in_sync,
             self.stop,
             self.step,
             ema=self.ema,
             asynchronous=self.coordinator is not None,
+            jit_compile=self.jit_compile,
         )
         self.train_loop = tf.function(self._train_loop)
-        self.eval_loop = tf.function(self._eval_loop)
-        self.retraced = set()
 
     @property
     def ema_by_path(self):
@@ -175,13 +200,19 @@ class Trainer:
         return step.make_eval_step(self.task, self.models, self.metric_names)
 
     @property
+    def waits_timed(self):
+        """Whether the rounds time each step's wait for its batch: on CPUs only, as the per-step stop (on an
+        accelerator the wait's end would wait for the batch to reach the device, a sync each step), and not under
+        op determinism, which refuses tf.timestamp."""
+        return self.stops_each_step and not tf_config.is_op_determinism_enabled()
+
+    @property
     def pipelines(self):
         """Input pipelines reading the training stream: one per worker (a parameter server's read their own)."""
         return 1 if self.coordinator is not None else distribute.num_workers(self.strategy)
 
-    def train_iterator(self):
-        """An iterator over the training batches from the current data position on."""
-        start = int(self.batches.numpy())
+    def check_pipelines(self):
+        """Refuses to resume a streamed split with another number of input pipelines than read it so far."""
         saved = int(self.input_pipelines.numpy())
         if self.data.sharded and saved and saved != self.pipelines:
             raise ConfigError(
@@ -190,6 +221,11 @@ class Trainer:
                 f"own files, so the position means nothing to {self.pipelines}; resume it with {saved} workers, or "
                 "train in a new --workdir"
             )
+
+    def train_iterator(self):
+        """An iterator over the training batches from the current data position on."""
+        start = int(self.batches.numpy())
+        self.check_pipelines()
         self.input_pipelines.assign(self.pipelines)
         # The byte count stays on this host: a tf.data service ships the pipeline's graph, without variables.
         counter = None if self.config.tf_data_service else self.bytes_read
@@ -242,7 +278,7 @@ class Trainer:
         loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
         waited = tf.constant(0.0, tf.float64)
         last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0, "stop": False}
-        timed = not tf_config.is_op_determinism_enabled()  # which refuses tf.timestamp
+        timed = self.waits_timed
         for _ in tf.range(steps):
             # Seconds spent waiting for the next batch: the timestamps are ordered around it by hand (automatic
             # control dependencies leave a timestamp free to run anywhere).
@@ -259,7 +295,7 @@ class Trainer:
             done += 1
             self.step.assign_add(1)
             self.batches.assign_add(1)
-            if out["stop"]:
+            if self.stops_each_step and out["stop"]:
                 break
         skipped = tf.cast(done, tf.float32) - finite_steps
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
@@ -273,13 +309,20 @@ class Trainer:
 
     def run_steps(self, iterator, steps):
         """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers."""
+        position = (int(self.step.numpy()), int(self.batches.numpy()))
         try:
             if self.coordinator is not None:
                 return self._run_scheduled(iterator, steps)
             out = self.train_loop(iterator, tf.constant(steps))
             self._check_retrace("train_loop", self.train_loop)
         except RuntimeError as e:
-            if "merge_call" in str(e) and self.config.jit_compile:
+            if "merge_call" in str(e) and self.jit_compile and self.config.jit_compile == "auto":
+                # What auto cannot know before the first round is traced (nothing has run yet): trace it again.
+                self.jit_compile, self.jit_reason = xla.resolve(self.config, self.strategy, self.models, True)
+                self._build_train_step()
+                print(f"jit_compile=false ({self.jit_reason}): the first round is traced again", flush=True)
+                return self.run_steps(iterator, steps)
+            if "merge_call" in str(e) and self.jit_compile:
                 raise ConfigError(
                     f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
                     "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
@@ -288,6 +331,20 @@ class Trainer:
                 ) from None
             raise
         except tf.errors.OpError as e:
+            unsupported = re.search(
+                r"unsupported operations when trying to compile.*?: ([\w, ]+) \(No registered", str(e)
+            )
+            if unsupported and self.jit_compile and self.config.jit_compile == "auto":
+                # Found only when the first step runs, after its batch was taken: the caller reads it again.
+                ops = unsupported.group(1)
+                self.jit_compile, self.jit_reason = xla.resolve(
+                    self.config, self.strategy, self.models, unsupported=ops
+                )
+                self._build_train_step()
+                # The counters are not ordered after the failed step (they touch other variables): put them back.
+                self.step.assign(position[0])
+                self.batches.assign(position[1])
+                raise Recompiled(f"jit_compile=false ({self.jit_reason}): the first round runs again") from None
             raise self._explain(e, training=True) from None
         return {k: float(v) for k, v in out.items()}
 
@@ -454,6 +511,7 @@ def train(config, strategy=None, on_eval=None):
         except ConfigError as e:  # a workdir from before config.json, or one whose config.json was replaced
             raise ConfigError(f"--workdir={config.workdir}: {e}; give this run a new --workdir") from None
         current = int(trainer.step.numpy())
+        trainer.check_pipelines()  # before anything is written: a refused resume leaves the workdir as it was
         if current > config.train_steps:
             raise ConfigError(
                 f"--train_steps={config.train_steps}: the run in {config.workdir} is already at step {current} "
@@ -529,7 +587,8 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     report.line(
         f"task={config.task} model={config.model} parameters={params} dataset={config.dataset} "
         f"strategy={distribute.strategy_name(config)} replicas={strategy.num_replicas_in_sync} "
-        f"precision={config.precision} global_batch_size={config.global_batch_size}"
+        f"precision={config.precision} global_batch_size={config.global_batch_size} "
+        f"jit_compile={show(trainer.jit_compile)} ({trainer.jit_reason})"
     )
     iterator = trainer.train_iterator()
     current, loss, rollbacks = int(trainer.step.numpy()), float("nan"), 0
@@ -540,8 +599,13 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
             start = current
             profile.before_round(current)
             tic = time.perf_counter()
-            with profile.marker(current):
-                out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
+            try:
+                with profile.marker(current):
+                    out = trainer.run_steps(iterator, _next_boundary(config, current) - current)
+            except Recompiled as e:
+                report.line(str(e))
+                iterator = trainer.train_iterator()  # from the data position: the failed step took a batch
+                continue
             seconds = time.perf_counter() - tic
             steps = int(out["steps"])
             current += steps
@@ -588,7 +652,9 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
                 },
             )
             profile.after_round(current, report)
-            stopping = bool(out["stop"])  # all-reduced: every worker stops here, whichever one was signalled
+            # All-reduced: every worker stops here, whichever one was signalled. A round that does not stop at a
+            # step also reads the flag as it is now: a signal after its last step stops the run here, not a round on.
+            stopping = bool(out["stop"]) or (not trainer.stops_each_step and trainer.stopping_anywhere())
             if config.eval_every and current % config.eval_every == 0 and current < config.train_steps and not stopping:
                 results = trainer.evaluate()
                 report.eval(current, results)
@@ -617,9 +683,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
         "eval": results,
         "examples_per_sec": timed_steps * config.global_batch_size / timed_seconds if timed_steps else None,
         # The share of the timed rounds' time the steps waited for their batches.
-        "input_wait_fraction": waited / timed_seconds
-        if timed_seconds and not tf_config.is_op_determinism_enabled()
-        else None,
+        "input_wait_fraction": waited / timed_seconds if timed_seconds and trainer.waits_timed else None,
         "input_bytes_read": int(trainer.bytes_read.numpy()) if trainer.data.sharded else None,
         "skipped_steps": int(trainer.skipped.numpy()),
         "loss_scale": float(trainer.loss_scale.scale.numpy()) if trainer.float16 else None,

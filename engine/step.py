@@ -102,7 +102,18 @@ def _assign_add(variable, delta):
 
 
 def make_train_step(
-    task, models, params, optimizer, loss_scale, config, num_replicas, stop_flag, step, ema=(), asynchronous=False
+    task,
+    models,
+    params,
+    optimizer,
+    loss_scale,
+    config,
+    num_replicas,
+    stop_flag,
+    step,
+    ema=(),
+    asynchronous=False,
+    jit_compile=False,
 ):
     """Returns train_step(batch) -> dict of scalars, identical on every replica.
 
@@ -111,7 +122,7 @@ def make_train_step(
     learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout masks.
     `ema`: moving averages of `params` (--ema_decay), updated with them. `asynchronous` (parameter servers):
     updates are applied as deltas with assign_add, which the server applies atomically, so concurrent workers
-    never lose each other's updates or update counts.
+    never lose each other's updates or update counts. `jit_compile`: compile it with XLA (engine/xla.py decides).
     """
     params = [v.value for v in params]
     state, seeds = split_state(models, config.freeze)
@@ -176,9 +187,9 @@ def make_train_step(
 
     # One replica (and no parameter server): the whole step, all-reduce and assignments included, is one
     # XLA program, 1.1-1.2x faster than compiling its two halves. Several replicas: only the halves.
-    whole = config.jit_compile and num_replicas == 1 and not asynchronous
-    forward_backward = _maybe_jit(forward_backward, config.jit_compile and not whole)
-    new_values = _maybe_jit(new_values, config.jit_compile and not whole)
+    whole = jit_compile and num_replicas == 1 and not asynchronous
+    forward_backward = _maybe_jit(forward_backward, jit_compile and not whole)
+    new_values = _maybe_jit(new_values, jit_compile and not whole)
 
     update = _assign_add if asynchronous else _assign
 

@@ -17,6 +17,8 @@ SUMMARY_KEYS = {
     "train_loss",
     "eval",
     "examples_per_sec",
+    "input_wait_fraction",
+    "input_bytes_read",
     "skipped_steps",
     "loss_scale",
     "wall_seconds",
@@ -38,6 +40,7 @@ def test_default_job_end_to_end(data_dir, tmp_path):
     assert summary["eval"]["examples"] == 360 and summary["eval"]["accuracy"] >= 0.95
     assert summary["strategy"] == "one_device" and summary["num_replicas"] == 1
     assert summary["loss_scale"] is None and summary["examples_per_sec"] > 0
+    assert 0 <= summary["input_wait_fraction"] < 1 and summary["input_bytes_read"] is None  # digits: in memory
     assert f"test accuracy {summary['eval']['accuracy']:.4f} on 360 examples" in result.stdout
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(100, 1001, 100))

@@ -55,9 +55,28 @@ def _batch(trainer):
     return next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
 
 
+@pytest.mark.parametrize("device", ["CPU", "GPU"])
+def test_a_stop_ends_the_round_at_its_step_on_cpu_and_at_its_end_on_accelerators(
+    data_dir, one_device, tmp_path, monkeypatch, device
+):
+    if device == "GPU":  # forced through the predicate: the loop no longer reads the flag at every step
+        monkeypatch.setattr(loop, "stops_each_step", lambda strategy: False)
+    assert loop.stops_each_step(one_device) == (device == "CPU")
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, steps_per_loop=5, checkpoint_every=0)
+    trainer = loop.Trainer(config, one_device)
+    checkpoints = Checkpoints(trainer, config.workdir, config.keep_checkpoints)
+    trainer.stop.assign(True)  # as a signal during the first step sets it
+    with pytest.raises(loop.Preempted) as stopped:
+        loop.run(trainer, Report(config.workdir, True, config.train_steps), checkpoints, started=0.0)
+    step = 1 if device == "CPU" else 5  # the signalled step, or the end of its round
+    assert str(stopped.value).startswith(f"preempted: stopped by a peer worker's signal at step {step}; checkpoint ")
+    assert checkpoints.saved_path.endswith(f"ckpt-{step}") and int(trainer.step.numpy()) == step
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [step]
+
+
 def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
     """The TPU path: all of the replica step, all-reduce and update included, in one XLA computation."""
-    config = helpers.make_config(data_dir, optimizer="lamb", clip_norm=0.2)
+    config = helpers.make_config(data_dir, optimizer="lamb", clip_norm=0.2, jit_compile=False)
     compiled, plain = loop.Trainer(config, one_device), loop.Trainer(config, one_device)
     batch = _batch(compiled)
     xla_step = tf.function(compiled.train_step, jit_compile=True)
@@ -75,7 +94,7 @@ def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
 def test_jit_compile_flag_matches_plain_on_two_replicas(data_dir, mirrored):
     case = helpers.PARITY_CASES["adamw"]
     jit, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, jit_compile=True, **case), mirrored)
-    plain, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, **case), mirrored)
+    plain, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, jit_compile=False, **case), mirrored)
     for k in plain:
         np.testing.assert_allclose(jit[k][0], plain[k][0], atol=1e-5)
         np.testing.assert_array_equal(jit[k][0], jit[k][1])

@@ -163,8 +163,8 @@ def _poison(monkeypatch, bad_batches):
     def load(config, split=None):
         loaded = real_load(config, split)
 
-        def train_fn(ctx, start_batch=0):
-            ds = loaded.train_fn(ctx, start_batch).enumerate(start_batch)
+        def train_fn(ctx, start_batch=0, **kwargs):
+            ds = loaded.train_fn(ctx, start_batch, **kwargs).enumerate(start_batch)
             bad = lambda i, x: tf.where(tf.reduce_any(tf.equal(i, bad_batches)), x * np.nan, x)  # noqa: E731
             return ds.map(lambda i, b: {**b, "image": bad(i, b["image"])})
 

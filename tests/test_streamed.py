@@ -4,6 +4,7 @@ ones, a damaged file stops the run naming it, and a changed worker count is refu
 held in memory)."""
 
 import dataclasses
+import json
 import os
 import time
 
@@ -208,3 +209,35 @@ def test_an_input_bound_run_warns_once_and_reports_its_wait(
     assert "input-bound" not in capsys.readouterr().out
     assert summary["input_wait_fraction"] < 0.1, summary["input_wait_fraction"]
     assert summary["input_bytes_read"] is None  # nothing streamed
+
+
+def test_two_workers_resumed_as_one_are_refused_on_files_and_continue_in_memory(data_dir, tmp_path):
+    from tests.test_file_sources import _shards
+
+    _shards(tmp_path, "train", [40] * 6)
+    _shards(tmp_path, "test", [20])
+    common = [f"--data_dir={data_dir}", "--global_batch_size=16", "--hidden_sizes=16", "--connect_timeout=120"]
+    files = [
+        f"--dataset=tfrecord:{tmp_path}/{{split}}-*",
+        "--tfrecord_features=image:uint8:4x4x1,label:int64",
+        "--tfrecord_classes=3",
+    ]
+    for run, dataset in (("files", files), ("memory", [])):
+        workdir = tmp_path / run
+        args = [f"--workdir={workdir}", *common, *dataset, "--steps_per_loop=5"]
+        two = helpers.launch(*args, "--train_steps=10", "--strategy=multi_worker", "--local_workers=2")
+        assert two.returncode == 0, two.stdout[-3000:]
+        before = {p.name: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+        one = helpers.launch(*args, "--train_steps=20", "--strategy=one_device")
+        if run == "files":
+            assert one.returncode == 2, one.stderr[-3000:]
+            assert one.stderr.strip().splitlines()[-1] == (
+                f"error: --dataset=tfrecord:{tmp_path}/{{split}}-*: this run read its streamed training files with "
+                "2 input pipelines (workers) up to its data position, and now has 1: each pipeline reads its own "
+                "files, so the position means nothing to 1; resume it with 2 workers, or train in a new --workdir"
+            )
+            assert {p.name: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+        else:  # one global stream: one process continues from the same data position
+            assert one.returncode == 0, one.stderr[-3000:]
+            assert "resumed from step 10" in one.stdout
+            assert json.load(open(workdir / "summary.json"))["step"] == 20

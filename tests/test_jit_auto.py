@@ -1,0 +1,256 @@
+"""--jit_compile=auto|true|false: the engine's choice on each kind of hardware, the flag as absl parses it, older
+runs' config.json, and the run's first line saying what was chosen and why."""
+
+import json
+
+import keras
+import pytest
+from absl import flags
+
+import launch
+from engine import loop, xla
+from engine.config import Config, ConfigError, from_json, validate
+from models import resnet
+from tests import helpers
+
+AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+BF16_ONLY = frozenset({"avx512f", "avx512_bf16"})
+EPYC = frozenset({"avx2", "fma"})  # no bfloat16 units
+DENSE_CPU = "auto: float32 dense layers on a CPU: XLA fuses the step"
+
+
+@pytest.mark.parametrize(
+    "setting,precision,device,cpu,convolutions,synchronizes,expected",
+    [
+        ("true", "mixed_bfloat16", "CPU", AMX, True, False, (True, "flag")),
+        ("false", "mixed_float16", "GPU", (), False, False, (False, "flag")),
+        ("auto", "float32", "CPU", AMX, False, False, (True, DENSE_CPU)),
+        ("auto", "float32", "CPU", EPYC, False, False, (True, DENSE_CPU)),
+        (
+            "auto",
+            "mixed_bfloat16",
+            "CPU",
+            AMX,
+            False,
+            False,
+            (False, "auto: mixed_bfloat16 on a CPU with amx_bf16: oneDNN's bfloat16 matmuls beat XLA's"),
+        ),
+        (
+            "auto",
+            "mixed_bfloat16",
+            "CPU",
+            BF16_ONLY,
+            False,
+            False,
+            (False, "auto: mixed_bfloat16 on a CPU with avx512_bf16: oneDNN's bfloat16 matmuls beat XLA's"),
+        ),
+        (
+            "auto",
+            "mixed_bfloat16",
+            "CPU",
+            EPYC,
+            False,
+            False,
+            (True, "auto: mixed_bfloat16 dense layers on a CPU: XLA fuses the step"),
+        ),
+        (
+            "auto",
+            "float32",
+            "CPU",
+            EPYC,
+            True,
+            False,
+            (False, "auto: convolutions on a CPU: oneDNN's beat XLA's"),
+        ),
+        (
+            "auto",
+            "mixed_bfloat16",
+            "CPU",
+            AMX,
+            True,
+            False,
+            (False, "auto: convolutions on a CPU: oneDNN's beat XLA's"),
+        ),
+        (
+            "auto",
+            "mixed_float16",
+            "GPU",
+            (),
+            True,
+            False,
+            (True, "auto: mixed_float16 on a GPU: XLA fuses the elementwise ops around cuBLAS and cuDNN"),
+        ),
+        (
+            "auto",
+            "mixed_float16",
+            "GPU",
+            (),
+            True,
+            True,
+            (False, "auto: the model or task synchronizes replicas inside its forward pass, which XLA cannot"),
+        ),
+        (
+            "auto",
+            "mixed_bfloat16",
+            "TPU",
+            (),
+            True,
+            True,
+            (False, "auto: on a TPU every round is compiled with XLA anyway"),
+        ),
+    ],
+)
+def test_choose_decides_each_case(setting, precision, device, cpu, convolutions, synchronizes, expected):
+    assert xla.choose(setting, precision, device, cpu, convolutions, synchronizes) == expected
+
+
+def test_cpu_flags_come_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512_bf16 amx_bf16\n\nflags\t: other\n")
+    assert xla.cpu_flags(str(cpuinfo)) == {"fpu", "avx512_bf16", "amx_bf16"}
+    assert xla.cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_convolutions_are_found_at_any_depth():
+    net = resnet.ResNet(8, 4, 10)  # its convolutions sit inside blocks and a Sequential shortcut
+    net(keras.ops.zeros((1, 8, 8, 3)))
+    mlp = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    assert xla.has_convolutions([mlp, net]) and not xla.has_convolutions([mlp])
+
+
+def _flag_values():
+    values = flags.FlagValues()
+    flags.DEFINE_flag(launch._SwitchFlag("jit_compile", "auto", "help"), flag_values=values)
+    return values
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        ([], "auto"),
+        (["--jit_compile"], "true"),
+        (["--nojit_compile"], "false"),
+        (["--jit_compile=auto"], "auto"),
+        (["--jit_compile=true"], "true"),
+        (["--jit_compile=False"], "false"),
+        (["--jit_compile=1"], "true"),
+    ],
+)
+def test_flag_takes_auto_true_false_and_the_bare_forms(args, expected):
+    values = _flag_values()
+    values(["launch.py", *args])
+    assert values.jit_compile == expected
+    assert validate(Config(jit_compile=values.jit_compile)).jit_compile == expected
+
+
+def test_flag_refuses_anything_else_in_one_line(tmp_path):
+    with pytest.raises(flags.IllegalFlagValueError, match="^flag --jit_compile=maybe: must be auto, true or false$"):
+        _flag_values()(["launch.py", "--jit_compile=maybe"])
+    result = helpers.launch(f"--workdir={tmp_path / 'work'}", "--jit_compile=maybe", timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "error: --jit_compile=maybe: must be auto, true or false"
+    assert not (tmp_path / "work").exists()
+
+
+def test_config_takes_bools_as_older_runs_saved_them():
+    assert validate(Config(jit_compile=True)).jit_compile == "true"
+    assert validate(Config(jit_compile=False)).jit_compile == "false"
+    assert from_json({"jit_compile": False}, "w").jit_compile == "false"
+    assert from_json({"jit_compile": "auto"}, "w").jit_compile == "auto"
+    with pytest.raises(ConfigError, match='^w: jit_compile="maybe": must be auto, true or false$'):
+        from_json({"jit_compile": "maybe"}, "w")
+    with pytest.raises(ConfigError, match="^--jit_compile=maybe: must be auto, true or false$"):
+        validate(Config(jit_compile="maybe"))
+
+
+def _header(output):
+    return next(line for line in output.splitlines() if line.startswith("task="))
+
+
+@pytest.mark.parametrize(
+    "precision,setting,cpu,expected",
+    [
+        (
+            "mixed_bfloat16",
+            "auto",
+            AMX,
+            "jit_compile=false (auto: mixed_bfloat16 on a CPU with amx_bf16: oneDNN's bfloat16 matmuls beat XLA's)",
+        ),
+        ("mixed_bfloat16", "true", AMX, "jit_compile=true (flag)"),
+        ("float32", "auto", EPYC, f"jit_compile=true ({DENSE_CPU})"),
+    ],
+)
+def test_header_says_what_was_chosen_and_why(
+    data_dir, one_device, tmp_path, capsys, monkeypatch, precision, setting, cpu, expected
+):
+    monkeypatch.setattr(xla, "cpu_flags", lambda: cpu)
+    config = helpers.make_config(data_dir, str(tmp_path), precision=precision, jit_compile=setting, train_steps=2)
+    loop.train(config, one_device)
+    assert _header(capsys.readouterr().out).endswith(f" global_batch_size=64 {expected}")
+    trainer = loop.Trainer(config, one_device)  # and the step is built as the line says
+    assert getattr(trainer.train_step, "_jit_compile", False) == ("=true" in expected)
+
+
+def test_an_older_runs_config_json_with_a_bool_resumes(data_dir, one_device, tmp_path, capsys):
+    loop.train(helpers.make_config(data_dir, str(tmp_path), train_steps=4, steps_per_loop=2), one_device)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "jit_compile": False}))  # as the engine wrote it
+    summary = loop.train(helpers.make_config(data_dir, str(tmp_path), train_steps=6, steps_per_loop=2), one_device)
+    assert summary["step"] == 6 and "resumed from step 4" in capsys.readouterr().out
+
+
+def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data_dir, mirrored, capsys, monkeypatch):
+    # On a GPU auto compiles the ResNet; with two replicas its synchronized batch norm cannot be compiled.
+    monkeypatch.setattr(xla, "device_kind", lambda strategy: "GPU")
+    trainer = loop.Trainer(helpers.make_config(data_dir, model="resnet", precision="mixed_float16"), mirrored)
+    assert trainer.jit_compile
+    out = trainer.run_steps(trainer.train_iterator(), 3)
+    assert out["steps"] == 3 and not trainer.jit_compile and int(trainer.step.numpy()) == 3
+    assert capsys.readouterr().out == (
+        "jit_compile=false (auto: the model or task synchronizes replicas inside its forward pass, which XLA "
+        "cannot): the first round is traced again\n"
+    )
+
+
+def test_auto_runs_without_xla_when_the_step_holds_an_op_xla_cannot_compile(
+    data_dir, one_device, tmp_path, capsys, monkeypatch
+):
+    """A task drawing from a gamma distribution (mixup's Beta): XLA has no kernel for it. Auto finds out at the first
+    step, after its batch was taken; the run reads that batch again and ends where a run without XLA ends."""
+    import tensorflow as tf
+
+    from tasks import classification
+
+    cross_entropy = classification.Task.loss
+
+    def loss(self, outputs, batch):
+        weight = tf.random.stateless_gamma([tf.shape(outputs)[0]], seed=[1, 2], alpha=50.0) / 50.0
+        return weight * cross_entropy(self, outputs, batch)
+
+    monkeypatch.setattr(classification.Task, "loss", loss, raising=False)
+    runs = {}
+    for setting in ("auto", "false"):
+        config = helpers.make_config(data_dir, str(tmp_path / setting), jit_compile=setting, train_steps=6)
+        runs[setting] = loop.train(config, one_device)
+    out = capsys.readouterr().out
+    assert (
+        out.count(
+            "jit_compile=false (auto: the step holds ops XLA cannot compile (StatelessRandomGammaV3)): the "
+            "first round runs again"
+        )
+        == 1
+    ), out
+    assert runs["auto"]["step"] == runs["false"]["step"] == 6
+    assert runs["auto"]["train_loss"] == runs["false"]["train_loss"]  # the same batches, in the same order
+    assert runs["auto"]["eval"] == runs["false"]["eval"]
+
+
+def test_choose_leaves_xla_off_for_parameter_servers_and_ops_it_cannot_compile():
+    assert xla.choose("auto", "float32", "CPU", AMX, remote=True) == (
+        False,
+        "auto: the variables live on parameter servers, which an XLA program cannot read",
+    )
+    assert xla.choose("auto", "mixed_float16", "GPU", unsupported="StatelessRandomGammaV3") == (
+        False,
+        "auto: the step holds ops XLA cannot compile (StatelessRandomGammaV3)",
+    )
+    assert xla.choose("true", "float32", "CPU", remote=True) == (True, "flag")  # the user's word
