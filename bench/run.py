@@ -59,7 +59,6 @@ TINY = dict(model="mlp", hidden_sizes=(16,), global_batch_size=16, synthetic_sha
 SPEED_TARGETS = {"mlp_1024": 1.4, "mlp_256": 1.1, "resnet": 1.1, "transformer": 1.1}
 ROOFLINE_TARGET = 0.9
 BFLOAT16_TARGET = 1.25
-MIRRORED_TARGET = 0.9
 HOST_OVERHEAD_TARGET_US = 50.0
 INPUT_WAIT_TARGET = 0.05
 MEMORY_TARGET = 1.1
@@ -275,6 +274,32 @@ def rows(results, models):
             detail or "",
         )
 
+    bf16_roof = speed.get("roofline_bfloat16")
+    if bf16_roof:  # CPUs: mixed_bfloat16's ceiling, which bfloat16 units (AMX) raise far above float32's
+        add(
+            "roofline/bfloat16_peak",
+            "bfloat16 matmul peak (chained, best shape) / float32's",
+            roof and bf16_roof["flops_per_sec"] / roof["flops_per_sec"],
+            lambda v: f"{v:.2f}x",
+            detail=f"{bf16_roof['flops_per_sec'] / 1e9:.1f} GFLOP/s: "
+            + ", ".join(f"{k}: {v / 1e9:.1f}" for k, v in bf16_roof["by_shape"].items()),
+        )
+        for name in [n for n in ("mlp_1024",) if n in models]:
+            r = by_model.get(name)
+            per = r and r["precision_seconds_per_step"].get("mixed_bfloat16")
+            value = detail = None
+            if per:
+                achieved = 6 * r["parameters"] * r["global_batch_size"] / per
+                value = achieved / bf16_roof["flops_per_sec"]
+                detail = f"6 x {r['parameters']:,} parameters x {r['global_batch_size'] / per:,.0f} examples/s"
+            add(
+                f"roofline/{name}/bfloat16",
+                f"engine mixed_bfloat16 FLOP/s / bfloat16 matmul peak: {label(models[name])}",
+                value,
+                lambda v: f"{v:.0%}",
+                detail=detail or "",
+            )
+
     for name in [n for n in ("mlp_1024", "mlp_256") if n in models]:
         r = by_model.get(name)
         value = detail = None
@@ -316,14 +341,14 @@ def rows(results, models):
         if r:
             s = r["seconds_per_step"]
             detail = f"jit={int(r['jit'])}: {_ms(s['one_device'])} vs {_ms(s['mirrored'])}"
+        # Information, not a target: two logical devices on the same cores measure their contention, not the
+        # replica machinery (issue 14 retired the 0.9x target).
         add(
             f"mirrored/{name}",
-            f"mirrored (2 logical devices) / one_device: {label(spec)}",
+            f"mirrored (2 logical devices on the same cores) / one_device: {label(spec)}",
             r and r["mirrored_vs_one_device"],
             lambda v: f"{v:.2f}x",
-            f">= {MIRRORED_TARGET:.2f}x",
-            lambda v: v >= MIRRORED_TARGET,
-            detail,
+            detail=detail,
         )
 
     tiny = speed.get("tiny")

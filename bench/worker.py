@@ -184,6 +184,9 @@ def speed(task):
     strategy = create_strategy(first)
     out = {"roofline": roofline(task), "models": {}}
     progress(f"roofline: {out['roofline']['flops_per_sec'] / 1e9:.1f} GFLOP/s")
+    if not task["gpu"]:  # mixed_bfloat16's ceiling: a CPU with bfloat16 units (AMX) multiplies far faster in it
+        out["roofline_bfloat16"] = roofline(task, tf.bfloat16)
+        progress(f"bfloat16 roofline: {out['roofline_bfloat16']['flops_per_sec'] / 1e9:.1f} GFLOP/s")
     for name, spec in task["models"].items():
         out["models"][name] = model_speed(task, spec, strategy)
         progress(f"speed {name}: engine / fit {out['models'][name]['engine_vs_fit']:.2f}")
@@ -194,11 +197,11 @@ def speed(task):
     return out
 
 
-def roofline(task):
-    """Peak matmul FLOP/s in the compute dtype: a loop of chained (m, k) x (k, k) products."""
+def roofline(task, dtype=None):
+    """Peak matmul FLOP/s in `dtype` (default: the compute dtype): a loop of chained (m, k) x (k, k) products."""
     import tensorflow as tf
 
-    dtype = tf.float16 if task["precision"] == "mixed_float16" else tf.float32
+    dtype = dtype or (tf.float16 if task["precision"] == "mixed_float16" else tf.float32)
 
     # On a GPU the loop runs inside XLA, so the host's loop control is not timed with the matmuls.
     @tf.function(jit_compile=task["gpu"])

@@ -18,6 +18,8 @@ QUICK_ROWS = [
     "speed/mlp_1024",
     "roofline/peak",
     "roofline/mlp_1024",
+    "roofline/bfloat16_peak",
+    "roofline/mlp_1024/bfloat16",
     "roofline/mlp_1024/matmuls",
     "precision/mlp_1024/mixed_bfloat16",
     "precision/mlp_1024/mixed_float16",
