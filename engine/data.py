@@ -93,6 +93,19 @@ def sharded(files, parse):
     return Split(sum(records for _, records in files), make, files=files, parse=parse)
 
 
+def _fold(seed, *values):
+    """A [2] int64 stateless seed mixed with `values` (ints or int tensors), one after the other."""
+    for value in values:
+        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
+    return seed
+
+
+def _permutation(n, seed):
+    """A uniform random permutation of range(n) from a [2] int64 seed. (RandomIndexShuffle is far from uniform on
+    a few elements, such as a pipeline's files: on 12 it leaves most in place, and it reads 16 bits of a seed word.)"""
+    return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
+
+
 def _records(path, expected, counter=None):
     """(origin, record) of a file's `expected` records. A file that ends early (truncated, or a record whose
     checksum fails) stops the run naming it: the stream's arithmetic needs every record."""
@@ -314,14 +327,12 @@ class _Pipelines:
         per_epoch = sum(records for _, records in files)
         width = min(config.interleave_files, len(files))
         groups = math.ceil(len(files) / width)
-        # Seeds of this pipeline's orders: the run's, its stream's, its own.
-        key = tf.constant([config.seed, stream * 65536 + ctx.input_pipeline_id], tf.int64)
+        # Seeds of this pipeline's orders: the run's, its stream's, its own. (A parameter-server worker's stream
+        # is a tensor of the traced dataset function: everything below is graph arithmetic.)
+        key = _fold(tf.constant([config.seed, 0], tf.int64), stream, ctx.input_pipeline_id)
 
         def file_order(epoch):
-            seed = tf.concat([key[:1], [epoch], key[1:]], axis=0)
-            return tf.raw_ops.RandomIndexShuffle(
-                index=tf.range(len(files), dtype=tf.int64), seed=seed, max_index=len(files) - 1, rounds=4
-            )
+            return _permutation(len(files), _fold(key, epoch))
 
         def group(epoch, g):
             chosen = file_order(epoch)[g * width : (g + 1) * width]
@@ -337,9 +348,7 @@ class _Pipelines:
             # Shuffled within the group, window by window of --shuffle_buffer examples, each window's order a
             # function of (seed, stream, pipeline, epoch, group, window): alike on every restart.
             def shuffle(w, window):
-                n = tf.shape(window[0], out_type=tf.int64)[0]
-                seed = tf.stack([key[0], key[1] * 1_000_003 + epoch, g * 1_000_003 + w])
-                order = tf.raw_ops.RandomIndexShuffle(index=tf.range(n), seed=seed, max_index=n - 1, rounds=4)
+                order = _permutation(tf.shape(window[0])[0], _fold(key, epoch, g, w))
                 return tuple(tf.gather(part, order) for part in window)
 
             return ds.batch(config.shuffle_buffer).enumerate().map(shuffle).unbatch()
@@ -350,14 +359,11 @@ class _Pipelines:
         # Where the start lies, by arithmetic on the counts: the epochs and groups before it are never read.
         local = start_batch * (config.global_batch_size // ctx.num_input_pipelines)
         epoch, within = divmod(local, per_epoch)
-        with tf.init_scope():
-            order = file_order(tf.constant(epoch, tf.int64)).numpy()
-        first_group, before = 0, 0
-        while True:
-            size = sum(files[i][1] for i in order[first_group * width : (first_group + 1) * width])
-            if before + size > within:
-                break
-            before, first_group = before + size, first_group + 1
+        sizes = tf.gather(counts, file_order(tf.constant(epoch, tf.int64)))
+        sizes = tf.reduce_sum(tf.reshape(tf.pad(sizes, [[0, groups * width - len(files)]]), [groups, width]), axis=1)
+        ends = tf.cumsum(sizes)  # where each group of the start epoch ends
+        first_group = tf.reduce_sum(tf.cast(ends <= within, tf.int64))
+        before = tf.concat([[0], ends], axis=0)[first_group]
         ds = epoch_stream(tf.constant(epoch, tf.int64), first_group).skip(within - before)
         ds = ds.concatenate(tf.data.Dataset.range(epoch + 1, 2**62).flat_map(epoch_stream))
         return ds.enumerate(local).map(

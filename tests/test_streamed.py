@@ -241,3 +241,16 @@ def test_two_workers_resumed_as_one_are_refused_on_files_and_continue_in_memory(
             assert one.returncode == 0, one.stderr[-3000:]
             assert "resumed from step 10" in one.stdout
             assert json.load(open(workdir / "summary.json"))["step"] == 20
+
+
+def test_a_parameter_server_workers_stream_is_built_inside_a_traced_function(records):
+    """Under parameter servers each worker builds its dataset in a traced function, its stream number a tensor (the
+    servers' counter): the streamed split places its start by graph arithmetic, alike to the eager build."""
+    loaded = data.load(_config())
+    ctx = tf.distribute.InputContext()
+    traced = tf.function(lambda stream: loaded.train_fn(ctx, 7, stream))(tf.constant(2, tf.int64))
+    eager = loaded.train_fn(ctx, 7, 2)
+    other = loaded.train_fn(ctx, 7, 0)
+    for a, b, c in zip(traced.take(12), eager.take(12), other.take(12)):
+        np.testing.assert_array_equal(a["image"], b["image"])
+        assert not np.array_equal(a["image"], c["image"])  # its own order
