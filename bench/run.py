@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench import decode
+from bench import decode, end_to_end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
@@ -163,15 +163,18 @@ def measure(models, quick, gpu, jobs):
     memory_runs = [(name, side) for name in models for side in ("engine", "fit")]
     if quick:
         # A smoke test, not a measurement: everything at once.
-        with concurrent.futures.ThreadPoolExecutor(len(memory_runs) + 1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(memory_runs) + 2) as pool:
             futures = [pool.submit(speed)] + [pool.submit(memory, *run) for run in memory_runs]
+            futures.append(pool.submit(lambda: end_to_end.measure_all(models, PRECISIONS, 1, quick=True)))
             concurrent.futures.wait(futures)
+        results["end_to_end"] = futures[-1].result()
         results["mirrored"] = results.get("speed", {}).pop("mirrored", {})
         return results
     # Timed processes run alone, so nothing else competes for the cores while they measure;
     # peak memory is not timed, and those processes may share them.
     mirrored(speed())
     attempt("decode", decode_pipeline)
+    results["end_to_end"] = end_to_end.measure_all(models, PRECISIONS, end_to_end.REPEATS)
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         concurrent.futures.wait([pool.submit(memory, *run) for run in memory_runs])
     return results
@@ -418,6 +421,7 @@ def rows(results, models):
         )
     if "decode" in results:
         out.extend(decode.rows(results["decode"]))
+    out.extend(end_to_end.rows(results.get("end_to_end", {}), models))
     return out
 
 

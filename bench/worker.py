@@ -30,7 +30,8 @@ def progress(message):
 def main(task_path, result_path):
     with open(task_path) as f:
         task = json.load(f)
-    result = {"speed": speed, "mirrored": mirrored, "memory": memory}[task["kind"]](task)
+    kinds = {"speed": speed, "mirrored": mirrored, "memory": memory, "fit": fit_run, "matmuls": matmuls}
+    result = kinds[task["kind"]](task)
     with open(result_path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -448,6 +449,25 @@ def memory(task):
     if tf.config.list_physical_devices("GPU"):
         out["peak_gpu"] = tf.config.experimental.get_memory_info("GPU:0")["peak"]
     return out
+
+
+def fit_run(task):
+    """bench/end_to_end.py's fit side: `fit` as a user runs it, its first execution (tracing, compiling) left out
+    as the engine's summary leaves out its first round; examples/s over `steps` more."""
+    config = make_config(task["spec"], precision=task["precision"])
+    create_strategy(config)
+    runner = FitRunner(config, task["steps_per_execution"], task["jit"])
+    runner.window(task["steps_per_execution"])
+    seconds = runner.window(task["steps"])
+    return {"examples_per_sec": task["steps"] * config.global_batch_size / seconds}
+
+
+def matmuls(task):
+    """An MLP's forward and backward matmuls alone in `dtype`: the best of `windows` windows of `steps` steps."""
+    runner = MatmulRunner(task["spec"], task["dtype"])
+    runner.window(2)
+    best = min(runner.window(task["steps"]) for _ in range(task["windows"])) / task["steps"]
+    return {"seconds_per_step": best, "flops_per_step": runner.flops}
 
 
 if __name__ == "__main__":

@@ -176,8 +176,15 @@ def make_train_step(
         updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1] + new_state
         decay = config.ema_decay
         updated += [decay * average + (1.0 - decay) * p for average, p in zip(now_ema, new_params)]
-        # A non-finite step changes nothing but the loss scale: no weight, slot, update count, statistic or average.
-        values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
+        if loss_scale:
+            # float16: a non-finite step is routine (the scale was too high) and changes nothing but the scale: no
+            # weight, slot, update count, statistic or average.
+            values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
+        else:
+            # float32 and bfloat16: a non-finite step is divergence, and the loop stops or rolls back to the last
+            # checkpoint at the round's end, before anything is saved. Masking every value here would make each
+            # update wait for the global norm: 15% of a 1024-wide MLP's step, with XLA or without (bench/RESULTS.md).
+            values = updated
         if loss_scale:
             values.extend(loss_scale.next_state(finite))
         if asynchronous:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench import run
+from bench import end_to_end, run
 from tests.helpers import ROOT
 
 QUICK_ROWS = [
@@ -28,6 +28,8 @@ QUICK_ROWS = [
     "overhead/graph",
     "input/mlp_1024",
     "memory/mlp_1024",
+    "end_to_end/mlp_1024/float32",
+    "end_to_end/mlp_1024/float32/matmuls",
 ]
 
 
@@ -102,3 +104,31 @@ def test_rows_judge_each_number_against_its_target():
     table = {row["id"]: row for row in run.rows(_results(engine_vs_fit=1.39, peak_rss_engine=111), models)}
     assert table["speed/mlp_1024"]["result"] == "FALL SHORT"
     assert table["memory/mlp_1024"]["result"] == "FALL SHORT"
+
+
+def test_end_to_end_rows_take_the_median_ratio_against_the_faster_fit():
+    models = {name: run.MODELS[name] for name in ("mlp_256", "mlp_1024")}
+    # Per repeat: engine 100, 130, 90 examples/s against the faster fit of 100 (jit=1), 100 (jit=0), 120 (jit=1).
+    row = {
+        "engine": [100.0, 130.0, 90.0],
+        "fit": {0: [80.0, 100.0, 70.0], 1: [100.0, 90.0, 120.0]},
+        "jit_choice": "true (auto: ...)",
+        "ratios": [1.0, 1.3, 0.75],
+    }
+    matmuls = {"seconds_per_step": 256 / 120.0, "flops_per_step": 1e9}
+    results = {
+        "mlp_256": {"float32": row},
+        "mlp_1024": {"float32": {**row, "matmuls": matmuls}, "mixed_bfloat16": {"error": "launch.py failed\nboom"}},
+    }
+    table = {r["id"]: r for r in end_to_end.rows(results, models)}
+    assert table["end_to_end/mlp_256/float32"]["value"] == 1.0  # the median ratio, not the ratio of medians
+    assert table["end_to_end/mlp_256/float32"]["result"] == "FALL SHORT"  # its target is 1.15x
+    assert (
+        table["end_to_end/mlp_1024/float32"]["result"] == "PASS"
+        and table["end_to_end/mlp_1024/float32"]["shown"] == "1.00x"
+    )
+    # The engine's median 100 examples/s against its matmuls' 120: 83%, short of 95%.
+    share = table["end_to_end/mlp_1024/float32/matmuls"]
+    assert share["value"] == pytest.approx(100 / 120) and share["result"] == "FALL SHORT"
+    assert table["end_to_end/mlp_1024/mixed_bfloat16"]["result"] == "ERROR"
+    assert table["end_to_end/mlp_1024/mixed_bfloat16"]["detail"] == "boom"

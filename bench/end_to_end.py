@@ -1,0 +1,212 @@
+"""End to end: `launch.py` as a user runs it against Keras `fit` at its best, on every model and precision.
+
+    python -m bench.end_to_end                      # bench/run.py's models x precisions (about 40 min on 2 cores)
+    python -m bench.end_to_end --models=mlp_256 --precisions=float32 --repeats=5
+    python -m bench.end_to_end --quick              # a tiny MLP, once: checks that it all runs
+
+Each repeat runs, one after the other in fresh processes: the engine (`launch.py --dataset=synthetic ...` at its
+default settings, so `--jit_compile=auto` chooses; the examples/s of its own summary.json, which leaves out the
+first round with its tracing and compiling), then `fit` with XLA off and on (steps_per_execution 50, the same
+model, data pipeline, batch and optimizer; its first execution left out alike). The row is the median over the
+repeats of engine / the faster fit: neighbours on a shared machine slow whichever side they meet, and alternating
+the sides spreads that over both. On the MLPs the model's forward and backward matmuls alone, timed in their own
+process, give the share of the matmul time the engine reaches end to end.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from bench import run
+
+STEPS = {"mlp_1024": 600, "mlp_256": 2000, "resnet": 60, "transformer": 300}
+STEPS_PER_LOOP = {"mlp_1024": 50, "mlp_256": 50, "resnet": 10, "transformer": 50}
+QUICK = dict(
+    model="mlp", hidden_sizes=(64, 64), global_batch_size=32, synthetic_shape=(8, 8, 1), synthetic_examples=256
+)
+TARGETS = {"mlp_256": 1.15}  # where per-step work outside the matmuls weighs more; every other row: 1.0
+MATMUL_TARGET = 0.95  # the 1024-wide MLP in float32: fit reaches 92% of its matmuls there
+REPEATS = 3
+
+
+def engine_flags(spec, precision, steps, steps_per_loop, workdir):
+    flags = [f"--{k}={','.join(map(str, v)) if isinstance(v, (tuple, list)) else v}" for k, v in spec.items()]
+    return [
+        "--dataset=synthetic",
+        *flags,
+        f"--precision={precision}",
+        f"--train_steps={steps}",
+        f"--steps_per_loop={steps_per_loop}",
+        "--eval_every=0",
+        f"--workdir={workdir}",
+    ]
+
+
+def engine_run(spec, precision, steps, steps_per_loop):
+    """launch.py in a fresh process: (examples/s from its summary, its header's jit_compile choice)."""
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = engine_flags(spec, precision, steps, steps_per_loop, os.path.join(tmp, "run"))
+        proc = subprocess.run(
+            [sys.executable, "launch.py", *args],
+            cwd=run.ROOT,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"launch.py {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(os.path.join(tmp, "run", "summary.json")) as f:
+            summary = json.load(f)
+    choice = re.search(r"jit_compile=(\S+) \((.*)\)$", proc.stdout, re.MULTILINE)
+    return summary["examples_per_sec"], f"{choice[1]} ({choice[2]})" if choice else "?"
+
+
+def measure(name, spec, precision, repeats, steps, steps_per_loop, fit_jit=(False, True)):
+    """One row's measurements: per repeat the engine's and each fit's examples/s."""
+    out = {"engine": [], "fit": {int(j): [] for j in fit_jit}, "jit_choice": None}
+    for r in range(repeats):
+        speed, out["jit_choice"] = engine_run(spec, precision, steps, steps_per_loop)
+        out["engine"].append(speed)
+        for jit in fit_jit:
+            task = dict(kind="fit", spec=spec, precision=precision, jit=jit, steps_per_execution=50, steps=steps)
+            result = run.run_worker(task, f"fit {name} {precision} jit={int(jit)}")
+            out["fit"][int(jit)].append(result["examples_per_sec"])
+        best_fit = max(out["fit"][j][r] for j in out["fit"])
+        print(
+            f"progress: {name} {precision} repeat {r + 1}/{repeats}: engine {speed:,.0f} examples/s, "
+            f"best fit {best_fit:,.0f}: {speed / best_fit:.2f}x",
+            file=sys.stderr,
+            flush=True,
+        )
+    out["ratios"] = [e / max(f[r] for f in out["fit"].values()) for r, e in enumerate(out["engine"])]
+    if spec["model"] == "mlp":
+        dtype = (
+            "bfloat16" if precision == "mixed_bfloat16" else "float16" if precision == "mixed_float16" else "float32"
+        )
+        task = dict(kind="matmuls", spec=spec, dtype=dtype, steps=min(steps, 200), windows=5)
+        out["matmuls"] = run.run_worker(task, f"matmuls {name} {dtype}")
+    return out
+
+
+def rows(results, models):
+    """bench/run.py table rows for `results[name][precision]`."""
+    table = []
+
+    def add(row_id, measurement, value, shown, target="", passes=None, detail=""):
+        result = "info" if passes is None else ("PASS" if passes(value) else "FALL SHORT")
+        table.append(
+            dict(
+                id=row_id,
+                measurement=measurement,
+                value=value,
+                shown=shown,
+                target=target,
+                result=result,
+                detail=detail,
+            )
+        )
+
+    for name, by_precision in results.items():
+        for precision, r in by_precision.items():
+            what = f"{run.label(models[name])}, {precision}"
+            if "error" in r:
+                table.append(
+                    dict(
+                        id=f"end_to_end/{name}/{precision}",
+                        measurement=f"launch.py / best fit, end to end: {what}",
+                        value=None,
+                        shown="n/a",
+                        target="",
+                        result="ERROR",
+                        detail=r["error"].strip().splitlines()[-1] if r["error"].strip() else "",
+                    )
+                )
+                continue
+            ratio = statistics.median(r["ratios"])
+            target = TARGETS.get(name, 1.0)
+            fits = {j: statistics.median(v) for j, v in r["fit"].items()}
+            best = max(fits, key=fits.get)
+            add(
+                f"end_to_end/{name}/{precision}",
+                f"launch.py / best fit, end to end: {what}",
+                ratio,
+                f"{ratio:.2f}x",
+                f">= {target:.2f}x",
+                lambda v, t=target: v >= t,
+                f"median of {len(r['ratios'])} ({', '.join(f'{x:.2f}' for x in r['ratios'])}): engine "
+                f"{statistics.median(r['engine']):,.0f} examples/s, jit_compile={r['jit_choice']}; fit "
+                + ", ".join(f"jit={j} {v:,.0f}" for j, v in fits.items())
+                + f" (best jit={best})",
+            )
+            if "matmuls" in r:
+                m = r["matmuls"]
+                batch = models[name]["global_batch_size"]
+                matmul_speed = batch / m["seconds_per_step"]
+                share = statistics.median(r["engine"]) / matmul_speed
+                target = name == "mlp_1024" and precision == "float32"
+                add(
+                    f"end_to_end/{name}/{precision}/matmuls",
+                    f"launch.py examples/s / its matmuls alone: {what}",
+                    share,
+                    f"{share:.0%}",
+                    f">= {MATMUL_TARGET:.0%}" if target else "",
+                    (lambda v: v >= MATMUL_TARGET) if target else None,
+                    f"matmuls alone {matmul_speed:,.0f} examples/s "
+                    f"({m['flops_per_step'] / m['seconds_per_step'] / 1e9:.0f} GFLOP/s); best fit reaches "
+                    f"{max(fits.values()) / matmul_speed:.0%}",
+                )
+    return table
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(run.MODELS), help=f"comma-separated: {','.join(run.MODELS)}")
+    parser.add_argument("--precisions", default=",".join(run.PRECISIONS))
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="alternations of engine and fit per row")
+    parser.add_argument("--quick", action="store_true", help="a tiny MLP, float32, once: a smoke test")
+    parser.add_argument("--json", help="also write the raw measurements here")
+    args = parser.parse_args(argv)
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in run.MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {','.join(unknown)}; choose from {','.join(run.MODELS)}")
+    models = {"mlp_1024": QUICK} if args.quick else {n: run.MODELS[n] for n in names}
+    results = measure_all(models, args.precisions.split(","), args.repeats, args.quick)
+    table = rows(results, models)
+    print(run.format_table(table))
+    print(run.machine())
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"rows": table, "results": results}, f, indent=1)
+    return 1 if any(r["result"] == "ERROR" for r in table) else 0
+
+
+def measure_all(models, precisions, repeats, quick=False):
+    """{model: {precision: measurements}} for `models` ({name: spec}); a row that fails records its error.
+    `quick`: float32 only, once, short runs, fit without XLA: a smoke test of the whole path."""
+    if quick:
+        precisions, repeats = ["float32"], 1
+    results = {}
+    for name, spec in models.items():
+        steps, per_loop = (40, 10) if quick else (STEPS[name], STEPS_PER_LOOP[name])
+        for precision in precisions:
+            try:
+                fit_jit = (False,) if quick else (False, True)
+                results.setdefault(name, {})[precision] = measure(
+                    name, spec, precision, repeats, steps, per_loop, fit_jit
+                )
+            except Exception as e:  # a failed row costs that row, not the table
+                results.setdefault(name, {})[precision] = {"error": str(e)}
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
