@@ -2,7 +2,7 @@
 
 Each rule is a pure function from (parameter, gradient, slots) to their new
 values, so the step can apply every update masked by the all-reduced finite
-flag. The rules reproduce Keras 3's SGD, AdamW and Lamb (tests check parity).
+flag (float16's skipped steps). The rules reproduce Keras 3's SGD, AdamW and Lamb (tests check parity).
 Keras's own optimizers cannot be used in the step: they all-reduce again inside
 `apply_gradients` and cannot skip a step for every replica at once.
 """

@@ -3,9 +3,12 @@
 The train step, in order: forward and per-example loss in float32; loss over
 the GLOBAL batch; loss scaling (float16); ONE all-reduce of the gradients (the
 loss rides along); unscale; finite check on the unclipped gradients; clipping;
-the optimizer update, applied only when every gradient is finite, on every
-replica alike. The forward pass runs stateless: what it would update in place
-(batch-norm statistics) comes back as values and is masked like the weights.
+the optimizer update, on every replica alike. In float16 it is applied only
+when every gradient is finite (a skipped step is how loss scaling learns its
+scale); in float32 and bfloat16 a non-finite step is divergence, which the loop
+answers at the round's end by stopping or rolling back to the last checkpoint.
+The forward pass runs stateless: what it would update in place (batch-norm
+statistics) comes back as values and is masked like the weights.
 """
 
 import re

@@ -17,8 +17,21 @@ from engine import distribute
 BFLOAT16_UNITS = ("amx_bf16", "avx512_bf16")
 
 
+# mixed_bfloat16 on a CPU with bfloat16 units: the smallest weight matrix (in weights) whose matmuls the units speed
+# up more than XLA's fusion of everything around them does.
+UNITS_MIN_WEIGHTS = 256 * 256
+
+
 def choose(
-    setting, precision, device, cpu_flags=(), convolutions=False, synchronizes=False, unsupported="", remote=False
+    setting,
+    precision,
+    device,
+    cpu_flags=(),
+    convolutions=False,
+    synchronizes=False,
+    unsupported="",
+    remote=False,
+    largest_matrix=float("inf"),
 ):
     """(compile, reason): whether to compile the replica step with XLA, and why, in words for the run's first line.
 
@@ -27,7 +40,8 @@ def choose(
     layers. `synchronizes`: the model or task synchronizes replicas inside its forward pass or loss (synchronized
     batch norm, gathered negatives) where XLA cannot, found when the first round failed to trace with it.
     `unsupported`: ops of the step XLA has no kernel for (a task's random gamma draws), found when the first step
-    failed to compile. `remote`: the variables live on parameter servers.
+    failed to compile. `remote`: the variables live on parameter servers. `largest_matrix`: the weights in the
+    model's largest weight matrix (a dense or attention kernel).
     """
     if setting != "auto":
         return setting == "true", "flag"
@@ -55,12 +69,22 @@ def choose(
         # (2 cores, load 1.6), launch.py's summary: 394 and 394 examples/s without XLA, 268 and 269 with (0.68x).
         return False, "auto: convolutions on a CPU: oneDNN's beat XLA's"
     units = sorted(set(BFLOAT16_UNITS) & set(cpu_flags))
+    if precision == "mixed_bfloat16" and units and largest_matrix < UNITS_MIN_WEIGHTS:
+        # Transformer 2x64 (largest kernel 64x128), batch 128, on the Xeon with AMX, launch.py's summary: 3,483 and
+        # 3,612 examples/s with XLA against 2,948 and 2,847 without (1.24x); Keras fit alike, 3,331 with XLA and
+        # 2,831 without. Its matmuls are too small for the units to outrun what XLA's fusion saves.
+        return True, (
+            f"auto: mixed_bfloat16 on a CPU with {units[0]}, but matmuls of at most {largest_matrix:,} weights, "
+            "too small for the units: XLA fuses the step"
+        )
     if precision == "mixed_bfloat16" and units:
         # The 1024-wide MLP, batch 256, on a Xeon with AMX (issue 14, quiet): float32 with XLA 101 steps/s,
         # mixed_bfloat16 with XLA 87-91 (XLA:CPU computes bfloat16 in float32), without it 165-178 (oneDNN uses
         # the units). Here, shared (load 2.7 to 3.9), launch.py's summary: 9,038 and 17,810 examples/s without
         # XLA, 7,328 and 5,596 with. A CPU without the units falls through to the rule below: on the AMD EPYC
         # the non-XLA bfloat16 kernels take a slow path (ResNet-20 at 0.14-0.17x float32, bench/RESULTS.md).
+        # MLP 784-256-256-10 (largest kernel 200,704 weights), bench.end_to_end: 70,400 examples/s without XLA;
+        # Keras fit 59,197 without, 51,350 with.
         return False, f"auto: mixed_bfloat16 on a CPU with {units[0]}: oneDNN's bfloat16 matmuls beat XLA's"
     # launch.py's summary examples/s on the Xeon with AMX (2 cores, shared: load average 1.8 to 3.6), runs with
     # and without XLA alternated. MLP 784-1024-1024-10, batch 256, float32: medians 10,421 with XLA against
@@ -82,6 +106,7 @@ def resolve(config, strategy, models, synchronizes=False, unsupported=""):
         synchronizes=synchronizes,
         unsupported=unsupported,
         remote=distribute.is_parameter_server(strategy),
+        largest_matrix=largest_matrix(models.values()),
     )
 
 
@@ -113,3 +138,9 @@ def has_convolutions(models):
     return any(
         isinstance(layer, _CONVOLUTIONS) for model in models for layer in model._flatten_layers(include_self=False)
     )
+
+
+def largest_matrix(models):
+    """The number of weights in the models' largest weight matrix (a kernel of two or more dimensions); 0 if none."""
+    sizes = [v.shape.num_elements() for model in models for v in model.trainable_variables if len(v.shape) >= 2]
+    return max(sizes, default=0)

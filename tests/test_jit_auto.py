@@ -104,6 +104,23 @@ def test_choose_decides_each_case(setting, precision, device, cpu, convolutions,
     assert xla.choose(setting, precision, device, cpu, convolutions, synchronizes) == expected
 
 
+def test_bfloat16_units_are_left_to_large_matmuls():
+    small = "auto: mixed_bfloat16 on a CPU with amx_bf16, but matmuls of at most 8,192 weights, too small for the units"
+    assert xla.choose("auto", "mixed_bfloat16", "CPU", AMX, largest_matrix=64 * 128) == (
+        True,
+        f"{small}: XLA fuses the step",
+    )
+    assert xla.choose("auto", "mixed_bfloat16", "CPU", AMX, largest_matrix=256 * 256) == (
+        False,
+        "auto: mixed_bfloat16 on a CPU with amx_bf16: oneDNN's bfloat16 matmuls beat XLA's",
+    )
+    # float32 and CPUs without the units are not affected by the size.
+    assert xla.choose("auto", "float32", "CPU", AMX, largest_matrix=64) == (True, DENSE_CPU)
+    mlp = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256), keras.layers.Dense(10)])
+    assert xla.largest_matrix([mlp]) == 784 * 256  # kernels, not biases
+    assert xla.largest_matrix([keras.Sequential([keras.Input((3,))])]) == 0
+
+
 def test_cpu_flags_come_from_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512_bf16 amx_bf16\n\nflags\t: other\n")
@@ -183,7 +200,9 @@ def test_header_says_what_was_chosen_and_why(
     data_dir, one_device, tmp_path, capsys, monkeypatch, precision, setting, cpu, expected
 ):
     monkeypatch.setattr(xla, "cpu_flags", lambda: cpu)
-    config = helpers.make_config(data_dir, str(tmp_path), precision=precision, jit_compile=setting, train_steps=2)
+    config = helpers.make_config(
+        data_dir, str(tmp_path), precision=precision, jit_compile=setting, train_steps=2, hidden_sizes=(256, 256)
+    )
     loop.train(config, one_device)
     assert _header(capsys.readouterr().out).endswith(f" global_batch_size=64 {expected}")
     trainer = loop.Trainer(config, one_device)  # and the step is built as the line says
