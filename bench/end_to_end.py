@@ -47,7 +47,7 @@ def engine_flags(spec, precision, steps, steps_per_loop, workdir):
 
 
 def engine_run(spec, precision, steps, steps_per_loop):
-    """launch.py in a fresh process: (examples/s from its summary, its header's jit_compile choice)."""
+    """launch.py in a fresh process: examples/s and the input wait from its summary, its jit_compile choice."""
     import json
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,15 +64,16 @@ def engine_run(spec, precision, steps, steps_per_loop):
         with open(os.path.join(tmp, "run", "summary.json")) as f:
             summary = json.load(f)
     choice = re.search(r"jit_compile=(\S+) \((.*)\)$", proc.stdout, re.MULTILINE)
-    return summary["examples_per_sec"], f"{choice[1]} ({choice[2]})" if choice else "?"
+    return summary["examples_per_sec"], f"{choice[1]} ({choice[2]})" if choice else "?", summary["input_wait_fraction"]
 
 
 def measure(name, spec, precision, repeats, steps, steps_per_loop, fit_jit=(False, True)):
     """One row's measurements: per repeat the engine's and each fit's examples/s."""
-    out = {"engine": [], "fit": {int(j): [] for j in fit_jit}, "jit_choice": None}
+    out = {"engine": [], "input_wait": [], "fit": {int(j): [] for j in fit_jit}, "jit_choice": None}
     for r in range(repeats):
-        speed, out["jit_choice"] = engine_run(spec, precision, steps, steps_per_loop)
+        speed, out["jit_choice"], wait = engine_run(spec, precision, steps, steps_per_loop)
         out["engine"].append(speed)
+        out["input_wait"].append(wait)
         for jit in fit_jit:
             task = dict(kind="fit", spec=spec, precision=precision, jit=jit, steps_per_execution=50, steps=steps)
             result = run.run_worker(task, f"fit {name} {precision} jit={int(jit)}")
@@ -142,7 +143,9 @@ def rows(results, models):
                 f"median of {len(r['ratios'])} ({', '.join(f'{x:.2f}' for x in r['ratios'])}): engine "
                 f"{statistics.median(r['engine']):,.0f} examples/s, jit_compile={r['jit_choice']}; fit "
                 + ", ".join(f"jit={j} {v:,.0f}" for j, v in fits.items())
-                + f" (best jit={best})",
+                + f" (best jit={best}); the engine's steps waited for input "
+                + ", ".join(f"{w:.1%}" for w in r.get("input_wait", []))
+                + " of the time",
             )
             if "matmuls" in r:
                 m = r["matmuls"]
@@ -170,6 +173,7 @@ def main(argv=None):
     parser.add_argument("--precisions", default=",".join(run.PRECISIONS))
     parser.add_argument("--repeats", type=int, default=REPEATS, help="alternations of engine and fit per row")
     parser.add_argument("--quick", action="store_true", help="a tiny MLP, float32, once: a smoke test")
+    parser.add_argument("--steps", type=int, help="training steps of every run (default: per model, STEPS)")
     parser.add_argument("--json", help="also write the raw measurements here")
     args = parser.parse_args(argv)
     names = args.models.split(",")
@@ -177,7 +181,7 @@ def main(argv=None):
     if unknown:
         parser.error(f"--models: unknown {','.join(unknown)}; choose from {','.join(run.MODELS)}")
     models = {"mlp_1024": QUICK} if args.quick else {n: run.MODELS[n] for n in names}
-    results = measure_all(models, args.precisions.split(","), args.repeats, args.quick)
+    results = measure_all(models, args.precisions.split(","), args.repeats, args.quick, args.steps)
     table = rows(results, models)
     print(run.format_table(table))
     print(run.machine())
@@ -189,19 +193,19 @@ def main(argv=None):
     return 1 if any(r["result"] == "ERROR" for r in table) else 0
 
 
-def measure_all(models, precisions, repeats, quick=False):
+def measure_all(models, precisions, repeats, quick=False, steps=None):
     """{model: {precision: measurements}} for `models` ({name: spec}); a row that fails records its error.
     `quick`: float32 only, once, short runs, fit without XLA: a smoke test of the whole path."""
     if quick:
         precisions, repeats = ["float32"], 1
     results = {}
     for name, spec in models.items():
-        steps, per_loop = (40, 10) if quick else (STEPS[name], STEPS_PER_LOOP[name])
+        runs, per_loop = (40, 10) if quick else (steps or STEPS[name], STEPS_PER_LOOP[name])
         for precision in precisions:
             try:
                 fit_jit = (False,) if quick else (False, True)
                 results.setdefault(name, {})[precision] = measure(
-                    name, spec, precision, repeats, steps, per_loop, fit_jit
+                    name, spec, precision, repeats, runs, min(per_loop, runs // 2), fit_jit
                 )
             except Exception as e:  # a failed row costs that row, not the table
                 results.setdefault(name, {})[precision] = {"error": str(e)}
