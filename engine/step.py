@@ -182,14 +182,12 @@ def make_train_step(
         if loss_scale:
             # float16: a non-finite step is routine (the scale was too high) and changes nothing but the scale: no
             # weight, slot, update count, statistic or average.
-            values = [tf.where(finite, u, c) for u, c in zip(updated, current)]
+            values = [*(tf.where(finite, u, c) for u, c in zip(updated, current)), *loss_scale.next_state(finite)]
         else:
             # float32 and bfloat16: a non-finite step is divergence, and the loop stops or rolls back to the last
             # checkpoint at the round's end, before anything is saved. Masking every value here would make each
             # update wait for the global norm: 15% of a 1024-wide MLP's step, with XLA or without (bench/RESULTS.md).
             values = updated
-        if loss_scale:
-            values.extend(loss_scale.next_state(finite))
         if asynchronous:
             values = [v - c for v, c in zip(values, current)]
         scale = loss_scale.scale.value() if loss_scale else tf.constant(0.0)
