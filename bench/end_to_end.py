@@ -100,7 +100,7 @@ def rows(results, models):
     table = []
 
     def add(row_id, measurement, value, shown, target="", passes=None, detail=""):
-        result = "info" if passes is None else ("PASS" if passes(value) else "FALL SHORT")
+        result = "ERROR" if value is None else "info" if passes is None else "PASS" if passes(value) else "FALL SHORT"
         table.append(
             dict(
                 id=row_id,
@@ -116,17 +116,14 @@ def rows(results, models):
     for name, by_precision in results.items():
         for precision, r in by_precision.items():
             what = f"{run.label(models[name])}, {precision}"
-            if "error" in r:
-                table.append(
-                    dict(
-                        id=f"end_to_end/{name}/{precision}",
-                        measurement=f"launch.py / best fit, end to end: {what}",
-                        value=None,
-                        shown="n/a",
-                        target="",
-                        result="ERROR",
-                        detail=r["error"].strip().splitlines()[-1] if r["error"].strip() else "",
-                    )
+            if "error" in r:  # the row stays in the table, with the last line of what failed
+                lines = r["error"].strip().splitlines()
+                add(
+                    f"end_to_end/{name}/{precision}",
+                    f"launch.py / best fit, end to end: {what}",
+                    None,
+                    "n/a",
+                    detail=lines[-1] if lines else "",
                 )
                 continue
             ratio = statistics.median(r["ratios"])
