@@ -335,9 +335,13 @@ class MatmulRunner:
 
 
 class _NoInput:
+    """The runner's step without input: one batch, every step (the pipeline's first; the step gathers none)."""
+
     def __init__(self, runner):
+        import tensorflow as tf
+
         self.runner = runner
-        self.fixed = itertools.repeat(next(runner.iterator))  # the step without input: one batch, every step
+        self.fixed = itertools.repeat(next(iter(runner.trainer.data.train_fn(tf.distribute.InputContext()))))
 
     def window(self, steps):
         tic = time.perf_counter()

@@ -158,6 +158,9 @@ class Data:
     sharded: bool = False  # the training stream depends on the number of input pipelines
     train_bytes: int = 0  # record bytes of the training files, when sharded
     origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
+    # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
+    # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
+    gather: object = None
 
 
 def task_class(config):
@@ -210,6 +213,9 @@ def load(config, split=None):
             )
         return ds.prefetch(AUTOTUNE)
 
+    def gather(batch, pipeline, num_pipelines):
+        return prepare(pipelines.share(batch, pipeline, num_pipelines))
+
     def eval_fn(ctx):
         return pipelines.evaluation(ctx, eval_steps).map(prepare, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
 
@@ -224,6 +230,7 @@ def load(config, split=None):
         sharded=bool(train.files),
         train_bytes=pipelines.train_bytes,
         origin=pipelines.origin,
+        gather=gather if train.fetch is not None and source.decode is None else None,
     )
 
 
@@ -288,15 +295,17 @@ class _Pipelines:
         # The raw op: tf.random.experimental.index_shuffle mis-pads a batch of seeds.
         return tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
 
-    def _gathered(self, ctx, start_batch, stream, per_replica, local_replicas):
-        config, split = self.config, self.train_split
+    def share(self, batch, pipeline, num_pipelines, stream=0):
+        """Input pipeline `pipeline`'s share of global batch `batch` (either may be a tensor), gathered from memory:
+        the examples at stream positions pipeline, pipeline + n, ... of the batch, with their `index`."""
+        positions = batch * self.config.global_batch_size + tf.range(
+            pipeline, self.config.global_batch_size, num_pipelines, dtype=tf.int64
+        )
+        return {**self.train_split.fetch(self.order(positions, stream)), "index": positions}
 
+    def _gathered(self, ctx, start_batch, stream, per_replica, local_replicas):
         def global_batch(k):
-            # This pipeline's share of global batch k: every n-th position of the stream.
-            positions = k * config.global_batch_size + tf.range(
-                ctx.input_pipeline_id, config.global_batch_size, ctx.num_input_pipelines, dtype=tf.int64
-            )
-            batch = {**split.fetch(self.order(positions, stream)), "index": positions}
+            batch = self.share(k, ctx.input_pipeline_id, ctx.num_input_pipelines, stream)
             if local_replicas == 1:
                 return batch
             return {k: tf.reshape(v, [local_replicas, per_replica, *v.shape[1:]]) for k, v in batch.items()}

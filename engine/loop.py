@@ -54,6 +54,24 @@ class Preempted(Exception):
         self.exit_code = exit_code
 
 
+def gathers_in_step(config, strategy, data, coordinator):
+    """Whether each replica gathers its batch inside the step, from the training split held in memory, instead of
+    reading it from a tf.data pipeline: one CPU replica per worker (one device, or multi-worker), a split held in
+    memory without a per-example decode. The pipeline's hand-over costs the step more than the gather (the 256-wide
+    MLP: 1.08x and 1.16x end to end, its input wait 12% before; bench/RESULTS.md). Not on accelerators, where the
+    pipeline prefetches to the device and the split would have to be copied there first; not with parameter
+    servers (each worker its own stream) or a tf.data service (its workers build the batches); not for several
+    replicas in one process (mirrored), where the gathered steps drifted from one device 20x more than the
+    pipeline's in the ResNet parity case, though every batch was identical."""
+    return (
+        data.gather is not None
+        and coordinator is None
+        and not config.tf_data_service
+        and strategy.num_replicas_in_sync == distribute.num_workers(strategy)
+        and all("CPU" in device.upper() for device in strategy.extended.worker_devices)
+    )
+
+
 def stops_each_step(strategy):
     """Whether the inner loop ends a round at the first step that all-reduced a set stop flag (on CPUs), or runs
     the round to its end and leaves the flag to the host between rounds (on GPUs and TPUs).
@@ -147,6 +165,7 @@ class Trainer:
             tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
         )
         self.stops_each_step = stops_each_step(strategy)
+        self.in_step = gathers_in_step(config, strategy, self.data, self.coordinator)
         self.jit_compile, self.jit_reason = xla.resolve(config, strategy, self.models)
         self._build_train_step()
         self.eval_loop = tf.function(self._eval_loop)
@@ -223,10 +242,13 @@ class Trainer:
             )
 
     def train_iterator(self):
-        """An iterator over the training batches from the current data position on."""
+        """An iterator over the training batches from the current data position on; None when the steps gather their
+        own (`in_step`)."""
         start = int(self.batches.numpy())
         self.check_pipelines()
         self.input_pipelines.assign(self.pipelines)
+        if self.in_step:
+            return None
         # The byte count stays on this host: a tf.data service ships the pipeline's graph, without variables.
         counter = None if self.config.tf_data_service else self.bytes_read
         if (
@@ -274,21 +296,20 @@ class Trainer:
     def _first_replica(self, values):
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
 
-    def _train_loop(self, iterator, steps):
+    def _train_loop(self, iterator, steps, first_batch):
         loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
         waited = tf.constant(0.0, tf.float64)
         last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0, "stop": False}
         timed = self.waits_timed
-        for _ in tf.range(steps):
-            # Seconds spent waiting for the next batch: the timestamps are ordered around it by hand (automatic
-            # control dependencies leave a timestamp free to run anywhere).
-            asked = tf.timestamp() if timed else tf.constant(0.0, tf.float64)
-            with tf.control_dependencies([asked] if timed else []):
-                batch = next(iterator)
-            if timed:
-                with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
-                    waited += tf.timestamp() - asked
-            out = self._first_replica(self.strategy.run(self.train_step, args=(batch,)))
+        for i in tf.range(steps):
+            if iterator is None:  # in_step: train_iterator() gives none
+                # The batch's index from the loop counter, not from the `batches` variable: nothing orders the gather
+                # after the previous step, so it may run ahead of it.
+                batch_index = first_batch + tf.cast(i, tf.int64)
+                out = self._first_replica(self.strategy.run(self._gathered_step, args=(batch_index,)))
+            else:
+                out = self._iterated_step(iterator, timed)
+                waited += out.pop("waited")
             loss_sum += tf.where(out["finite"], out["loss"], 0.0)
             finite_steps += tf.cast(out["finite"], tf.float32)
             last = {k: out[k] for k in last}
@@ -301,6 +322,24 @@ class Trainer:
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
         return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, "input_wait": waited, **last}
 
+    def _gathered_step(self, batch_index):
+        # One replica per worker (gathers_in_step): the replica's id is its worker's input pipeline.
+        replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
+        return self.train_step(self.data.gather(batch_index, replica, self.pipelines))
+
+    def _iterated_step(self, iterator, timed):
+        # Seconds spent waiting for the next batch: the timestamps are ordered around it by hand (automatic
+        # control dependencies leave a timestamp free to run anywhere).
+        asked = tf.timestamp() if timed else tf.constant(0.0, tf.float64)
+        waited = tf.constant(0.0, tf.float64)
+        with tf.control_dependencies([asked] if timed else []):
+            batch = next(iterator)
+        if timed:
+            with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+                waited = tf.timestamp() - asked
+        out = self._first_replica(self.strategy.run(self.train_step, args=(batch,)))
+        return {**out, "waited": waited}
+
     def _eval_loop(self, iterator, steps):
         totals = tf.zeros([len(self.metric_names) + 1])
         for _ in tf.range(steps):
@@ -308,12 +347,13 @@ class Trainer:
         return totals
 
     def run_steps(self, iterator, steps):
-        """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers."""
+        """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers. `iterator`: the
+        batches, or None (train_iterator() when in_step): each step gathers its own from the data position on."""
         position = (int(self.step.numpy()), int(self.batches.numpy()))
         try:
             if self.coordinator is not None:
                 return self._run_scheduled(iterator, steps)
-            out = self.train_loop(iterator, tf.constant(steps))
+            out = self.train_loop(iterator, tf.constant(steps), tf.constant(position[1], tf.int64))
             self._check_retrace("train_loop", self.train_loop)
         except RuntimeError as e:
             if "merge_call" in str(e) and self.jit_compile and self.config.jit_compile == "auto":
@@ -370,7 +410,10 @@ class Trainer:
         worker is free (the coordinator reschedules a dead worker's share); the chief waits for all."""
         chunk = max(1, steps // (4 * distribute.num_workers(self.strategy)))
         sizes = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
-        remote = [self.coordinator.schedule(self.train_loop, args=(iterator, tf.constant(n))) for n in sizes]
+        remote = [
+            self.coordinator.schedule(self.train_loop, args=(iterator, tf.constant(n), tf.constant(0, tf.int64)))
+            for n in sizes
+        ]
         self.coordinator.join()
         outs = [{k: float(v) for k, v in r.fetch().items()} for r in remote]
         done = sum(o["steps"] for o in outs)
@@ -588,6 +631,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
         f"task={config.task} model={config.model} parameters={params} dataset={config.dataset} "
         f"strategy={distribute.strategy_name(config)} replicas={strategy.num_replicas_in_sync} "
         f"precision={config.precision} global_batch_size={config.global_batch_size} "
+        f"input={'in-step' if trainer.in_step else 'tf.data'} "
         f"jit_compile={show(trainer.jit_compile)} ({trainer.jit_reason})"
     )
     iterator = trainer.train_iterator()

@@ -1,6 +1,7 @@
 """Two logical CPU devices for the whole test process, set before any TensorFlow op runs, so one_device
 and mirrored runs share a process. Multi-worker runs are separate processes (tests/helpers.run_workers)."""
 
+import collections
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -13,6 +14,14 @@ from tests import helpers  # noqa: E402
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with the most `slow` tests (multi-process jobs, long runs) first, the rest in their order: the
+    workers of `pytest -n 2` take whole modules in this order, so the long ones start early and the short ones
+    fill in beside them instead of the run ending on one long module."""
+    slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ QUICK_ROWS = [
 ]
 
 
+@pytest.mark.slow
 def test_quick_mode_measures_every_row(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(

@@ -23,6 +23,7 @@ def final_tensors(workdir):
     return {k: v for k, v in helpers.checkpoint_tensors(workdir)[1].items() if k.startswith("models/")}
 
 
+@pytest.mark.slow
 def test_launcher_runs_two_workers_that_match_one_device(data_dir, tmp_path):
     args = [
         f"--data_dir={data_dir}",
@@ -66,6 +67,7 @@ def test_launcher_stops_the_job_when_a_worker_fails(data_dir, tmp_path):
     assert "cannot write there" in result.stdout
 
 
+@pytest.mark.slow
 def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worker(data_dir, one_device, tmp_path):
     args = ["--train_steps=400", "--steps_per_loop=100", "--hidden_sizes=256,256", f"--data_dir={data_dir}"]
     proc = subprocess.Popen(

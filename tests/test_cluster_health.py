@@ -46,6 +46,7 @@ def listening_ports(pid):
     return found
 
 
+@pytest.mark.slow
 def test_threads_stay_flat_over_thousands_of_collectives(data_dir, tmp_path):
     """A multi-worker job's thread count must not grow with the number of collectives it has run: TensorFlow
     starts one sleeping thread per collective that has a timeout. And the launcher says where the workers'

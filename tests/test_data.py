@@ -146,3 +146,44 @@ def test_streamed_epochs_are_new_permutations_of_the_split(data_dir, monkeypatch
     assert collections.Counter(epochs[0]) == collections.Counter(epochs[1]) == collections.Counter(split)
     assert epochs[0] != epochs[1], "the second epoch repeats the first one's order"
     assert streamed.sharded and not in_memory.sharded  # its files, read by pipeline; not the in-memory path
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_a_gathered_share_is_the_pipelines_batch(data_dir, pipelines):
+    """What a step gathers for itself (data.gather) is, batch for batch, what each worker's pipeline gives it,
+    across epochs (digits: 1,437 training examples, 40 batches of 64 run into the second epoch)."""
+    config = helpers.make_config(data_dir)
+    loaded = data.load(config)
+    for worker in range(pipelines):
+        dataset = loaded.train_fn(tf.distribute.InputContext(pipelines, worker, pipelines), 3)
+        for k, batch in enumerate(dataset.take(40), start=3):
+            gathered = loaded.gather(tf.constant(k, tf.int64), tf.constant(worker, tf.int64), pipelines)
+            assert gathered.keys() == batch.keys()
+            for name in batch:
+                np.testing.assert_array_equal(gathered[name].numpy(), batch[name].numpy())
+
+
+def test_steps_gather_their_batches_on_one_cpu_replica_and_train_as_the_pipeline_does(
+    data_dir, one_device, mirrored, monkeypatch
+):
+    """One CPU replica per worker and a split held in memory: each step gathers its own batch (no pipeline to wait
+    on). Rounds that do match rounds fed by the pipeline, and a run resumed at another batch reads on from it."""
+    from engine.loop import Trainer
+
+    config = helpers.make_config(data_dir, train_steps=30)
+    gathering = Trainer(config, one_device)
+    assert gathering.in_step and gathering.train_iterator() is None
+    fed = Trainer(config, one_device)
+    fed.in_step = False
+    for steps in (7, 13):  # rounds of uneven length: each starts at the data position the last one left
+        out = gathering.run_steps(gathering.train_iterator(), steps)
+        reference = fed.run_steps(fed.train_iterator(), steps)
+        assert out["input_wait"] == 0.0 and out["steps"] == reference["steps"] == steps
+        assert out["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    assert int(gathering.batches.numpy()) == int(fed.batches.numpy()) == 20
+    for a, b in zip(gathering.params, fed.params):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+    # Several replicas in one process (mirrored), a split streamed from its files: the pipeline.
+    assert not Trainer(config, mirrored).in_step
+    _store("streamed", monkeypatch)
+    assert not Trainer(config, one_device).in_step

@@ -204,7 +204,7 @@ def test_header_says_what_was_chosen_and_why(
         data_dir, str(tmp_path), precision=precision, jit_compile=setting, train_steps=2, hidden_sizes=(256, 256)
     )
     loop.train(config, one_device)
-    assert _header(capsys.readouterr().out).endswith(f" global_batch_size=64 {expected}")
+    assert _header(capsys.readouterr().out).endswith(f" global_batch_size=64 input=in-step {expected}")
     trainer = loop.Trainer(config, one_device)  # and the step is built as the line says
     assert getattr(trainer.train_step, "_jit_compile", False) == ("=true" in expected)
 

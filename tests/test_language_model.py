@@ -162,6 +162,7 @@ def test_sample_refuses_a_prompt_with_characters_outside_the_vocabulary(trained)
 # ---- Replicas ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_mirrored_matches_one_device(one_device, mirrored):
     config = _config(global_batch_size=8, train_steps=5, steps_per_loop=5, warmup_steps=0)
     reference, reference_out = helpers.train_and_snapshot(config, one_device)

@@ -52,6 +52,7 @@ def test_mirrored_one_bad_replica_skips_everywhere(config, mirrored):
     )
 
 
+@pytest.mark.slow
 def test_multi_worker_one_bad_worker_skips_everywhere(multi_worker_dir):
     snaps = {}
     for name in ("before", "after_bad", "after_good"):

@@ -58,6 +58,7 @@ def test_mirrored_matches_one_device(data_dir, mirrored, one_device_runs, case):
 
 
 @pytest.mark.parametrize("case", list(helpers.PARITY_CASES))
+@pytest.mark.slow
 def test_multi_worker_matches_one_device(multi_worker_dir, one_device_runs, case):
     workers = [dict(np.load(os.path.join(multi_worker_dir, f"{case}_worker{i}.npz"))) for i in range(2)]
     assert _max_difference(workers[0], workers[1]) == 0.0

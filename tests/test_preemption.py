@@ -86,6 +86,7 @@ def uninterrupted(data_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("signalled", [0, 1], ids=["chief", "worker1"])
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_every_worker_at_one_saved_step(data_dir, tmp_path, uninterrupted, signalled):
     results = run_job(tmp_path, data_dir, 1_000_000, signalled)
     assert [code for code, _, _ in results] == [PREEMPTED_EXIT_CODE] * 2, [err[-1500:] for _, _, err in results]

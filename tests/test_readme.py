@@ -65,6 +65,7 @@ def clone(destination):
             shutil.copy2(source, os.path.join(destination, name))
 
 
+@pytest.mark.slow
 def test_running_commands_succeed_in_order_in_one_clone(tmp_path):
     repo = str(tmp_path / "repo")
     clone(repo)

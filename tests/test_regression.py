@@ -114,6 +114,7 @@ def _train(config, strategy):
     return helpers.snapshot(trainer), out, trainer.evaluate()
 
 
+@pytest.mark.slow
 def test_mirrored_matches_one_device(one_device, mirrored):
     config = helpers.make_config("", **{**SETTINGS, "clip_norm": 0.5})
     reference, reference_out, reference_eval = _train(config, one_device)

@@ -254,6 +254,7 @@ def get_json(url):
     return json.loads(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)  # TensorBoard gzips its data
 
 
+@pytest.mark.slow
 def test_tensorboard_profile_tab_shows_a_profile_steps_trace(tmp_path):
     workdir = tmp_path / "run"
     proc = launch(

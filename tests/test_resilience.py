@@ -56,6 +56,7 @@ def kill_after(proc, workdir, step, timeout=180):
 @pytest.mark.parametrize(
     "strategy", [[], ["--strategy=mirrored", "--num_cpu_devices=2"]], ids=["one_device", "mirrored"]
 )
+@pytest.mark.slow
 def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy):
     args = [
         f"--data_dir={data_dir}",
@@ -90,6 +91,7 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir, tmp_path):
     args = [f"--data_dir={data_dir}", "--steps_per_loop=4000", "--checkpoint_every=0", "--hidden_sizes=32"]
     proc = start(tmp_path, *args, "--train_steps=1000000")
@@ -168,7 +170,7 @@ def _poison(monkeypatch, bad_batches):
             bad = lambda i, x: tf.where(tf.reduce_any(tf.equal(i, bad_batches)), x * np.nan, x)  # noqa: E731
             return ds.map(lambda i, b: {**b, "image": bad(i, b["image"])})
 
-        return dataclasses.replace(loaded, train_fn=train_fn)
+        return dataclasses.replace(loaded, train_fn=train_fn, gather=None)  # through the poisoned pipeline
 
     monkeypatch.setattr(data, "load", load)
 
@@ -212,6 +214,7 @@ def test_nan_rollback_never_picks_a_damaged_checkpoint(data_dir, one_device, tmp
     assert summary["step"] == 20 and np.isfinite(summary["train_loss"])
 
 
+@pytest.mark.slow
 def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
     ports = helpers.free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
@@ -244,6 +247,7 @@ def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
     assert not any(name.startswith(".worker") for name in os.listdir(tmp_path / "checkpoints"))
 
 
+@pytest.mark.slow
 def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
     args = [f"--data_dir={data_dir}", "--hidden_sizes=512,512", "--checkpoint_every=10", "--steps_per_loop=10"]
     code, _, err = launch(tmp_path, *args, "--train_steps=10")

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 PROCESSES = ("mlp worker 0 (soak)", "mlp worker 1 (soak)", "mlp worker 0 (reference)", "mlp worker 1 (reference)")
@@ -20,6 +22,7 @@ def table_row(output, first_cell):
     return cells(rows[0])
 
 
+@pytest.mark.slow
 def test_short_soak_stops_resumes_exactly_and_nothing_grows(data_dir, tmp_path):
     soak = subprocess.run(
         [

@@ -125,6 +125,7 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
     assert not np.allclose(later, first)
 
 
+@pytest.mark.slow
 def test_dropout_run_resumes_bit_exactly(data_dir, one_device, tmp_path):
     from engine import loop
 

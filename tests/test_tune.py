@@ -72,6 +72,7 @@ def study(data_dir, one_device, tmp_path_factory):
     return config, tune.tune(config, one_device)
 
 
+@pytest.mark.slow
 def test_search_finds_learning_rates_better_than_a_known_bad_one(study):
     config, summary = study
     records = {t["number"]: t for t in summary["all"]}
@@ -127,6 +128,7 @@ def test_pruning_stops_a_hopeless_trial_early(data_dir, one_device, tmp_path, pr
     assert hopeless["value"] < good["value"] - 0.2
 
 
+@pytest.mark.slow
 def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data_dir, tmp_path):
     space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\nhidden_sizes choice 16 32,32\n")
     workdir = tmp_path / "study"
