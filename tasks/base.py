@@ -27,8 +27,9 @@ class Task:
     # ---- Data ----------------------------------------------------------------------------------------------
 
     def prepare(self, batch):
-        """A batch of source examples -> a batch the model reads (scaling, casting, decoding). Runs in the input
-        pipeline on the host, batched; must keep the batch dimension first and every shape static."""
+        """A batch of source examples -> a batch the model reads (scaling, casting, decoding). Runs batched, in the
+        input pipeline, or inside the training step where the step gathers its batch from a split held in memory
+        (one CPU replica per worker); must keep the batch dimension first and every shape static."""
         return batch
 
     # ---- Models --------------------------------------------------------------------------------------------
