@@ -393,7 +393,7 @@ def rows(results, models):
             lambda v: f"{v:.1%}",
             f"< {INPUT_WAIT_TARGET:.0%}",
             lambda v: v < INPUT_WAIT_TARGET,
-            r and f"{r['engine_best']}, the same step fed one fixed batch vs its input (gathered in the step, or the pipeline)" or "",
+            r and f"{r['engine_best']}, the same step fed one fixed batch vs its own input" or "",
         )
 
     memory = results.get("memory", {})
