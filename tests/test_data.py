@@ -158,6 +158,9 @@ def test_a_gathered_share_is_the_pipelines_batch(data_dir, pipelines):
         dataset = loaded.train_fn(tf.distribute.InputContext(pipelines, worker, pipelines), 3)
         for k, batch in enumerate(dataset.take(40), start=3):
             gathered = loaded.gather(tf.constant(k, tf.int64), tf.constant(worker, tf.int64), pipelines)
+            share = config.global_batch_size // pipelines  # worker w: positions w, w + n, ... of global batch k
+            expected = k * config.global_batch_size + worker + pipelines * np.arange(share)
+            np.testing.assert_array_equal(gathered["index"].numpy(), expected)
             assert gathered.keys() == batch.keys()
             for name in batch:
                 np.testing.assert_array_equal(gathered[name].numpy(), batch[name].numpy())
