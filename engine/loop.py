@@ -68,7 +68,7 @@ def gathers_in_step(config, strategy, data, coordinator):
         and coordinator is None
         and not config.tf_data_service
         and strategy.num_replicas_in_sync == distribute.num_workers(strategy)
-        and all("CPU" in device.upper() for device in strategy.extended.worker_devices)
+        and xla.device_kind(strategy) == "CPU"
     )
 
 
