@@ -7,13 +7,12 @@
 Every flag is a field of engine/config.py's Config, with the same name, default and help.
 This is the only file that knows absl exists.
 
-Exit codes: 0 done; 2 bad input (a flag, TF_CONFIG, data, a checkpoint that does not fit);
-3 non-finite loss; 4 cannot write to the workdir; 5 lost a multi-worker peer; 75 preempted by
-SIGTERM, or by a peer worker's signal; 130 interrupted by SIGINT. A signal during training stops every
-worker after the same step, which the chief saves (run the same command to resume); anywhere else
-(start-up, evaluation) there is nothing to save and the process exits at once. While a multi-worker job
-waits for its peers, TensorFlow holds Python's lock: Ctrl-C ends it at once (130), SIGTERM once the
-wait ends (75), or at --connect_timeout.
+The exit codes are the README's table ("Exit codes"), the one list of them: the constants below, the
+cluster's (engine/distribute.py) and the signals' (engine/preemption.py); tests/test_launch.py checks that the
+table lists exactly these. A signal during training stops every worker after the same step, which the chief
+saves (run the same command to resume); anywhere else (start-up, evaluation) there is nothing to save and the
+process exits at once. While a multi-worker job waits for its peers, TensorFlow holds Python's lock: Ctrl-C ends
+it at once (130), SIGTERM once the wait ends (75), or at --connect_timeout.
 """
 
 import contextlib
@@ -31,6 +30,11 @@ from absl import app, flags, logging  # noqa: E402
 
 from engine.config import Config, ConfigError, Switch, validate  # noqa: E402
 from engine.preemption import PREEMPTION  # noqa: E402  (imports no TensorFlow)
+
+BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
+NON_FINITE = 3  # training stopped (loop.TrainingError): a non-finite loss, or float16 stuck at its scale floor
+CANNOT_WRITE = 4  # the workdir cannot be written (at the start too), or its storage failed a read
+LOST_PEER = 5  # a multi-worker peer stopped answering
 
 
 class _SwitchParser(flags.ArgumentParser):
@@ -104,7 +108,8 @@ def main(argv):
 
     if config.local_workers:
         command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--local_workers=0"]
-        sys.exit(launcher.run(config.strategy, config.local_workers, config.num_ps, command))
+        network = config.local_cluster_network
+        sys.exit(launcher.run(config.strategy, config.local_workers, config.num_ps, command, network=network))
     try:
         launcher.tf_config()  # a bad TF_CONFIG fails before TensorFlow starts; an empty one is dropped
     except ConfigError as e:
@@ -131,13 +136,18 @@ def main(argv):
     except ConfigError as e:
         _exit(str(e))
     except loop.TrainingError as e:
-        _exit(f"training stopped: {e}", code=3)
+        _exit(f"training stopped: {e}", code=NON_FINITE)
     except checkpoint.CheckpointError as e:
-        _exit(str(e), code=4)
+        _exit(str(e), code=CANNOT_WRITE)
     except distribute.PeerLost as e:
-        _exit(str(e), code=5)
+        _exit(str(e), code=LOST_PEER)
     except loop.Preempted as e:  # the message says preempted or interrupted, and by what
         _exit(str(e), code=e.exit_code)
+    except Exception as e:  # a peer lost outside the steps (a chief reading its servers' variables) is one too
+        lost = distribute.lost_peer(config, e)
+        if lost is None:
+            raise
+        _exit(str(lost), code=LOST_PEER)
     if config.mode == "train":
         results = result["eval"]
         headline = importlib.import_module(f"tasks.{config.task}").Task.headline
@@ -208,7 +218,7 @@ def _quiet_native_stderr():
         os.close(saved)
 
 
-def _exit(message, code=2):
+def _exit(message, code=BAD_INPUT):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 

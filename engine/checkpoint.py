@@ -10,6 +10,7 @@ Preemption (engine/preemption.py): SIGTERM or SIGINT set a flag that the replica
 with the gradients, so every worker stops after the same step; the loop then saves here and exits.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -95,6 +96,12 @@ class Checkpoints:
         # to be readable, unlike whatever is newest on disk.
         self.saved_path = None
         write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
+        if _local(self.directory) and os.path.islink(self.directory):
+            # Rotation deletes the old ckpt-N files in it: through a link, another run's.
+            raise ConfigError(
+                f"{self.directory} is a symbolic link (to {os.readlink(self.directory)}); checkpoints rotate inside "
+                "the workdir only: make it a directory, or link the whole --workdir instead"
+            )
         try:
             if chief:  # the only writer of this directory (it holds the workdir's lock)
                 self._tidy()
@@ -107,15 +114,22 @@ class Checkpoints:
         file from the checkpoints' own files when it is damaged or missing: the manager reads it to know which
         old checkpoints to delete."""
         for temp in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp")):
-            tf.io.gfile.rmtree(temp)
+            _remove_tree(temp)
         found = list_checkpoints(self.directory)
+        state_file = os.path.join(self.directory, "checkpoint")
         try:
             state = tf.train.get_checkpoint_state(self.directory)
             readable = state is not None or not found
         except (ValueError, text_format.ParseError, tf.errors.OpError) as e:  # ValueError: undecodable bytes
-            print(f"warning: {self.directory}/checkpoint is unreadable ({first_line(e)}); rebuilt from the files")
+            print(f"warning: {state_file} is unreadable ({first_line(e)}); rebuilt from the files")
+            state, readable = None, False
+        # The manager deletes what the state file lists: a path outside this directory (absolute, or through
+        # ..) would make it delete another run's files.
+        strays = [p for p in _listed(state) if not _inside(p, self.directory)]
+        if strays:
+            where = f"{state_file} names checkpoints outside {self.directory} ({strays[0]})"
+            print(f"warning: {where}; rebuilt from the files")
             readable = False
-        state_file = os.path.join(self.directory, "checkpoint")
         if not readable and not found:
             tf.io.gfile.remove(state_file)
         elif not readable:
@@ -128,9 +142,9 @@ class Checkpoints:
             lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
             lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
             lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
-            with tf.io.gfile.GFile(state_file + ".tmp", "w") as f:
-                f.write("\n".join(lines) + "\n")
-            tf.io.gfile.rename(state_file + ".tmp", state_file, overwrite=True)
+            from engine.workdir import replace_text  # deferred: engine/workdir.py imports this module
+
+            replace_text(state_file, "\n".join(lines) + "\n")
 
     def latest(self):
         return latest(self.directory)
@@ -149,6 +163,9 @@ class Checkpoints:
         ]
         if bad:  # never let a diverged model replace a good checkpoint
             raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]}")
+        temp = os.path.join(self.manager.directory, f"ckpt-{step}_temp")
+        if _local(temp) and os.path.islink(temp):  # TensorFlow would write the shards there, then empty it
+            os.remove(temp)
         try:
             path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:
@@ -156,16 +173,20 @@ class Checkpoints:
                 f"cannot write checkpoint for step {step} to {self.manager.directory}: {first_line(e)}"
             ) from None
         if not self.chief:
-            shutil.rmtree(self.manager.directory, ignore_errors=True)
+            with contextlib.suppress(OSError, tf.errors.OpError):
+                _remove_tree(self.manager.directory)
         self.saved_path = os.path.join(self.directory, os.path.basename(path))  # a worker's own copy is gone
         return self.saved_path
 
     def restore_latest(self, log=print):
         """Restores the newest readable checkpoint; returns its path, or None when there is none.
 
-        A damaged checkpoint is reported and the previous one used; one of another model or other shapes
-        is refused (ConfigError naming the variable and both shapes).
+        A damaged checkpoint is reported and the previous one used; when every one is damaged the run stops
+        (ConfigError naming them) rather than start again from step 0 and save over them. One of another model
+        or other shapes is refused (ConfigError naming the variable and both shapes); a storage error is not
+        damage (CheckpointError).
         """
+        damaged = []
         for path in list_checkpoints(self.directory):
             try:
                 restore(self.checkpoint, path)
@@ -173,7 +194,44 @@ class Checkpoints:
                 return path
             except Unreadable as e:
                 log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")
+                damaged.append(f"{path} ({e})")
+        if damaged:
+            raise ConfigError(
+                f"every checkpoint in {self.directory} is unreadable: {', '.join(damaged)}; nothing was changed. To "
+                f"start this run over from step 0 on purpose, move {self.directory} away"
+            )
         return None
+
+
+def _local(path):
+    return "://" not in path
+
+
+def _remove_tree(path):
+    """Removes a directory of this run's; a link there is removed itself, never what it points to (TensorFlow's
+    rmtree follows it and empties its target)."""
+    if not _local(path):
+        tf.io.gfile.rmtree(path)
+        return
+    path = os.path.normpath(path)  # as TensorFlow reads it: a/../b is b even where a does not exist
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path)  # never follows the links inside
+
+
+def _listed(state):
+    """The checkpoint paths a `checkpoint` state file lists (TensorFlow has made the relative ones absolute)."""
+    if state is None:
+        return []
+    return [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
+
+
+def _inside(path, directory):
+    """Whether the checkpoint prefix `path` is in `directory` itself (not beside it, not below it)."""
+    if not _local(path):
+        return os.path.dirname(path) == directory.rstrip("/") and ".." not in path.split("/")
+    return os.path.dirname(os.path.abspath(path)) == os.path.abspath(directory)
 
 
 def _escaped(path):
@@ -202,6 +260,8 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
         reader = tf.train.load_checkpoint(prefix)
         shapes = reader.get_variable_to_shape_map()
     except (tf.errors.OpError, IndexError) as e:
+        if not is_damage(e):
+            raise _storage_error(prefix, e) from None
         raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
     suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
     saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
@@ -254,10 +314,44 @@ class Unreadable(Exception):
     """A checkpoint's files are missing or damaged."""
 
 
+# What a missing, truncated or overwritten checkpoint raises (measured on TF 2.21: truncated, garbage and
+# bit-flipped index and data files, each one missing, a directory in a file's place). The checkpoint reader
+# reports most of them as UNKNOWN with the file system's text, so for UNKNOWN the text decides.
+_DAMAGE_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError)
+_DAMAGE_TEXTS = (
+    "sstable",
+    "Unable to read file",
+    "checksum does not match",
+    "corrupt",
+    "No such file or directory",
+    "Is a directory",
+    "Read less bytes than requested",
+)
+
+
+def is_damage(error):
+    """Whether a restore's error says the checkpoint's files are damaged or missing, not that the storage failed
+    to answer (UnavailableError, DeadlineExceededError, PermissionDeniedError... of a gs:// blip)."""
+    if isinstance(error, IndexError):  # the reader's for a truncated data file
+        return True
+    if isinstance(error, _DAMAGE_ERRORS):
+        return True
+    text = str(error).lower()
+    return error.error_code == tf.errors.UNKNOWN and any(t.lower() in text for t in _DAMAGE_TEXTS)
+
+
+def _storage_error(path, error):
+    return CheckpointError(
+        f"cannot read checkpoint {path}: {type(error).__name__}: {first_line(error)}; nothing was changed: run the "
+        "same command again once the storage answers"
+    )
+
+
 def restore(checkpoint, path, partial=False):
     """Restores `checkpoint` from `path`: all of it, or (`partial`) what exists in this program.
 
-    Raises Unreadable for missing or damaged files, ConfigError for a checkpoint that does not fit.
+    Raises Unreadable for missing or damaged files, CheckpointError when the storage failed (nothing is known
+    about the files then), ConfigError for a checkpoint that does not fit.
     """
     try:
         status = checkpoint.restore(path)
@@ -265,7 +359,9 @@ def restore(checkpoint, path, partial=False):
         status.assert_existing_objects_matched()
         if not partial:
             status.assert_consumed()
-    except (tf.errors.OpError, IndexError) as e:  # the reader raises IndexError for a truncated data file
+    except (tf.errors.OpError, IndexError) as e:
+        if not is_damage(e):
+            raise _storage_error(path, e) from None
         raise Unreadable(first_line(e)) from None
     except (AssertionError, ValueError):
         why = _mismatch(checkpoint, path, partial)

@@ -30,6 +30,11 @@ SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy gene
 # Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step
 # (measured on 2 cores: 64 take 2.7 s to the first step and 18x the all-reduce time of 8; 100,000 hang).
 MAX_CPU_DEVICES = 64
+# --local_workers starts a TensorFlow process per task of its cluster, each with its own runtime and copy of the
+# model: at most this many, and no more than this machine's memory holds at their size at start (the RSS of a
+# process after its first op, measured with TensorFlow 2.21 on CPU).
+MAX_LOCAL_TASKS = 64
+LOCAL_TASK_BYTES = 600 * 10**6
 
 
 class ConfigError(ValueError):
@@ -43,8 +48,22 @@ class Switch(str):
     VALUES = ("auto", "true", "false")
 
 
-def _setting(default, help_text):
-    return dataclasses.field(default=default, metadata={"help": help_text})
+TFDS_NAMES = "tensorflow-datasets"  # the --dataset kind of every name that is not a bundled source
+# The settings that select what a run reads: a setting's readers are values of these (applies() below).
+SELECTORS = ("model", "task", "dataset", "optimizer", "precision", "mode")
+
+
+def _setting(default, help_text, readers=None):
+    """A field of every run. `readers`, {selecting setting: values}, says which runs read it (--momentum:
+    {"optimizer": ("sgd",)}); None: every run does. A file that reads it too adds itself in its READS."""
+    metadata = {"help": help_text}
+    if readers:
+        metadata["readers"] = frozenset((selector, value) for selector, values in readers.items() for value in values)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+_TUNE = {"mode": ("tune",)}
+_ENSEMBLE = {"mode": ("ensemble",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +73,15 @@ class _RunSettings:
     # What to do and where.
     mode: str = _setting("train", "what to run: " + "|".join(MODES))
     workdir: str = _setting("runs/default", "directory for checkpoints, metrics.jsonl, summary.json, TensorBoard")
-    checkpoint: str = _setting("", "eval, export: checkpoint path to use; empty: the latest in --workdir")
-    export_dir: str = _setting("", "export: where to write the SavedModel; empty: <workdir>/export/<step>")
-    eval_timeout: float = _setting(600.0, "continuous_eval: stop after this many seconds without a new checkpoint")
+    checkpoint: str = _setting(
+        "", "eval, export: checkpoint path to use; empty: the latest in --workdir", {"mode": ("eval", "export")}
+    )
+    export_dir: str = _setting(
+        "", "export: where to write the SavedModel; empty: <workdir>/export/<step>", {"mode": ("export",)}
+    )
+    eval_timeout: float = _setting(
+        600.0, "continuous_eval: stop after this many seconds without a new checkpoint", {"mode": ("continuous_eval",)}
+    )
 
     # Distribution.
     strategy: str = _setting(
@@ -70,12 +95,19 @@ class _RunSettings:
         "", "where a cluster comes from: tf_config|slurm|kubernetes|tpu; empty: TF_CONFIG when it is set"
     )
     collective_timeout: float = _setting(
-        10.0, "multi-worker: seconds a peer may go without a heartbeat before the job stops, naming it as lost"
+        10.0,
+        "multi-worker and parameter servers: seconds a peer may go silent (no heartbeat, no answer) before the "
+        "job stops, naming it as lost",
     )
     connect_timeout: float = _setting(
         300.0, "seconds to wait at start for every task of a cluster to come up, or for a TPU to answer"
     )
     local_workers: int = _setting(0, "start this many worker processes on this machine (TF_CONFIG on localhost)")
+    local_cluster_network: str = _setting(
+        "loopback",
+        "the network of --local_workers' tasks: loopback (a network namespace of their own, holding only loopback; "
+        "Linux) or host (this machine's: their servers listen on every interface, unauthenticated)",
+    )
     num_ps: int = _setting(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
     slurm_port_base: int = _setting(8888, "slurm: first port of the tasks' servers on each node")
     kubernetes_selector: str = _setting("", "kubernetes: label selector of the worker pods, e.g. job-name=w")
@@ -109,6 +141,7 @@ class _RunSettings:
         0,
         "encoded images (JPEG, PNG; any size): train on random-resized crops of this many pixels a side, "
         "flipped at random; evaluate on the centre crop; 0 = images must already have one shape",
+        {"dataset": (TFDS_NAMES,)},  # and the sources that decode images (their READS)
     )
 
     # Batch and steps.
@@ -126,8 +159,8 @@ class _RunSettings:
     )
     on_nan: str = _setting(
         "stop",
-        "a non-finite loss in float32/bfloat16: stop, or rollback to the last checkpoint "
-        "and skip the offending batches",
+        "a non-finite loss in float32/bfloat16 (float16: steps skipped at the loss scale's floor): stop, or "
+        "rollback to the last checkpoint, discarding every step since it and reading on past their batches",
     )
 
     grad_accum_steps: int = _setting(
@@ -147,11 +180,11 @@ class _RunSettings:
     # Optimizer and learning rate.
     optimizer: str = _setting("adamw", "sgd|adamw|lamb (engine-owned update rules)")
     learning_rate: float = _setting(1e-3, "peak learning rate (before --lr_scaling)")
-    momentum: float = _setting(0.9, "sgd: momentum, 0 = plain SGD")
-    nesterov: bool = _setting(False, "sgd: Nesterov momentum")
-    beta_1: float = _setting(0.9, "adamw, lamb: first-moment decay")
-    beta_2: float = _setting(0.999, "adamw, lamb: second-moment decay")
-    epsilon: float = _setting(1e-7, "adamw, lamb: added to the second-moment root")
+    momentum: float = _setting(0.9, "sgd: momentum, 0 = plain SGD", {"optimizer": ("sgd",)})
+    nesterov: bool = _setting(False, "sgd: Nesterov momentum", {"optimizer": ("sgd",)})
+    beta_1: float = _setting(0.9, "adamw, lamb: first-moment decay", {"optimizer": ("adamw", "lamb")})
+    beta_2: float = _setting(0.999, "adamw, lamb: second-moment decay", {"optimizer": ("adamw", "lamb")})
+    epsilon: float = _setting(1e-7, "adamw, lamb: added to the second-moment root", {"optimizer": ("adamw", "lamb")})
     weight_decay: float = _setting(0.0, "decoupled weight decay per step, times the learning rate; kernels only")
     warmup_steps: int = _setting(0, "linear warmup from 0 to the peak learning rate, in steps")
     lr_schedule: str = _setting("constant", "after warmup: constant|cosine (cosine decays to 0 at train_steps)")
@@ -164,45 +197,60 @@ class _RunSettings:
     )
 
     # Tuning and ensembles.
-    tune_space: str = _setting("", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)")
-    tune_trials: int = _setting(20, "tune: complete or pruned trials the study runs to; a resumed study runs the rest")
+    tune_space: str = _setting(
+        "", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)", _TUNE
+    )
+    tune_trials: int = _setting(
+        20, "tune: complete or pruned trials the study runs to; a resumed study runs the rest", _TUNE
+    )
     tune_objective: str = _setting(
-        "", "tune: metric the task reports on --validation_split to optimize; empty: the task's objective"
+        "", "tune: metric the task reports on --validation_split to optimize; empty: the task's objective", _TUNE
     )
     tune_direction: str = _setting(
-        "", "tune: max|min the objective; empty: the task's direction (another --tune_objective must say it)"
+        "", "tune: max|min the objective; empty: the task's direction (another --tune_objective must say it)", _TUNE
     )
-    tune_sampler: str = _setting("tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)")
+    tune_sampler: str = _setting("tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)", _TUNE)
     tune_pruner: str = _setting(
         "hyperband",
         "tune: stops bad trials from their --eval_every evaluations: none|median|successive_halving|hyperband",
+        _TUNE,
     )
     tune_startup_trials: int = _setting(
-        5, "tune: trials drawn at random (and never pruned by median) before the search learns"
+        5, "tune: trials drawn at random (and never pruned by median) before the search learns", _TUNE
     )
-    tune_timeout: float = _setting(0.0, "tune: seconds after which no new trial starts (a running one ends); 0 = none")
+    tune_timeout: float = _setting(
+        0.0, "tune: seconds after which no new trial starts (a running one ends); 0 = none", _TUNE
+    )
     tune_storage: str = _setting(
-        "", "tune: SQLAlchemy URL of the study, to share one across machines; empty: sqlite <workdir>/study.db"
+        "", "tune: SQLAlchemy URL of the study, to share one across machines; empty: sqlite <workdir>/study.db", _TUNE
     )
-    tune_study: str = _setting("tune", "tune: name of the study in --tune_storage")
+    tune_study: str = _setting("tune", "tune: name of the study in --tune_storage", _TUNE)
     validation_split: str = _setting(
-        "validation", "tune, ensemble: split that scores trials and fits ensemble weights; never the test split"
+        "validation",
+        "tune, ensemble: split that scores trials and fits ensemble weights; never the test split",
+        {"mode": ("tune", "ensemble")},
     )
     members: str = _setting(
-        "", "ensemble: comma-separated workdirs of trained runs and .npz files of other models' predictions"
+        "", "ensemble: comma-separated workdirs of trained runs and .npz files of other models' predictions", _ENSEMBLE
     )
     ensemble_search: str = _setting(
-        "nelder_mead", "ensemble: how weights on the simplex are fitted on validation: nelder_mead|random"
+        "nelder_mead", "ensemble: how weights on the simplex are fitted on validation: nelder_mead|random", _ENSEMBLE
     )
-    ensemble_samples: int = _setting(2000, "ensemble, random: weight vectors drawn uniformly from the simplex")
+    ensemble_samples: int = _setting(
+        2000, "ensemble, random: weight vectors drawn uniformly from the simplex", _ENSEMBLE
+    )
     ensemble_mean: str = _setting(
-        "arithmetic", "ensemble: how members' probabilities combine: arithmetic|geometric (normalized)"
+        "arithmetic", "ensemble: how members' probabilities combine: arithmetic|geometric (normalized)", _ENSEMBLE
     )
 
     # Numerics.
     precision: str = _setting("float32", "float32|mixed_float16|mixed_bfloat16")
-    initial_loss_scale: float = _setting(2.0**15, "mixed_float16: starting dynamic loss scale")
-    loss_scale_growth_interval: int = _setting(2000, "mixed_float16: double the scale after this many finite steps")
+    initial_loss_scale: float = _setting(
+        2.0**15, "mixed_float16: starting dynamic loss scale", {"precision": ("mixed_float16",)}
+    )
+    loss_scale_growth_interval: int = _setting(
+        2000, "mixed_float16: double the scale after this many finite steps", {"precision": ("mixed_float16",)}
+    )
     jit_compile: Switch = _setting(
         "auto",
         "compile the replica step with XLA: true, false, or auto (the engine chooses from the model, the precision "
@@ -220,29 +268,75 @@ class _RunSettings:
 _TYPES = {bool: bool, int: int, float: float, str: str, tuple: tuple}
 
 
-def _declared_settings():
-    """Fields for the settings each model family, task and bundled source declares in its own file
-    (`SETTINGS = {"name": (default, "help")}`, `(default, "help", (low, high))` for a number's range, or
-    `(default, "help", "required")` for a string that must be given):
-    --resnet_depth is resnet's, not everybody's. A name declared twice is a fork's mistake, refused here."""
-    owners = {f.name: "engine/config.py" for f in dataclasses.fields(_RunSettings)}
-    fields = []
-    for package, flag in ((models, "model"), (tasks, "task"), (sources, "dataset")):
-        directory = os.path.dirname(os.path.abspath(package.__file__))
-        for module, declared in models.settings(directory, package.available()).items():
-            where = os.path.relpath(os.path.join(directory, f"{module}.py"), os.path.dirname(directory))
-            for name, (default, help_text, *bounds) in declared.items():
-                if name in owners:
-                    raise TypeError(f"{where}: setting {name!r} is already declared by {owners[name]}")
-                owners[name] = where
-                kind = _TYPES[type(default)]
-                metadata = {"help": f"{module}: {help_text}", "bounds": bounds[0] if bounds else None}
-                metadata["owner"] = (flag, module)
-                fields.append((name, kind, dataclasses.field(default=default, metadata=metadata)))
-    return fields
+def declared_settings(packages, root, engine_names):
+    """The settings each model family, task and bundled source declares in its own file, and who else reads them.
+
+    A file declares its own settings as `SETTINGS = {"name": (default, "help")}`, `(default, "help", (low, high))`
+    for a number's range, or `(default, "help", "required")` for a string that must be given: --resnet_depth is
+    resnet's, read by runs of --model=resnet. A file that reads a setting another file declares (shakespeare
+    reads language_model's --sequence_length, folder the engine's --image_size) names it in its own
+    `READS = ("name", ...)`, so a run that selects it depends on that setting too. `packages` is
+    ((selecting setting, directory, module names), ...); `engine_names` the engine's own settings.
+
+    Returns (fields for the Config, {setting: {(selecting setting, module) of each READS}}, errors): a name two
+    files declare, or that a READS names and nobody declares, is a fork's mistake, one line naming the files,
+    which validate() refuses, so every command fails with it instead of importing a broken Config."""
+    owners = dict.fromkeys(engine_names, "engine/config.py")
+    fields, reads, errors = [], {}, []
+    files = [
+        (flag, module, os.path.join(directory, f"{module}.py"))
+        for flag, directory, names in packages
+        for module in names
+    ]
+    for flag, module, path in files:
+        where = os.path.relpath(path, root)
+        declared = models.read_constant(path, "SETTINGS", {})
+        if not isinstance(declared, dict):
+            errors.append(f"{where}: SETTINGS must be a dict of name: (default, help), not {type(declared).__name__}")
+            continue
+        for name, declaration in declared.items():
+            if name in owners:
+                errors.append(
+                    f"{where}: declares the setting {name}, which {owners[name]} declares already: rename one of them"
+                )
+                continue
+            if not (isinstance(declaration, tuple) and 2 <= len(declaration) <= 3 and type(declaration[0]) in _TYPES):
+                errors.append(
+                    f'{where}: SETTINGS[{name!r}] must be (default, "help"[, range or "required"]) with a '
+                    "bool, int, float, str or tuple default"
+                )
+                continue
+            owners[name] = where
+            default, help_text, *bounds = declaration
+            metadata = {"help": f"{module}: {help_text}", "bounds": bounds[0] if bounds else None}
+            metadata.update(owner=(flag, module), readers=frozenset({(flag, module)}))
+            fields.append((name, _TYPES[type(default)], dataclasses.field(default=default, metadata=metadata)))
+    for flag, module, path in files:
+        where = os.path.relpath(path, root)
+        named = models.read_constant(path, "READS", ())
+        if not (isinstance(named, (tuple, list)) and all(isinstance(name, str) for name in named)):
+            errors.append(f"{where}: READS must be a tuple of setting names, not {named!r}")
+            continue
+        for name in named:
+            if name not in owners:
+                errors.append(f"{where}: READS {name}, which no file declares")
+                continue
+            reads.setdefault(name, set()).add((flag, module))
+    return fields, reads, errors
 
 
-Config = dataclasses.make_dataclass("Config", _declared_settings(), bases=(_RunSettings,), frozen=True)
+def _packages():
+    return [
+        (flag, os.path.dirname(os.path.abspath(package.__file__)), package.available())
+        for flag, package in (("model", models), ("task", tasks), ("dataset", sources))
+    ]
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FIELDS, _READS, DECLARATION_ERRORS = declared_settings(
+    _packages(), _ROOT, {f.name for f in dataclasses.fields(_RunSettings)}
+)
+Config = dataclasses.make_dataclass("Config", _FIELDS, bases=(_RunSettings,), frozen=True)
 Config.__module__ = __name__
 Config.__doc__ = """Every setting of a run: the engine's (_RunSettings) and those the chosen model, task and source
 declare. Frozen; build one with validate(Config(...))."""
@@ -313,11 +407,14 @@ def _non_negative(config, *names):
 
 def validate(config):
     """Raises ConfigError naming the first bad setting; returns the config."""
+    if DECLARATION_ERRORS:  # two files declare one setting: every command stops on it, naming both
+        raise ConfigError(DECLARATION_ERRORS[0])
     _choice(config, "mode", MODES)
     if not config.workdir:
         _fail("workdir", config.workdir, "must name a directory")
     _choice(config, "strategy", STRATEGIES, allow_empty=True)
     _choice(config, "cluster_resolver", CLUSTER_RESOLVERS, allow_empty=True)
+    _choice(config, "local_cluster_network", ("loopback", "host"))
     _choice(config, "precision", PRECISIONS)
     _choice(config, "optimizer", OPTIMIZERS)
     _choice(config, "lr_schedule", LR_SCHEDULES)
@@ -350,6 +447,7 @@ def validate(config):
         "interleave_files",
         "keep_checkpoints",
         "eval_timeout",
+        "epsilon",  # an Adam step divides by the second-moment root plus it: 0 divides by 0 on a zero gradient
     )
     _non_negative(
         config,
@@ -357,12 +455,10 @@ def validate(config):
         "eval_every",
         "checkpoint_every",
         "local_workers",
-        "momentum",
         "weight_decay",
         "warmup_steps",
         "clip_norm",
         "clip_value",
-        "epsilon",
         "seed",
         "image_size",
     )
@@ -386,27 +482,34 @@ def validate(config):
             f"times --global_batch_size={config.global_batch_size} must be less than 2**63: the data stream "
             "numbers its examples in int64",
         )
-    for name in ("beta_1", "beta_2", "dropout", "ema_decay"):
+    if config.slurm_port_base > 65535:
+        _fail("slurm_port_base", config.slurm_port_base, "must be a port, in [1, 65535]")
+    for name in ("beta_1", "beta_2", "dropout", "ema_decay", "momentum"):
         if not 0 <= getattr(config, name) < 1:
             _fail(name, getattr(config, name), "must be in [0, 1)")
+    peak = config.learning_rate * (
+        config.global_batch_size / config.base_batch_size if config.lr_scaling == "linear" else 1
+    )
+    if config.weight_decay * peak >= 1:  # the decay takes weight_decay x the rate of each kernel, per step
+        _fail(
+            "weight_decay",
+            config.weight_decay,
+            f"times the peak learning rate ({peak:g}) must be less than 1: each step would take every kernel "
+            "to 0 or past it",
+        )
     profile = config.profile_steps
     if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1] <= config.train_steps):
         _fail("profile_steps", profile, f"must be A,B with 0 <= A < B <= --train_steps={config.train_steps}")
     if config.clip_norm and config.clip_value:
         _fail("clip_value", config.clip_value, "choose one of --clip_norm and --clip_value, not both")
-    if config.local_workers and config.strategy not in ("multi_worker", "parameter_server"):
-        _fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
-    if config.strategy == "parameter_server" and config.precision == "mixed_float16":
+    if config.on_nan == "rollback" and not config.checkpoint_every:
         _fail(
-            "precision",
-            config.precision,
-            "is not supported with --strategy=parameter_server: asynchronous "
-            "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
+            "on_nan",
+            config.on_nan,
+            "needs --checkpoint_every > 0 (0 saves only at the end, so a rollback would discard every step since the "
+            "run started); set --checkpoint_every to the most steps a rollback may discard",
         )
-    if config.strategy == "tpu" and not config.tpu:
-        _fail("tpu", config.tpu, "--strategy=tpu needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
-    if config.strategy == "tpu" and config.precision == "mixed_float16":
-        _fail("precision", config.precision, "TPUs compute in bfloat16, not float16: use --precision=mixed_bfloat16")
+    _check_strategy(config)
     if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
         _fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
     if config.task not in tasks.available():
@@ -424,6 +527,9 @@ def validate(config):
         _fail("model", config.model, f"must name a file in models/ ({', '.join(models.available())})")
     _check_dataset_name(config.dataset)
     _check_declared(config)
+    for name in REFUSED_UNLESS_READ:
+        if getattr(config, name) != _SETTINGS[name].default and not applies(name, config):
+            _fail(name, getattr(config, name), f"--dataset={config.dataset} does not read it ({_read_by(name)})")
     check_memory(config)
     if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):
         _fail("tune_objective", config.tune_objective, "must name a metric the task reports (e.g. accuracy, loss)")
@@ -452,6 +558,94 @@ def validate(config):
     if config.mode == "ensemble" and config.validation_split == config.eval_split:
         _fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
     return config
+
+
+def _check_strategy(config):
+    """The refusals that depend on the strategy, judged on the one the run will use (planned_strategy), whether
+    --strategy, TF_CONFIG or --cluster_resolver chose it."""
+    if config.local_workers and config.strategy not in ("multi_worker", "parameter_server"):
+        _fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
+    if config.local_workers:
+        _check_local_tasks(config)
+    name, origin = _plan(config)
+    said = origin if config.strategy else f"the {name} strategy ({origin})"  # the flag, or what chose it
+    if name == "parameter_server" and config.precision == "mixed_float16":
+        _fail(
+            "precision",
+            config.precision,
+            f"is not supported with {said}: asynchronous "
+            "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
+        )
+    if config.mode == "tune" and name in ("multi_worker", "parameter_server"):  # else each process would tune
+        _fail(
+            "strategy",
+            config.strategy,
+            f"--mode=tune runs its trials in one process (one_device, mirrored or tpu), not with {said}: on "
+            "several machines start one tuner on each, sharing a study through --tune_storage",
+        )
+    if name == "tpu" and not config.tpu:
+        _fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
+    if name == "tpu" and config.precision == "mixed_float16":
+        # An explicit --strategy=tpu keeps the words it has always been refused with.
+        computes = "TPUs compute" if config.strategy else f"{said} computes"
+        _fail("precision", config.precision, f"{computes} in bfloat16, not float16: use --precision=mixed_bfloat16")
+
+
+def _check_local_tasks(config):
+    """--local_workers starts every task of its cluster here: no more than MAX_LOCAL_TASKS, nor than fit in memory."""
+    total = memory_bytes()
+    limit = max(1, min(MAX_LOCAL_TASKS, total // LOCAL_TASK_BYTES))
+    why = (
+        f"at most {limit} fit (each is a TensorFlow process of about {_bytes(LOCAL_TASK_BYTES)}, this machine has "
+        f"{_bytes(total)}; the launcher's cap is {MAX_LOCAL_TASKS})"
+    )
+    if config.local_workers > limit:
+        _fail("local_workers", config.local_workers, f"starts {config.local_workers} TensorFlow processes here; {why}")
+    if config.strategy == "parameter_server" and 1 + config.local_workers + config.num_ps > limit:
+        count = 1 + config.local_workers + config.num_ps
+        _fail(
+            "num_ps",
+            config.num_ps,
+            f"with --local_workers={config.local_workers} starts {count} TensorFlow processes here (a chief, "
+            f"{config.local_workers} workers, {config.num_ps} parameter servers); {why}",
+        )
+
+
+def _plan(config):
+    """(strategy name or None, what chose it): see planned_strategy."""
+    if config.strategy:
+        return config.strategy, f"--strategy={config.strategy}"
+    from engine.launcher import tf_config  # deferred: the launcher imports this module
+
+    cluster = (tf_config() or {}).get("cluster")
+    if cluster and "ps" in cluster:
+        return "parameter_server", "TF_CONFIG has a 'ps' job"
+    if cluster:
+        return "multi_worker", "TF_CONFIG has a cluster"
+    if config.cluster_resolver in ("tf_config", "slurm", "kubernetes"):
+        return "multi_worker", f"--cluster_resolver={config.cluster_resolver}"
+    if config.cluster_resolver == "tpu":
+        return "tpu", "--cluster_resolver=tpu"
+    if config.num_cpu_devices > 1:
+        return "mirrored", f"--num_cpu_devices={config.num_cpu_devices}"
+    return None, "the devices"
+
+
+def planned_strategy(config):
+    """The strategy a run of `config` will use, as its flags and environment decide it: --strategy; else a cluster
+    in TF_CONFIG (parameter_server when it has a 'ps' job, else multi_worker); else --cluster_resolver's (tpu, or
+    multi_worker); else mirrored over --num_cpu_devices; None where only the devices decide (mirrored over several
+    GPUs, else one_device), which needs TensorFlow: engine/distribute.py's strategy_name completes this.
+    Every check that depends on the strategy reads this one answer, before anything starts."""
+    return _plan(config)[0]
+
+
+def _read_by(name):
+    """A setting's readers in words: read by --dataset=folder, ... and tensorflow-datasets names."""
+    names = sorted(f"--{selector}={value}" for selector, value in readers(name) if value != TFDS_NAMES)
+    if ("dataset", TFDS_NAMES) in readers(name):
+        names.append("tensorflow-datasets names")
+    return "read by " + (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0])
 
 
 def members(config):
@@ -578,6 +772,7 @@ CLUSTER_SETTINGS = frozenset(
         "collective_timeout",
         "connect_timeout",
         "local_workers",
+        "local_cluster_network",
         "num_ps",
         "slurm_port_base",
         "kubernetes_selector",
@@ -660,6 +855,12 @@ def from_json(saved, where):
         if not _is(value, kinds[name]):
             raise ConfigError(f"{where}: {name}={json.dumps(value)}: must be {_KINDS[kinds[name]]}")
         values[name] = tuple(value) if kinds[name] is tuple else float(value) if kinds[name] is float else value
+    run = Config(**values)
+    if not run.dataset and run.task in tasks.available():
+        run = dataclasses.replace(run, dataset=tasks.default_dataset(run.task))
+    for name in REFUSED_UNLESS_READ:  # an older engine ignored it there: the run is what it was without it
+        if not applies(name, run):
+            values.pop(name, None)
     try:
         return validate(Config(**values))
     except ConfigError as e:
@@ -683,21 +884,34 @@ def load_run_config(workdir):
     return from_json(saved, path)
 
 
+def readers(name):
+    """The runs that read setting `name`, as {(selecting setting, value)}: what its declaration says (the
+    declaring file, or engine/config.py's `readers=`) and every file whose READS names it; None: every run."""
+    declared = _SETTINGS[name].metadata.get("readers")
+    return None if declared is None else declared | _READS.get(name, set())
+
+
+def dataset_kind(dataset):
+    """The source a --dataset value selects: a bundled one by its name (tfrecord:GLOB is tfrecord's), any other
+    name tensorflow-datasets'."""
+    kind = dataset.partition(":")[0]
+    return kind if kind in BUNDLED_DATASETS else TFDS_NAMES
+
+
 def applies(name, config):
-    """Whether setting `name` affects a run of `config`. A help text that starts with values of the selecting
-    settings ("resnet: ...", "adamw, lamb: ...", "synthetic: ...") limits the setting to runs that select one of
-    them: --resnet_depth means nothing to an MLP."""
-    help_text = _SETTINGS[name].metadata["help"]
-    scope = [word.strip() for word in help_text.split(":")[0].split(",")] if ":" in help_text else []
-    known = set(OPTIMIZERS + PRECISIONS + BUNDLED_DATASETS + MODES) | set(models.available()) | set(tasks.available())
-    if not scope or not all(w in known for w in scope):
+    """Whether setting `name` affects a run of `config`: every run's, or one of its readers is selected
+    (--resnet_depth means nothing to an MLP, --sequence_length much to any run on shakespeare)."""
+    who = readers(name)
+    if who is None:
         return True
-    source = config.dataset.partition(":")[0]  # a source that reads its argument (tfrecord:GLOB) is its kind's
-    selected = {config.model, source, config.optimizer, config.precision, config.mode, config.task}
-    return bool(selected.intersection(scope))
+    selected = {(selector, getattr(config, selector)) for selector in SELECTORS}
+    selected.add(("dataset", dataset_kind(config.dataset)))
+    return bool(who & selected)
 
 
 _SETTINGS = {f.name: f for f in dataclasses.fields(Config)}
+# The engine's settings a data source reads: refused, naming the source, on a dataset that does not read them.
+REFUSED_UNLESS_READ = ("image_size",)
 
 
 def identity_changes(saved, config):

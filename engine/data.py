@@ -19,9 +19,10 @@ every real example is counted exactly once. Splits come in three kinds:
 - anything else (`make` only): streamed and replayed up to the position on a restart.
 
 A source may give a per-example `decode` (photos: decode, crop, flip) seeded by the example's stream
-position, so a resumed run crops alike. An example that cannot be decoded stops the run naming its
-file (Data.origin): nothing is skipped silently, and the run resumes from its last checkpoint once the
-file is fixed or removed.
+position, so a resumed run crops alike; a record file's records are parsed in the same step. An example
+that cannot be parsed or decoded stops the run naming its file and record (Data.origin), and so does a
+record file that holds fewer or more records than counted: nothing is skipped silently, and the run
+resumes from its last checkpoint once the file is fixed or removed. An empty split is refused.
 
 A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default when empty), outside --workdir:
 the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
@@ -51,8 +52,13 @@ from engine.config import ConfigError, check_memory, first_line
 AUTOTUNE = tf.data.AUTOTUNE
 _IN_MEMORY_LIMIT_BYTES = 1 << 30  # splits below this are held as tensors and batched with one gather
 _RECORD_FRAMING = 16  # bytes a TFRecord adds to each record: length, its CRC, the data's CRC
+_CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
 UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
-UNREADABLE = "record file unreadable after"  # the pipeline's error naming a truncated or corrupt record file
+UNREADABLE = "damaged record file:"  # the pipeline's error naming a truncated, corrupt or changed record file
+_CHANGED = (
+    "it changed after they were counted (--dataset=tfrecord: keeps its counts in tfrecord_counts.json in "
+    "--data_dir: delete it to count them again)"
+)
 
 
 class DecodeError(ConfigError):
@@ -84,13 +90,31 @@ def sharded(files, parse):
     """A Split of TFRecord files, ((path, number of records), ...), each record `parse`d into an example. The
     counts must be exact: they place every position of the stream."""
     files = tuple((str(path), int(records)) for path, records in files)
-
-    def make():
-        paths, counts = zip(*files)
-        ds = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
-        return ds.flat_map(_records).map(lambda origin, record: {**parse(record), "origin": origin})
-
+    make = lambda: file_records(files).map(lambda example: parsed(parse, example))  # noqa: E731
     return Split(sum(records for _, records in files), make, files=files, parse=parse)
+
+
+def file_records(files, counter=None):
+    """{"record", "origin", "damage"} of each counted record of `files` ((path, records), ...), file after file,
+    unparsed (`parsed` parses one)."""
+    paths, counts = zip(*files)
+    ds = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
+    return ds.flat_map(lambda path, n: _records(path, n, counter)).map(_record_example)
+
+
+def _record_example(origin, record, damage):
+    return {"record": record, "origin": origin, "damage": damage}
+
+
+def parsed(parse, example):
+    """A record file's example (`file_records`) with its record `parse`d into features; stops on a damaged record,
+    naming its file."""
+    intact = tf.debugging.Assert(
+        tf.equal(example["damage"][0], 0), [UNREADABLE, example["origin"], example["damage"]], summarize=2
+    )
+    with tf.control_dependencies([intact]):
+        record = tf.identity(example["record"])
+    return {**parse(record), **{k: v for k, v in example.items() if k not in ("record", "damage")}}
 
 
 def _fold(seed, *values):
@@ -107,23 +131,34 @@ def _permutation(n, seed):
 
 
 def _records(path, expected, counter=None):
-    """(origin, record) of a file's `expected` records. A file that ends early (truncated, or a record whose
-    checksum fails) stops the run naming it: the stream's arithmetic needs every record."""
-    ds = tf.data.TFRecordDataset(path).ignore_errors().take(expected).map(lambda r: (r, True))
-    ds = ds.concatenate(tf.data.Dataset.from_tensors((tf.constant(b""), False)))
+    """(origin, record, damage) of a file's `expected` records: exactly that many, plus one where the file holds
+    more, since the stream's arithmetic places every position by the counts. `damage` is [code, expected]: code 0
+    for a sound record, 1 for one that could not be read (the file truncated, or a record whose checksum fails:
+    it comes empty), 2 for a record beyond the count (the file changed after it was counted). `parsed` stops on
+    a damaged one; the damage is carried, not raised, so that the decode's dropped errors
+    (`_Pipelines._decoded`) cannot hide it."""
+    read = tf.data.TFRecordDataset(path).ignore_errors().take(expected + 1).map(lambda r: (r, True))
+    missing = tf.data.Dataset.from_tensors((tf.constant(b""), False)).repeat()  # stand-ins for records it lacks
 
-    def check(i, item):
+    def judged(i, item):
         record, real = item
-        ended = tf.logical_and(tf.logical_not(real), i < expected)
-        message = [UNREADABLE, i, "of its", expected, "records:", path]
-        ops = [tf.debugging.Assert(tf.logical_not(ended), message, summarize=1)]
-        if counter is not None:  # bytes read, for the read-amplification count
-            ops.append(counter.assign_add(tf.cast(tf.strings.length(record) + _RECORD_FRAMING, tf.int64)))
-        with tf.control_dependencies(ops):
-            return tf.strings.join([path, " record ", tf.strings.as_string(i)]), tf.identity(record), real
+        # Past the count, a real record is one too many; a stand-in, the end where it should be (dropped below).
+        code = tf.where(i < expected, tf.where(real, 0, 1), tf.where(real, 2, -1))
+        origin = tf.strings.join([path, " record ", tf.strings.as_string(i)])
+        return origin, record, tf.stack([tf.cast(code, tf.int64), expected])
 
-    ds = ds.enumerate().map(check).filter(lambda origin, record, real: real)
-    return ds.map(lambda origin, record, real: (origin, record))
+    ds = read.concatenate(missing).take(expected + 1).enumerate().map(judged)
+    ds = ds.filter(lambda origin, record, damage: damage[0] >= 0)
+    if counter is not None:  # bytes read, for the read-amplification count
+
+        def count(origin, record, damage):
+            with tf.control_dependencies(
+                [counter.assign_add(tf.cast(tf.strings.length(record) + _RECORD_FRAMING, tf.int64))]
+            ):
+                return origin, tf.identity(record), damage
+
+        ds = ds.map(count)
+    return ds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +210,11 @@ def load(config, split=None):
     source = load_source(config, cls.features, split)
     task = cls(config, source.spec, source.info)
     train, evals = source.train, source.evals
+    if not evals.examples:  # a mean over nothing: NaN, said as if it were a number
+        raise ConfigError(
+            f"--dataset={config.dataset or tasks.default_dataset(config.task)}: the split "
+            f"{split or config.eval_split} it evaluates holds no examples"
+        )
     if train.examples < config.global_batch_size:
         raise ConfigError(
             f"--global_batch_size={config.global_batch_size}: larger than the "
@@ -271,7 +311,8 @@ class _Pipelines:
         return ds.batch(per_replica, drop_remainder=True)
 
     def examples(self, ctx, start_batch, stream, counter=None):
-        """This pipeline's training examples from global batch `start_batch` on, undecoded, with `index`."""
+        """This pipeline's training examples from global batch `start_batch` on, undecoded (a record file's
+        unparsed), with `index`."""
         split = self.train_split
         if split.fetch is not None:
             share = self.config.global_batch_size // ctx.num_input_pipelines
@@ -329,7 +370,7 @@ class _Pipelines:
         return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
 
     def _sharded(self, ctx, start_batch, stream, counter):
-        config, parse = self.config, self.train_split.parse
+        config = self.config
         files = self.owned(ctx)
         paths = tf.constant([path for path, _ in files])
         counts = tf.constant([records for _, records in files], tf.int64)
@@ -375,9 +416,10 @@ class _Pipelines:
         before = tf.concat([[0], ends], axis=0)[first_group]
         ds = epoch_stream(tf.constant(epoch, tf.int64), first_group).skip(within - before)
         ds = ds.concatenate(tf.data.Dataset.range(epoch + 1, 2**62).flat_map(epoch_stream))
+        # Unparsed: the decode step parses (`_decoded`), so a record that does not parse is named like an image
+        # that does not decode.
         return ds.enumerate(local).map(
-            lambda i, item: {**parse(item[1]), "origin": item[0], "index": self.position(ctx, i)},
-            num_parallel_calls=AUTOTUNE,
+            lambda i, item: {**_record_example(*item), "index": self.position(ctx, i)}, num_parallel_calls=AUTOTUNE
         )
 
     def _replayed(self, ctx, start_batch, stream):
@@ -394,33 +436,57 @@ class _Pipelines:
     # Decoding.
 
     def _decoded(self, ds, training, stream, first, position, end=None):
-        """`ds` with the source's decode applied to each example. A failure stops the pipeline naming the
-        example's position: the decode runs in parallel and its errors are dropped, and the positions that come
-        out are checked against `position(first), position(first + 1), ...` (up to `end`, exclusive)."""
-        decode = self.source.decode
-        if decode is None:
+        """`ds` with each example decoded (`decode`: a record file's record parsed, then the source's decode). A
+        failure stops the pipeline naming the example's position: the decode runs in parallel and its errors are
+        dropped, and the positions that come out are checked against `position(first), position(first + 1), ...`
+        (up to `end`, exclusive)."""
+        split = self.train_split if training else self.evals
+        if self.source.decode is None and not split.files:
             return ds.map(lambda x: {k: v for k, v in x.items() if k != "origin"})
 
         def run(x):
             own = {k: x[k] for k in ("index", "weight") if k in x}
-            features = {k: v for k, v in x.items() if k not in own and k != "origin"}
-            return {**decode(features, self.seeds(x["index"], stream), training), **own}
+            features = self.decode({k: v for k, v in x.items() if k not in own}, split, stream, x["index"], training)
+            return {**features, **own}
 
-        ds = ds.map(run, num_parallel_calls=AUTOTUNE).ignore_errors()
-        if end is not None:  # a last example dropped must show too
-            blank = {k: tf.zeros(s.shape, s.dtype) for k, s in ds.element_spec.items()}
-            ds = ds.concatenate(tf.data.Dataset.from_tensors({**blank, "index": tf.cast(position(end), tf.int64)}))
+        def blank(spec, index):
+            return {**{k: tf.zeros([d or 0 for d in s.shape], s.dtype) for k, s in spec.items()}, "index": index}
 
-        def check(local, x):
-            expected = position(local)
-            found = tf.debugging.Assert(
-                tf.equal(x["index"], expected), [UNDECODABLE, expected, "of stream", stream], summarize=1
-            )
+        # After every _CHECK_EVERY examples, and at the end, a marker that cannot fail: a dropped example shows even
+        # where every one fails (an endless stream of failures would hang otherwise).
+        raw, decoded = ds.element_spec, ds.map(run).element_spec
+        markers = tf.data.Dataset.from_tensors(blank(raw, tf.constant(-1, tf.int64))).repeat()
+        pattern = tf.data.Dataset.from_tensor_slices(tf.constant([0] * _CHECK_EVERY + [1], tf.int64)).repeat()
+        ds = tf.data.Dataset.choose_from_datasets([ds, markers], pattern, stop_on_empty_dataset=True)
+        if end is not None:
+            ds = ds.concatenate(tf.data.Dataset.from_tensors(blank(raw, tf.constant(-1, tf.int64))))
+        marker = lambda x: x["index"] < 0  # noqa: E731
+        ds = ds.enumerate().map(
+            lambda slot, x: (slot, tf.cond(marker(x), lambda: blank(decoded, x["index"]), lambda: run(x))),
+            num_parallel_calls=AUTOTUNE,
+        )
+
+        def check(j, item):
+            # The j-th to come out must be the j-th in: else slot j was dropped, an example (markers cannot fail),
+            # the (j - markers before it)-th since `first`.
+            slot, x = item
+            expected = position(first + j - j // (_CHECK_EVERY + 1))
+            found = tf.debugging.Assert(tf.equal(slot, j), [UNDECODABLE, expected, "of stream", stream], summarize=1)
             with tf.control_dependencies([found]):
-                return local + 1, {k: tf.identity(v) for k, v in x.items()}
+                return {k: tf.identity(v) for k, v in x.items()}
 
-        ds = ds.scan(tf.constant(first, tf.int64), check)
+        ds = ds.ignore_errors().enumerate().map(check, num_parallel_calls=AUTOTUNE)
+        ds = ds.filter(lambda x: tf.logical_not(marker(x)))
         return ds if end is None else ds.take(end - first)
+
+    def decode(self, example, split, stream, index, training):
+        """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode."""
+        if split.files:
+            example = parsed(split.parse, example)
+        example = {k: v for k, v in example.items() if k != "origin"}
+        if self.source.decode is None:
+            return example
+        return self.source.decode(example, self.seeds(index, stream), training)
 
     def origin(self, position, stream=0, training=True, pipelines=1):
         """Why the example at `position` (of the training stream read with `pipelines` input pipelines, or
@@ -432,20 +498,32 @@ class _Pipelines:
             k, within = divmod(position, config.global_batch_size)
             ds = self.examples(ctx, k, stream).skip((within - pipeline) // pipelines)
         else:
-            ds = self.evals.make().skip(position)
+            ds = self._unparsed(self.evals).skip(position)
         try:
             example = next(iter(ds.take(1)))
-        except tf.errors.OpError as e:  # the file itself is damaged
-            damaged = unreadable(e) or f"cannot read example {position}: {_op_message(e)}"
-            return f"--dataset={config.dataset}: {damaged}"
+        except tf.errors.OpError as e:  # the file itself cannot be read
+            return f"--dataset={config.dataset}: cannot read example {position}: {_op_message(e)}"
         where = example.get("origin")
         where = where.numpy().decode() if where is not None else f"example {position} of the split"
-        features = {k: v for k, v in example.items() if k not in ("index", "weight", "origin")}
+        split = self.train_split if training else self.evals
+        features = {k: v for k, v in example.items() if k not in ("index", "weight")}
+        if split.files:
+            try:  # in a graph, as in the pipeline: its checks' messages read alike
+                features = tf.function(lambda example: parsed(split.parse, example))(features)
+            except tf.errors.OpError as e:
+                damaged = unreadable(e) or f"cannot parse {where}: {_op_message(e)}"
+                return f"--dataset={config.dataset}: {damaged}"
+        features.pop("origin", None)
         try:
-            self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
+            if self.source.decode is not None:
+                self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
         except tf.errors.OpError as e:
             return f"--dataset={config.dataset}: cannot decode {where}: {_op_message(e)}"
         return f"--dataset={config.dataset}: the example at position {position} ({where}) was lost before decoding"
+
+    def _unparsed(self, split):
+        """The examples of `split` in order, a record file's unparsed (`decode` parses them)."""
+        return file_records(split.files) if split.files else split.make()
 
     # Evaluation.
 
@@ -454,7 +532,7 @@ class _Pipelines:
         `eval_steps` batches per replica: every example counts exactly once."""
         config, source = self.config, self.source
         # An example counts once unless its source says how much it counts (a text window: its characters).
-        ds = self.evals.make().enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
+        ds = self._unparsed(self.evals).enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
         pid, n = ctx.input_pipeline_id, ctx.num_input_pipelines
         mine = len(range(pid, self.evals.examples, n))
@@ -491,17 +569,19 @@ def load_source(config, features, split=None):
 def _op_message(error):
     """A TensorFlow error's first line without the function node and op names TensorFlow wraps it in."""
     text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", first_line(error.message or str(error)))
-    return re.sub(r"\s*\[Op:\w+\].*$", "", text)
+    text = re.sub(r"\s*\[Op:\w+\].*$", "", text)
+    return re.sub(r"^assertion failed: \[(.*)\]$", r"\1", text)  # a check's own words, without the wrapping
 
 
 def unreadable(error):
     """The line naming a damaged record file, when `error` is the pipeline's check of one; else None."""
-    found = re.search(
-        rf"{UNREADABLE}\] \[(\d+)\] \[of its\] \[(\d+)\] \[records:\] \[(.*?)\]$", error.message or "", re.M
-    )
+    found = re.search(rf"{UNREADABLE}\] \[(.*) record \d+\] \[(\d+) (\d+)\]", error.message or "")
     if not found:
         return None
-    read, expected, path = found.groups()
+    path, code, expected = found.group(1), int(found.group(2)), int(found.group(3))
+    if code == 2:
+        return f"{path}: holds more than the {expected} records counted: {_CHANGED}"
+    read = sum(1 for _ in tf.data.TFRecordDataset(path).ignore_errors())  # only when it failed: read it whole
     return f"{path}: truncated or corrupt: {read} of its {expected} records could be read"
 
 
@@ -553,6 +633,8 @@ def _tfds(config, name, features, eval_split):
                 f"--{flag}={split}: not a split of {name} (splits: {', '.join(info.splits.keys())}; {e})"
             ) from None
         size = split_info.num_examples
+        if not size:  # tfds would fail on reading it ("corresponds to no data")
+            raise ConfigError(f"--{flag}={split}: holds no examples of {name}")
         held = size * decoded_bytes + (int(split_info.num_bytes) if encoded else 0)
         if held < _IN_MEMORY_LIMIT_BYTES:
             arrays = builder.as_dataset(split=split, shuffle_files=False, batch_size=-1, decoders=decoders)

@@ -5,15 +5,19 @@ logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
 before the runtime starts.
 """
 
+import ctypes
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import tensorflow as tf
 
-from engine.config import ConfigError, first_line
+from engine.config import ConfigError, first_line, planned_strategy
 from engine.launcher import parse_tf_config, tf_config  # noqa: F401  (parse_tf_config: for callers)
 from engine.preemption import PREEMPTION
 
@@ -35,19 +39,12 @@ def _setup_cpu_devices(count):
 
 
 def strategy_name(config):
-    """The strategy a config runs with, resolving the empty default for this machine."""
-    if config.strategy:
-        return config.strategy
-    cluster = (tf_config() or {}).get("cluster")
-    if cluster and "ps" in cluster:
-        return "parameter_server"
-    if config.cluster_resolver in ("tf_config", "slurm", "kubernetes") or cluster:
-        return "multi_worker"
-    if config.cluster_resolver == "tpu":
-        return "tpu"
-    if len(tf.config.list_physical_devices("GPU")) > 1 or config.num_cpu_devices > 1:
-        return "mirrored"
-    return "one_device"
+    """The strategy a config runs with: engine/config.py's planned_strategy (what validate judged), completed
+    with this machine's GPUs where only the devices decide."""
+    planned = planned_strategy(config)
+    if planned:
+        return planned
+    return "mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "one_device"
 
 
 def create_strategy(config):
@@ -69,7 +66,9 @@ def create_strategy(config):
     resolver = cluster_resolver(config)
     with _connect_deadline(config, resolver):
         if name == "parameter_server":
-            return tf.distribute.ParameterServerStrategy(resolver)
+            strategy = tf.distribute.ParameterServerStrategy(resolver)
+            _watch_servers(resolver.cluster_spec(), config.collective_timeout)
+            return strategy
         _detect_dead_peers(resolver.cluster_spec(), config.collective_timeout)
         # RING works on every device type; NCCL is faster between GPUs. No timeout_seconds: TensorFlow
         # starts a thread per collective that sleeps for the whole timeout, so a long job runs out of
@@ -101,6 +100,55 @@ def _detect_dead_peers(cluster_spec, seconds):
             context.context().coordination_service.coordinated_job_list.add(
                 name=job, num_tasks=cluster_spec.num_tasks(job)
             )
+
+
+# A gRPC server answers a client's HTTP/2 connection preface with its own SETTINGS frame, from its own threads: a
+# process that is stopped (SIGSTOP, a debugger) or a host cut off sends nothing, though its port may still accept.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # and an empty SETTINGS
+_PROBE_INTERVAL = 1.0  # seconds between rounds of probes
+
+
+def _silent(address, seconds):
+    """Whether the server at `address` (host:port) sends nothing within `seconds`. Refusing the connection or
+    closing it is an answer: the process is gone or alive, and TensorFlow's own errors say which."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=seconds) as connection:
+            connection.sendall(_HTTP2_PREFACE)
+            connection.recv(1)
+    except TimeoutError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def _watch_servers(cluster_spec, seconds):
+    """A parameter-server chief: a thread that ends the process (exit 5) naming a parameter server or worker
+    that has answered nothing for `seconds`. A hung task fails no RPC, so without this the chief waits for it
+    forever. A task that is gone is left to TensorFlow: a lost server fails the step, a lost worker's share moves
+    to the others."""
+    spec = cluster_spec.as_dict()
+    peers = [
+        (f"{job} {i} ({address})", address) for job in ("ps", "worker") for i, address in enumerate(spec.get(job, []))
+    ]
+
+    def probe():
+        while True:
+            for name, address in peers:
+                if _silent(address, seconds):
+                    sys.stdout.flush()
+                    print(
+                        f"error: lost {name}: no answer within --collective_timeout={seconds:g}s (a stopped process "
+                        "or a host cut off); a peer that dies or is silent that long stops the job; restart every "
+                        "task of the job to resume from the last checkpoint",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(LOST_PEER_EXIT_CODE)
+            time.sleep(_PROBE_INTERVAL)
+
+    threading.Thread(target=probe, name="server-watch", daemon=True).start()
 
 
 def cluster_resolver(config):
@@ -226,8 +274,11 @@ silent = [p for p in peers if not answers(p.split("=", 1)[1])]
 why = ("no answer from " + ", ".join(p.replace("=", " (") + ")" for p in silent)) if silent else (
     "every peer answered but the cluster did not form: do all tasks' TF_CONFIG list the same cluster?")
 print(f"error: could not form the cluster within --connect_timeout={seconds:g}s: {why}", file=sys.stderr, flush=True)
-os.kill(parent, signal.SIGKILL)
+os.kill(parent, signal.SIGUSR1)  # the parent's handler exits with the signal's number (_connect_deadline)
 """
+
+# A cluster that did not form exits with this code, its own: SIGKILL's 137 reads as an out-of-memory kill.
+NOT_FORMED_EXIT_CODE = int(signal.SIGUSR1)
 
 
 class _connect_deadline:
@@ -245,11 +296,19 @@ class _connect_deadline:
         self.command = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(config.connect_timeout), *peers]
 
     def __enter__(self):
+        # The process waits in native code that holds Python's lock, where no Python handler can run: libc's
+        # _exit is the handler, called with the signal's number, which becomes the exit code.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self.previous = libc.signal(NOT_FORMED_EXIT_CODE, ctypes.cast(libc._exit, ctypes.c_void_p))
+        self.libc = libc
         self.watchdog = subprocess.Popen(self.command, stdin=subprocess.PIPE)
 
     def __exit__(self, *exc):
         self.watchdog.stdin.close()
-        self.watchdog.wait()
+        self.watchdog.wait()  # before the handler goes: a watchdog that timed out as the cluster formed still ends it
+        self.libc.signal(NOT_FORMED_EXIT_CODE, self.previous)
 
 
 def serve(config):
@@ -351,25 +410,41 @@ class PeerLost(RuntimeError):
     """A multi-worker peer died or stopped answering; restarting every worker resumes the job."""
 
 
+LOST_PEER_EXIT_CODE = 5  # launch.py's code for PeerLost
+
+# What TensorFlow raises on a task whose peer is gone or silent.
+_LOST_PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.InternalError,
+)
+
+
 def explain_failure(strategy, config, error):
     """A lost peer on a multi-worker job becomes PeerLost naming it; other errors come back unchanged."""
-    if not is_multi_worker(strategy) or not isinstance(
-        error,
-        (
-            tf.errors.UnavailableError,
-            tf.errors.DeadlineExceededError,
-            tf.errors.AbortedError,
-            tf.errors.CancelledError,
-            tf.errors.InternalError,
-        ),
-    ):
+    if not is_multi_worker(strategy) or not isinstance(error, _LOST_PEER_ERRORS):
         return error
+    # ParameterServerStrategy keeps its resolver to itself: its `cluster_resolver` (the extended strategy's) is None.
+    return _peer_lost(strategy.cluster_resolver or strategy._cluster_resolver, config, error)
+
+
+def lost_peer(config, error):
+    """PeerLost for an error of a cluster job's task that a lost peer raised outside the steps (a chief reading
+    its parameter servers' variables), else None."""
+    if strategy_name(config) not in ("multi_worker", "parameter_server") or not isinstance(error, _LOST_PEER_ERRORS):
+        return None
+    return _peer_lost(cluster_resolver(config), config, error)
+
+
+def _peer_lost(resolver, config, error):
     text = getattr(error, "message", str(error))
-    cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+    cluster = resolver.cluster_spec().as_dict()
     lost = [
         m
         for m in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", text)
-        if m != (strategy.cluster_resolver.task_type, str(strategy.cluster_resolver.task_id))
+        if m != (resolver.task_type, str(resolver.task_id))
     ]
     if lost:
         job, index = lost[0]
@@ -382,5 +457,6 @@ def explain_failure(strategy, config, error):
     first = next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "").rstrip(":")
     return PeerLost(
         f"lost {peer}: {first}; a peer that dies or is silent for --collective_timeout="
-        f"{config.collective_timeout:g}s stops the job; restart every worker to resume from the last checkpoint"
+        f"{config.collective_timeout:g}s stops the job; restart every task of the job to resume from the last "
+        "checkpoint"
     )

@@ -13,6 +13,7 @@ from engine import distribute
 from engine.config import ConfigError
 from engine.loop import Trainer
 from engine.report import format_metrics, write_json
+from engine.workdir import append_text
 
 
 def run_config(config):
@@ -80,15 +81,18 @@ def evaluate(config, strategy=None):
 def follow(config, strategy=None, poll_seconds=2.0):
     """--mode=continuous_eval: a sidecar that evaluates each new checkpoint of a running job.
 
-    Writes continuous_eval.jsonl and TensorBoard events under workdir/continuous_eval, beside the job's
-    own; stops after evaluating step --train_steps, or after --eval_timeout seconds with nothing new.
+    A sidecar started before its trainer waits for the run to appear (its config.json, which says what model to
+    build, or a checkpoint of a workdir from before config.json). Writes continuous_eval.jsonl and TensorBoard
+    events under workdir/continuous_eval, beside the job's own, from its first evaluation on; stops after
+    evaluating step --train_steps, or after --eval_timeout seconds with nothing new. When nothing came in that
+    time it writes nothing and stops with ConfigError saying so.
     """
+    directory = os.path.join(config.workdir, "checkpoints")
+    print(f"continuous_eval: following {directory}", flush=True)
+    _wait_for_run(config, directory, poll_seconds)
     config = run_config(config)
     trainer, checkpoint = _trainer(config, strategy)
-    directory = os.path.join(config.workdir, "checkpoints")
-    writer = tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
-    done, results, waited_since = set(), [], time.monotonic()
-    print(f"continuous_eval: following {directory}", flush=True)
+    writer, done, results, waited_since = None, set(), [], time.monotonic()
     while time.monotonic() - waited_since < config.eval_timeout:
         latest = checkpoint_lib.latest(directory)
         if latest is None or latest in done:
@@ -99,13 +103,17 @@ def follow(config, strategy=None, poll_seconds=2.0):
         except checkpoint_lib.Unreadable:
             time.sleep(poll_seconds)  # still being written: try again
             continue
+        except checkpoint_lib.CheckpointError:  # the storage did not answer: a sidecar waits it out
+            print(f"continuous_eval: the storage did not answer a read of {latest}; trying again", flush=True)
+            time.sleep(poll_seconds)
+            continue
         done.add(latest)
         step = int(trainer.step.numpy())
         result = {"step": step, "checkpoint": latest, **trainer.evaluate()}
         results.append(result)
         print(f"continuous_eval step={step} {format_metrics(trainer_results(result))}", flush=True)
-        with open(os.path.join(config.workdir, "continuous_eval.jsonl"), "a") as f:
-            f.write(json.dumps(result) + "\n")
+        append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
+        writer = writer or tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
         with writer.as_default(step=step):
             for name, value in trainer_results(result).items():
                 if name != "examples":
@@ -114,7 +122,31 @@ def follow(config, strategy=None, poll_seconds=2.0):
         if step >= config.train_steps:
             break
         waited_since = time.monotonic()
+    else:
+        if not results:
+            raise ConfigError(
+                f"--workdir={config.workdir}: no checkpoint appeared in {directory} within "
+                f"--eval_timeout={config.eval_timeout:g} s; nothing evaluated"
+            )
+        print(
+            f"continuous_eval: no new checkpoint for {config.eval_timeout:g} s (--eval_timeout) after step "
+            f"{results[-1]['step']} of {config.train_steps}; stopping",
+            flush=True,
+        )
     return results
+
+
+def _wait_for_run(config, directory, poll_seconds):
+    """Waits up to --eval_timeout for the run of --workdir to exist: its config.json (or, in a workdir from
+    before config.json, a checkpoint). Built earlier, the sidecar would evaluate the command line's model."""
+    since = time.monotonic()
+    while not (tf.io.gfile.exists(os.path.join(config.workdir, "config.json")) or checkpoint_lib.latest(directory)):
+        if time.monotonic() - since >= config.eval_timeout:
+            raise ConfigError(
+                f"--workdir={config.workdir}: no run appeared there (no config.json, no checkpoint) within "
+                f"--eval_timeout={config.eval_timeout:g} s; nothing evaluated"
+            )
+        time.sleep(poll_seconds)
 
 
 def trainer_results(result):

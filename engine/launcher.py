@@ -3,15 +3,21 @@
 Starts every task of a multi-worker (N workers) or parameter-server (a chief, N workers, --num_ps
 parameter servers) job as a process running this same command with TF_CONFIG set to free
 localhost ports; prefixes each line of their output with the task's name; stops the rest when a
-task that matters fails; returns the job's exit code. Without --local_workers the same flags run
-unchanged on a real cluster. No TensorFlow here: the tasks import it, the launcher does not, and
-every task checks its TF_CONFIG here before TensorFlow starts.
+task that matters fails; returns the job's exit code. On Linux the tasks share a network namespace of
+their own that holds only loopback (--local_cluster_network=loopback): TensorFlow's servers listen on
+every interface, unauthenticated, and run the graphs they are sent. Without --local_workers the same
+flags run unchanged on a real cluster. No TensorFlow here: the tasks import it, the launcher does not,
+and every task checks its TF_CONFIG here before TensorFlow starts.
 """
 
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -90,8 +96,22 @@ def _stream(proc, name, out):
         out.flush()
 
 
-def run(strategy, workers, num_ps, argv, out=sys.stdout):
-    """Runs the job; `argv` is the command line of one task (without --local_workers)."""
+def run(strategy, workers, num_ps, argv, out=sys.stdout, network="loopback"):
+    """Runs the job; `argv` is the command line of one task (without --local_workers). With `network` loopback
+    this process moves into a network namespace of its own first (isolate_network); 2 where it cannot."""
+    if network == "loopback":
+        try:
+            isolate_network()
+        except OSError as e:
+            why = UNSHARE_FAILURES.get(e.errno, e.strerror)
+            print(
+                f"error: --local_cluster_network=loopback: cannot give the local cluster a network of its own "
+                f"({why}); --local_cluster_network=host runs it on this machine's network, where its servers listen "
+                "on every interface without authentication: use that only on a trusted network",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
     cluster = cluster_for(strategy, workers, num_ps)
     tasks = {}
     for job, addresses in cluster.items():
@@ -112,62 +132,143 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout):
             tasks[name] = proc
             threading.Thread(target=_stream, args=(proc, name, out), daemon=True).start()
             out.write(f"[launcher] {name} pid {proc.pid} on {addresses[index]}\n")
-    # TensorFlow's gRPC server binds 0.0.0.0:PORT, hard-coded (grpc_server_lib.cc), with no option to bind
-    # 127.0.0.1 instead; gRPC makes that a dual-stack [::]:PORT socket. Say so, since nobody can fix it here.
     ports = ", ".join(address.rpartition(":")[2] for addresses in cluster.values() for address in addresses)
-    out.write(
-        f"[launcher] note: TensorFlow's servers listen on every network interface without authentication (ports "
-        f"{ports}): use --local_workers on a trusted network, or firewall these ports\n"
-    )
+    if network == "loopback":
+        out.write(
+            f"[launcher] the tasks share a network namespace that holds only loopback: their servers (ports {ports}) "
+            "cannot be reached from outside it, and the tasks cannot reach the network (--local_cluster_network=host "
+            "gives them this machine's)\n"
+        )
+    else:
+        # TensorFlow's gRPC server binds 0.0.0.0:PORT, hard-coded (grpc_server_lib.cc), with no option to bind
+        # 127.0.0.1 instead; gRPC makes that a dual-stack [::]:PORT socket.
+        out.write(
+            f"[launcher] note: --local_cluster_network=host: TensorFlow's servers listen on every network interface "
+            f"without authentication (ports {ports}): run this on a trusted network only, or firewall these ports\n"
+        )
     out.flush()
     # The job is done when its trainers are: every worker (multi-worker), or the chief (parameter servers,
     # whose workers and servers serve until stopped). A parameter-server worker that dies is not fatal:
     # the chief's coordinator moves its work to the others.
     trainers = [n for n in tasks if n.startswith("worker")] if strategy == "multi_worker" else ["chief 0"]
-    fatal = set(trainers) | {n for n in tasks if n.startswith("ps")}
+    servers = [n for n in tasks if n not in trainers]
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     for signum in previous:  # preemption reaches every trainer, which saves and exits
         signal.signal(signum, lambda signum, frame: [tasks[n].send_signal(signum) for n in trainers])
-    noted, code = set(), None
     try:
-        while code is None:
-            time.sleep(0.2)
-            for name, proc in tasks.items():
-                status = proc.poll()
-                if status in (None, 0) or name in noted:
-                    continue
-                noted.add(name)
-                if name in trainers and status in STOPPED_AND_SAVED:
-                    continue  # preempted: the other trainers stop at the same step and are still saving it
-                if name in fatal:
-                    out.write(f"[launcher] {name} exited with {status}; stopping the others\n")
-                    code = status
-                    break
-                out.write(f"[launcher] {name} exited with {status}; the job goes on without it\n")
-            if code is None and all(tasks[n].poll() is not None for n in trainers):
-                code = max(tasks[n].returncode for n in trainers)
+        code = _wait(tasks, trainers, out)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _stop(tasks.values())
+        _stop([tasks[n] for n in trainers], [tasks[n] for n in servers])
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
     out.write(f"[launcher] job finished with exit code {code}\n")
     out.flush()
     return code
 
 
+def _wait(tasks, trainers, out):
+    """The job's exit status, once its trainers are done or a task that matters failed."""
+    noted, lost, deadline = set(), None, None
+    while True:
+        time.sleep(0.2)
+        for name, proc in tasks.items():
+            status = proc.poll()
+            if status in (None, 0) or name in noted:
+                continue
+            noted.add(name)
+            if name in trainers and status in STOPPED_AND_SAVED:
+                continue  # preempted: the other trainers stop at the same step and are still saving it
+            if name in trainers:
+                out.write(f"[launcher] {name} exited with {status}; stopping the others\n")
+                return status
+            if name.startswith("ps"):
+                # The job cannot go on without it. The chief finds out and says so (exit 5): give it the time.
+                out.write(f"[launcher] {name} exited with {status}; the chief stops too\n")
+                lost, deadline = lost or status, deadline or time.monotonic() + GRACE_SECONDS
+                continue
+            out.write(f"[launcher] {name} exited with {status}; the job goes on without it\n")
+        if all(tasks[n].poll() is not None for n in trainers):
+            return max(tasks[n].returncode for n in trainers)
+        if deadline is not None and time.monotonic() > deadline:
+            out.write(f"[launcher] the chief did not stop within {GRACE_SECONDS} s of losing a server; stopping it\n")
+            return lost
+
+
+# Why unshare(2) refuses a user namespace, as its manual page says.
+UNSHARE_FAILURES = {
+    errno.EPERM: "unshare: not permitted; user namespaces are disabled or restricted here (a container's seccomp "
+    "profile, kernel.apparmor_restrict_unprivileged_userns)",
+    errno.ENOSPC: "unshare: no user namespace left to make; sysctl user.max_user_namespaces limits them",
+    errno.EUSERS: "unshare: no user namespace left to make; sysctl user.max_user_namespaces limits them",
+    errno.EINVAL: "unshare: the launcher already runs threads, and only a single-threaded process may make a user "
+    "namespace",
+}
+
+# Linux's clone flags (linux/sched.h), for unshare(2), and the interface requests that bring loopback up.
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def isolate_network():
+    """Moves this process, and every process it starts from now on, into a new network namespace holding only
+    a loopback interface, which it brings up. Root needs nothing else; otherwise (or root without CAP_SYS_ADMIN,
+    as in a container) the namespace is made inside a new user namespace, which maps this process's own user
+    and group to themselves. Raises OSError saying why it could not. Call it before any thread starts: the
+    kernel makes a user namespace only for a single-threaded process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "unshare"):
+        raise OSError(errno.ENOSYS, "this system has no network namespaces (Linux only)")
+    if libc.unshare(CLONE_NEWNET) != 0:
+        uid, gid = os.geteuid(), os.getegid()
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+        _map_ids(uid, gid)  # the new user namespace maps no one yet
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sh22x", b"lo", 0)
+        flags = struct.unpack("16sh22x", fcntl.ioctl(s, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+
+
+def _map_ids(uid, gid):
+    """Every user and group to itself where this process may (CAP_SETUID and CAP_SETGID: root), else its own
+    alone: then it gives up setgroups(2), as the kernel requires of an unprivileged mapping."""
+    try:
+        _write("/proc/self/uid_map", "0 0 4294967295")
+    except PermissionError:
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    try:
+        _write("/proc/self/gid_map", "0 0 4294967295")
+    except PermissionError:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 # A trainer's exit after a signal, its checkpoint saved (SIGTERM, SIGINT): not a failure of the job.
 STOPPED_AND_SAVED = (PREEMPTED_EXIT_CODE, 128 + signal.SIGINT)
 
 
-def _stop(procs):
-    procs = [p for p in procs if p.poll() is None]
-    for p in procs:
+def _stop(trainers, servers):
+    """SIGTERM to the trainers still running, which save (a parameter-server chief from its servers) and exit;
+    then SIGKILL to the servers, which hold nothing more to save: stopped by a signal, each would report a
+    preemption that is none."""
+    trainers = [p for p in trainers if p.poll() is None]
+    for p in trainers:
         p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
-    for p in procs:
+    for p in trainers:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for p in servers:
+        if p.poll() is None:
             p.kill()
             p.wait()

@@ -38,7 +38,8 @@ INPUT_WINDOW_STEPS = 50
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss in float32 or bfloat16); the message says where."""
+    """Training cannot go on (a non-finite loss in float32 or bfloat16; float16 steps skipped with the loss scale at
+    its floor); the message says where."""
 
 
 class Recompiled(Exception):
@@ -297,9 +298,12 @@ class Trainer:
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
 
     def _train_loop(self, iterator, steps, first_batch):
-        loss_sum, finite_steps, done = tf.constant(0.0), tf.constant(0.0), tf.constant(0)
+        # The loss summed in float64: the sums of two parts of a logging window (a run preempted inside it, then
+        # resumed) then add up to the whole window's, exactly.
+        loss_sum, finite_steps, done = tf.constant(0.0, tf.float64), tf.constant(0.0), tf.constant(0)
+        floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale
         waited = tf.constant(0.0, tf.float64)
-        last = {"grad_norm": 0.0, "learning_rate": 0.0, "loss_scale": 0.0, "stop": False}
+        last = {"grad_norm": 0.0, "loss_scale": 0.0, "stop": False, **dict.fromkeys(self.optimizer.rate_names, 0.0)}
         timed = self.waits_timed
         for i in tf.range(steps):
             if iterator is None:  # in_step: train_iterator() gives none
@@ -310,8 +314,10 @@ class Trainer:
             else:
                 out = self._iterated_step(iterator, timed)
                 waited += out.pop("waited")
-            loss_sum += tf.where(out["finite"], out["loss"], 0.0)
+            loss_sum += tf.where(out["finite"], tf.cast(out["loss"], tf.float64), 0.0)
             finite_steps += tf.cast(out["finite"], tf.float32)
+            if self.float16:  # the step's scale against the scale after it: a skip at the floor leaves it there
+                floor_skipped += tf.cast(~out["finite"] & (self.loss_scale.scale == out["loss_scale"]), tf.float32)
             last = {k: out[k] for k in last}
             done += 1
             self.step.assign_add(1)
@@ -320,7 +326,15 @@ class Trainer:
                 break
         skipped = tf.cast(done, tf.float32) - finite_steps
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
-        return {"loss": loss_sum / finite_steps, "skipped": skipped, "steps": done, "input_wait": waited, **last}
+        return {
+            "loss": loss_sum / tf.cast(finite_steps, tf.float64),
+            "loss_sum": loss_sum,
+            "skipped": skipped,
+            "floor_skipped": floor_skipped,
+            "steps": done,
+            "input_wait": waited,
+            **last,
+        }
 
     def _gathered_step(self, batch_index):
         # One replica per worker (gathers_in_step): the replica's id is its worker's input pipeline.
@@ -418,13 +432,15 @@ class Trainer:
         outs = [{k: float(v) for k, v in r.fetch().items()} for r in remote]
         done = sum(o["steps"] for o in outs)
         finite = done - sum(o["skipped"] for o in outs)
-        loss = sum(o["loss"] * (o["steps"] - o["skipped"]) for o in outs if o["steps"] > o["skipped"])
+        loss = sum(o["loss_sum"] for o in outs)
         stop = max(o["stop"] for o in outs)  # any function that saw the flag: they ran in no set order
         return {
             **outs[-1],
             "steps": done,
             "skipped": done - finite,
             "loss": loss / finite if finite else float("nan"),
+            "loss_sum": loss,
+            "floor_skipped": sum(o["floor_skipped"] for o in outs),
             "stop": stop,
             "input_wait": sum(o["input_wait"] for o in outs),
         }
@@ -446,16 +462,25 @@ class Trainer:
             )
 
     def evaluate(self):
-        """The task's reported metrics over the evaluation split (with --ema_decay, of the averaged weights)."""
+        """The task's reported metrics over the evaluation split. With --ema_decay, of the averaged weights (what
+        export serves), and beside them, as raw_<metric>, of the trained weights themselves."""
+        if not self.ema:
+            return self._evaluate()
+        raw = self._evaluate()
         with self.averaged_weights():
-            if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
-                return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
-            try:
-                totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
-                self._check_retrace("eval_loop", self.eval_loop)
-            except tf.errors.OpError as e:
-                raise self._explain(e, training=False) from None
-            return self._results(totals)
+            averaged = self._evaluate()
+        examples = averaged.pop("examples")
+        return {**averaged, **{f"raw_{k}": v for k, v in raw.items() if k != "examples"}, "examples": examples}
+
+    def _evaluate(self):
+        if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
+            return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
+        try:
+            totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
+            self._check_retrace("eval_loop", self.eval_loop)
+        except tf.errors.OpError as e:
+            raise self._explain(e, training=False) from None
+        return self._results(totals)
 
     @contextlib.contextmanager
     def averaged_weights(self):
@@ -488,6 +513,52 @@ class Trainer:
     def examples(self, split):
         """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
         return data_lib.load(self.config, split).eval_fn(tf.distribute.InputContext())
+
+
+def _evaluate(trainer, report, step, on_eval):
+    """Evaluates at `step`; True when `on_eval` stops the run there (a tuner's pruning)."""
+    results = trainer.evaluate()
+    report.eval(step, results)
+    return bool(on_eval and on_eval(step, results))
+
+
+def evaluates_on_resume(config, step):
+    """Whether a run that starts training at `step` evaluates it first: an --eval_every step short of the end
+    (the end's evaluation comes after the loop), which a run stopped there may have saved unevaluated."""
+    return bool(config.eval_every) and 0 < step < config.train_steps and step % config.eval_every == 0
+
+
+def _divergence(trainer, out, start, current):
+    """What went wrong in the round of steps start+1..current, as the error or rollback line says it; None when it
+    trained. In float32 and bfloat16: any non-finite step. In float16 a skipped step is how the loss scale finds a
+    scale that fits, except one skipped with the scale at its floor (a skip that could not lower it): no scale
+    fits, and the run can make no more progress."""
+    steps = current - start
+    if not trainer.float16:
+        if not out["skipped"]:
+            return None
+        return (
+            f"non-finite loss or gradient between steps {start + 1} and {current} "
+            f"({int(out['skipped'])} of {steps} steps, {trainer.config.precision})"
+        )
+    if not out["floor_skipped"]:
+        return None
+    return (
+        f"{int(out['floor_skipped'])} of the {steps} steps {start + 1}-{current} had non-finite gradients with the "
+        f"loss scale at its floor ({float(trainer.loss_scale.scale.numpy()):g}), which no loss scale can fix "
+        "(mixed_float16)"
+    )
+
+
+def last_round_start(config):
+    """The step after which the last round of an uninterrupted run begins: the steps whose mean loss is the
+    summary's train_loss. Rounds end at the boundaries of _next_boundary."""
+    ends = [0, (config.train_steps - 1) // config.steps_per_loop * config.steps_per_loop]
+    for every in (config.eval_every, config.checkpoint_every):
+        if every:
+            ends.append((config.train_steps - 1) // every * every)
+    ends.extend(step for step in config.profile_steps if step < config.train_steps)
+    return max(ends)
 
 
 def _next_boundary(config, current):
@@ -569,7 +640,13 @@ def train(config, strategy=None, on_eval=None):
             trained = {name: model for name, model in trainer.models.items() if model.trainable}
             checkpoint_lib.warm_start(trained, config.init_checkpoint)
             trainer.reset_ema()
-        report = Report(config.workdir, chief, config.train_steps, resume_step=current)
+        report = Report(
+            config.workdir,
+            chief,
+            config.train_steps,
+            resume_step=current,
+            redo_eval=evaluates_on_resume(config, current),
+        )
         if chief:
             write_config(config)
         if restored:
@@ -635,11 +712,15 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
         f"jit_compile={show(trainer.jit_compile)} ({trainer.jit_reason})"
     )
     iterator = trainer.train_iterator()
-    current, loss, rollbacks = int(trainer.step.numpy()), float("nan"), 0
+    current, rollbacks = int(trainer.step.numpy()), 0
+    report.count_losses(last_round_start(config), current)
     timed_steps, timed_seconds, first_round = 0, 0.0, None
     waited, warned = 0.0, False
     with PREEMPTION.watch(trainer.stop):  # from here on a signal stops the loop at a step, saved
-        while current < config.train_steps:
+        # A run stopped at an evaluation step saved it unevaluated (a preemption's grace period has no time for an
+        # evaluation): the resumed run evaluates it, once (Report dropped any evaluation of it logged before).
+        pruned = evaluates_on_resume(config, current) and _evaluate(trainer, report, current, on_eval)
+        while current < config.train_steps and not pruned:
             start = current
             profile.before_round(current)
             tic = time.perf_counter()
@@ -666,33 +747,52 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
                         "workers, --tf_data_service, a smaller --image_size or data held in memory would)"
                     )
 
-            if out["skipped"] and not trainer.float16:
+            diverged = _divergence(trainer, out, start, current)
+            if diverged:
                 last_good = checkpoints.saved_path
-                where = f"non-finite loss or gradient between steps {start + 1} and {current}"
-                if config.on_nan != "rollback" or rollbacks >= MAX_ROLLBACKS:
-                    raise TrainingError(
-                        f"{where} ({int(out['skipped'])} steps, {config.precision}); last good "
-                        f"checkpoint: {last_good or 'none'}; lower --learning_rate or set --clip_norm"
+                if config.on_nan != "rollback" or rollbacks >= MAX_ROLLBACKS or not last_good:
+                    gave_up = (
+                        f" (--on_nan=rollback: {rollbacks} rollbacks without a save between them)"
+                        if config.on_nan == "rollback" and last_good
+                        else ""
                     )
-                position = int(trainer.batches.numpy())
+                    raise TrainingError(
+                        f"{diverged}{gave_up}; last good checkpoint: {last_good or 'none'}; lower --learning_rate "
+                        "or set --clip_norm"
+                    )
+                reached, position = current, int(trainer.batches.numpy())
                 checkpoint_lib.restore(checkpoints.checkpoint, last_good)
-                trainer.batches.assign(position)  # keep reading from here: the offending batches are skipped
+                trainer.batches.assign(position)  # read on from here: the discarded steps' batches are not redone
                 current, rollbacks = int(trainer.step.numpy()), rollbacks + 1
                 report.rewind(current)
-                report.line(f"{where}: rolled back to step {current} ({last_good}), skipping those batches")
+                discarded = reached - current
+                report.line(
+                    f"{diverged}: rolled back to step {current} ({last_good}), discarding the {discarded} steps "
+                    f"{current + 1}-{reached} since that checkpoint; the {discarded} batches they read are not "
+                    "trained on (--on_nan=rollback)"
+                )
                 iterator = trainer.train_iterator()
                 continue
+            if trainer.float16 and 2 * out["skipped"] > steps:
+                report.line(
+                    f"warning: mixed_float16: {int(out['skipped'])} of the {steps} steps {start + 1}-{current} were "
+                    "skipped (non-finite gradients: nothing trained); the loss scale halves at each skipped step and "
+                    f"is now {float(trainer.loss_scale.scale.numpy()):g} "
+                    f"(--initial_loss_scale={config.initial_loss_scale:g})"
+                )
 
             trainer.skipped.assign_add(int(out["skipped"]))
-            loss = out["loss"]
             report.train(
                 current,
                 {
-                    "loss": loss,
-                    "learning_rate": out["learning_rate"],
+                    "loss": out["loss"],
+                    # The rates the optimizer's groups used: `learning_rate` where a variable trains with the
+                    # run's settings, `learning_rate/<regex>` for each group.
+                    **{name: out[name] for name in trainer.optimizer.rate_names},
                     "grad_norm": out["grad_norm"],
                     "loss_scale": out["loss_scale"] if trainer.float16 else None,
                     "examples_per_sec": steps * config.global_batch_size / seconds,
+                    "skipped_steps": out["skipped"],
                 },
             )
             profile.after_round(current, report)
@@ -700,9 +800,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
             # step also reads the flag as it is now: a signal after its last step stops the run here, not a round on.
             stopping = bool(out["stop"]) or (not trainer.stops_each_step and trainer.stopping_anywhere())
             if config.eval_every and current % config.eval_every == 0 and current < config.train_steps and not stopping:
-                results = trainer.evaluate()
-                report.eval(current, results)
-                if on_eval and on_eval(current, results):
+                if _evaluate(trainer, report, current, on_eval):
                     break
             if (
                 stopping
@@ -723,7 +821,7 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
         timed_steps, timed_seconds = first_round
     summary = {
         "step": current,
-        "train_loss": loss,
+        "train_loss": report.train_loss(),
         "eval": results,
         "examples_per_sec": timed_steps * config.global_batch_size / timed_seconds if timed_steps else None,
         # The share of the timed rounds' time the steps waited for their batches.

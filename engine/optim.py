@@ -106,10 +106,16 @@ class Optimizer(tf.Module):
         super().__init__(name="optimizer")
         self.config = config
         group_settings = [_group_settings(config, overrides, pattern) for pattern, overrides in groups]
-        self.settings = [
-            next((hp for (pattern, _), hp in zip(groups, group_settings) if re.search(pattern, path)), config)
-            for path in paths
+        # Each parameter's settings (0: the run's, k: the k-th group's), and the name its learning rate is logged
+        # under: the run's `learning_rate`, a group's `learning_rate/<its regex>`.
+        chosen = [
+            next((k for k, (pattern, _) in enumerate(groups, 1) if re.search(pattern, path)), 0) for path in paths
         ]
+        names = ["learning_rate", *(f"learning_rate/{pattern}" for pattern, _ in groups)]
+        self.settings = [[config, *group_settings][k] for k in chosen]
+        self.rate_of = [names[k] for k in chosen]
+        # The rates `updates` returns: those some parameter trains with, the run's first, then the groups' in order.
+        self.rate_names = [names[k] for k in sorted(set(chosen))]
         for pattern, _ in groups:  # a typo in a group's regex would otherwise train with the run's settings, silently
             if not any(re.search(pattern, path) for path in paths):
                 print(f"warning: optimizer group {pattern!r} matches no trained variable (e.g. {paths[0]})", flush=True)
@@ -131,18 +137,22 @@ class Optimizer(tf.Module):
     def updates(self, params, slots, iterations, grads):
         """New parameter and slot values for one step from the values given; pure, nothing is read or assigned.
 
-        `slots` is shaped like `self.slots`; returns (new_params, new_slots, learning_rate).
+        `slots` is shaped like `self.slots`; returns (new_params, new_slots, {name: learning rate} of `rate_names`):
+        the rates the parameters were updated with, and no other (a run's own rate is not logged where every
+        parameter trains in a group).
         """
         t = tf.cast(iterations + 1, tf.float32)
-        rates = {id(self.config): learning_rate(self.config, iterations)}
+        rates = {}
         new_params, new_slots = [], []
-        for param, grad, param_slots, decays, hp in zip(params, grads, slots, self.decays, self.settings):
-            if id(hp) not in rates:
-                rates[id(hp)] = learning_rate(hp, iterations)
-            lr = rates[id(hp)]
+        for param, grad, param_slots, decays, hp, name in zip(
+            params, grads, slots, self.decays, self.settings, self.rate_of
+        ):
+            if name not in rates:
+                rates[name] = learning_rate(hp, iterations)
+            lr = rates[name]
             if decays and hp.weight_decay:
                 param -= param * hp.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
             param, param_slots = RULES[hp.optimizer](param, tf.cast(grad, param.dtype), param_slots, lr, t, hp)
             new_params.append(param)
             new_slots.append(param_slots)
-        return new_params, new_slots, rates[id(self.config)]
+        return new_params, new_slots, {name: rates[name] for name in self.rate_names}

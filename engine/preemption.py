@@ -48,7 +48,17 @@ class Preemption:
                 self.signal = received
                 if self._flag is None:
                     self._exit_now()
-                self._flag.assign(True)
+                try:
+                    self._flag.assign(True)
+                except Exception as e:  # noqa: BLE001  (TensorFlow's errors: this module imports none)
+                    # The flag lives with the variables: on a parameter server that is gone, setting it fails. The
+                    # loop cannot be stopped at a step then, and a watcher that died here would see no signal again.
+                    text = (getattr(e, "message", None) or str(e)).strip().splitlines() or [type(e).__name__]
+                    self._last_words(
+                        f"{self.cause}, but the training loop cannot be told to stop at a step (setting its stop "
+                        f"flag failed: {text[0]}): exiting without saving"
+                    )
+                    os._exit(self.exit_code)
 
     @contextlib.contextmanager
     def watch(self, flag):

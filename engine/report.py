@@ -12,12 +12,14 @@ import os
 import re
 import sys
 import time
+import uuid
 
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
 from engine.checkpoint import CheckpointError
-from engine.config import ConfigError, first_line
+from engine.config import first_line
+from engine.workdir import append_text, make_workdir, replace_text  # noqa: F401  (make_workdir: research/ uses it)
 
 
 def _number(value):
@@ -56,29 +58,15 @@ def _read_lines(path):
 
 
 def _replace(path, text):
-    """Writes `text` to a temporary file and renames it over `path`: a reader or a kill never sees half a file."""
-    tmp = f"{path}.tmp"
+    """Writes `text` to a temporary file and renames it over `path`: a reader or a kill never sees half a file, and
+    a link planted at either name is never written through (engine/workdir.py)."""
     with _writing(path):
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(text)
-        tf.io.gfile.rename(tmp, path, overwrite=True)
+        replace_text(path, text)
 
 
 def write_json(path, obj):
     """Writes atomically: a reader never sees half a file, a crash never leaves one."""
     _replace(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def make_workdir(path):
-    try:
-        tf.io.gfile.makedirs(path)
-        probe = os.path.join(path, ".write_probe")
-        with tf.io.gfile.GFile(probe, "w") as f:
-            f.write("probe")  # GFile opens the file at its first write
-        tf.io.gfile.remove(probe)
-    except (tf.errors.OpError, OSError) as e:
-        why = e.strerror if isinstance(e, OSError) else first_line(e)
-        raise ConfigError(f"--workdir={path}: cannot write there ({why})") from None
 
 
 def _rewind_events(path, last):
@@ -95,7 +83,7 @@ def _rewind_events(path, last):
     except tf.errors.DataLossError:
         dropped = True  # a record torn by the kill
     if dropped:
-        tmp = os.path.join(os.path.dirname(path), ".rewind.tmp")
+        tmp = os.path.join(os.path.dirname(path), f".rewind-{uuid.uuid4().hex}.tmp")  # a name no link waits at
         with _writing(path):
             with tf.io.TFRecordWriter(tmp) as writer:
                 for record in kept:
@@ -109,23 +97,30 @@ def format_metrics(results):
 
 
 class Report:
-    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=None):
+    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=None, redo_eval=False):
+        """`redo_eval`: the run evaluates `resume_step` again (an evaluation step it may have stopped at unevaluated),
+        so that step's evaluation is dropped too."""
         self.workdir, self.chief, self.total_steps = workdir, chief, total_steps
         self.stream = stream or sys.stdout
         self.live = chief and self.stream.isatty()
         self._progress_shown = False
         self._start, self._start_step = time.perf_counter(), resume_step
         self._writers = {}
+        # The lines of the last logging window (count_losses): the step the first of them counts from (its previous
+        # line's), and (step, mean loss, skipped steps) of each line since.
+        self._last_window, self._window_from, self._window = 0, 0, []
         if chief:
             make_workdir(workdir)
-            self.rewind(resume_step)
+            self.rewind(resume_step, redo_eval)
 
-    def rewind(self, step):
+    def rewind(self, step, redo_eval=False):
         """Drops records after `step` (logged before a crash or a rollback): no step is logged twice. A run at
-        its last step evaluates it again, so that step's final evaluation goes too."""
+        its last step evaluates it again, so that step's final evaluation goes too, and so does the evaluation of
+        `step` with `redo_eval`."""
+        self._window = [line for line in self._window if line[0] <= step]
         if not self.chief:
             return
-        evaluated = step - 1 if step >= self.total_steps else step
+        evaluated = step - 1 if step >= self.total_steps or redo_eval else step
         for name, last in (("metrics.jsonl", step), ("eval.jsonl", evaluated)):
             path = os.path.join(self.workdir, name)
             lines = _read_lines(path)
@@ -148,11 +143,16 @@ class Report:
         print(text, file=self.stream, flush=True)
 
     def train(self, step, metrics):
-        """metrics: loss, learning_rate, grad_norm, loss_scale (None unless float16), examples_per_sec."""
+        """metrics: loss (the mean over the finite steps since the last line), learning_rate (or a task's optimizer
+        groups' learning_rate/<regex>), grad_norm, loss_scale
+        (None unless float16), examples_per_sec, skipped_steps (since the last line)."""
         record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
+        record["skipped_steps"] = int(metrics["skipped_steps"])
+        self._count_loss(record)
         scale = "-" if metrics["loss_scale"] is None else f"{metrics['loss_scale']:g}"
+        rates = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.split("/")[0] == "learning_rate")
         self.line(
-            f"train step={step} loss={metrics['loss']:.5g} learning_rate={metrics['learning_rate']:.4g} "
+            f"train step={step} loss={metrics['loss']:.5g} {rates} "
             f"grad_norm={metrics['grad_norm']:.4g} loss_scale={scale} "
             f"examples_per_sec={metrics['examples_per_sec']:.1f}"
         )
@@ -179,9 +179,8 @@ class Report:
             self._scalars("eval", step, {k: v for k, v in results.items() if k != "examples"})
 
     def summary(self, summary):
-        """Writes summary.json. A process that resumed at the last step trained nothing itself: the numbers it
-        could not measure (train_loss, examples_per_sec) come from the records the run logged, and are filled
-        into `summary` too."""
+        """Writes summary.json. A process that resumed at the last step trained nothing itself: the throughput it
+        could not measure comes from the records the run logged, and is filled into `summary` too."""
         if not self.chief:
             return
         for key, value in self._logged(summary["step"]).items():
@@ -193,10 +192,43 @@ class Report:
             with _writing(os.path.join(self.workdir, name)):
                 writer.flush()
 
+    def count_losses(self, after, step):
+        """From now on counts the lines after step `after` (where the last logging window of an uninterrupted run
+        begins) toward train_loss, starting with those the run logged up to `step`, where this process starts: a run
+        resumed inside the window counts the lines its earlier processes logged there. Every worker reads them."""
+        self._last_window, self._window_from, self._window = after, 0, []
+        for record in self._records(step):
+            self._count_loss(record)
+
+    def _count_loss(self, record):
+        if record["step"] <= self._last_window:
+            self._window_from, self._window = record["step"], []
+        else:
+            self._window.append((record["step"], record["loss"], record.get("skipped_steps", 0)))
+
+    def train_loss(self):
+        """The mean loss over the finite steps of the last logging window (count_losses): one number whether the run
+        went through in one process or was stopped and resumed inside the window. A line holds the mean over its
+        finite steps; the lines' sums add up in float64, as the rounds summed their steps. None before the window's
+        first line."""
+        total, finite, counted_from = 0.0, 0, self._window_from
+        for step, loss, skipped in self._window:
+            steps, counted_from = step - counted_from - skipped, step
+            if steps and loss is not None:
+                total, finite = total + loss * steps, finite + steps
+        if len(self._window) == 1:  # the window in one line: its own mean, not the mean remade from its sum
+            return self._window[0][1]
+        return total / finite if finite else None
+
+    def _records(self, step):
+        """metrics.jsonl's records up to `step`, in order ([] when there is none yet; a torn last line is left out,
+        as rewind drops it)."""
+        lines = _read_lines(os.path.join(self.workdir, "metrics.jsonl"))
+        return [json.loads(line) for line in lines if line.endswith("\n") and _step_of(line) <= step]
+
     def _logged(self, step):
-        """train_loss at `step` and the throughput after the first round, from metrics.jsonl."""
-        records = [json.loads(line) for line in _read_lines(os.path.join(self.workdir, "metrics.jsonl"))]
-        records = [r for r in records if r["step"] <= step]
+        """The throughput after the first round, from metrics.jsonl."""
+        records = self._records(step)
         if not records or records[-1]["step"] != step:
             return {}
         # examples/s over the rounds after the first (which includes tracing), as the loop measures it.
@@ -204,12 +236,12 @@ class Report:
         rounds = [(steps, rate) for steps, rate in rounds if rate] or [(1, records[0]["examples_per_sec"])]
         seconds = sum(steps / rate for steps, rate in rounds if rate)
         speed = sum(steps for steps, _ in rounds) / seconds if seconds else None
-        return {"train_loss": records[-1]["loss"], "examples_per_sec": speed}
+        return {"examples_per_sec": speed}
 
     def _append(self, name, record):
         path = os.path.join(self.workdir, name)
-        with _writing(path), tf.io.gfile.GFile(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with _writing(path):
+            append_text(path, json.dumps(record) + "\n")
 
     def _scalars(self, writer, step, values):
         with _writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):

@@ -8,7 +8,9 @@ when every gradient is finite (a skipped step is how loss scaling learns its
 scale); in float32 and bfloat16 a non-finite step is divergence, which the loop
 answers at the round's end by stopping or rolling back to the last checkpoint.
 The forward pass runs stateless: what it would update in place (batch-norm
-statistics) comes back as values and is masked like the weights.
+statistics) comes back as values and is masked like the weights. The models'
+own losses (weight and activity regularizers, add_loss) join the loss once per
+step, whatever the replica count and the microbatching.
 """
 
 import re
@@ -43,8 +45,8 @@ def split_state(models, freeze=""):
 
 
 def stateless_forward(task, models, batch, state, values, seeds, step, replica):
-    """The task's training forward pass with nothing assigned: returns (outputs, new values of `state`), starting
-    from `values` of `state`.
+    """The task's training forward pass with nothing assigned, starting from `values` of `state`: returns (outputs,
+    new values of `state`, the losses the pass added: activity regularizers and `add_loss` in a model's call).
 
     Each seed generator draws from (its own seed, `step`, `replica`): every replica of a mirrored or
     multi-worker job gets its own dropout masks, and a resumed run draws exactly the masks an uninterrupted
@@ -54,10 +56,35 @@ def stateless_forward(task, models, batch, state, values, seeds, step, replica):
     if seeds:
         noise = tf.random.stateless_uniform([], tf.stack([step, replica]), minval=None, maxval=None, dtype=tf.int64)
         mapping += [(v, tf.stack([v.value[0], noise])) for v in seeds]
-    with keras.StatelessScope(state_mapping=mapping) as scope:
+    # collect_losses: inside a stateless scope Keras records add_loss (activity regularizers too) in the scope
+    # only, and only when asked. `model.losses` is not read here: it would evaluate the weight regularizers on the
+    # scope's value of each weight, which it has none of (make_train_step evaluates them on the weights).
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
         outputs = task.forward(models, batch, training=True)
-        regularization = [loss for model in models.values() if model.trainable for loss in model.losses]
-    return outputs, [scope.get_current_value(v) for v in state], regularization
+    return outputs, [scope.get_current_value(v) for v in state], list(scope.losses)
+
+
+def weight_penalty(params):
+    """The sum of the weight regularizers (kernel_regularizer, bias_regularizer) of the trained variables `params`
+    (Keras variables), in float32; None where none has one. Evaluated on the variables themselves, so a tape
+    differentiates it. A frozen variable's penalty is a constant of the loss, left out as Keras leaves out a
+    non-trainable layer's."""
+    terms = [tf.cast(v.regularizer(v.value), tf.float32) for v in params if getattr(v, "regularizer", None)]
+    return tf.add_n(terms) if terms else None
+
+
+def accumulation_warning(models, state, accumulate):
+    """The warning line for --grad_accum_steps with state a forward pass updates (batch norm), or None."""
+    if accumulate == 1 or not state:
+        return None
+    owner = {id(v): name for name, model in models.items() for v in model.variables}
+    names = [f"{owner[id(v)]}/{v.path}" for v in state]
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return (
+        f"warning: --grad_accum_steps={accumulate}: each of the {accumulate} microbatches runs its own forward pass, "
+        f"which updates {names[0]}{more}: batch norm normalizes each microbatch with its own statistics and moves "
+        "its moving averages once per microbatch (ghost batch norm), so a step is not the whole batch's update"
+    )
 
 
 def global_norm(grads):
@@ -127,8 +154,11 @@ def make_train_step(
     updates are applied as deltas with assign_add, which the server applies atomically, so concurrent workers
     never lose each other's updates or update counts. `jit_compile`: compile it with XLA (engine/xla.py decides).
     """
-    params = [v.value for v in params]
+    trained, params = params, [v.value for v in params]  # the Keras variables (their regularizers), their values
     state, seeds = split_state(models, config.freeze)
+    warning = accumulation_warning(models, state, config.grad_accum_steps)
+    if warning:
+        print(warning, flush=True)
     slot_counts = [len(param_slots) for param_slots in optimizer.slots]
     assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
     assigned += [v.value for v in state] + list(ema)
@@ -146,17 +176,24 @@ def make_train_step(
         for k in range(accumulate):
             part = batch if size is None else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}
             with tf.GradientTape() as tape:
-                outputs, values, regularization = stateless_forward(
+                outputs, values, pass_losses = stateless_forward(
                     task, models, part, state, values, seeds, step, replica * accumulate + k
                 )
                 per_example = tf.cast(task.loss(outputs, part), tf.float32)
                 # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
                 # examples, the same number one device computes, whatever the replica count.
                 part_loss = tf.reduce_sum(per_example) / global_batch
-                if regularization:
-                    # Every replica (and microbatch) holds the whole regularization term; the SUM would count it
-                    # once per replica.
-                    part_loss += tf.add_n(regularization) / (num_replicas * accumulate)
+                if pass_losses:
+                    # A pass's own losses are its estimate over the examples it saw (Keras divides an activity
+                    # penalty by that batch): the mean over the step's num_replicas x accumulate equal passes is the
+                    # estimate over the global batch, one device's number.
+                    pass_total = tf.add_n([tf.cast(x, tf.float32) for x in pass_losses])
+                    part_loss += pass_total / (num_replicas * accumulate)
+                penalty = weight_penalty(trained) if k == 0 else None
+                if penalty is not None:
+                    # The weights' penalty is every replica's whole term, once per step: the SUM all-reduce would
+                    # count it once per replica.
+                    part_loss += penalty / num_replicas
                 scaled = part_loss * loss_scale.scale if loss_scale else part_loss
             part_grads = [
                 tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
@@ -175,9 +212,13 @@ def make_train_step(
             next(rest)
         now_ema = [next(rest) for _ in ema]
         grads, grad_norm, finite = process_gradients(grads, loss_scale.scale if loss_scale else None, config)
-        new_params, new_slots, lr = optimizer.updates(now_params, now_slots, iterations, grads)
+        new_params, new_slots, rates = optimizer.updates(now_params, now_slots, iterations, grads)
         updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1] + new_state
-        decay = config.ema_decay
+        # --ema_decay warmed up by the update count t, as TensorFlow's ExponentialMovingAverage(num_updates) and
+        # Model Garden do: min(D, (1 + t) / (10 + t)). A fixed D from the first update would leave D**t of the
+        # initial weights in the average that evaluation and export use.
+        t = tf.cast(iterations + 1, tf.float32)
+        decay = tf.minimum(config.ema_decay, (1.0 + t) / (10.0 + t))
         updated += [decay * average + (1.0 - decay) * p for average, p in zip(now_ema, new_params)]
         if loss_scale:
             # float16: a non-finite step is routine (the scale was too high) and changes nothing but the scale: no
@@ -191,7 +232,9 @@ def make_train_step(
         if asynchronous:
             values = [v - c for v, c in zip(values, current)]
         scale = loss_scale.scale.value() if loss_scale else tf.constant(0.0)
-        return values, {"grad_norm": grad_norm, "finite": finite, "learning_rate": lr, "loss_scale": scale}
+        # The rates by optimizer.rate_names: `learning_rate` (a default run's one rate) only where some variable
+        # trains with the run's settings, each optimizer group's as `learning_rate/<its regex>`.
+        return values, {"grad_norm": grad_norm, "finite": finite, "loss_scale": scale, **rates}
 
     # One replica (and no parameter server): the whole step, all-reduce and assignments included, is one
     # XLA program, 1.1-1.2x faster than compiling its two halves. Several replicas: only the halves.

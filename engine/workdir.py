@@ -11,10 +11,19 @@ HEARTBEAT_SECONDS. A second process is refused naming the holder; a lock whose p
 table: its pid is dead or is another process now) or whose heartbeat stopped for STALE_SECONDS (another host or
 container: watched on our own clock) is taken over.
 Object stores (a "://" path such as gs://) have no exclusive create: there the lock is written and read back,
-which catches a second run unless both start within about a second.
+which catches a second run unless both start within about a second. A refused run (the lock's `with` block ends
+in an exception) removes the directories the lock created for it when they are still empty: refused means
+nothing written.
+
+Writing inside a workdir never goes through a symbolic link planted there (a link would let whoever can write
+the workdir make the run overwrite a file elsewhere): a file is written to a fresh temporary name no one can
+guess, created exclusively and without following links, then renamed over its target (a link at the target is
+replaced, not followed); a log appended to is opened without following links, and a link there is refused.
+Object stores have no links: there TensorFlow's file system writes as it is.
 """
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -24,18 +33,25 @@ import uuid
 
 import tensorflow as tf
 
-from engine.config import ConfigError, identity_changes, load_run_config, show
-from engine.report import make_workdir
+from engine.checkpoint import CheckpointError
+from engine.config import ConfigError, first_line, identity_changes, load_run_config, show
 
 LOCK_NAME = "train.lock"
+STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), which a train run is refused
 HEARTBEAT_SECONDS = 10.0  # how often the holder rewrites its heartbeat
 STALE_SECONDS = 60.0  # a heartbeat unchanged this long (watched by us, so no clock skew) means its holder is gone
 _ANCIENT_SECONDS = 3600.0  # a heartbeat this old by the clocks is stale at once (far beyond any clock skew)
 
 
 def check_same_run(config):
-    """Refuses (ConfigError) a train run in a workdir that holds a run with other identity settings; returns the
-    saved Config, or None in a new workdir."""
+    """Refuses (ConfigError) a train run in a workdir that holds a tuning study or a run with other identity
+    settings; returns the saved Config, or None in a new workdir."""
+    study = os.path.join(config.workdir, STUDY_NAME)
+    if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
+        raise ConfigError(
+            f"--workdir={config.workdir} holds a tuning study ({study}): a train run needs a --workdir of its own; "
+            "the study's trials train in its trials/ folder"
+        )
     saved = load_run_config(config.workdir)
     if saved is None:
         return None
@@ -60,6 +76,104 @@ def _free_name(workdir):
 
 def _local(path):
     return "://" not in path
+
+
+def local_path(path):
+    """A local path as TensorFlow's file system reads it (a/../b is b even where a does not exist, which the
+    kernel's own lookup refuses), so that os calls and tf.io.gfile calls name the same file."""
+    return os.path.normpath(path) if _local(path) else path
+
+
+def _open_new(path):
+    """A file descriptor of `path`, created here and now: never an existing file, never through a link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+
+def _link_refused(path):
+    """OSError for a symbolic link found where the run writes (its message names the link's target)."""
+    return OSError(
+        errno.ELOOP,
+        f"it is a symbolic link (to {os.readlink(path)}); a run writes only inside its workdir: remove the link",
+        path,
+    )
+
+
+def replace_text(path, text):
+    """Writes `text` (str, or bytes: a figure, an .npz) to `path` atomically (a reader or a kill never sees half a
+    file), never through a link (see the module's docstring). Raises OSError or tf.errors.OpError for the caller
+    to name."""
+    binary = isinstance(text, bytes)
+    if not _local(path):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with tf.io.gfile.GFile(tmp, "wb" if binary else "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+        return
+    path = local_path(path)
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    fd = _open_new(tmp)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text if binary else text.encode("utf-8"))
+        os.replace(tmp, path)  # renames over a link at `path` itself: its target is untouched
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def append_text(path, text):
+    """Appends `text` to the log `path`, created if missing; a link there is refused (CheckpointError, like any
+    failed write of the run's files), never appended through."""
+    try:
+        if not _local(path):
+            with tf.io.gfile.GFile(path, "a") as f:
+                f.write(text)
+            return
+        path = local_path(path)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP and os.path.islink(path):
+                raise _link_refused(path) from None
+            raise
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def make_workdir(path):
+    """Creates the workdir and checks that a file can be written there (CheckpointError naming it: exit 4)."""
+    try:
+        tf.io.gfile.makedirs(path)
+        if _local(path):
+            probe = os.path.join(local_path(path), f".write_probe-{uuid.uuid4().hex}")
+            fd = _open_new(probe)
+            try:
+                os.write(fd, b"probe")
+            finally:
+                os.close(fd)
+                os.remove(probe)
+            return
+        probe = os.path.join(path, f".write_probe-{uuid.uuid4().hex}")
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("probe")  # GFile opens the file at its first write
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as e:
+        why = e.strerror if isinstance(e, OSError) else first_line(e)
+        raise CheckpointError(f"--workdir={path}: cannot write there ({why})") from None
+
+
+def _missing_directories(path):
+    """The directories from `path` up that do not exist yet, deepest first (what creating `path` makes)."""
+    missing = []
+    path = local_path(os.path.abspath(path)) if _local(path) else path
+    while _local(path) and not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def _start_time(pid):
@@ -103,20 +217,37 @@ def _alive_here(holder):
 class Lock:
     """workdir/train.lock for the life of a `with` block (see the module's docstring)."""
 
-    def __init__(self, workdir, log=print):
-        self.workdir, self.log = workdir, log
-        self.path = os.path.join(workdir, LOCK_NAME)
+    def __init__(self, workdir, log=print, doing="training"):
+        # `doing` is what a refused process is told the holder does ("tuning study 'x'" for a tuner).
+        self.workdir, self.log, self.doing = workdir, log, doing
+        self.path = local_path(os.path.join(workdir, LOCK_NAME))
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread = None
+        self._created = []
 
     def __enter__(self):
+        self._created = _missing_directories(self.workdir)
         make_workdir(self.workdir)
-        self.acquire()
+        try:
+            self.acquire()
+        except BaseException:
+            self._remove_created()
+            raise
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, *exc):
         self.release()
+        if kind is not None:
+            self._remove_created()
+
+    def _remove_created(self):
+        """Removes the directories this lock created, deepest first, while they are empty (a refused run)."""
+        for directory in self._created:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                return  # something was written there: it stays
 
     def _record(self):
         return {
@@ -124,6 +255,7 @@ class Lock:
             **_machine(),
             "started": _start_time(os.getpid()),
             "token": self.token,
+            "doing": self.doing,
             "heartbeat": time.time(),
         }
 
@@ -142,7 +274,8 @@ class Lock:
                 continue
             if self._holder_is_alive(holder, raw):
                 raise ConfigError(
-                    f"--workdir={self.workdir}: another run is training here: pid {holder.get('pid')} on host "
+                    f"--workdir={self.workdir}: another run is {holder.get('doing', 'training')} here: pid "
+                    f"{holder.get('pid')} on host "
                     f"{holder.get('host')} (last heartbeat {_ago(holder)}; {self.path}). Wait for it or stop it, "
                     "or use another --workdir"
                 )
@@ -177,7 +310,7 @@ class Lock:
     def _create(self, content):
         if _local(self.path):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = _open_new(self.path)
             except FileExistsError:
                 return False
             with os.fdopen(fd, "w") as f:
@@ -240,10 +373,7 @@ class Lock:
             with tf.io.gfile.GFile(self.path, "w") as f:
                 f.write(content)
             return
-        tmp = f"{self.path}.{self.token}.tmp"
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, self.path)
+        replace_text(self.path, content)
 
     def release(self):
         self._stop.set()

@@ -2,9 +2,10 @@
 `create(config, input_shape, num_outputs)`, which returns a `tf.keras.Model`.
 
 A family's own settings are declared in its file as a literal `SETTINGS = {"name": (default, "help")}`:
-each becomes a flag and a field of the run's Config (engine/config.py), meaningful only when the family
-is chosen. `create` reads them from `config` and raises ValueError("--name=value: why") for a value it
-cannot build. Models never import the engine. The last layer computes in float32 so the loss is float32
+each becomes a flag and a field of the run's Config (engine/config.py), read by the runs that choose the
+family; a file that reads a setting another file declares names it in `READS = ("name", ...)`. `create`
+reads them from `config` and raises ValueError("--name=value: why") for a value it cannot build. Models
+never import the engine. The last layer computes in float32 so the loss is float32
 under any precision.
 
 This file imports no TensorFlow: flags are checked against it before TensorFlow starts.
@@ -24,11 +25,6 @@ def read_constant(path, name, default):
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
             return ast.literal_eval(node.value)
     return default
-
-
-def settings(directory, names):
-    """{module name: its SETTINGS} for the modules `names` in `directory`."""
-    return {name: read_constant(os.path.join(directory, f"{name}.py"), "SETTINGS", {}) for name in names}
 
 
 def available():

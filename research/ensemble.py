@@ -14,7 +14,9 @@ whose outputs mean nothing averaged (`Task.ensemble` None) is refused. The ensem
 and with weights on the simplex that minimize the validation loss (Nelder-Mead or random search), and is scored
 like an evaluation: the task's per-example `score`, its mean, the task's `report`. The test split is only
 predicted and scored, never used to choose anything. The workdir gets summary.json, ensemble_report.png and
-predictions.npz (the weighted ensemble's predictions as a member file, and each member's).
+predictions.npz (the weighted ensemble's predictions as a member file, and each member's); it must not hold a
+train run or a tuning study, whose summary.json the ensemble's would replace, and the ensemble writes it under the
+lock a train run takes (engine/workdir.py).
 """
 
 import dataclasses
@@ -31,8 +33,9 @@ from engine import checkpoint as checkpoint_lib
 from engine import config as config_lib
 from engine import data as data_lib
 from engine import distribute, loop, precision
+from engine import workdir as workdir_lib
 from engine.config import Config, ConfigError
-from engine.report import make_workdir, write_json
+from engine.report import write_json
 
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
 MEANS = ("arithmetic", "geometric")
@@ -76,6 +79,7 @@ def ensemble(config, strategy=None):
     also written to workdir/summary.json with ensemble_report.png and predictions.npz beside it."""
     del strategy  # members predict in the main process, batch by batch: nothing to distribute
     started = time.time()
+    _check_own_workdir(config)  # before the slow part
     splits = (config.validation_split, config.eval_split)
     names = config_lib.members(config)
     runs = {name: read_config(name) for name in names if not is_file(name)}
@@ -140,12 +144,24 @@ def ensemble(config, strategy=None):
         "test_examples": len(predictions[test][0]),
         "wall_seconds": time.time() - started,
     }
-    make_workdir(config.workdir)
-    print(table(summary), flush=True)
-    write_json(os.path.join(config.workdir, "summary.json"), summary)
-    _write_predictions(os.path.join(config.workdir, "predictions.npz"), predictions, weights, reference, config)
-    plot(os.path.join(config.workdir, "ensemble_report.png"), summary)
+    with workdir_lib.Lock(config.workdir, doing="fitting an ensemble"):
+        _check_own_workdir(config)  # again, under the lock: a run may have started there since
+        print(table(summary), flush=True)
+        write_json(os.path.join(config.workdir, "summary.json"), summary)
+        _write_predictions(os.path.join(config.workdir, "predictions.npz"), predictions, weights, reference, config)
+        plot(os.path.join(config.workdir, "ensemble_report.png"), summary)
     return summary
+
+
+def _check_own_workdir(config):
+    """Refuses a --workdir that holds a train run or a tuning study: the ensemble's summary.json would replace
+    theirs."""
+    for name, holds in (("config.json", "a train run"), (workdir_lib.STUDY_NAME, "a tuning study")):
+        path = os.path.join(config.workdir, name)
+        if tf.io.gfile.exists(path):
+            raise ConfigError(
+                f"--workdir={config.workdir} holds {holds} ({path}): an ensemble needs a --workdir of its own"
+            )
 
 
 def _check_task(config, runs):
@@ -321,8 +337,7 @@ def _write_predictions(path, predictions, weights, reference, config):
         arrays.update({f"member{i}_{split}": p for i, p in enumerate(members)})
     buffer = io.BytesIO()  # zipfile reads back what it writes, which a GFile (any file system) cannot
     np.savez(buffer, **arrays)
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(buffer.getvalue())
+    workdir_lib.replace_text(path, buffer.getvalue())  # never through a link planted at the name
 
 
 def _first_difference(ours, theirs):
@@ -462,8 +477,10 @@ def table(summary):
 
 
 def plot(path, summary):
-    """Writes ensemble_report.png (see figure)."""
-    figure(summary).savefig(path, dpi=80)
+    """Writes ensemble_report.png (see figure), never through a link planted at the name."""
+    buffer = io.BytesIO()
+    figure(summary).savefig(buffer, dpi=80, format="png")
+    workdir_lib.replace_text(path, buffer.getvalue())
 
 
 def figure(summary):

@@ -112,6 +112,8 @@ def with_values(config, values, workdir=None):
             mode="train",
             workdir=workdir or config.workdir,
             eval_split=config.validation_split,  # the tuner never looks at the test split
+            # A trial never opens the study, and its config.json must not carry the database's password.
+            tune_storage="",
             **overrides,
         )
     )

@@ -6,19 +6,23 @@ halving, Hyperband); this file turns its draws into configs, runs each with engi
 The study lives in SQLite in the workdir (or in --tune_storage, which several machines can share), so a
 killed tuner restarted with the same command keeps its finished trials and resumes an interrupted one from
 that trial's own checkpoint. Trials are scored on --validation_split: tuning never sees the test split.
+A tuner holds its workdir's lock as a train run does (engine/workdir.py), and its study.json marks the workdir as a
+study's: a train run is refused there, and a tuner in a train run's workdir. The storage URL's password is shown
+as *** wherever the tuner writes or prints the URL, and a trial's config leaves the storage out.
 
 Every task is tuned alike: the objective is a metric the task reports, by default its own `Task.objective`
 (name and direction). The search space is a text file, one searched flag per line; research/space.py reads it and
 says how it looks.
 """
 
-import contextlib
 import dataclasses
-import fcntl
+import io
+import json
 import math
 import os
 import re
 import time
+import urllib.parse
 import warnings
 
 import optuna
@@ -26,12 +30,14 @@ import tensorflow as tf
 
 from engine import data as data_lib
 from engine import distribute, loop
+from engine import workdir as workdir_lib
 from engine.config import SEED_LIMIT, Config, ConfigError, first_line, show
-from engine.report import make_workdir, write_json
+from engine.report import write_json
 from research.space import Param, parse_space, with_values  # noqa: F401  (Param: the space's entries, for callers)
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
+_DIRECTIONS = {"max": optuna.study.StudyDirection.MAXIMIZE, "min": optuna.study.StudyDirection.MINIMIZE}
 
 
 def trial_config(config, values, number):
@@ -51,17 +57,24 @@ def tune(config, strategy=None):
             f"--strategy={name}: --mode=tune runs its trials in one process (one_device, mirrored or tpu); "
             "on several machines start one tuner on each, sharing a study through --tune_storage"
         )
+    _check_workdir(config)  # before anything is written
     strategy = strategy or distribute.create_strategy(config)
     if objective != data_lib.task_class(config).objective[0]:
         _check_reported(config, objective, strategy)
-    make_workdir(config.workdir)
     # Every trial builds its own tf.functions, which TensorFlow would report as excessive retracing.
     tf.get_logger().setLevel("ERROR")
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines say what happens, without tracebacks
     # Heartbeats and the retry callback are marked experimental; they have been stable since Optuna 2.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    with _only_tuner(config):
+    # The lock a train run takes: one process in a workdir, whatever its mode; and with the default storage a trial
+    # still RUNNING in the study is one a killed tuner left behind.
+    with workdir_lib.Lock(config.workdir, doing=f"tuning study '{config.tune_study}'"):
+        _check_workdir(config)  # again, under the lock: a train run may have written its config.json since
         study = _open_study(config, objective, direction, space)
+        write_json(
+            os.path.join(config.workdir, workdir_lib.STUDY_NAME),
+            {"study": config.tune_study, "storage": _masked(_storage_url(config))},
+        )
         finished = len(study.get_trials(deepcopy=False, states=FINISHED))
         if finished < config.tune_trials:
             print(
@@ -79,7 +92,7 @@ def tune(config, strategy=None):
                 ],
                 gc_after_trial=True,
             )
-    return _results(config, study, space, objective, direction, time.time() - started)
+        return _results(config, study, space, objective, direction, time.time() - started)
 
 
 def objective_of(config):
@@ -127,31 +140,48 @@ def _value(results, name, config):
     return results[name]
 
 
+def _check_workdir(config):
+    """Refuses a workdir that holds a train run (the study's summary.json would replace the run's) or another
+    study (its study.json names it)."""
+    path = os.path.join(config.workdir, "config.json")
+    if tf.io.gfile.exists(path):
+        raise ConfigError(
+            f"--workdir={config.workdir} holds a train run ({path}): a study needs a --workdir of its own"
+        )
+    path = os.path.join(config.workdir, workdir_lib.STUDY_NAME)
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            held = json.loads(f.read()).get("study")
+    except (tf.errors.NotFoundError, ValueError, AttributeError):  # none yet, or damaged: this tuner rewrites it
+        return
+    if held != config.tune_study:
+        raise ConfigError(
+            f"--tune_study={config.tune_study}: --workdir={config.workdir} holds study '{held}' ({path}); resume "
+            f"it with --tune_study={held}, or give this study a new --workdir"
+        )
+
+
 def _storage_url(config):
     return config.tune_storage or f"sqlite:///{os.path.abspath(os.path.join(config.workdir, 'study.db'))}"
 
 
-def _masked(url):
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+def _secrets(url):
+    """The passwords in a storage URL, as written and percent-decoded: its user part's (everything from the
+    user's ':' to the last '@' before the query, so a password with an '@' or a malformed URL is still covered)
+    and any password parameter of its query."""
+    head, _, query = url.partition("?")
+    found = re.findall(r"(?:^|[&;])(?:password|passwd|pwd)=([^&;]*)", query, flags=re.IGNORECASE)
+    if "@" in head:
+        found.append(head.rpartition("@")[0].split("://", 1)[-1].partition(":")[2])
+    return sorted({text for raw in found for text in (raw, urllib.parse.unquote(raw)) if text}, key=len, reverse=True)
 
 
-@contextlib.contextmanager
-def _only_tuner(config):
-    """With the default storage in the workdir, one tuner at a time: then a trial still RUNNING in the study
-    is one a killed tuner left behind. A shared --tune_storage uses heartbeats instead."""
-    if config.tune_storage:
-        yield
-        return
-    path = os.path.join(config.workdir, "tune.lock")
-    with open(path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                f"--workdir={config.workdir}: another tuner is running this study ({path} is locked); "
-                "to tune one study from several processes share it with --tune_storage"
-            ) from None
-        yield
+def _masked(url, text=None):
+    """`text` (by default the URL itself) with the storage URL's passwords shown as ***."""
+    text = url if text is None else text
+    for secret in _secrets(url):
+        text = text.replace(secret, "***")
+    return text
 
 
 def _open_study(config, objective, direction, space):
@@ -170,7 +200,7 @@ def _open_study(config, objective, direction, space):
             study = optuna.create_study(
                 storage=storage,
                 study_name=config.tune_study,
-                direction="maximize" if direction == "max" else "minimize",
+                direction=_DIRECTIONS[direction],
                 pruner=_pruner(config, space),
                 load_if_exists=True,
             )
@@ -179,7 +209,9 @@ def _open_study(config, objective, direction, space):
             if attempt < 2:
                 time.sleep(1 + attempt)  # tuners started together race to create a new database's tables
                 continue
-            raise ConfigError(f"--tune_storage={_masked(url)}: cannot open the study ({first_line(e)})") from None
+            raise ConfigError(
+                f"--tune_storage={_masked(url)}: cannot open the study ({_masked(url, first_line(e))})"
+            ) from None
     wanted = {"objective": objective, "direction": direction}
     for key, value in wanted.items():
         if study.user_attrs.get(key, value) != value:
@@ -187,6 +219,13 @@ def _open_study(config, objective, direction, space):
                 f"--tune_{key}={value}: study '{config.tune_study}' in {_masked(url)} was started with "
                 f"--tune_{key}={study.user_attrs[key]}; use another --tune_study or --workdir"
             )
+    if study.direction != _DIRECTIONS[direction]:  # a study made outside the tuner (Optuna's default minimizes)
+        ways = {_DIRECTIONS["max"]: "maximizes", _DIRECTIONS["min"]: "minimizes"}
+        raise ConfigError(
+            f"--tune_direction={direction}: study '{config.tune_study}' in {_masked(url)} {ways[study.direction]} "
+            "its objective; use another --tune_study or --workdir"
+        )
+    for key, value in wanted.items():
         study.set_user_attr(key, value)
     if not shared:
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
@@ -413,13 +452,14 @@ def write_flagfile(path, config, best, space, objective):
         f"#   python launch.py --flagfile={path}",
         f"# reruns it with {exact}; add --eval_split=test (after the flagfile) for its held-out {objective}.",
     ]
-    with open(path, "w") as f:
-        f.write("\n".join(header + lines) + "\n")
+    workdir_lib.replace_text(path, "\n".join(header + lines) + "\n")  # never through a link planted at the name
 
 
 def plot(path, config, trials, space, best, importances, objective, direction):
-    """Writes tune_report.png (see figure)."""
-    figure(config, trials, space, best, importances, objective, direction).savefig(path, dpi=80)
+    """Writes tune_report.png (see figure), never through a link planted at the name."""
+    buffer = io.BytesIO()
+    figure(config, trials, space, best, importances, objective, direction).savefig(buffer, dpi=80, format="png")
+    workdir_lib.replace_text(path, buffer.getvalue())
 
 
 def figure(config, trials, space, best, importances, objective, direction):

@@ -54,18 +54,21 @@ class Task(base.Task):
     def loss(self, outputs, batch):
         return tf.reduce_mean(self._losses(outputs, batch), axis=-1)
 
+    def target_weights(self, batch):
+        """[batch, T] float32: 1 where a window's target is real, 0 where it is padding."""
+        # A source that pads its last window says so (info["weight_counts_targets"]): a window's weight then counts
+        # its real targets, the first ones. Otherwise every target of a window is real and its weight is 1 or 0.
+        positions = tf.range(batch["tokens"].shape[1] - 1, dtype=tf.float32)[None, :]
+        if self.info.get("weight_counts_targets"):
+            return tf.cast(positions < batch["weight"][:, None], tf.float32)
+        return tf.ones_like(positions) * tf.cast(batch["weight"][:, None] > 0, tf.float32)
+
     def metrics(self, outputs, batch):
         logits = tf.cast(outputs, tf.float32)
         correct = tf.cast(
             tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), batch["tokens"][:, 1:]), tf.float32
         )
-        # A source that pads its last window says so (info["weight_counts_targets"]): a window's weight then counts
-        # its real targets, the first ones. Otherwise every target of a window is real and its weight is 1 or 0.
-        positions = tf.range(logits.shape[1], dtype=tf.float32)[None, :]
-        if self.info.get("weight_counts_targets"):
-            real = tf.cast(positions < batch["weight"][:, None], tf.float32)
-        else:
-            real = tf.ones_like(positions) * tf.cast(batch["weight"][:, None] > 0, tf.float32)
+        real = self.target_weights(batch)
         count = tf.reduce_sum(real, axis=-1)
         return {
             "loss": tf.math.divide_no_nan(tf.reduce_sum(real * self._losses(logits, batch), axis=-1), count),

@@ -91,12 +91,40 @@ def test_help_exits_zero():
         (dict(train_steps=2**63 // 128 - 1), None),
         (dict(train_steps=2**63 // 128), "--train_steps=72057594037927936: times --global_batch_size=128"),
         (dict(warmup_steps=2**63), "--warmup_steps=9223372036854775808: must be less than 2**63"),
+        # Accepted before, then nonsense: a non-finite loss, a launcher starting every process, accuracy 1.0.
+        (dict(epsilon=0.0), "--epsilon=0.0: must be a positive number"),
+        (dict(momentum=1.0), "--momentum=1.0: must be in [0, 1)"),
+        (dict(weight_decay=999.0), None),
+        (
+            dict(weight_decay=2.0, learning_rate=0.25, lr_scaling="linear", global_batch_size=512),
+            "--weight_decay=2.0: times the peak learning rate (0.5) must be less than 1",
+        ),
+        (dict(strategy="multi_worker", local_workers=4), None),
+        (
+            dict(strategy="multi_worker", local_workers=100000),
+            "--local_workers=100000: starts 100000 TensorFlow processes here; at most ",
+        ),
+        (
+            dict(strategy="parameter_server", local_workers=4, num_ps=100),
+            "--num_ps=100: with --local_workers=4 starts 105 TensorFlow processes here (a chief, 4 workers, 100 "
+            "parameter servers); at most ",
+        ),
+        (dict(dataset="synthetic", synthetic_classes=1), "--synthetic_classes=1: must be in [2, 2147483647]"),
+        (
+            dict(image_size=32),
+            "--image_size=32: --dataset=digits does not read it (read by --dataset=folder, --dataset=tfrecord "
+            "and tensorflow-datasets names)",
+        ),
+        (dict(dataset="folder:photos", image_size=32), None),
+        (dict(slurm_port_base=65536), "--slurm_port_base=65536: must be a port, in [1, 65535]"),
     ],
 )
 def test_bounds(overrides, message):
     config = Config(**overrides)
     if message is None:
-        assert validate(config) == dataclasses.replace(config, dataset="digits", model=config.model or "mlp")
+        assert validate(config) == dataclasses.replace(
+            config, dataset=config.dataset or "digits", model=config.model or "mlp"
+        )
     else:
         with pytest.raises(ConfigError) as error:
             validate(config)

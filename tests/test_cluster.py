@@ -1,19 +1,23 @@
 """Cluster scale: the local launcher, parameter servers, Slurm, unreachable peers, TPU start-up and XLA."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint, data, distribute, loop
+from engine import checkpoint, data, distribute, launcher, loop
 from engine.config import Config, ConfigError
 from tests import helpers
 from tests.helpers import ROOT, launch
@@ -98,6 +102,7 @@ def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worke
     text = "".join(output)
     assert proc.returncode == 0, text[-3000:]
     assert "[launcher] worker 1 exited with -9; the job goes on without it" in text
+    assert "error:" not in text  # the servers stopped at the end are no preempted runs
     summary = json.load(open(tmp_path / "ps" / "summary.json"))
     assert summary["step"] == 400 and summary["strategy"] == "parameter_server"
     reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "ps" / "checkpoints")[0])
@@ -114,6 +119,156 @@ def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worke
     reference = loop.train(config, one_device)
     print(f"parameter servers {summary['eval']['accuracy']:.4f}, one device {reference['eval']['accuracy']:.4f}")
     assert abs(summary["eval"]["accuracy"] - reference["eval"]["accuracy"]) <= 0.02
+
+
+# A task of a parameter-server job, without TensorFlow: it serves (sleeps) until stopped, dies at once, or
+# exits with a code after a second, as its job's role in argv says ("ps 0=die", "chief 0=5"). A signal it is
+# sent is written to $SIGNALLED before it exits, as a preempted task prints its error line.
+_FAKE_TASK = """
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = f"{task['type']} {task['index']}"
+role = dict(arg.split("=") for arg in sys.argv[1:]).get(name, "serve")
+
+def stopped(signum, frame):
+    with open(os.environ["SIGNALLED"], "a") as f:
+        f.write(f"{name} {signal.Signals(signum).name}\\n")
+    sys.exit(75)
+
+signal.signal(signal.SIGTERM, stopped)
+if role == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+if role == "serve":
+    time.sleep(600)
+time.sleep(1)
+sys.exit(int(role))
+"""
+
+
+def run_fake_job(tmp_path, monkeypatch, *roles):
+    """launcher.run on a parameter-server job of fake tasks, on this machine's network (the namespace would be
+    this test process's); returns its code, the launcher's own lines and the signals its tasks were sent."""
+    monkeypatch.setenv("SIGNALLED", str(tmp_path / "signalled"))
+    out = io.StringIO()
+    argv = [sys.executable, "-c", _FAKE_TASK, *roles]
+    code = launcher.run("parameter_server", 1, 1, argv, out=out, network="host")
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("[launcher]") and " pid " not in line]
+    signalled = (tmp_path / "signalled").read_text().splitlines() if (tmp_path / "signalled").exists() else []
+    assert lines[0].startswith(
+        "[launcher] note: --local_cluster_network=host: TensorFlow's servers listen on every network interface "
+        "without authentication (ports "
+    ), lines
+    return code, lines[1:], signalled
+
+
+def test_a_parameter_server_job_ends_without_signalling_its_servers(tmp_path, monkeypatch):
+    """Once the chief is done the servers hold nothing to save: ended by SIGKILL, not by a signal that has each
+    report a preemption (three `error: preempted` lines after a job that succeeded)."""
+    code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "chief 0=0")
+    assert (code, lines, signalled) == (0, ["[launcher] job finished with exit code 0"], [])
+
+
+def test_a_dead_parameter_server_leaves_the_chief_to_say_so(tmp_path, monkeypatch):
+    """The chief, which loses its variables with the server, exits 5 naming it: that is the job's code, not the
+    server's 137 (SIGKILL's, which a scheduler reads as out of memory)."""
+    code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "ps 0=die", "chief 0=5")
+    assert code == 5
+    assert lines == [
+        "[launcher] ps 0 exited with -9; the chief stops too",
+        "[launcher] chief 0 exited with 5; stopping the others",
+        "[launcher] job finished with exit code 5",
+    ]
+    assert signalled == []
+    # A chief that does not stop: after the grace period the launcher stops it, with the server's code.
+    monkeypatch.setattr(launcher, "GRACE_SECONDS", 1)
+    code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "ps 0=die")
+    assert code == 137
+    assert lines == [
+        "[launcher] ps 0 exited with -9; the chief stops too",
+        "[launcher] the chief did not stop within 1 s of losing a server; stopping it",
+        "[launcher] job finished with exit code 137",
+    ]
+    assert signalled == ["chief 0 SIGTERM"]
+
+
+def test_a_lost_parameter_server_is_named(monkeypatch):
+    spec = {"chief": ["localhost:1000"], "worker": ["localhost:1001"], "ps": ["localhost:1002"]}
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc"
+    )
+    # The chief's ParameterServerStrategy, without connecting to a cluster: it keeps its resolver to itself, and
+    # its `cluster_resolver` (the extended strategy's) is None.
+    strategy = tf.distribute.ParameterServerStrategy.__new__(tf.distribute.ParameterServerStrategy)
+    strategy._cluster_resolver, strategy._extended = resolver, types.SimpleNamespace()
+    assert strategy.cluster_resolver is None and distribute.is_parameter_server(strategy)
+    error = tf.errors.UnavailableError(
+        None,
+        None,
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1002: Connection refused\n"
+        "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while calling "
+        "/tensorflow.eager.EagerService/Enqueue:",
+    )
+    config = Config(strategy="parameter_server", collective_timeout=5)
+    lost = distribute.explain_failure(strategy, config, error)
+    assert str(lost) == (
+        "lost ps 0 (localhost:1002): failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1002: "
+        "Connection refused; a peer that dies or is silent for --collective_timeout=5s stops the job; restart every "
+        "task of the job to resume from the last checkpoint"
+    )
+    assert isinstance(lost, distribute.PeerLost)
+    # Raised outside the steps (the chief reading a variable from the server): the same, for launch.py's exit 5.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
+    assert str(distribute.lost_peer(config, error)) == str(lost)
+    assert distribute.lost_peer(config, ValueError("not a peer's")) is None
+
+
+@pytest.mark.slow
+def test_a_hung_parameter_server_ends_the_job_within_the_collective_timeout(tmp_path):
+    """A stopped server fails no RPC: without a probe the chief waits for it forever."""
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", f"--workdir={tmp_path}", "--strategy=parameter_server", "--local_workers=1"]
+        + ["--num_ps=1", "--dataset=synthetic", "--hidden_sizes=8", "--train_steps=100000", "--steps_per_loop=50"]
+        + ["--collective_timeout=5", "--connect_timeout=120"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids, addresses, output = {}, {}, []
+
+    def kill_all():  # the tasks run in sessions of their own: the launcher's end does not end them
+        for pid in [*pids.values(), proc.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    deadline = threading.Timer(180, kill_all)  # a job that hangs fails here instead of hanging the suite
+    deadline.start()
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            started = re.match(r"\[launcher\] (\w+ \d) pid (\d+) on (\S+)", line)
+            if started:
+                pids[started.group(1)], addresses[started.group(1)] = int(started.group(2)), started.group(3)
+            if line.startswith("[chief 0] train step=") and "stopped" not in pids:
+                os.kill(pids["ps 0"], signal.SIGSTOP)
+                pids["stopped"] = pids["ps 0"]
+        proc.wait(timeout=60)
+    finally:
+        deadline.cancel()
+        kill_all()
+    text = "".join(output)
+    assert proc.returncode == distribute.LOST_PEER_EXIT_CODE == 5, text[-3000:]
+    lines = text.splitlines()
+    assert (
+        f"[chief 0] error: lost ps 0 ({addresses['ps 0']}): no answer within --collective_timeout=5s (a stopped "
+        "process or a host cut off); a peer that dies or is silent that long stops the job; restart every task of "
+        "the job to resume from the last checkpoint"
+    ) in lines
+    assert lines[-2:] == [
+        "[launcher] chief 0 exited with 5; stopping the others",
+        "[launcher] job finished with exit code 5",
+    ]
+    assert "preempted" not in text
 
 
 SLURM = {"SLURM_STEP_NODELIST": "gpu-node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_TASKS": "4"}
@@ -160,7 +315,8 @@ def test_unreachable_peer_is_named_within_the_connect_timeout(tmp_path, present)
         env={"TF_CONFIG": tf_config},
     )
     print(f"unreachable peer reported after {time.monotonic() - started:.1f} s")
-    assert result.returncode != 0
+    # Its own code: not 137, which a scheduler reads as an out-of-memory kill.
+    assert result.returncode == distribute.NOT_FORMED_EXIT_CODE == 10, result.stderr[-2000:]
     missing = 1 - present
     assert (
         f"error: could not form the cluster within --connect_timeout=8s: no answer from worker {missing} "

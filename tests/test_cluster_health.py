@@ -1,5 +1,6 @@
-"""A cluster that stays healthy: threads that do not grow with the steps, servers whose exposure is stated,
-a TPU that is not there refused in time, a bad or empty TF_CONFIG handled before TensorFlow starts."""
+"""A cluster that stays healthy: threads that do not grow with the steps, a local cluster's servers out of reach
+in a network namespace of its own, a signal still seen when the stop flag's server is gone, a TPU that is not
+there refused in time, a bad or empty TF_CONFIG handled before TensorFlow starts."""
 
 import ipaddress
 import os
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from engine import distribute
-from engine.config import Config
+from engine.config import Config, ConfigError, validate
 from tests import helpers
 from tests.helpers import ROOT, launch
 
@@ -22,8 +23,9 @@ def threads(pid):
         return int(re.search(r"^Threads:\s+(\d+)", f.read(), re.M).group(1))
 
 
-def listening_ports(pid):
-    """{local address: port} of the TCP sockets `pid` listens on, e.g. {'[::]': 40123}."""
+def listening_ports(pid, seen_from="self"):
+    """{local address: port} of the TCP sockets `pid` listens on, e.g. {'[::]': 40123}, as the network namespace
+    of process `seen_from` lists them (this process's by default): another namespace's sockets are not there."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -34,7 +36,7 @@ def listening_ports(pid):
             inodes.add(target[len("socket:[") : -1])
     found = {}
     for table in ("tcp", "tcp6"):
-        with open(f"/proc/net/{table}") as f:
+        with open(f"/proc/{seen_from}/net/{table}") as f:
             for row in f.read().splitlines()[1:]:
                 fields = row.split()
                 if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
@@ -49,8 +51,9 @@ def listening_ports(pid):
 @pytest.mark.slow
 def test_threads_stay_flat_over_thousands_of_collectives(data_dir, tmp_path):
     """A multi-worker job's thread count must not grow with the number of collectives it has run: TensorFlow
-    starts one sleeping thread per collective that has a timeout. And the launcher says where the workers'
-    servers listen: on every interface (TensorFlow cannot be told to bind 127.0.0.1)."""
+    starts one sleeping thread per collective that has a timeout. And the workers' servers, which listen on every
+    interface (TensorFlow cannot be told to bind 127.0.0.1), listen in the local cluster's own network namespace,
+    not in this one's: nothing outside it can reach them."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -72,7 +75,7 @@ def test_threads_stay_flat_over_thousands_of_collectives(data_dir, tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    pids, ports, counts, listening, output = {}, {}, {}, {}, []
+    pids, ports, counts, listening, outside, output = {}, {}, {}, {}, {}, []
     for line in proc.stdout:
         output.append(line)
         started = re.match(r"\[launcher\] (worker \d) pid (\d+) on localhost:(\d+)", line)
@@ -81,18 +84,22 @@ def test_threads_stay_flat_over_thousands_of_collectives(data_dir, tmp_path):
         step = re.match(r"\[(worker \d)\] train step=(200|2000) ", line)
         if step:
             counts[step.groups()] = threads(pids[step.group(1)])
-            listening.setdefault(step.group(1), listening_ports(pids[step.group(1)]))
+            pid = pids[step.group(1)]
+            listening.setdefault(step.group(1), listening_ports(pid, seen_from=pid))
+            outside.setdefault(step.group(1), listening_ports(pid))
     proc.wait(timeout=60)
     text = "".join(output)
     assert proc.returncode == 0, text[-3000:]
     print("threads at steps 200 and 2000:", counts)
     for worker in ("worker 0", "worker 1"):
         assert abs(counts[worker, "2000"] - counts[worker, "200"]) < 5, counts
-        # every interface: [::] (dual-stack), or 0.0.0.0 on a host without IPv6
+        # every interface of the job's namespace: [::] (dual-stack), or 0.0.0.0 on a host without IPv6
         assert listening[worker] in ({"[::]": ports[worker]}, {"0.0.0.0": ports[worker]}), listening
+        assert outside[worker] == {}, outside
     assert (
-        "[launcher] note: TensorFlow's servers listen on every network interface without authentication (ports "
-        f"{ports['worker 0']}, {ports['worker 1']}): use --local_workers on a trusted network, or firewall these ports"
+        "[launcher] the tasks share a network namespace that holds only loopback: their servers (ports "
+        f"{ports['worker 0']}, {ports['worker 1']}) cannot be reached from outside it, and the tasks cannot reach the "
+        "network (--local_cluster_network=host gives them this machine's)"
     ) in text.splitlines()
 
 
@@ -181,3 +188,113 @@ def test_empty_tf_config_counts_as_unset(monkeypatch):
     strategy = distribute.create_strategy(Config(strategy="mirrored", num_cpu_devices=2))
     assert strategy.num_replicas_in_sync == 2
     assert "TF_CONFIG" not in os.environ
+
+
+# A process whose stop flag lives on a parameter server that is gone: setting it raises, as TensorFlow's
+# UnavailableError does. The signal must still end the process, and a second one must still be seen.
+_UNREACHABLE_FLAG = """
+import os, signal, sys, time
+sys.path.insert(0, os.getcwd())
+from engine.preemption import Preemption
+
+class Flag:
+    def assign(self, value):
+        raise RuntimeError("Unavailable: failed to connect to all addresses\\nmore detail")
+
+watcher = Preemption()
+watcher.install()
+with watcher.watch(Flag()):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+print("the signal was lost", flush=True)
+"""
+
+
+def test_a_stop_flag_that_cannot_be_set_still_ends_the_process():
+    result = subprocess.run(
+        [sys.executable, "-c", _UNREACHABLE_FLAG], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        "error: preempted: stopped by SIGTERM, but the training loop cannot be told to stop at a step (setting its "
+        "stop flag failed: Unavailable: failed to connect to all addresses): exiting without saving"
+    ]
+    assert result.stdout == ""
+
+
+# What a local cluster's task does, without TensorFlow: in the launcher's namespace, listen on every interface
+# as TensorFlow's servers do, and reach itself on loopback as the tasks reach each other.
+_IN_THE_NAMESPACE = """
+import ctypes, encodings.idna, os, socket, sys  # all before the user changes: the stdlib may be its owner's alone
+sys.path.insert(0, os.getcwd())
+from engine import launcher
+if sys.argv[1] == "nobody":  # what a laptop's user is: no privilege at all
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE, as a process started by that user is (setuid cleared it)
+launcher.isolate_network()
+server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+port = server.getsockname()[1]
+socket.create_connection(("127.0.0.1", port), timeout=5).close()
+print(port, os.getuid(), flush=True)
+sys.stdin.read()  # listens until the test has looked
+"""
+
+
+def test_the_local_clusters_network_namespace_holds_only_loopback():
+    # As root, also as an unprivileged user and as a container's root (no CAP_SYS_ADMIN): both need a user namespace.
+    without_sys_admin = ["setpriv", "--bounding-set=-sys_admin"]
+    users = {"as-is": []} | (
+        {"nobody": [], "root without CAP_SYS_ADMIN": without_sys_admin} if os.geteuid() == 0 else {}
+    )
+    for user, prefix in users.items():
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-c", _IN_THE_NAMESPACE, user],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = proc.stdout.readline()
+            assert line, proc.communicate()[1][-2000:]
+            port, uid = (int(word) for word in line.split())
+            assert uid == (65534 if user == "nobody" else os.geteuid())  # the same user inside, not a mapped root
+            assert os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+            in_a_user_namespace = os.readlink(f"/proc/{proc.pid}/ns/user") != os.readlink("/proc/self/ns/user")
+            assert in_a_user_namespace == (user != "as-is" or os.geteuid() != 0), user  # root needs none
+            assert listening_ports(proc.pid, seen_from=proc.pid) == {"[::]": port}
+            assert listening_ports(proc.pid) == {}  # this namespace, the machine's, has no such socket
+        finally:
+            proc.communicate("")
+        assert proc.returncode == 0
+
+
+def test_a_local_cluster_that_cannot_have_a_network_of_its_own_is_refused(tmp_path):
+    """No user namespace left to make (the limit set to 0) and no CAP_SYS_ADMIN, as in a container that forbids
+    both: the launcher says so in one line and starts nothing."""
+    forbid = 'echo 0 > /proc/sys/user/max_user_namespaces && exec setpriv --bounding-set=-sys_admin "$@"'
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "sh", "-c", forbid, "sh", sys.executable, "launch.py"]
+        + [f"--workdir={tmp_path / 'run'}", "--strategy=multi_worker", "--local_workers=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        "error: --local_cluster_network=loopback: cannot give the local cluster a network of its own (unshare: no "
+        "user namespace left to make; sysctl user.max_user_namespaces limits them); --local_cluster_network=host "
+        "runs it on this machine's network, where its servers listen on every interface without authentication: "
+        "use that only on a trusted network"
+    ]
+    assert result.stdout == ""  # no task started
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_local_cluster_network_is_refused():
+    with pytest.raises(ConfigError, match=r"^--local_cluster_network=wifi: must be one of loopback, host$"):
+        validate(Config(local_cluster_network="wifi"))

@@ -190,3 +190,64 @@ def test_steps_gather_their_batches_on_one_cpu_replica_and_train_as_the_pipeline
     assert not Trainer(config, mirrored).in_step
     _store("streamed", monkeypatch)
     assert not Trainer(config, one_device).in_step
+
+
+def test_a_replayed_tfds_stream_reshuffles_each_epoch_reproducibly_from_the_seed(data_dir, tmp_path, monkeypatch):
+    """A tensorflow-datasets split with neither random access nor record files (here: tfds's mock data behind the
+    digits' metadata, its files absent) is streamed through a shuffle buffer and replayed on a restart: each epoch
+    is a new order of the split, the same for the same seed, another for another seed."""
+    import dataclasses
+    import os
+    import shutil
+
+    import tensorflow_datasets as tfds
+
+    metadata = tmp_path / "digits" / "1.0.0"
+    metadata.mkdir(parents=True)
+    for name in ("dataset_info.json", "features.json"):  # the split sizes and features, no record file
+        shutil.copy(os.path.join(data_dir, "digits", "1.0.0", name), metadata)
+    _store("streamed", monkeypatch)
+    n = 256  # 4 batches of 64 an epoch
+    config = helpers.make_config(str(tmp_path), train_split=f"train[:{n}]")
+
+    def stream(config, start=0, batches=8):
+        loaded = data.load(config)
+        assert (loaded.gather, loaded.sharded, loaded.train_examples) == (None, False, n)  # replayed, not gathered
+        return [
+            _key(x) for xs, _ in _batches(loaded.train_fn(tf.distribute.InputContext(), start), batches) for x in xs
+        ]
+
+    with tfds.testing.mock_data(num_examples=n, data_dir=str(tmp_path), policy=tfds.testing.MockPolicy.USE_FILES):
+        first = stream(config)
+        again, resumed = stream(config), stream(config, start=5, batches=3)
+        other = stream(dataclasses.replace(config, seed=1), batches=4)
+    epochs = [first[:n], first[n:]]
+    assert len(set(epochs[0])) == n and sorted(epochs[0]) == sorted(epochs[1])  # each epoch the split, once
+    assert epochs[0] != epochs[1], "the second epoch repeats the first one's order"
+    assert again == first and resumed == first[5 * 64 :]  # a function of the seed and the position
+    assert other != epochs[0] and sorted(other) == sorted(epochs[0])
+
+
+@pytest.mark.parametrize(
+    "flag,split",
+    [("train_split", "train[:0]"), ("eval_split", "test[:0]"), ("eval_split", "test[100%:]")],
+)
+def test_an_empty_tfds_split_is_refused_in_one_line(data_dir, flag, split):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        data.load(helpers.make_config(data_dir, **{flag: split}))
+    assert str(raised.value) == f"--{flag}={split}: holds no examples of digits"
+
+
+def test_any_source_with_an_empty_evaluation_split_is_refused(monkeypatch):
+    """Whatever the source (here one built in the test), no evaluation reports a mean over no examples."""
+    from engine.config import ConfigError
+
+    split = lambda n: data.in_memory({"image": tf.zeros([n, 4]), "label": tf.zeros([n], tf.int64)})  # noqa: E731
+    spec = {"image": tf.TensorSpec([4], tf.float32), "label": tf.TensorSpec([], tf.int64)}
+    source = data.Source(split(64), split(0), spec, {"num_classes": 2})
+    monkeypatch.setattr(data, "load_source", lambda config, features, split=None: source)
+    with pytest.raises(ConfigError) as raised:
+        data.load(helpers.make_config("", dataset="synthetic"), "validation")
+    assert str(raised.value) == "--dataset=synthetic: the split validation it evaluates holds no examples"

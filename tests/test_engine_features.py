@@ -3,6 +3,7 @@
 numbers, a retraced round function is named once, and a task's optimizer groups hold per path."""
 
 import inspect
+import json
 import linecache
 import re
 import types
@@ -14,6 +15,7 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import data as data_lib
 from engine import evaluate, loop, step
+from engine import report as report_lib
 from engine.config import ConfigError
 from engine.report import Report
 from tasks import classification
@@ -121,16 +123,20 @@ def test_ema_is_the_numpy_moving_average_and_skips_what_the_step_skips(data_dir,
     trainer = loop.Trainer(config, strategy)
     average = [v.numpy().astype(np.float64) for v in trainer.params]  # starts at the initial weights
     lagging = list(average)  # the average of the weights BEFORE each step: a defect the check must tell apart
+    fixed = list(average)  # the average with the fixed decay from the first update: biased toward the start
     iterator = trainer.train_iterator()
-    for _ in range(4):
+    for t in range(1, 5):
         before = [v.numpy() for v in trainer.params]
         trainer.run_steps(iterator, 1)
         after = [v.numpy() for v in trainer.params]
-        average = [decay * a + (1 - decay) * w for a, w in zip(average, after)]
-        lagging = [decay * a + (1 - decay) * w for a, w in zip(lagging, before)]
+        warmed = min(decay, (1 + t) / (10 + t))  # after t updates, as TensorFlow's ExponentialMovingAverage
+        average = [warmed * a + (1 - warmed) * w for a, w in zip(average, after)]
+        lagging = [warmed * a + (1 - warmed) * w for a, w in zip(lagging, before)]
+        fixed = [decay * a + (1 - decay) * w for a, w in zip(fixed, after)]
     got = [e.numpy() for e in trainer.ema]
     assert max(float(np.max(np.abs(g - a))) for g, a in zip(got, average)) < 1e-6
     assert max(float(np.max(np.abs(g - a))) for g, a in zip(got, lagging)) > 1e-3
+    assert max(float(np.max(np.abs(g - a))) for g, a in zip(got, fixed)) > 1e-3
     assert max(float(np.max(np.abs(g - w))) for g, w in zip(got, after)) > 1e-3  # not simply the weights
     for e in trainer.ema:
         copies = helpers.local_values(strategy, e)
@@ -171,6 +177,28 @@ def test_ema_is_checkpointed_and_resumed(data_dir, one_device, ema_run, tmp_path
         np.testing.assert_allclose(resumed_end[key], uninterrupted_end[key], rtol=0, atol=1e-6, err_msg=key)
 
 
+def test_the_average_forgets_the_initial_weights(data_dir, one_device, tmp_path, capsys):
+    # A decay of 0.999 fixed from the first update keeps 0.999**30 = 97% of the initial weights after 30 steps:
+    # the average evaluated like an untrained model. Warmed up, it averages the last few steps' weights.
+    config = helpers.make_config(
+        data_dir,
+        str(tmp_path),
+        ema_decay=0.999,
+        learning_rate=0.01,
+        train_steps=30,
+        steps_per_loop=30,
+        jit_compile=False,
+    )
+    summary = loop.train(config, one_device)
+    results = summary["eval"]
+    assert results["raw_accuracy"] > 0.6, results
+    assert abs(results["accuracy"] - results["raw_accuracy"]) < 0.05, results
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval step=30 ")]
+    assert printed == [f"eval step=30 {report_lib.format_metrics(results)}"] and " raw_accuracy=" in printed[0]
+    evaluated = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
+    assert evaluated == [{"step": 30, **results}]
+
+
 def _averaged_model(data_dir, one_device, tensors):
     """A trainer without --ema_decay whose weights are the moving averages in checkpoint `tensors`."""
     trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
@@ -186,9 +214,13 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run):
     averaged = trainer.evaluate()
     assert summary["eval"]["accuracy"] == averaged["accuracy"]
     assert summary["eval"]["loss"] == pytest.approx(averaged["loss"], rel=1e-6)
-    for v in trainer.params:  # the weights themselves evaluate to another loss
+    for v in trainer.params:  # the weights themselves evaluate to another loss, reported beside the average's
         v.assign(tensors[f"models/model/{checkpoint_lib._escaped(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
-    assert abs(trainer.evaluate()["loss"] - averaged["loss"]) > 1e-4
+    raw = trainer.evaluate()
+    assert abs(raw["loss"] - averaged["loss"]) > 1e-4
+    assert summary["eval"]["raw_loss"] == pytest.approx(raw["loss"], rel=1e-6)
+    assert summary["eval"]["raw_accuracy"] == raw["accuracy"]
+    assert list(summary["eval"]) == ["accuracy", "loss", "raw_accuracy", "raw_loss", "examples"]
 
     export_dir = evaluate.export(helpers.make_config(data_dir, config.workdir, mode="export"))
     images = next(iter(trainer.data.eval_fn(tf.distribute.InputContext())))["image"]

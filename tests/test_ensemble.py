@@ -4,6 +4,8 @@ member; members that cannot be averaged, and tasks whose outputs cannot be, are 
 
 import dataclasses
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import tensorflow as tf
 
 from engine import data as data_lib
 from engine import loop
+from engine import workdir as workdir_lib
 from engine.config import ConfigError
 from research import ensemble
 from tasks import classification
@@ -134,6 +137,41 @@ def test_launch_refuses_mismatched_members_in_one_line(data_dir, one_device, mem
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --members: {stranger} (synthetic 8,8,1 with 3")
     assert "Traceback" not in proc.stderr
+
+
+def top_files(workdir):
+    """{name: bytes} of the files directly in `workdir`."""
+    found = {}
+    for entry in os.scandir(workdir):
+        if entry.is_file():
+            with open(entry.path, "rb") as f:
+                found[entry.name] = f.read()
+    return found
+
+
+def test_an_ensemble_refuses_a_workdir_that_holds_a_run_a_study_or_a_lock(data_dir, members, tmp_path):
+    workdirs, _ = members
+    names = [workdirs["mlp"], workdirs["resnet"]]
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "study.json").write_text('{"study": "tune"}\n')
+    for workdir, holds, marker in [
+        (workdirs["mlp"], "a train run", "config.json"),  # a member's own workdir
+        (str(study), "a tuning study", "study.json"),
+    ]:
+        before = top_files(workdir)
+        with pytest.raises(ConfigError) as refused:
+            ensemble.ensemble(ensemble_config(data_dir, workdir, names))
+        assert str(refused.value) == (
+            f"--workdir={workdir} holds {holds} ({workdir}/{marker}): an ensemble needs a --workdir of its own"
+        )
+        assert top_files(workdir) == before  # its summary.json and the rest as they were, nothing added
+    # A run that holds the lock and has written nothing yet: the ensemble writes nothing beside it.
+    busy = str(tmp_path / "busy")
+    training = f"--workdir={busy}: another run is training here: pid {os.getpid()} on host "
+    with workdir_lib.Lock(busy), pytest.raises(ConfigError, match="^" + re.escape(training)):
+        ensemble.ensemble(ensemble_config(data_dir, busy, names))
+    assert os.listdir(busy) == []
 
 
 def test_member_config_round_trips_through_config_json(members, data_dir):

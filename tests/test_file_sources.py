@@ -3,6 +3,7 @@
 small TFRecord shards."""
 
 import dataclasses
+import json
 import os
 import re
 
@@ -256,7 +257,7 @@ def test_a_tfrecord_parses_into_the_named_features(data_dir, tmp_path):
     assert example["vector"].tolist() == [7.0, -7.0, 0.5]
     # A label beyond --tfrecord_classes stops the run.
     parse = tfrecord.load(dataclasses.replace(config, tfrecord_classes=1), "train").train.parse
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"label outside \[0, 1\) \(--tfrecord_classes=1\)"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"label 1 is outside \[0, 1\) \(--tfrecord_classes=1\)"):
         parse(tf.constant(_example(7)))
 
 
@@ -288,6 +289,16 @@ def test_encoded_images_in_tfrecords_decode_to_the_image_size(data_dir, tmp_path
         ("{root}/{{split}}-*", "", "--tfrecord_features=: --dataset=tfrecord needs it"),
         ("{root}/{{split}}-*", "image:uint8:4x4x1,label:int64", "its int64 label needs --tfrecord_classes"),
         ("{root}/{{split}}-0000[1]-*", "score:float32", "the 1 files of {root}/train-0000[1]-* hold no records"),
+        (
+            "{root}/{{split}}-*",
+            "image:uint8:4x4x1,label:float32",
+            "--tfrecord_features=image:uint8:4x4x1,label:float32: a label is a class, label:int64 (not label:float32)",
+        ),
+        (
+            "{root}/{{split}}-*",
+            "image:uint8:4x4x1,label:int64:2",
+            "--tfrecord_features=image:uint8:4x4x1,label:int64:2: a label is a class, label:int64 (not label:int64:2)",
+        ),
     ],
     ids=[
         "no-split",
@@ -302,6 +313,8 @@ def test_encoded_images_in_tfrecords_decode_to_the_image_size(data_dir, tmp_path
         "no-features",
         "classes",
         "empty",
+        "float-label",
+        "shaped-label",
     ],
 )
 def test_a_bad_tfrecord_dataset_is_refused(data_dir, tmp_path, glob, features, why):
@@ -368,3 +381,109 @@ def test_a_corrupt_tfrecord_record_stops_the_run_naming_the_file(data_dir, tmp_p
     )
     with pytest.raises((ConfigError, tf.errors.OpError), match=re.escape(paths[0])):
         loop.train(dataclasses.replace(config, tfrecord_classes=3), one_device)
+
+
+# TFRecord files that do not match what the flags say, and a record-count cache that does not match its files.
+
+
+def _bytes_records(path, count, size):
+    """A TFRecord file of `count` records of `size` bytes each (16 bytes of framing apiece)."""
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for _ in range(count):
+            writer.write(b"x" * size)
+    return str(path)
+
+
+def _float_features(path, count, **features):
+    """A TFRecord file of `count` Examples whose features are the float lists given."""
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for _ in range(count):
+            feature = {k: tf.train.Feature(float_list=tf.train.FloatList(value=v)) for k, v in features.items()}
+            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "features,stored,training,why",
+    [
+        ("image:float32:2,label:int64", dict(image=[1, 2], label=[1.0]), True, "Key: label.  Data types don't match"),
+        ("image:float32:3,label:int64", dict(image=[1, 2]), False, "Key: image.  Can't parse serialized Example"),
+        ("image:float32:2,label:int64", dict(image=[1, 2]), True, "label 5 is outside [0, 3) (--tfrecord_classes=3)"),
+    ],
+    ids=["type-training", "shape-evaluation", "label-training"],
+)
+def test_a_record_unlike_the_features_stops_the_stream_naming_its_file_and_record(
+    data_dir, tmp_path, features, stored, training, why
+):
+    """Every record of the file fails to parse: the stream stops (it does not wait forever for one that parses), and
+    the line the run ends with (Data.origin, as engine/loop.py asks it) names the file, the record and the reason."""
+    path = tmp_path / "train-0.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for _ in range(8):
+            feature = {k: tf.train.Feature(float_list=tf.train.FloatList(value=v)) for k, v in stored.items()}
+            feature.setdefault("label", tf.train.Feature(int64_list=tf.train.Int64List(value=[5])))
+            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    glob = f"{tmp_path}/{{split}}-*"
+    config = _config(data_dir, glob, "tfrecord", tfrecord_features=features, tfrecord_classes=3, eval_split="train")
+    loaded = data.load(dataclasses.replace(config, global_batch_size=4, eval_batch_size=4))
+    dataset = loaded.train_fn if training else loaded.eval_fn
+    with pytest.raises(tf.errors.InvalidArgumentError, match=data.UNDECODABLE):
+        next(iter(dataset(tf.distribute.InputContext())))
+    message = loaded.origin(0, 0, training, 1)
+    record = re.escape(f"--dataset=tfrecord:{glob}: cannot parse {path} record ")
+    assert re.fullmatch(rf"{record}{'[0-7]' if training else '0'}: {re.escape(why)}.*", message), message
+
+
+@pytest.mark.parametrize(
+    "make,why",
+    [
+        (lambda p: os.symlink(p / "train-loop", p / "train-loop"), "cannot read {root}/train-loop: "),
+        (lambda p: os.mkdir(p / "train-dir"), "{root}/train-dir is a directory, not a TFRecord file"),
+    ],
+    ids=["symlink-loop", "directory"],
+)
+def test_a_path_the_glob_matches_that_is_no_file_is_refused_naming_it(data_dir, tmp_path, make, why):
+    _shards(tmp_path, "train", [2])
+    make(tmp_path)
+    config = _config(data_dir, f"{tmp_path}/{{split}}-*", "tfrecord", tfrecord_features="score:float32")
+    message = _refused(dataclasses.replace(config, eval_split="train"), why.format(root=tmp_path))
+    assert message.startswith(f"--dataset=tfrecord:{tmp_path}/{{split}}-*: ")
+
+
+@pytest.mark.parametrize(
+    "cache",
+    ["[]", '"counts"', "{not json", '{"PATH": [1]}', '{"PATH": {"size": 1}}', '{"PATH": {"size": "a", "records": 1}}'],
+    ids=["list", "string", "not-json", "entry-list", "entry-partial", "entry-types"],
+)
+def test_a_damaged_count_cache_is_counted_again_and_rewritten(tmp_path, cache):
+    path = _bytes_records(tmp_path / "a.tfrecord", 3, 10)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    (cache_dir / tfrecord.CACHE).write_text(cache.replace("PATH", path))
+    assert tfrecord.record_counts([path], str(cache_dir), "here") == [3]
+    entries = json.loads((cache_dir / tfrecord.CACHE).read_text())
+    assert list(entries) == [path] and entries[path]["records"] == 3
+
+
+def test_a_file_replaced_with_the_same_size_and_time_is_counted_again(tmp_path, monkeypatch):
+    path = _bytes_records(tmp_path / "a.tfrecord", 20, 100)
+    other = _bytes_records(tmp_path / "b.tfrecord", 40, 42)  # 20 x 116 bytes = 40 x 58
+    assert os.path.getsize(path) == os.path.getsize(other) == 2320
+    assert tfrecord.record_counts([path], str(tmp_path), "here") == [20]
+    stat = os.stat(path)
+    os.replace(other, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as `cp -p` or `rsync -t` would leave it
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and os.path.getsize(path) == 2320
+    assert tfrecord.record_counts([path], str(tmp_path), "here") == [40]
+
+
+@pytest.mark.parametrize("counted", [20, 50], ids=["more-than-counted", "fewer-than-counted"])
+def test_a_file_that_no_longer_holds_its_counted_records_stops_the_stream_naming_it(tmp_path, counted):
+    path = _bytes_records(tmp_path / "a.tfrecord", 40, 42)
+    split = data.sharded([(path, counted)], lambda record: {"record": record})
+    with pytest.raises(tf.errors.OpError) as raised:
+        list(split.make())
+    if counted == 20:
+        expected = f"{path}: holds more than the 20 records counted: it changed after they were counted"
+    else:
+        expected = f"{path}: truncated or corrupt: 40 of its 50 records could be read"
+    assert data.unreadable(raised.value).startswith(expected), data.unreadable(raised.value)

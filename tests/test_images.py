@@ -30,7 +30,7 @@ def _png(array):
 
 
 def _decode(size):
-    return images.decoder(helpers.make_config("", image_size=size))
+    return images.decoder(helpers.make_config("", image_size=size, dataset="folder:photos"))
 
 
 def _seed(n):

@@ -82,6 +82,32 @@ def test_evaluation_predicts_every_validation_character_exactly_once():
     assert "".join(context) == text[split_at - 1 : len(text) - 1 : 32]
 
 
+def test_evaluation_weighs_each_real_target_position_once_and_padding_not_at_all():
+    """The per-position weights the metrics use, window by window of the evaluation batches: 1 on a real target, 0
+    on the padded end of the last window and on the weight-0 windows that fill the last batch."""
+    from engine import data
+
+    loaded = data.load(_config(eval_batch_size=512))
+    targets = len(shakespeare.text()) - shakespeare.boundary()
+    weights = np.concatenate(
+        [loaded.task.target_weights(batch).numpy() for batch in loaded.eval_fn(tf.distribute.InputContext())]
+    )
+    assert weights.shape == (7 * 512, 32) and set(np.unique(weights)) == {0.0, 1.0}
+    assert weights.sum() == targets == 111_540  # every validation character once
+    windows = loaded.eval_examples
+    assert windows == 3486 and (weights[: windows - 1] == 1).all()
+    last = targets - (windows - 1) * 32  # the last window's real targets: its first 20
+    assert last == 20 and weights[windows - 1].tolist() == [1.0] * 20 + [0.0] * 12
+    assert (weights[windows:] == 0).all()  # the padding windows
+    # The metrics count those positions only: logits sure of each real target and of a wrong token on the padding.
+    batch = next(iter(loaded.eval_fn(tf.distribute.InputContext()).skip(windows // 512)))
+    row = (windows - 1) % 512
+    targets = batch["tokens"][:, 1:]
+    wrong = tf.where(loaded.task.target_weights(batch) > 0, targets, (targets + 1) % 65)
+    metrics = loaded.task.metrics(10.0 * tf.one_hot(wrong, 65), batch)
+    assert float(metrics["accuracy"][row]) == 1.0 and float(metrics["loss"][row]) < 1e-2
+
+
 def test_test_split_is_the_validation_text_and_other_splits_are_refused():
     config = _config()
     validation = shakespeare.load(config, "validation").evals.fetch(tf.range(3486, dtype=tf.int64))

@@ -27,7 +27,7 @@ SUMMARY_KEYS = {
     "precision",
     "global_batch_size",
 }
-METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec"}
+METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec", "skipped_steps"}
 
 
 def test_default_job_end_to_end(data_dir, tmp_path):
@@ -78,6 +78,11 @@ def _tf_config(index):
     )
 
 
+def _ps_tf_config():
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+    return json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})
+
+
 BAD_INPUT = [
     (["--strategy=bogus"], {}, "--strategy=bogus"),
     (["--model=nope"], {}, "--model=nope"),
@@ -92,6 +97,8 @@ BAD_INPUT = [
     (["--strategy=tpu", "--tpu=local"], {}, "--tpu=local"),
     (["--strategy=multi_worker"], {"TF_CONFIG": '{"cluster": {"worker": '}, "TF_CONFIG"),
     (["--strategy=multi_worker"], {"TF_CONFIG": _tf_config(5)}, "task index 5"),
+    # No --strategy: the 'ps' job makes it a parameter-server job, which float16 cannot train.
+    (["--precision=mixed_float16"], {"TF_CONFIG": _ps_tf_config()}, "--precision=mixed_float16: is not supported"),
 ]
 
 
@@ -126,3 +133,36 @@ def test_bad_input_found_with_tensorflow_running(data_dir, mirrored, overrides, 
     """What only a running TensorFlow can check (replica counts, dataset splits) fails before any training."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         loop.Trainer(helpers.make_config(data_dir, **overrides), mirrored)
+
+
+def exit_code_tables(readme):
+    """The first column of each Markdown table in `readme` whose header starts with `exit code`."""
+    tables, rows = [], None
+    for line in readme.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells and cells[0] == "exit code":
+            rows = []
+            tables.append(rows)
+        elif cells is None:
+            rows = None
+        elif rows is not None and not set(cells[0]) <= set("-: "):
+            rows.append(cells[0])
+    return tables
+
+
+def test_the_readme_has_one_table_of_every_exit_code():
+    import launch as launch_module  # defines the flags: imported here, by the tests that need them
+    from engine import distribute, preemption
+
+    with open(os.path.join(helpers.ROOT, "README.md")) as f:
+        tables = exit_code_tables(f.read())
+    with open(os.path.join(helpers.ROOT, "BUILD.md")) as f:
+        assert exit_code_tables(f.read()) == []  # BUILD.md points to the README's: a second copy would drift
+    assert len(tables) == 1, tables
+    used = {0, launch_module.BAD_INPUT, launch_module.NON_FINITE, launch_module.CANNOT_WRITE, launch_module.LOST_PEER}
+    used |= {distribute.NOT_FORMED_EXIT_CODE, preemption.PREEMPTED_EXIT_CODE, preemption.INTERRUPTED_EXIT_CODE}
+    assert distribute.LOST_PEER_EXIT_CODE == launch_module.LOST_PEER  # the watcher's own exit, without launch.py
+    assert sorted(tables[0], key=lambda code: (not code.isdigit(), int(code) if code.isdigit() else 0)) == [
+        *(str(code) for code in sorted(used)),
+        "128 + N",
+    ]

@@ -1,11 +1,13 @@
 """A non-finite gradient on ONE replica makes every replica skip the update; the loss scale halves,
-then doubles after growth_interval finite steps."""
+then doubles after growth_interval finite steps. A run that skips most of a round's steps says so; one that skips
+steps with the scale at its floor stops (exit 3)."""
 
 import os
 
 import numpy as np
 import pytest
 
+from engine import loop
 from tests import helpers
 
 GROWTH = helpers.NONFINITE_CASE["loss_scale_growth_interval"]
@@ -69,3 +71,54 @@ def test_multi_worker_one_bad_worker_skips_everywhere(multi_worker_dir):
         list(outs["good_finite"]),
         num_params=2,
     )
+
+
+# ---- A float16 run that skips its steps ------------------------------------------------------------------------
+
+
+def test_a_float16_run_skipping_most_of_its_steps_says_so_each_round(data_dir, one_device, tmp_path, capsys):
+    # A scale of 1e30 overflows float16 at every step: it halves at each one, far from a scale that fits.
+    config = helpers.make_config(
+        data_dir,
+        str(tmp_path),
+        precision="mixed_float16",
+        initial_loss_scale=1e30,
+        train_steps=4,
+        steps_per_loop=2,
+        hidden_sizes=(8,),
+        jit_compile=False,
+    )
+    summary = loop.train(config, one_device)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        f"warning: mixed_float16: {steps} were skipped (non-finite gradients: nothing trained); the loss scale "
+        f"halves at each skipped step and is now {scale:g} (--initial_loss_scale=1e+30)"
+        for steps, scale in (("2 of the 2 steps 1-2", 2.5e29), ("2 of the 2 steps 3-4", 6.25e28))
+    ]
+    assert summary["skipped_steps"] == 4 and summary["loss_scale"] == pytest.approx(6.25e28, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_float16_run_skipping_steps_at_the_scale_floor_stops_with_exit_3(data_dir, tmp_path):
+    # A learning rate of 1e30 sends the weights past float16's range after the first step: from then on every
+    # gradient is non-finite at any scale, and at a scale of 1 it can halve no further.
+    result = helpers.launch(
+        f"--workdir={tmp_path}",
+        f"--data_dir={data_dir}",
+        "--precision=mixed_float16",
+        "--initial_loss_scale=1",
+        "--learning_rate=1e30",
+        "--hidden_sizes=8",
+        "--jit_compile=false",
+        "--train_steps=6",
+        "--steps_per_loop=3",
+        "--checkpoint_every=3",
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert lines == [
+        "error: training stopped: 2 of the 3 steps 1-3 had non-finite gradients with the loss scale at its floor "
+        "(1), which no loss scale can fix (mixed_float16); last good checkpoint: none; lower --learning_rate or "
+        "set --clip_norm"
+    ]
+    assert not (tmp_path / "summary.json").exists()

@@ -1,5 +1,6 @@
 """Engine optimizers match Keras's optimizers of the same name step by step; the schedule's numbers."""
 
+import json
 import math
 
 import keras
@@ -7,8 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import optim
+from engine import data as data_lib
+from engine import loop, optim
 from engine.config import Config
+from tasks import classification
+from tests import helpers
 
 SHAPES = [(6, 4), (4,), (4, 3)]
 
@@ -93,3 +97,71 @@ def test_weight_decay_skips_biases():
     )
     np.testing.assert_allclose(new[0], 0.95)  # 1 - lr * wd
     np.testing.assert_allclose(new[1], 1.0)
+
+
+def _sgd_rates(groups, paths):
+    """(rate_names, {name: rate} returned by one update, new parameter values) of plain SGD at the run's 1e-3 with
+    `groups`, over parameters of ones with gradients of ones, one per path."""
+    params = [tf.Variable(np.ones(2, np.float32)) for _ in paths]
+    config = Config(optimizer="sgd", momentum=0.0, learning_rate=1e-3)
+    optimizer = optim.Optimizer(config, params, paths, groups)
+    new, _, rates = optimizer.updates(
+        [p.value() for p in params], [[] for _ in paths], tf.constant(0, tf.int64), [tf.ones(2) for _ in paths]
+    )
+    return optimizer.rate_names, {k: float(v) for k, v in rates.items()}, [float(p[0]) for p in new]
+
+
+def test_learning_rates_are_those_the_groups_used():
+    # Every variable in a group: the run's own rate trains nothing and is not reported as if it did.
+    groups = ((r"^generator/", {"learning_rate": 2e-4}), (r"^discriminator/", {"learning_rate": 4e-4}))
+    names, rates, new = _sgd_rates(groups, ["discriminator/kernel", "generator/kernel", "discriminator/bias"])
+    assert names == ["learning_rate/^generator/", "learning_rate/^discriminator/"]
+    assert rates == {
+        "learning_rate/^generator/": pytest.approx(2e-4),
+        "learning_rate/^discriminator/": pytest.approx(4e-4),
+    }
+    assert new == pytest.approx([1 - 4e-4, 1 - 2e-4, 1 - 4e-4])  # each the rate logged for its group
+    # Some variables with the run's settings: its rate comes first, under the name a one-group run logs.
+    names, rates, new = _sgd_rates(((r"^head/", {"learning_rate": 1e-2}),), ["body/kernel", "head/kernel"])
+    assert names == ["learning_rate", "learning_rate/^head/"]
+    assert rates == {"learning_rate": pytest.approx(1e-3), "learning_rate/^head/": pytest.approx(1e-2)}
+    assert new == pytest.approx([1 - 1e-3, 1 - 1e-2])
+    # No groups: one rate, named as always.
+    assert _sgd_rates((), ["a", "b"])[:2] == (["learning_rate"], {"learning_rate": pytest.approx(1e-3)})
+
+
+class EveryVariableGrouped(classification.Task):
+    optimizer_groups = ((r"^model/", {"learning_rate": 2e-4}),)
+
+
+def test_the_step_reports_the_rate_its_groups_used(data_dir, one_device, monkeypatch):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: EveryVariableGrouped)
+    config = helpers.make_config(data_dir, optimizer="sgd", momentum=0.0, learning_rate=1e-3, jit_compile="false")
+    trainer = loop.Trainer(config, one_device)
+    assert trainer.optimizer.rate_names == ["learning_rate/^model/"]
+    batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
+    out = helpers.one_step(trainer, batch)
+    assert sorted(out) == ["finite", "grad_norm", "learning_rate/^model/", "loss", "loss_scale", "stop"]
+    assert float(out["learning_rate/^model/"]) == pytest.approx(2e-4)
+
+
+def test_metrics_and_console_carry_the_rate_the_groups_used(data_dir, one_device, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: EveryVariableGrouped)
+    workdir = str(tmp_path / "run")
+    config = helpers.make_config(
+        data_dir,
+        workdir,
+        optimizer="sgd",
+        momentum=0.0,
+        learning_rate=1e-3,
+        jit_compile="false",
+        train_steps=2,
+        steps_per_loop=2,
+        eval_every=0,
+    )
+    loop.train(config, one_device)
+    with open(f"{workdir}/metrics.jsonl") as f:
+        record = json.loads(f.readline())
+    assert "learning_rate" not in record  # no variable trained at the run's 1e-3
+    assert record["learning_rate/^model/"] == pytest.approx(2e-4)
+    assert " learning_rate/^model/=0.0002 " in capsys.readouterr().out

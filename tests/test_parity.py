@@ -10,6 +10,11 @@ import pytest
 from tests import helpers
 
 TOLERANCE = 1e-5
+# The ResNet across worker processes: each worker gathers its batches in the step (engine/loop.py gathers_in_step)
+# and oneDNN's convolutions round differently on them than on one device's pipeline batches; through batch norm
+# over 20 steps that came to 2.05e-5 in the weights and 7.7e-5 (relative) in the round's loss on an AMD EPYC, the
+# code before and after issue 24 alike; under 1e-5 on an Intel Xeon.
+MULTI_WORKER_TOLERANCE = {"resnet": 2e-4}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +38,11 @@ def _max_difference(a, b):
     return max(difference(k) for k in a)
 
 
-def _assert_same_outputs(out, reference):
+def _assert_same_outputs(out, reference, tolerance=TOLERANCE):
     """The round's mean loss and last gradient norm: a gradient of the wrong scale shows here even when
     clipping hides it from the weights."""
-    assert out["loss"] == pytest.approx(reference["loss"], rel=TOLERANCE)
-    assert out["grad_norm"] == pytest.approx(reference["grad_norm"], rel=TOLERANCE)
+    assert out["loss"] == pytest.approx(reference["loss"], rel=tolerance)
+    assert out["grad_norm"] == pytest.approx(reference["grad_norm"], rel=tolerance)
 
 
 @pytest.mark.parametrize("case", [name for name, settings in helpers.PARITY_CASES.items() if "clip_norm" in settings])
@@ -63,8 +68,9 @@ def test_multi_worker_matches_one_device(multi_worker_dir, one_device_runs, case
     workers = [dict(np.load(os.path.join(multi_worker_dir, f"{case}_worker{i}.npz"))) for i in range(2)]
     assert _max_difference(workers[0], workers[1]) == 0.0
     reference = {k: v[0] for k, v in one_device_runs[case][0].items()}
-    assert _max_difference(workers[0], reference) < TOLERANCE
+    tolerance = MULTI_WORKER_TOLERANCE.get(case, TOLERANCE)
+    assert _max_difference(workers[0], reference) < tolerance
     outs = [np.load(os.path.join(multi_worker_dir, f"{case}_out_worker{i}.npz")) for i in range(2)]
     outs = [{k: float(out[k]) for k in ("loss", "grad_norm")} for out in outs]
     assert outs[0] == outs[1]
-    _assert_same_outputs(outs[0], one_device_runs[case][1])
+    _assert_same_outputs(outs[0], one_device_runs[case][1], tolerance)

@@ -1,5 +1,6 @@
 """Preemption: a multi-worker job stops at one saved step whichever worker the scheduler signals; outside the
-training loop (start-up, continuous evaluation; Ctrl-C while a cluster forms) a signal ends the process at once."""
+training loop (start-up, continuous evaluation; Ctrl-C while a cluster forms) a signal ends the process at once.
+A resumed run evaluates the evaluation step it stopped at, once, and reports the train loss of a run never stopped."""
 
 import contextlib
 import json
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from engine import checkpoint
+from engine import checkpoint, loop
 from engine.preemption import PREEMPTED_EXIT_CODE
 from tests import helpers
 from tests.helpers import ROOT, checkpoint_tensors, logged_steps
@@ -178,3 +179,63 @@ def test_ctrl_c_in_training_saves_and_says_interrupted(data_dir, tmp_path):
         f"error: interrupted: stopped by SIGINT at step {stopped}; checkpoint {saved}; run the same command to resume"
     )
     assert checkpoint.latest(tmp_path / "checkpoints") == saved and logged_steps(tmp_path) == [4000, stopped]
+
+
+# ---- A run preempted inside training, resumed in the same process: what it reports ----------------------------
+
+# Windows of 5 steps, an evaluation at each window's end; the same numbers in every run of them.
+WINDOWS = dict(
+    train_steps=10, steps_per_loop=5, eval_every=5, checkpoint_every=0, jit_compile=False, deterministic=True
+)
+
+
+def _stop_at_round(monkeypatch, first_step):
+    """The round that starts at `first_step` runs with the stop flag set, as a signal during its first step sets it."""
+    real = loop.Trainer.run_steps
+
+    def run_steps(self, iterator, steps):
+        if int(self.step.numpy()) == first_step:
+            self.stop.assign(True)
+        return real(self, iterator, steps)
+
+    monkeypatch.setattr(loop.Trainer, "run_steps", run_steps)
+
+
+def _jsonl(workdir, name):
+    return [json.loads(line) for line in open(os.path.join(workdir, name))]
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, one_device, tmp_path_factory):
+    """The run never interrupted: (workdir, summary)."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    return workdir, loop.train(helpers.make_config(data_dir, workdir, **WINDOWS), one_device)
+
+
+def test_a_resumed_run_evaluates_the_step_it_stopped_at_and_keeps_the_train_loss(
+    data_dir, one_device, tmp_path, monkeypatch, straight
+):
+    config = helpers.make_config(data_dir, str(tmp_path), **WINDOWS)
+    # On an accelerator a stop comes at the round's end: here step 5, where an evaluation is due, skipped as the
+    # run stops. The resumed run evaluates it.
+    monkeypatch.setattr(loop, "stops_each_step", lambda strategy: False)
+    _stop_at_round(monkeypatch, 0)
+    with pytest.raises(loop.Preempted, match="at step 5;"):
+        loop.train(config, one_device)
+    assert logged_steps(tmp_path, "eval.jsonl") == []
+    monkeypatch.undo()
+    _stop_at_round(monkeypatch, 5)  # on a CPU at the step: after step 6, inside the last window (steps 6-10)
+    with pytest.raises(loop.Preempted, match="at step 6;"):
+        loop.train(config, one_device)
+    monkeypatch.undo()
+    summary = loop.train(config, one_device)
+
+    assert _jsonl(tmp_path, "eval.jsonl") == _jsonl(straight[0], "eval.jsonl")  # steps 5 and 10, once each
+    assert summary["eval"] == straight[1]["eval"]
+    records, uninterrupted = _jsonl(tmp_path, "metrics.jsonl"), _jsonl(straight[0], "metrics.jsonl")
+    assert [r["step"] for r in records] == [5, 6, 10] and [r["step"] for r in uninterrupted] == [5, 10]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 0]
+    # Each line holds the mean since its previous line (step 6; steps 7-10). The summary's train_loss is the mean
+    # over the last window, steps 6-10, as the run never interrupted reports it.
+    assert records[0]["loss"] == uninterrupted[0]["loss"] and records[2]["loss"] != uninterrupted[1]["loss"]
+    assert summary["train_loss"] == straight[1]["train_loss"] == uninterrupted[1]["loss"]

@@ -185,18 +185,38 @@ def test_nan_stops_naming_the_steps_and_the_last_good_checkpoint(data_dir, one_d
     assert all(np.all(np.isfinite(t)) for t in tensors.values() if getattr(t, "dtype", None) == np.float32)
 
 
-def test_nan_rollback_skips_the_offending_batches(data_dir, one_device, tmp_path, monkeypatch, capsys):
-    _poison(monkeypatch, [23, 24])
+def test_nan_rollback_discards_every_step_since_the_checkpoint_and_says_so(
+    data_dir, one_device, tmp_path, monkeypatch, capsys
+):
+    # Batch 27 (of step 28) is poisoned: the round of steps 26-30 ends non-finite, and the rollback to ckpt-20
+    # undoes the finite round 21-25 too. The run reads on from batch 30: steps 21-30's batches are never trained.
+    _poison(monkeypatch, [27])
     config = helpers.make_config(
         data_dir, str(tmp_path), train_steps=40, steps_per_loop=5, checkpoint_every=10, on_nan="rollback"
     )
     summary = loop.train(config, one_device)
-    assert "rolled back to step 20" in capsys.readouterr().out
+    rolled = [line for line in capsys.readouterr().out.splitlines() if "rolled back" in line]
+    assert rolled == [
+        f"non-finite loss or gradient between steps 26 and 30 (3 of 5 steps, float32): rolled back to step 20 "
+        f"({tmp_path}/checkpoints/ckpt-20), discarding the 10 steps 21-30 since that checkpoint; the 10 batches "
+        "they read are not trained on (--on_nan=rollback)"
+    ]
     assert summary["step"] == 40 and np.isfinite(summary["train_loss"])
     assert logged_steps(tmp_path) == [5, 10, 15, 20, 25, 30, 35, 40]  # no step logged twice
     reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "checkpoints")[0])
-    assert reader.get_tensor("batches/.ATTRIBUTES/VARIABLE_VALUE") == 45  # 5 batches skipped
+    assert reader.get_tensor("batches/.ATTRIBUTES/VARIABLE_VALUE") == 50  # 10 batches skipped
     assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 40
+
+
+def test_nan_rollback_without_checkpoints_to_roll_back_to_is_refused(data_dir, tmp_path):
+    # --checkpoint_every=0 saves only at the end: a rollback would go back to the run's first step.
+    with pytest.raises(ConfigError) as refused:
+        helpers.make_config(data_dir, str(tmp_path / "work"), on_nan="rollback", checkpoint_every=0)
+    assert str(refused.value) == (
+        "--on_nan=rollback: needs --checkpoint_every > 0 (0 saves only at the end, so a rollback would discard "
+        "every step since the run started); set --checkpoint_every to the most steps a rollback may discard"
+    )
+    assert not (tmp_path / "work").exists()
 
 
 def test_nan_rollback_never_picks_a_damaged_checkpoint(data_dir, one_device, tmp_path, monkeypatch, capsys):

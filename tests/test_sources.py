@@ -81,3 +81,83 @@ def test_a_missing_npz_file_ends_in_one_line(data_dir, tmp_path):
 def test_npz_needs_a_path(data_dir):
     with pytest.raises(ConfigError, match=r"--dataset=npz: name the file, --dataset=npz:PATH"):
         data.load(dataclasses.replace(helpers.make_config(data_dir), dataset="npz"))
+
+
+_GOOD = {
+    "train/image": np.arange(32, dtype=np.uint8).reshape(8, 2, 2),
+    "train/label": np.arange(8) % 3,
+    "test/image": np.arange(16, dtype=np.uint8).reshape(4, 2, 2),
+    "test/label": np.arange(4) % 3,
+}
+
+
+@pytest.mark.parametrize(
+    "arrays,why",
+    [
+        (
+            {"train/image": np.array(["ab"] * 8), "test/image": np.array(["cd"] * 4)},
+            "array 'train/image' holds strings (<U2): arrays must hold real numbers or booleans",
+        ),
+        (
+            {"train/image": np.ones((8, 2, 2)) * 1j, "test/image": np.ones((4, 2, 2)) * 1j},
+            "array 'train/image' holds complex numbers (complex128): arrays must hold real numbers or booleans",
+        ),
+        (
+            {"train/image": np.ones((8, 2), np.longdouble), "test/image": np.ones((4, 2), np.longdouble)},
+            "array 'train/image' holds float128 values, which TensorFlow cannot hold",
+        ),
+        ({"train/image": np.array(3.0)}, "array 'train/image' is a single value: it needs one row per example"),
+        (
+            {"train/image": np.zeros((8, 0, 2), np.uint8), "test/image": np.zeros((4, 0, 2), np.uint8)},
+            "array 'train/image': its examples, of shape (0, 2), hold no values",
+        ),
+        (
+            {"train/label": np.arange(8) / 2, "test/label": np.arange(4) / 2},
+            "array 'train/label' holds float64 values: a label is a class, an integer 0 .. N-1",
+        ),
+        (
+            {"train/label": np.zeros((8, 3), np.int64), "test/label": np.zeros((4, 3), np.int64)},
+            "array 'train/label' has shape (8, 3): a label is one class per example, shape (examples,)",
+        ),
+        (
+            {"train/label": np.array([0, 1, -1, 2, 0, 1, 2, 0])},
+            "array 'train/label' holds the label -1 (row 2): a label is a class, an integer 0 .. N-1",
+        ),
+        (
+            {"train/label": np.array([0, 1, 2, 10**9, 0, 1, 2, 0])},
+            "array 'train/label' holds the label 1000000000 (row 3): that makes 1000000001 classes (the largest "
+            "label + 1) for its 12 examples; a label is a class, an integer 0 .. N-1",
+        ),
+        (
+            {"test/image": np.zeros((0, 2, 2), np.uint8), "test/label": np.zeros(0, np.int64)},
+            "split 'test' (--eval_split=test) holds no examples",
+        ),
+    ],
+    ids=[
+        "strings",
+        "complex",
+        "float128",
+        "scalar",
+        "zero-sized",
+        "float-labels",
+        "2d-labels",
+        "negative",
+        "huge",
+        "empty-test",
+    ],
+)
+def test_a_bad_npz_array_is_refused_naming_the_file_and_the_array(data_dir, tmp_path, arrays, why):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **{**_GOOD, **arrays})
+    config = helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_batch_size=4)
+    with pytest.raises(ConfigError) as raised:
+        data.load(config)
+    assert str(raised.value) == f"--dataset=npz:{path}: {why}"
+
+
+def test_a_good_npz_file_of_few_examples_and_many_classes_is_accepted(data_dir, tmp_path):
+    """A label may name classes no example has (a subset of a large label set), up to 2**16 of them."""
+    path = tmp_path / "subset.npz"
+    np.savez(path, **{**_GOOD, "train/label": np.array([0, 1, 2, 999, 0, 1, 2, 0])})
+    loaded = data.load(helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_batch_size=4))
+    assert (loaded.train_examples, loaded.eval_examples, loaded.task.outputs) == (8, 4, 1000)

@@ -1,10 +1,12 @@
 """The replica step's own guarantees: a skipped step changes no state, finiteness is decided on the
 unclipped gradients element by element, and dropout masks differ across replicas but not across resumes."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tasks import classification
 from tests import helpers
 
 
@@ -123,6 +125,112 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
     np.testing.assert_array_equal(again[1], second)
     later = forward(tf.constant(8, tf.int64))[0].numpy()
     assert not np.allclose(later, first)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_step_draws_each_replicas_dropout_from_its_id(data_dir, mirrored, accumulate):
+    from engine import step
+    from engine.loop import Trainer
+
+    settings = dict(model="mlp", dropout=0.5, grad_accum_steps=accumulate, jit_compile="false")
+    trainer = Trainer(helpers.make_config(data_dir, **settings), mirrored)
+    trainer.step.assign(7)
+    state, seeds = step.split_state(trainer.models)
+    assert seeds and not state
+    batch = _batch(trainer)
+    size = len(batch["label"]) // (2 * accumulate)  # a microbatch
+
+    def loss(replica, draws_as):
+        """The replica's part of the step's loss, its microbatch k's masks drawn as replica `draws_as`'s."""
+        total = 0.0
+        for k in range(accumulate):
+            start = (replica * accumulate + k) * size
+            part = {name: t[start : start + size] for name, t in batch.items()}
+            seed = tf.constant(draws_as * accumulate + k, tf.int64)
+            outputs = step.stateless_forward(trainer.task, trainer.models, part, state, [], seeds, trainer.step, seed)
+            total += float(tf.reduce_sum(trainer.task.loss(outputs[0], part))) / len(batch["label"])
+        return total
+
+    want = loss(0, 0) + loss(1, 1)
+    assert abs(loss(1, 0) - loss(1, 1)) > 1e-3  # replica 1 drawing replica 0's masks would show
+    halves = mirrored.experimental_distribute_values_from_function(
+        lambda ctx: {
+            k: v[ctx.replica_id_in_sync_group * 32 : (ctx.replica_id_in_sync_group + 1) * 32] for k, v in batch.items()
+        }
+    )
+    out = helpers.one_step(trainer, halves)
+    assert float(out["loss"]) == pytest.approx(want, rel=1e-6)
+
+
+class Normalized(keras.Model):
+    """A hidden layer, Keras's own batch norm, a head."""
+
+    def __init__(self, outputs):
+        super().__init__(name="normalized")
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(8, name="hidden")
+        self.norm = keras.layers.BatchNormalization(momentum=0.5, name="norm")
+        self.head = keras.layers.Dense(outputs, name="head")
+
+    def call(self, inputs, training=False):
+        return self.head(tf.nn.relu(self.norm(self.hidden(self.flatten(inputs)), training=training)))
+
+
+class NormalizedTask(classification.Task):
+    def models(self, create):
+        model = Normalized(self.outputs)
+        model(tf.zeros((1, *self.spec["image"].shape)), training=False)
+        return {"model": model}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_grad_accumulation_is_ghost_batch_norm(data_dir, one_device, monkeypatch, capsys, accumulate):
+    from engine import data as data_lib
+    from engine.loop import Trainer
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: NormalizedTask)
+    capsys.readouterr()
+    trainer = Trainer(helpers.make_config(data_dir, grad_accum_steps=accumulate, jit_compile="false"), one_device)
+    warning = (
+        "warning: --grad_accum_steps=2: each of the 2 microbatches runs its own forward pass, which updates "
+        "model/normalized/norm/moving_mean and 1 more: batch norm normalizes each microbatch with its own statistics "
+        "and moves its moving averages once per microbatch (ghost batch norm), so a step is not the whole batch's "
+        "update\n"
+    )
+    assert capsys.readouterr().out == (warning if accumulate == 2 else "")
+    batch = _batch(trainer)
+    model = trainer.model
+    kernel, bias, head_kernel, head_bias = [
+        v.numpy().astype(np.float64) for v in trainer.params[:2] + trainer.params[4:]
+    ]
+    assert [v.path for v in trainer.params] == [
+        "normalized/hidden/kernel",
+        "normalized/hidden/bias",
+        "normalized/norm/gamma",
+        "normalized/norm/beta",
+        "normalized/head/kernel",
+        "normalized/head/bias",
+    ]
+    hidden = batch["image"].numpy().reshape(64, -1).astype(np.float64) @ kernel + bias
+    labels = batch["label"].numpy()
+
+    def ghost(parts):
+        """(loss, moving mean, moving variance) with each of `parts` microbatches normalized by its own statistics
+        and the averages moved once per microbatch, in order (gamma 1, beta 0, epsilon 1e-3: the initial layer)."""
+        loss, mean, variance = 0.0, np.zeros(8), np.ones(8)
+        for z, y in zip(np.split(hidden, parts), np.split(labels, parts)):
+            logits = np.maximum((z - z.mean(0)) / np.sqrt(z.var(0) + 1e-3), 0.0) @ head_kernel + head_bias
+            logits -= logits.max(1, keepdims=True)
+            loss -= float(np.sum(logits[np.arange(len(y)), y] - np.log(np.exp(logits).sum(1)))) / 64
+            mean, variance = 0.5 * mean + 0.5 * z.mean(0), 0.5 * variance + 0.5 * z.var(0)
+        return loss, mean, variance
+
+    want, whole = ghost(accumulate), ghost(1)
+    assert abs(ghost(2)[0] - whole[0]) > 1e-3  # the two are told apart
+    out = helpers.one_step(trainer, batch)
+    assert float(out["loss"]) == pytest.approx(want[0], rel=1e-5)
+    np.testing.assert_allclose(model.norm.moving_mean.numpy(), want[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.norm.moving_variance.numpy(), want[2], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

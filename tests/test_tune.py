@@ -1,10 +1,15 @@
 """Hyperparameter search on digits: it finds the good learning rates, a killed study resumes without running a
 trial twice, pruning stops a hopeless trial early, and the best trial's flagfile reruns to the same numbers. The
-objective is the task's own unless another is named, with its direction."""
+objective is the task's own unless another is named, with its direction, which the study keeps. A tuner and a train
+run never share a workdir, and the storage's password is written and printed nowhere."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -12,7 +17,8 @@ import time
 import optuna
 import pytest
 
-from engine import checkpoint
+from engine import checkpoint, loop
+from engine import workdir as workdir_lib
 from engine.config import ConfigError
 from research import tune
 from tests import helpers
@@ -20,6 +26,9 @@ from tests.helpers import ROOT, launch
 
 TUNE_DEFAULTS = dict(mode="tune", train_steps=60, eval_every=20, deterministic=True)
 VALIDATION_EXAMPLES = 180
+SECRET = "s3cret:p@ss"
+SHARED_URL = f"postgresql://tuner:{SECRET}@db.example:5432/studies"  # a study several machines share
+MASKED_URL = "postgresql://tuner:***@db.example:5432/studies"
 
 
 def write_space(tmp_path, text):
@@ -32,21 +41,42 @@ def tune_config(data_dir, workdir, space, **overrides):
     return helpers.make_config(data_dir, str(workdir), tune_space=space, **{**TUNE_DEFAULTS, **overrides})
 
 
-def enqueue(workdir, *learning_rates, direction="maximize"):
-    """Puts known trials first in the study the tuner will open (its default storage in the workdir)."""
-    os.makedirs(workdir, exist_ok=True)
-    study = optuna.create_study(
-        storage=f"sqlite:///{os.path.abspath(os.path.join(workdir, 'study.db'))}",
-        study_name="tune",
-        direction=direction,
-        load_if_exists=True,
-    )
+def enqueue(config, *learning_rates):
+    """Puts known trials first in the study the tuner will open, opened as the tuner opens it (so with the
+    direction the tuner gives it, which the tests then check)."""
+    os.makedirs(config.workdir, exist_ok=True)
+    space = tune.parse_space(config.tune_space, config)
+    study = tune._open_study(config, *tune.objective_of(config), space)
     for rate in learning_rates:
         study.enqueue_trial({"learning_rate": rate})
 
 
-def load_study(workdir):
-    return optuna.load_study(storage=f"sqlite:///{os.path.join(workdir, 'study.db')}", study_name="tune")
+@contextlib.contextmanager
+def shared_storage_in(path):
+    """The tuner's --tune_storage=SHARED_URL, kept in an SQLite file at `path` (no database server here)."""
+
+    class Storage(optuna.storages.RDBStorage):  # a subclass: Optuna checks storages by type
+        def __init__(self, url, **kwargs):
+            assert url == SHARED_URL
+            super().__init__(f"sqlite:///{path}", **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optuna.storages, "RDBStorage", Storage)
+        yield
+
+
+def load_study(workdir, database="study.db"):
+    return optuna.load_study(storage=f"sqlite:///{os.path.join(workdir, database)}", study_name="tune")
+
+
+def listing(path):
+    """{relative path: bytes} of every file under `path`."""
+    found = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return found
 
 
 def read(path, name):
@@ -62,23 +92,54 @@ def logged_step(workdir):
         return 0
 
 
+PLANTED = ("best.flags", "tune_report.png")
+
+
+def outside_of(workdir):
+    return pathlib.Path(f"{workdir}-outside")
+
+
 @pytest.fixture(scope="module")
 def study(data_dir, one_device, tmp_path_factory):
-    """Six trials of TPE with Hyperband over the learning rate; trial 0 is a known-bad rate, 1e-5."""
+    """Six trials of TPE with Hyperband over the learning rate; trial 0 is a known-bad rate, 1e-5. The study is
+    shared through a database URL with a password (kept in SQLite beside the workdir); returns the config, the
+    summary, what the tuner printed and the database's file."""
     workdir = tmp_path_factory.mktemp("tune")
+    database = tmp_path_factory.mktemp("database") / "shared.db"
     space = write_space(workdir, "# the learning rate, log-uniform\nlearning_rate  log  1e-5  1e-1\n")
-    config = tune_config(data_dir, workdir, space, tune_trials=6, tune_startup_trials=3)
-    enqueue(workdir, 1e-5)
-    return config, tune.tune(config, one_device)
+    config = tune_config(data_dir, workdir, space, tune_trials=6, tune_startup_trials=3, tune_storage=SHARED_URL)
+    # Links planted at the study's outputs, to files outside the workdir: each must be replaced, never written through.
+    outside = outside_of(workdir)
+    outside.mkdir()
+    for name in PLANTED:
+        (outside / name).write_text("keep me\n")
+        os.symlink(outside / name, workdir / name)
+    console = io.StringIO()
+    with shared_storage_in(database), contextlib.redirect_stdout(console):
+        enqueue(config, 1e-5)
+        summary = tune.tune(config, one_device)
+    return config, summary, console.getvalue(), database
+
+
+@pytest.mark.slow
+def test_the_study_writes_its_outputs_in_place_of_planted_links(study):
+    workdir = pathlib.Path(study[0].workdir)
+    for name, head in zip(PLANTED, (b"# Best trial", b"\x89PNG")):
+        assert not (workdir / name).is_symlink() and (workdir / name).read_bytes().startswith(head)
+        assert (outside_of(workdir) / name).read_text() == "keep me\n"
 
 
 @pytest.mark.slow
 def test_search_finds_learning_rates_better_than_a_known_bad_one(study):
-    config, summary = study
+    config, summary, console, database = study
     records = {t["number"]: t for t in summary["all"]}
     bad, best = records[0], summary["best"]
-    # The task's own objective: classification maximizes accuracy.
+    # The task's own objective: classification maximizes accuracy. The study Optuna ran maximizes (its sampler and
+    # pruner read the direction from it), and its best trial is the complete trial of the highest accuracy.
     assert (summary["task"], summary["objective"], summary["direction"]) == ("classification", "accuracy", "max")
+    assert load_study(*os.path.split(database)).direction == optuna.study.StudyDirection.MAXIMIZE
+    complete = [t for t in summary["all"] if t["state"] == "complete"]
+    assert best["trial"] == max(complete, key=lambda t: t["value"])["number"]
     assert bad["params"] == {"learning_rate": 1e-5}
     assert summary["trials"] == 6 and summary["complete"] + summary["pruned"] == 6 and summary["failed"] == 0
     assert best["params"]["learning_rate"] > 1e-3
@@ -87,7 +148,8 @@ def test_search_finds_learning_rates_better_than_a_known_bad_one(study):
     # Tuning never looks at the test split: every evaluation of every trial counted the 180 validation examples.
     for record in summary["all"]:
         trial_dir = record["workdir"]
-        assert json.loads(read(trial_dir, "config.json"))["eval_split"] == "validation"
+        saved = json.loads(read(trial_dir, "config.json"))
+        assert saved["eval_split"] == "validation" and saved["tune_storage"] == ""  # a trial never opens the study
         evals = [json.loads(line) for line in read(trial_dir, "eval.jsonl").splitlines()]
         assert evals and all(e["examples"] == VALIDATION_EXAMPLES for e in evals)
     on_disk = json.loads(read(config.workdir, "summary.json"))
@@ -95,10 +157,16 @@ def test_search_finds_learning_rates_better_than_a_known_bad_one(study):
     with open(os.path.join(config.workdir, "tune_report.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(os.path.join(config.workdir, "tune_report.png")) > 20_000  # four panels, not a blank
+    # The storage's password is in no file of the study and on no line it printed; they name the URL masked.
+    files = listing(config.workdir)
+    assert {name for name, content in files.items() if SECRET.encode() in content} == set()
+    assert json.loads(files["study.json"]) == {"storage": MASKED_URL, "study": "tune"}
+    assert (on_disk["storage"], SECRET in console) == (MASKED_URL, False)
+    assert f"tune: study 'tune' in {MASKED_URL}: 0 of 6 trials finished; objective validation accuracy" in console
 
 
 def test_best_flagfile_reruns_to_the_same_result(study, tmp_path):
-    config, summary = study
+    config, summary, _, _ = study
     flagfile = summary["best"]["flagfile"]
     flags = read(config.workdir, "best.flags")
     assert f"--learning_rate={summary['best']['params']['learning_rate']!r}" in flags
@@ -112,13 +180,34 @@ def test_best_flagfile_reruns_to_the_same_result(study, tmp_path):
     assert rerun["eval"]["accuracy"] == summary["best"]["value"]
 
 
+def test_a_train_run_and_a_tuner_refuse_each_others_workdir(study, data_dir, one_device):
+    config, summary, _, _ = study
+    study_dir, trial_dir = config.workdir, summary["best"]["workdir"]
+    before = {path: listing(path) for path in (study_dir, trial_dir)}
+    with pytest.raises(ConfigError) as refused:
+        loop.train(helpers.make_config(data_dir, study_dir, train_steps=60), one_device)
+    assert str(refused.value) == (
+        f"--workdir={study_dir} holds a tuning study ({study_dir}/study.json): a train run needs a --workdir of its "
+        "own; the study's trials train in its trials/ folder"
+    )
+    # A trial's workdir is a train run's: a study of its own there would replace its summary.json.
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, workdir=trial_dir, tune_storage="", tune_trials=1), one_device)
+    assert str(refused.value) == (
+        f"--workdir={trial_dir} holds a train run ({trial_dir}/config.json): a study needs a --workdir of its own"
+    )
+    assert {path: listing(path) for path in (study_dir, trial_dir)} == before  # nothing written, nothing lost
+
+
 @pytest.mark.parametrize("pruner", ["median", "successive_halving"])
 def test_pruning_stops_a_hopeless_trial_early(data_dir, one_device, tmp_path, pruner):
     space = write_space(tmp_path, "learning_rate log 1e-6 1e-1\n")
     config = tune_config(data_dir, tmp_path, space, tune_trials=2, tune_pruner=pruner, tune_startup_trials=1)
-    enqueue(tmp_path, 3e-3, 1e-6)  # a good trial to compare with, then a hopeless one
+    enqueue(config, 3e-3, 1e-6)  # a good trial to compare with, then a hopeless one
     summary = tune.tune(config, one_device)
     good, hopeless = summary["all"]
+    # The pruner judged by the study's direction: it stopped the trial of lower accuracy.
+    assert load_study(tmp_path).direction == optuna.study.StudyDirection.MAXIMIZE
     assert (good["state"], hopeless["state"]) == ("complete", "pruned")
     assert good["steps"] == 60 and helpers.logged_steps(good["workdir"]) == [10, 20, 30, 40, 50, 60]
     # Stopped at its first evaluation, step 20 of 60, and its workdir shows it.
@@ -249,3 +338,80 @@ def test_tuning_refuses_the_test_split_and_pruning_without_evaluations(data_dir,
         tune_config(data_dir, tmp_path, space, validation_split="test")
     with pytest.raises(ConfigError, match=r"--eval_every=0: --tune_pruner=hyperband judges trials"):
         tune_config(data_dir, tmp_path, space, eval_every=0)
+
+
+def test_a_tuner_holds_the_lock_a_train_run_takes(data_dir, one_device, tmp_path, monkeypatch):
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    workdir = str(tmp_path / "study")
+    config = tune_config(data_dir, workdir, space, tune_trials=1, tune_pruner="none")
+    # A train run that holds the lock and has not written its config.json yet: the tuner is refused naming it.
+    training = f"--workdir={workdir}: another run is training here: pid {os.getpid()} on host "
+    with workdir_lib.Lock(workdir):
+        with pytest.raises(ConfigError, match="^" + re.escape(training)):
+            tune.tune(config, one_device)
+    assert os.listdir(workdir) == []
+    train, refusals = loop.train, {}
+
+    def trial(run_config, strategy, on_eval):  # while the tuner runs a trial, each of the others is refused
+        for name, start in [
+            ("lock", lambda: workdir_lib.Lock(workdir).acquire()),
+            ("train", lambda: train(helpers.make_config(data_dir, workdir), one_device)),
+            ("tuner", lambda: tune.tune(config, one_device)),
+        ]:
+            with pytest.raises(ConfigError) as refused:
+                start()
+            refusals[name] = str(refused.value)
+        return {"step": 60, "eval": {"accuracy": 0.5, "loss": 1.0, "examples": VALIDATION_EXAMPLES}}
+
+    monkeypatch.setattr(loop, "train", trial)
+    summary = tune.tune(config, one_device)
+    assert (summary["trials"], summary["best"]["value"]) == (1, 0.5)
+    tuning = f"--workdir={workdir}: another run is tuning study 'tune' here: pid {os.getpid()} on host "
+    assert refusals["lock"].startswith(tuning) and refusals["tuner"].startswith(tuning), refusals
+    assert refusals["train"].startswith(f"--workdir={workdir} holds a tuning study ({workdir}/study.json)")
+    assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_NAME))  # released at the end
+    # The workdir holds this study: another is refused before it opens anything.
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, tune_study="other"), one_device)
+    assert str(refused.value) == (
+        f"--tune_study=other: --workdir={workdir} holds study 'tune' ({workdir}/study.json); resume it with "
+        "--tune_study=tune, or give this study a new --workdir"
+    )
+
+
+def test_a_study_of_the_other_direction_is_refused(data_dir, one_device, tmp_path):
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    optuna.create_study(storage=url, study_name="tune")  # made outside the tuner: Optuna's default, minimize
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(tune_config(data_dir, tmp_path, space, tune_trials=1), one_device)
+    assert str(refused.value) == (
+        f"--tune_direction=max: study 'tune' in {url} minimizes its objective; use another --tune_study or --workdir"
+    )
+    assert load_study(tmp_path).trials == []
+
+
+def test_the_storage_password_is_masked_in_errors(data_dir, one_device, tmp_path, monkeypatch):
+    monkeypatch.setattr(tune.time, "sleep", lambda seconds: None)  # the retries of a storage that will not open
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    cases = {
+        f"nosuchdb://tuner:{SECRET}@db.example/studies": (
+            "nosuchdb://tuner:***@db.example/studies: cannot open the study (Can't load plugin: "
+            "sqlalchemy.dialects:nosuchdb)"
+        ),
+        f"postgresql//tuner:{SECRET}@db.example/studies": (
+            "postgresql//tuner:***@db.example/studies: cannot open the study (Could not parse SQLAlchemy URL from "
+            "given URL string)"
+        ),
+    }
+    for url, message in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            tune.tune(tune_config(data_dir, tmp_path / "study", space, tune_storage=url), one_device)
+        assert str(refused.value) == f"--tune_storage={message}"
+    assert (
+        tune._masked(f"mysql://tuner:{SECRET}@h/db?password={SECRET}&x=1") == "mysql://tuner:***@h/db?password=***&x=1"
+    )
+    # Percent-encoded in the URL, as SQLAlchemy asks; a driver's message may quote it decoded.
+    encoded = "postgresql://tuner:s3cret%3Ap%40ss@h/db"
+    shown = tune._masked(encoded, f"{encoded}: login with {SECRET} failed")
+    assert shown == "postgresql://tuner:***@h/db: login with *** failed"

@@ -1,5 +1,7 @@
 """Bundled data sources beside tensorflow-datasets, one file each: `--dataset=NAME` finds
 `engine/sources/NAME.py`, whose `load(config)` returns a `engine.data.Source` (in memory or streamed).
+A source declares its own settings as a model does (models/__init__.py: `SETTINGS`), and names the settings
+of other files it reads in `READS` (shakespeare reads language_model's `sequence_length`).
 
 This file imports no TensorFlow: flags are checked against it before TensorFlow starts.
 """

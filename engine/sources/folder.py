@@ -37,6 +37,7 @@ SETTINGS = {
         (1, 50),
     ),
 }
+READS = ("image_size",)  # the engine's setting: the side of the crops the photos decode to
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 HELD_OUT = ("test", "validation")  # the names of a carved PATH's held-out part
 

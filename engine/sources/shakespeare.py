@@ -26,6 +26,7 @@ from engine.config import ConfigError
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt.gz")
 TRAIN_FRACTION = 0.9  # nanoGPT's split: the first 90% of the text trains, the rest validates
 EVAL_SPLITS = ("validation", "test")  # the same text: the corpus has no other held-out part
+READS = ("sequence_length",)  # language_model's setting: the windows' length, whatever task trains on them
 
 
 @functools.lru_cache(maxsize=1)

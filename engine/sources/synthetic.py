@@ -9,7 +9,8 @@ from engine.config import ConfigError
 
 SETTINGS = {
     "synthetic_shape": ((28, 28, 1), "shape of one input example"),
-    "synthetic_classes": (10, "number of classes"),
+    # One class would label every example 0: accuracy 1.0 whatever the model learns.
+    "synthetic_classes": (10, "number of classes, at least 2", (2, 2_147_483_647)),
     "synthetic_examples": (4096, "examples in the training pool (the eval pool is a quarter)"),
 }
 

@@ -15,19 +15,22 @@ other features are ignored):
   of A*B*.. values (e.g. `image:float32:28x28x1`).
 - `uint8:AxBx..`: a tensor of that shape stored as its raw bytes, one bytes_list value (numpy's `array.tobytes()`,
   e.g. `image:uint8:28x28x1`): a quarter of the size of a float_list.
-An int64 `label` needs --tfrecord_classes, its number of classes: the records cannot tell it without reading them
-all. A label outside [0, --tfrecord_classes) stops the run.
+A `label` is a class: `label:int64`, with --tfrecord_classes, its number of classes (the records cannot tell it
+without reading them all). A label outside [0, --tfrecord_classes), or a record whose features are of another type
+or shape than named, stops the run naming its file and record.
 
 Each split is streamed file by file (engine/data.py `sharded`): each input pipeline reads its own files, and a resume
 skips whole files by arithmetic on their exact numbers of records. Those are counted from the record headers (each
 record's length; the payloads are skipped, not read) once per file and kept in <--data_dir>/tfrecord_counts.json,
-keyed by the file's path, size and modification time, so later runs do not read them again (a data dir that cannot
-be written only costs the recount). A file that does not end on a record boundary (truncated, or not an uncompressed
-TFRecord file) is refused naming it; a record that fails its checksum or does not parse stops the run naming its
-file and record.
+keyed by the file's path and trusted while its size, modification time and a fingerprint of its first and last
+bytes match, so later runs do not read them again (a data dir that cannot be written, or a cache that is not one,
+only costs the recount). A path the glob matches that is a directory or cannot be read, or a file that does not end
+on a record boundary (truncated, or not an uncompressed TFRecord file), is refused naming it; a record that fails
+its checksum or does not parse, or a file that holds more records than counted, stops the run naming its file.
 """
 
 import concurrent.futures
+import hashlib
 import json
 import os
 import struct
@@ -36,7 +39,7 @@ import uuid
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError
+from engine.config import ConfigError, first_line
 
 SETTINGS = {
     "tfrecord_features": (
@@ -47,9 +50,11 @@ SETTINGS = {
     ),
     "tfrecord_classes": (0, "number of classes of an int64 `label` (labels 0 .. N-1)", (0, 2147483647)),
 }
+READS = ("image_size",)  # the engine's setting: the side encoded images decode to
 IMAGES = ("jpeg", "png", "image")  # encoded, any size: decoded to --image_size by engine/images.py
 SCALARS = {"int64": tf.int64, "float32": tf.float32, "string": tf.string}
-CACHE = "tfrecord_counts.json"  # in --data_dir: {path: {"size", "mtime_nsec", "records"}}
+CACHE = "tfrecord_counts.json"  # in --data_dir: {path: {"size", "mtime_nsec", "fingerprint", "records"}}
+_FINGERPRINT = 4096  # bytes at each end of a file that its fingerprint hashes
 _BLOCK = 1 << 20  # bytes read at once while counting: the headers of records smaller than this come in one read
 _HEADER = 12  # a record: length (8 bytes, little-endian), its CRC (4), the payload, the payload's CRC (4)
 
@@ -110,7 +115,15 @@ def _features(config):
         if kind == "uint8" and not dims:
             refuse(f"{item!r}: uint8 is a tensor's raw bytes and needs its shape, e.g. {name}:uint8:28x28x1")
         features[name] = (kind, tuple(int(d) for d in dims))
+    if "label" in features and features["label"] != ("int64", ()):
+        refuse(f"a label is a class, label:int64 (not label:{_typed(features['label'])})")
     return features
+
+
+def _typed(feature):
+    """A feature's `type[:shape]` as --tfrecord_features writes it."""
+    kind, shape = feature
+    return ":".join([kind, *(["x".join(map(str, shape))] if shape else [])])
 
 
 def _reader(config, features):
@@ -141,10 +154,9 @@ def _reader(config, features):
                 example[name] = tf.reshape(tf.io.decode_raw(example[name], tf.uint8), shape)
         if classes:
             label = example["label"]
-            check = tf.debugging.assert_equal(
+            check = tf.debugging.Assert(
                 (label >= 0) & (label < classes),
-                True,
-                message=f"label outside [0, {classes}) (--tfrecord_classes={classes})",
+                [tf.strings.format(f"label {{}} is outside [0, {classes}) (--tfrecord_classes={classes})", label)],
             )
             with tf.control_dependencies([check]):
                 example["label"] = tf.identity(label)
@@ -172,17 +184,20 @@ def _data_dir(config):
 
 def record_counts(paths, data_dir, where):
     """The exact number of records of each TFRecord file in `paths`, from the cache in `data_dir` where the file's
-    size and modification time match, else counted (and cached)."""
+    size, modification time and fingerprint match, else counted (and cached)."""
     cache_path = os.path.join(data_dir, CACHE)
     cached = _read_cache(cache_path)
     keys = [p if "://" in p else os.path.abspath(p) for p in paths]
 
     def count(key):
-        stat = tf.io.gfile.stat(key)
+        identity = _identity(key, where)
         entry = cached.get(key)
-        if entry and (entry["size"], entry["mtime_nsec"]) == (stat.length, stat.mtime_nsec):
-            return entry
-        return {"size": stat.length, "mtime_nsec": stat.mtime_nsec, "records": _count(key, stat.length, where)}
+        # Anything else in the cache (another program's, half a version's) is counted again.
+        if isinstance(entry, dict) and all(entry.get(k) == v for k, v in identity.items()):
+            records = entry.get("records")
+            if isinstance(records, int) and not isinstance(records, bool) and records >= 0:
+                return entry
+        return {**identity, "records": _count(key, identity["size"], where)}
 
     # Threads: on an object store each file costs round trips, not CPU.
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -190,6 +205,25 @@ def record_counts(paths, data_dir, where):
     if any(cached.get(k) != e for k, e in entries.items()):
         _write_cache(cache_path, entries)
     return [entries[k]["records"] for k in keys]
+
+
+def _identity(path, where):
+    """What the cache compares to trust a count: the file's size, modification time and a fingerprint of its first
+    and last bytes (a file replaced by one of the same size and time, as `cp -p` leaves it, is counted again)."""
+    try:
+        stat = tf.io.gfile.stat(path)
+        if stat.is_directory:
+            raise ConfigError(f"{where}: {path} is a directory, not a TFRecord file")
+        with tf.io.gfile.GFile(path, "rb") as f:
+            ends = f.read(_FINGERPRINT)
+            if stat.length > _FINGERPRINT:
+                f.seek(max(stat.length - _FINGERPRINT, _FINGERPRINT))
+                ends += f.read(_FINGERPRINT)
+    except tf.errors.OpError as e:
+        reason = first_line(e.message or str(e)).removeprefix(f"{path}; ")
+        raise ConfigError(f"{where}: cannot read {path}: {reason}") from None
+    fingerprint = hashlib.sha256(ends).hexdigest()[:32]
+    return {"size": stat.length, "mtime_nsec": stat.mtime_nsec, "fingerprint": fingerprint}
 
 
 def _count(path, size, where):
@@ -218,9 +252,10 @@ def _count(path, size, where):
 def _read_cache(cache_path):
     try:
         with tf.io.gfile.GFile(cache_path, "r") as f:
-            return json.load(f)
+            cached = json.load(f)
     except (tf.errors.OpError, OSError, ValueError):
         return {}  # none yet, or unreadable: count again
+    return cached if isinstance(cached, dict) else {}  # not a cache of counts: count again, and replace it
 
 
 def _write_cache(cache_path, entries):

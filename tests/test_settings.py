@@ -1,0 +1,141 @@
+"""Who reads a setting, and which strategy a run will use, as the checks of engine/config.py judge them.
+
+A setting's readers are declared where it is declared (engine/config.py's `readers=`, a file's SETTINGS, and a
+file's READS for a setting another file declares): the identity check and "does this setting apply" read them.
+Every refusal that depends on the strategy judges the one the run will use, whatever chose it.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from engine import config as config_lib
+from engine import distribute, workdir
+from engine.config import Config, ConfigError, validate
+from tests.helpers import ROOT
+
+PS_CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+
+
+def _refused(config, message):
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert str(error.value) == message
+    return error
+
+
+@pytest.mark.parametrize(
+    "tf_config,overrides,message",
+    [
+        (
+            {"cluster": PS_CLUSTER, "task": {"type": "chief", "index": 0}},
+            dict(precision="mixed_float16"),
+            "--precision=mixed_float16: is not supported with the parameter_server strategy (TF_CONFIG has a 'ps' "
+            "job): asynchronous workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
+        ),
+        (
+            {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}},
+            dict(mode="tune"),
+            "--strategy=: --mode=tune runs its trials in one process (one_device, mirrored or tpu), not with the "
+            "multi_worker strategy (TF_CONFIG has a cluster): on several machines start one tuner on each, sharing "
+            "a study through --tune_storage",
+        ),
+        (
+            None,
+            dict(cluster_resolver="tpu"),
+            "--tpu=: the tpu strategy (--cluster_resolver=tpu) needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)",
+        ),
+        (
+            None,
+            dict(cluster_resolver="tpu", tpu="local", precision="mixed_float16"),
+            "--precision=mixed_float16: the tpu strategy (--cluster_resolver=tpu) computes in bfloat16, not "
+            "float16: use --precision=mixed_bfloat16",
+        ),
+    ],
+)
+def test_strategy_refusals_judge_the_strategy_the_run_will_use(monkeypatch, tf_config, overrides, message):
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    _refused(Config(**overrides), message)
+    # The refusal and the strategy that would be built read one resolution.
+    unrefused = Config(**{**overrides, "precision": "float32", "tpu": "local"})
+    assert distribute.strategy_name(unrefused) == config_lib.planned_strategy(unrefused)
+    assert config_lib.planned_strategy(unrefused) in ("parameter_server", "multi_worker", "tpu")
+
+
+def test_an_explicit_strategy_is_judged_without_reading_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": PS_CLUSTER, "task": {"type": "chief", "index": 0}}))
+    config = validate(Config(strategy="one_device", precision="mixed_float16"))
+    assert config_lib.planned_strategy(config) == "one_device"
+    monkeypatch.delenv("TF_CONFIG")
+    assert config_lib.planned_strategy(Config(num_cpu_devices=2)) == "mirrored"
+    assert config_lib.planned_strategy(Config()) is None  # the devices decide: one_device, or mirrored over GPUs
+
+
+def test_a_source_reading_a_tasks_setting_makes_it_part_of_the_run():
+    """Shakespeare reads --sequence_length, which language_model declares: a run of another task on it (a fork's)
+    depends on it as much as a language_model run."""
+    saved = validate(Config(task="classification", dataset="shakespeare"))
+    assert config_lib.applies("sequence_length", saved)
+    assert not config_lib.applies("sequence_length", validate(Config(task="classification")))
+    changed = validate(Config(task="classification", dataset="shakespeare", sequence_length=16))
+    assert config_lib.identity_changes(saved, changed) == [("sequence_length", 64, 16)]
+    readers = config_lib.readers("sequence_length")
+    assert readers == {("task", "language_model"), ("dataset", "shakespeare")}
+
+
+def test_an_old_config_json_resumes_and_is_checked_with_the_readers(tmp_path):
+    """A config.json written before the readers were declared (a bool jit_compile, a setting since removed, an
+    ignored --image_size, newer settings missing) still resumes, and its identity is judged by what the run reads."""
+    saved = {"task": "classification", "dataset": "shakespeare", "model": "mlp", "sequence_length": 64}
+    # --image_size was accepted and ignored on a source that does not read it: the run is what it was without it.
+    saved.update(jit_compile=False, steps_per_epoch=10, image_size=32)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    same = validate(Config(task="classification", dataset="shakespeare", workdir=str(tmp_path)))
+    resumed = workdir.check_same_run(same)
+    assert (resumed.jit_compile, resumed.image_size, resumed.sequence_length) == ("false", 0, 64)
+    with pytest.raises(ConfigError) as error:
+        workdir.check_same_run(validate(Config(**{**same.__dict__, "sequence_length": 16})))
+    assert "): --sequence_length=64 there, 16 here. Rerun it" in str(error.value)
+
+
+def _package(root, directory, files):
+    os.makedirs(root / directory)
+    for name, text in files.items():
+        (root / directory / f"{name}.py").write_text(text)
+    return str(root / directory), sorted(files)
+
+
+def test_two_files_declaring_one_setting_are_one_error_naming_both(tmp_path):
+    packages = [
+        ("model", *_package(tmp_path, "models", {"wide": 'SETTINGS = {"width": (8, "units")}'})),
+        ("task", *_package(tmp_path, "tasks", {"clash": 'SETTINGS = {"width": (4, "units")}', "reader": ""})),
+        ("dataset", *_package(tmp_path, "engine/sources", {"odd": 'READS = ("no_such",)'})),
+    ]
+    fields, readers, errors = config_lib.declared_settings(packages, str(tmp_path), {"dropout"})
+    assert [name for name, _, _ in fields] == ["width"] and readers == {}
+    assert errors == [
+        "tasks/clash.py: declares the setting width, which models/wide.py declares already: rename one of them",
+        "engine/sources/odd.py: READS no_such, which no file declares",
+    ]
+
+
+def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
+    fork = tmp_path / "fork"
+    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
+    (fork / "tasks" / "clash.py").write_text('SETTINGS = {"resnet_depth": (8, "a name models/resnet.py has")}\n')
+    result = subprocess.run(
+        [sys.executable, "launch.py", f"--workdir={tmp_path}/work"], cwd=fork, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        "error: tasks/clash.py: declares the setting resnet_depth, which models/resnet.py declares already: "
+        "rename one of them\n"
+    )
+    assert not (tmp_path / "work").exists()

@@ -1,0 +1,327 @@
+"""A workdir keeps what it holds and nothing outside it: damaged checkpoints stop the run instead of restarting it,
+a refusal writes nothing, links planted in a workdir are never followed for a write or a delete, and a
+continuous_eval sidecar waits for its run and writes nothing when nothing came."""
+
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from engine import checkpoint, evaluate, loop, report, workdir
+from engine.checkpoint import CheckpointError
+from engine.config import Config, ConfigError, validate
+from tests import helpers
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    """A finished 20-step MLP run with checkpoints at steps 10 and 20 (copy it before changing it)."""
+    path = str(tmp_path_factory.mktemp("trained") / "run")
+    config = helpers.make_config(data_dir, path, train_steps=20, checkpoint_every=10, keep_checkpoints=2)
+    loop.train(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    return config
+
+
+def copy_of(trained, tmp_path, name="run"):
+    shutil.copytree(trained.workdir, tmp_path / name)
+    return dataclasses.replace(trained, workdir=str(tmp_path / name))
+
+
+def contents(directory):
+    """{relative path: bytes} of every file under `directory`."""
+    found = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, directory)] = open(path, "rb").read()
+    return found
+
+
+def outside(tmp_path, text="keep me\n"):
+    target = tmp_path / "outside.txt"
+    target.write_text(text)
+    return target
+
+
+# Item 15: every checkpoint damaged stops the run; only damage counts as damage.
+
+
+def test_every_checkpoint_damaged_stops_the_run_naming_them_and_writes_nothing(trained, tmp_path, one_device):
+    config = copy_of(trained, tmp_path)
+    directory = os.path.join(config.workdir, "checkpoints")
+    with open(os.path.join(directory, "ckpt-20.index"), "wb") as f:
+        f.write(b"garbage")
+    data = os.path.join(directory, "ckpt-10.data-00000-of-00001")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    before = contents(config.workdir)
+    with pytest.raises(ConfigError) as refused:
+        loop.train(dataclasses.replace(config, train_steps=30), one_device)
+    assert str(refused.value) == (
+        f"--workdir={config.workdir}: every checkpoint in {directory} is unreadable: {directory}/ckpt-20 (file is "
+        f"too short to be an sstable), {directory}/ckpt-10 (Read less bytes than requested); nothing was changed. "
+        f"To start this run over from step 0 on purpose, move {directory} away; give this run a new --workdir"
+    )
+    assert contents(config.workdir) == before
+
+
+class _Failing:
+    """A tf.train.Checkpoint whose restore fails as the storage under it does."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def restore(self, path):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        tf.errors.UnavailableError(None, None, "GCS: 503 Service Unavailable"),
+        tf.errors.DeadlineExceededError(None, None, "deadline exceeded after 120 s"),
+        tf.errors.PermissionDeniedError(None, None, "caller does not have storage.objects.get access"),
+        # The checkpoint reader reports every error of its file system as UNKNOWN with the file system's text.
+        tf.errors.OpError(None, None, "Error executing an HTTP request: HTTP response code 503", tf.errors.UNKNOWN),
+    ],
+)
+def test_a_storage_error_is_an_io_error_not_a_damaged_checkpoint(error):
+    with pytest.raises(CheckpointError) as failed:
+        checkpoint.restore(_Failing(error), "gs://bucket/run/checkpoints/ckpt-20")
+    assert str(failed.value).startswith("cannot read checkpoint gs://bucket/run/checkpoints/ckpt-20: ")
+    assert str(failed.value).endswith("; nothing was changed: run the same command again once the storage answers")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        tf.errors.DataLossError(None, None, "Checksum does not match: stored 1 vs. calculated on the restored bytes 2"),
+        tf.errors.OpError(None, None, "file is too short to be an sstable", tf.errors.UNKNOWN),
+        tf.errors.OpError(None, None, "/w/ckpt-10.data-00000-of-00001; No such file or directory", tf.errors.UNKNOWN),
+        tf.errors.NotFoundError(None, None, "Unsuccessful TensorSliceReader constructor: Failed to find any matching"),
+        IndexError("Read less bytes than requested"),
+    ],
+)
+def test_a_damaged_checkpoint_reads_as_damaged(error):
+    with pytest.raises(checkpoint.Unreadable):
+        checkpoint.restore(_Failing(error), "/w/checkpoints/ckpt-10")
+
+
+# Item 20: a refused --init_checkpoint leaves no workdir behind.
+
+
+@pytest.mark.parametrize("source", ["missing", "garbage"])
+def test_a_refused_init_checkpoint_creates_no_workdir(trained, tmp_path, one_device, source):
+    if source == "garbage":
+        (tmp_path / "garbage.index").write_bytes(b"not a checkpoint")
+    config = dataclasses.replace(trained, workdir=str(tmp_path / "new" / "run"), init_checkpoint=str(tmp_path / source))
+    with pytest.raises(ConfigError, match=rf"^--init_checkpoint={tmp_path}/{source}: "):
+        loop.train(config, one_device)
+    assert sorted(os.listdir(tmp_path)) == (["garbage.index"] if source == "garbage" else [])
+
+
+def test_a_lock_leaves_a_workdir_it_created_only_when_something_was_written(tmp_path):
+    with pytest.raises(ConfigError), workdir.Lock(str(tmp_path / "a" / "b")):
+        raise ConfigError("refused")
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(ConfigError), workdir.Lock(str(tmp_path / "kept" / "run")):
+        raise ConfigError("refused")
+    assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == []
+    with pytest.raises(ConfigError), workdir.Lock(str(tmp_path / "written")):
+        (tmp_path / "written" / "config.json").write_text("{}")
+        raise ConfigError("refused")
+    assert os.listdir(tmp_path / "written") == ["config.json"]
+
+
+# Item 21: a workdir that cannot be written at the start exits 4, as the README's table says.
+
+
+def test_a_full_workdir_at_the_start_is_an_error_writing_it(tmp_path):
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))  # no file may grow: as on a full disk
+    try:
+        with pytest.raises(CheckpointError) as full:
+            report.make_workdir(str(tmp_path / "run"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert str(full.value) == f"--workdir={tmp_path}/run: cannot write there (File too large)"
+    assert os.listdir(tmp_path / "run") == []
+
+
+def test_a_workdir_that_cannot_be_made_exits_4_in_one_line(data_dir, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    proc = subprocess.run(
+        [sys.executable, "launch.py", f"--workdir={tmp_path}/file/run", f"--data_dir={data_dir}", "--train_steps=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --workdir={tmp_path}/file/run: cannot write there ({tmp_path}/file is not a directory)"
+    ]
+    assert os.listdir(tmp_path) == ["file"] and (tmp_path / "file").read_text() == "not a directory"
+
+
+# Item 22: links planted in a workdir are replaced or refused, never followed; nothing outside it is deleted.
+
+
+@pytest.mark.parametrize("planted", ["summary.json", "summary.json.tmp", ".write_probe"])
+def test_a_planted_link_is_never_written_through(tmp_path, planted):
+    target = outside(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(target, run / planted)
+    report.make_workdir(str(run))
+    report.write_json(str(run / "summary.json"), {"step": 1})
+    assert target.read_text() == "keep me\n"
+    assert json.loads((run / "summary.json").read_text()) == {"step": 1} and not (run / "summary.json").is_symlink()
+    assert sorted(os.listdir(run)) == sorted({"summary.json", planted})
+
+
+def test_bytes_replace_a_link_too(tmp_path):
+    target = outside(tmp_path)
+    os.symlink(target, tmp_path / "report.png")
+    workdir.replace_text(str(tmp_path / "report.png"), b"\x89PNG\r\n")
+    assert target.read_text() == "keep me\n" and (tmp_path / "report.png").read_bytes() == b"\x89PNG\r\n"
+    assert sorted(os.listdir(tmp_path)) == ["outside.txt", "report.png"]
+
+
+def test_a_link_at_a_log_is_refused_not_appended_through(tmp_path):
+    target = outside(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(target, run / "metrics.jsonl")
+    with pytest.raises(CheckpointError) as refused:
+        workdir.append_text(str(run / "metrics.jsonl"), '{"step": 1}\n')
+    assert str(refused.value) == (
+        f"cannot write {run}/metrics.jsonl: it is a symbolic link (to {target}); a run writes only inside its "
+        "workdir: remove the link"
+    )
+    assert target.read_text() == "keep me\n"
+
+
+def test_eval_replaces_links_at_its_outputs_and_leaves_their_targets(trained, tmp_path, one_device):
+    config = copy_of(trained, tmp_path)
+    target = outside(tmp_path)
+    os.remove(os.path.join(config.workdir, "summary.json"))
+    for name in ("eval_test.json", "eval_test.json.tmp", "summary.json"):
+        os.symlink(target, os.path.join(config.workdir, name))
+    evaluate.evaluate(dataclasses.replace(config, mode="eval"), one_device)
+    assert target.read_text() == "keep me\n"
+    assert json.load(open(os.path.join(config.workdir, "eval_test.json")))["step"] == 20
+
+
+def test_a_state_file_naming_checkpoints_elsewhere_deletes_nothing_there(trained, tmp_path, one_device, capsys):
+    config = copy_of(trained, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(os.path.join(config.workdir, "checkpoints"), elsewhere)
+    precious = sorted(os.listdir(elsewhere))
+    state = os.path.join(config.workdir, "checkpoints", "checkpoint")
+    with open(state, "w") as f:
+        f.write(
+            f'model_checkpoint_path: "ckpt-20"\nall_model_checkpoint_paths: "{elsewhere}/ckpt-10"\n'
+            'all_model_checkpoint_paths: "../../elsewhere/ckpt-20"\nall_model_checkpoint_paths: "ckpt-20"\n'
+            "all_model_checkpoint_timestamps: 1.0\nall_model_checkpoint_timestamps: 2.0\n"
+            "all_model_checkpoint_timestamps: 3.0\nlast_preserved_timestamp: 0.5\n"
+        )
+    capsys.readouterr()
+    loop.train(dataclasses.replace(config, train_steps=30, keep_checkpoints=1), one_device)
+    assert sorted(os.listdir(elsewhere)) == precious
+    warning = f"{state} names checkpoints outside {os.path.dirname(state)} ({elsewhere}/ckpt-10)"
+    assert warning in capsys.readouterr().out
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(os.path.dirname(state))] == ["ckpt-30"]
+
+
+def test_a_leftover_temp_link_is_removed_without_touching_its_target(trained, tmp_path, one_device):
+    config = copy_of(trained, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("keep me\n")
+    os.symlink(elsewhere, os.path.join(config.workdir, "checkpoints", "ckpt-30_temp"))
+    checkpoint.Checkpoints(loop.Trainer(config, one_device), config.workdir, keep=2)
+    assert (elsewhere / "precious").read_text() == "keep me\n"
+    assert not os.path.lexists(os.path.join(config.workdir, "checkpoints", "ckpt-30_temp"))
+
+
+def test_a_checkpoints_link_is_refused_before_rotation_deletes_through_it(trained, tmp_path, one_device):
+    config = copy_of(trained, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    directory = os.path.join(config.workdir, "checkpoints")
+    shutil.move(directory, elsewhere)
+    os.symlink(elsewhere, directory)
+    precious = contents(elsewhere)
+    with pytest.raises(ConfigError) as refused:
+        loop.train(dataclasses.replace(config, train_steps=30, keep_checkpoints=1), one_device)
+    assert str(refused.value) == (
+        f"{directory} is a symbolic link (to {elsewhere}); checkpoints rotate inside the workdir only: make it a "
+        "directory, or link the whole --workdir instead"
+    )
+    assert contents(elsewhere) == precious
+
+
+# Item 26: a workdir path through a missing directory.
+
+
+def test_a_workdir_through_a_missing_directory_and_dot_dot_trains(data_dir, tmp_path, one_device):
+    config = helpers.make_config(data_dir, f"{tmp_path}/missing/../run", train_steps=2, steps_per_loop=1)
+    assert loop.train(config, one_device)["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    assert json.load(open(tmp_path / "run" / "summary.json"))["step"] == 2
+
+
+# Items 28 and 19: continuous_eval waits for its run, and says so when nothing came.
+
+
+def test_a_sidecar_started_before_its_run_waits_for_config_json(trained, tmp_path, one_device, monkeypatch):
+    run = tmp_path / "run"
+    # --mode=continuous_eval --workdir=W: the model is the run's, whatever the defaults build.
+    sidecar = validate(Config(mode="continuous_eval", workdir=str(run), data_dir=trained.data_dir, eval_timeout=60))
+    assert sidecar.hidden_sizes != trained.hidden_sizes
+    sleeps = []
+
+    def sleep(seconds):  # the trainer starts while the sidecar waits
+        sleeps.append(seconds)
+        if not run.exists():
+            shutil.copytree(trained.workdir, run)
+
+    monkeypatch.setattr(evaluate.time, "sleep", sleep)
+    results = evaluate.follow(sidecar, one_device, poll_seconds=0.01)
+    assert [r["step"] for r in results] == [20] and len(sleeps) == 1
+    assert helpers.logged_steps(run, "continuous_eval.jsonl") == [20]
+
+
+def test_a_sidecar_that_sees_no_checkpoint_says_so_and_writes_nothing(trained, tmp_path, one_device):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(os.path.join(trained.workdir, "config.json"), run)
+    sidecar = dataclasses.replace(trained, workdir=str(run), mode="continuous_eval", eval_timeout=0.2)
+    with pytest.raises(ConfigError) as nothing:
+        evaluate.follow(sidecar, one_device, poll_seconds=0.01)
+    assert str(nothing.value) == (
+        f"--workdir={run}: no checkpoint appeared in {run}/checkpoints within --eval_timeout=0.2 s; nothing evaluated"
+    )
+    assert os.listdir(run) == ["config.json"]
+
+
+def test_a_sidecar_of_a_run_that_never_starts_says_so(trained, tmp_path, one_device):
+    sidecar = dataclasses.replace(trained, workdir=str(tmp_path / "run"), mode="continuous_eval", eval_timeout=0.2)
+    with pytest.raises(ConfigError) as nothing:
+        evaluate.follow(sidecar, one_device, poll_seconds=0.01)
+    assert str(nothing.value) == (
+        f"--workdir={tmp_path}/run: no run appeared there (no config.json, no checkpoint) within --eval_timeout=0.2 s;"
+        " nothing evaluated"
+    )
+    assert os.listdir(tmp_path) == []
