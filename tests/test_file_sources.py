@@ -256,9 +256,9 @@ def test_a_tfrecord_parses_into_the_named_features(data_dir, tmp_path):
     assert (example["label"], example["score"], example["name"]) == (1, 3.5, b"record 7")
     assert example["vector"].tolist() == [7.0, -7.0, 0.5]
     # A label beyond --tfrecord_classes stops the run.
-    parse = tfrecord.load(dataclasses.replace(config, tfrecord_classes=1), "train").train.parse
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"label 1 is outside \[0, 1\) \(--tfrecord_classes=1\)"):
-        parse(tf.constant(_example(7)))
+    parse = tfrecord.load(dataclasses.replace(config, tfrecord_classes=2), "train").train.parse
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"label 2 is outside \[0, 2\) \(--tfrecord_classes=2\)"):
+        parse(tf.constant(_example(8)))
 
 
 def test_encoded_images_in_tfrecords_decode_to_the_image_size(data_dir, tmp_path):
@@ -327,6 +327,14 @@ def test_a_bad_tfrecord_dataset_is_refused(data_dir, tmp_path, glob, features, w
             _config(data_dir, glob, "tfrecord", **overrides)
         return
     _refused(_config(data_dir, glob, "tfrecord", **overrides), why)
+
+
+def test_one_tfrecord_class_is_refused(data_dir, tmp_path):
+    """One class makes every prediction right: an accuracy of 1.0 that says nothing."""
+    _shards(tmp_path, "train", [2])
+    overrides = dict(tfrecord_features="image:uint8:4x4x1,label:int64", tfrecord_classes=1, image_size=0)
+    config = _config(data_dir, f"{tmp_path}/{{split}}-*", "tfrecord", eval_split="train", **overrides)
+    _refused(config, "--tfrecord_classes=1: a classification needs at least 2 classes")
 
 
 def test_a_truncated_tfrecord_file_is_refused_naming_it_in_one_line(data_dir, tmp_path):

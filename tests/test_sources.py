@@ -132,6 +132,10 @@ _GOOD = {
             {"test/image": np.zeros((0, 2, 2), np.uint8), "test/label": np.zeros(0, np.int64)},
             "split 'test' (--eval_split=test) holds no examples",
         ),
+        (
+            {"train/label": np.zeros(8, np.int64), "test/label": np.zeros(4, np.int64)},
+            "every label is 0 (arrays 'train/label', 'test/label'): one class; a label is a class, an integer 0 .. N-1",
+        ),
     ],
     ids=[
         "strings",
@@ -144,6 +148,7 @@ _GOOD = {
         "negative",
         "huge",
         "empty-test",
+        "one-class",
     ],
 )
 def test_a_bad_npz_array_is_refused_naming_the_file_and_the_array(data_dir, tmp_path, arrays, why):

@@ -104,6 +104,8 @@ def _classes(where, splits):
     name = max(labels, key=lambda n: int(labels[n].max()))
     row = int(np.argmax(labels[name]))
     classes = int(labels[name][row]) + 1
+    if classes < 2:  # one class: every prediction is right, and the accuracy says nothing
+        raise ConfigError(f"{where}: every label is 0 (arrays {', '.join(map(repr, labels))}): one class; {_CLASS}")
     examples = sum(len(next(iter(features.values()))) for features in splits.values())
     if classes > max(examples, MANY_CLASSES):
         raise ConfigError(

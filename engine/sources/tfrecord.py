@@ -48,7 +48,7 @@ SETTINGS = {
         "(e.g. image:jpeg,label:int64 or image:uint8:28x28x1,label:int64)",
         "required",
     ),
-    "tfrecord_classes": (0, "number of classes of an int64 `label` (labels 0 .. N-1)", (0, 2147483647)),
+    "tfrecord_classes": (0, "number of classes of an int64 `label` (labels 0 .. N-1), at least 2", (0, 2147483647)),
 }
 READS = ("image_size",)  # the engine's setting: the side encoded images decode to
 IMAGES = ("jpeg", "png", "image")  # encoded, any size: decoded to --image_size by engine/images.py
@@ -76,6 +76,8 @@ def load(config, eval_split):
             raise ConfigError(
                 f"{where}: its int64 label needs --tfrecord_classes, the number of classes (labels 0 .. N-1)"
             )
+        if config.tfrecord_classes == 1:  # one class: every prediction is right, and the accuracy says nothing
+            raise ConfigError("--tfrecord_classes=1: a classification needs at least 2 classes")
         info["num_classes"] = config.tfrecord_classes
     splits = {}
     for flag, split in (("train_split", config.train_split), ("eval_split", eval_split)):
