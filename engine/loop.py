@@ -553,22 +553,20 @@ def _divergence(trainer, out, start, current):
 def last_round_start(config):
     """The step after which the last round of an uninterrupted run begins: the steps whose mean loss is the
     summary's train_loss. Rounds end at the boundaries of _next_boundary."""
-    ends = [0, (config.train_steps - 1) // config.steps_per_loop * config.steps_per_loop]
-    for every in (config.eval_every, config.checkpoint_every):
-        if every:
-            ends.append((config.train_steps - 1) // every * every)
-    ends.extend(step for step in config.profile_steps if step < config.train_steps)
-    return max(ends)
+    last = config.train_steps - 1
+    starts = [0, *((last // every) * every for every in _periods(config))]
+    return max([*starts, *(step for step in config.profile_steps if step <= last)])
+
+
+def _periods(config):
+    """The periods whose multiples end a round: the round's length, and every evaluation and checkpoint."""
+    return [every for every in (config.steps_per_loop, config.eval_every, config.checkpoint_every) if every]
 
 
 def _next_boundary(config, current):
     """Where the round that starts at `current` ends: a function of the absolute step only."""
-    ends = [config.train_steps, (current // config.steps_per_loop + 1) * config.steps_per_loop]
-    for every in (config.eval_every, config.checkpoint_every):
-        if every:
-            ends.append((current // every + 1) * every)
-    ends.extend(step for step in config.profile_steps if step > current)
-    return min(ends)
+    ends = [config.train_steps, *((current // every + 1) * every for every in _periods(config))]
+    return min([*ends, *(step for step in config.profile_steps if step > current)])
 
 
 class Profile:
