@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import textwrap
 import traceback
 
 # TensorFlow's C++ start-up chatter (CUDA probing on a CPU machine) would bury our output; errors
@@ -28,7 +29,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags, logging  # noqa: E402
 
-from engine.config import Config, ConfigError, Switch, validate  # noqa: E402
+from engine.config import BUNDLED_DATASETS, Config, Switch, validate  # noqa: E402
+from engine.errors import ConfigError
 from engine.preemption import PREEMPTION  # noqa: E402  (imports no TensorFlow)
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
@@ -77,6 +79,161 @@ for _field in dataclasses.fields(Config):
     _DEFINE[_field.type](_field.name, _default, _field.metadata["help"])
 
 FLAGS = flags.FLAGS
+
+# ---- --help: what a newcomer asks first, then every flag in the group of what it is about -------------------
+
+USAGE = (
+    "usage: python launch.py [--flag=value ...]",
+    "Trains, evaluates, exports, tunes or ensembles a model (--mode). With no flags it trains an MLP on the bundled "
+    "digits on one device (no network) and prints the test accuracy.",
+    "Flag files: --flagfile=experiments/digits_resnet.flags reads flags from a file, one --flag=value a line (# "
+    "starts a comment); flags after it override it: --flagfile=experiments/digits_resnet.flags --train_steps=200.",
+    "Resuming: a run resumes from the latest checkpoint in its --workdir without being asked: after a crash, Ctrl-C "
+    "or a preemption, run the same command again. A workdir holds one run: other model settings there are refused "
+    "(start them in a new --workdir); a finished run says so and does nothing.",
+    "Datasets (--dataset): {bundled} (bundled, no network; digits is the default), folder:PATH (a sub-folder of "
+    "JPEG/PNG files per class), tfrecord:GLOB (tf.train.Example files, {{split}} in the glob), npz:PATH (a NumPy "
+    ".npz of <split>/<feature> arrays), or any tensorflow-datasets name (mnist, cifar10, ...: downloaded into "
+    "--data_dir on first use).",
+    "GPUs: with no --strategy a run mirrors over every visible GPU (else one device); choose them with "
+    "CUDA_VISIBLE_DEVICES=0,1 python launch.py ..., or one with --strategy=one_device. Several workers, TPUs: "
+    "BUILD.md.",
+    "--helpfull also lists absl's own flags.",
+)
+_PATH_SOURCES = ("folder", "tfrecord", "npz")  # the bundled sources that read your files: USAGE says how
+
+# Every engine setting by what it is about; the settings a model, task or data source declares in its own file
+# join the group of what declares them (_group). tests/test_newcomer.py checks each flag is shown exactly once.
+HELP_GROUPS = {
+    "The run": (
+        "mode",
+        "workdir",
+        "task",
+        "train_steps",
+        "global_batch_size",
+        "eval_batch_size",
+        "steps_per_loop",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "grad_accum_steps",
+        "init_checkpoint",
+        "freeze",
+        "on_nan",
+        "seed",
+        "deterministic",
+        "run_eagerly",
+        "profile_steps",
+    ),
+    "Data": (
+        "dataset",
+        "data_dir",
+        "train_split",
+        "eval_split",
+        "shuffle_buffer",
+        "interleave_files",
+        "image_size",
+        "tf_data_service",
+    ),
+    "Model": ("model", "dropout"),
+    "Task": (),
+    "Optimizer": (
+        "optimizer",
+        "learning_rate",
+        "momentum",
+        "nesterov",
+        "beta_1",
+        "beta_2",
+        "epsilon",
+        "weight_decay",
+        "warmup_steps",
+        "lr_schedule",
+        "lr_scaling",
+        "base_batch_size",
+        "clip_norm",
+        "clip_value",
+        "ema_decay",
+    ),
+    "Precision and compilation": ("precision", "initial_loss_scale", "loss_scale_growth_interval", "jit_compile"),
+    "Devices and clusters": (
+        "strategy",
+        "num_cpu_devices",
+        "tpu",
+        "cluster_resolver",
+        "collective_timeout",
+        "connect_timeout",
+        "local_workers",
+        "local_cluster_network",
+        "num_ps",
+        "slurm_port_base",
+        "kubernetes_selector",
+    ),
+    "Modes": (
+        "checkpoint",
+        "export_dir",
+        "eval_timeout",
+        "tune_space",
+        "tune_trials",
+        "tune_objective",
+        "tune_direction",
+        "tune_sampler",
+        "tune_pruner",
+        "tune_startup_trials",
+        "tune_timeout",
+        "tune_storage",
+        "tune_study",
+        "validation_split",
+        "members",
+        "ensemble_search",
+        "ensemble_samples",
+        "ensemble_mean",
+    ),
+}
+_DECLARED_GROUP = {"model": "Model", "task": "Task", "dataset": "Data"}  # by the setting that selects the file
+
+
+def _group(field):
+    if "owner" in field.metadata:
+        return _DECLARED_GROUP[field.metadata["owner"][0]]
+    found = [title for title, names in HELP_GROUPS.items() if field.name in names]
+    return found[0] if found else "The run"  # an engine setting added without a group still shows
+
+
+def _flag_line(field):
+    """The flag as it is typed, with its default; a bool as --[no]name."""
+    if field.type is bool:
+        return f"--[no]{field.name}", f"default: {str(field.default).lower()}"
+    if field.type is Switch:
+        return f"--{field.name}={'|'.join(Switch.VALUES)}", f"default: {field.default}"
+    default = ",".join(str(v) for v in field.default) if field.type is tuple else str(field.default)
+    if not default:
+        return f"--{field.name}=", "default: empty"
+    if default.strip() != default:  # a newline or a space: shown as Python writes it
+        return f"--{field.name}", f"default: {default!r}"
+    return f"--{field.name}={default}", ""
+
+
+def usage(width=110, column=34):
+    """The text of --help: USAGE, then each group's flags with their defaults and help."""
+    bundled = ", ".join(name for name in BUNDLED_DATASETS if name not in _PATH_SOURCES)
+    lines = []
+    for paragraph in USAGE:
+        lines += [*textwrap.wrap(paragraph.format(bundled=bundled), width, subsequent_indent="  "), ""]
+    fields = dataclasses.fields(Config)
+    for title, names in HELP_GROUPS.items():
+        lines.append(f"{title}:")
+        grouped = [f for f in fields if _group(f) == title]
+        for field in sorted(grouped, key=lambda f: names.index(f.name) if f.name in names else len(names)):
+            flag, default = _flag_line(field)
+            text = field.metadata["help"] + (f" ({default})" if default else "")
+            wrapped = textwrap.wrap(text, width - column)
+            if len(flag) + 2 >= column - 1:
+                lines.append(f"  {flag}")
+            else:
+                lines.append(f"  {flag.ljust(column - 3)} {wrapped.pop(0)}")
+            lines.extend(" " * column + rest for rest in wrapped)
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _config_from_flags():
@@ -177,6 +334,9 @@ def main(argv):
 
 
 def _parse_flags(argv):
+    if any(arg in ("-h", "-help", "--help", "-helpshort", "--helpshort", "-?") for arg in argv[1:]):
+        print(usage())  # absl's own (--helpfull) lists every flag alphabetically in one group
+        sys.exit(0)
     try:
         return FLAGS(argv)
     except flags.UnrecognizedFlagError as e:

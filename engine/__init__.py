@@ -1,5 +1,8 @@
 """A low-level TensorFlow training engine: every step explicit, distributed with tf.distribute.
 
-Read in this order: config.py (every setting), loop.py (the story of a run), step.py (the replica
-step), then optim.py, precision.py, data.py, distribute.py, report.py.
+Read in this order: loop.py (the story of a run: build, restore, rounds of steps, then what is due),
+actions.py (what is due after a round), trainer.py (what a run holds; the traced inner loop), step.py (the
+replica step and its primitives), updates.py (a step's updates), inputs.py (how the steps get their batches),
+then settings.py and config.py (every setting), optim.py, precision.py, data.py, distribute.py, report.py;
+errors.py holds the errors everyone may import.
 """

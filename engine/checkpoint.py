@@ -1,8 +1,8 @@
 """Save, restore, resume and preemption.
 
-A checkpoint holds the model (weights and batch-norm statistics), the optimizer's slots and update
-count, the loss scale, the step, the data position (global batches consumed) and the skipped-step
-count. The input pipeline is a pure function of the data position (engine/data.py), so a restored
+A checkpoint holds the model (weights and batch-norm statistics), each update's optimizer slots and
+update count and loss scale, the step, the data position (global batches consumed) and the skipped-step
+count. The input pipeline is a pure function of the data position (engine/pipeline.py), so a restored
 run reads exactly the batches an uninterrupted one would have: tf.distribute's iterators are not
 checkpointable, the position is.
 
@@ -19,11 +19,9 @@ import tempfile
 import tensorflow as tf
 from google.protobuf import text_format
 
-from engine.config import ConfigError, first_line
-
-
-class CheckpointError(RuntimeError):
-    """A file of the run (a checkpoint, a log, the summary) could not be written; the message names the path."""
+from engine import updates
+from engine.config import first_line
+from engine.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
 
 
 def model_state(models):
@@ -50,8 +48,7 @@ def tracked_state(trainer):
     """What a checkpoint holds; one place, so training, evaluation and export restore the same names."""
     return dict(
         models=model_state(trainer.models),
-        optimizer=trainer.optimizer,
-        loss_scale=trainer.loss_scale,
+        **updates.checkpointed(trainer.plans),
         step=trainer.step,
         batches=trainer.batches,
         skipped=trainer.skipped,

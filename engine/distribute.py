@@ -17,7 +17,8 @@ import time
 
 import tensorflow as tf
 
-from engine.config import ConfigError, first_line, planned_strategy
+from engine.config import first_line, planned_strategy
+from engine.errors import ConfigError
 from engine.launcher import parse_tf_config, tf_config  # noqa: F401  (parse_tf_config: for callers)
 from engine.preemption import PREEMPTION
 

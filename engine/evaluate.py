@@ -10,7 +10,7 @@ import tensorflow as tf
 from engine import checkpoint as checkpoint_lib
 from engine import config as config_lib
 from engine import distribute
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.loop import Trainer
 from engine.report import format_metrics, write_json
 from engine.workdir import append_text
@@ -156,10 +156,10 @@ def trainer_results(result):
 
 def export(config):
     """--mode=export: writes a SavedModel whose serving signature is the task's (classification: images to
-    logits, probabilities and classes), with the weights of --checkpoint (or the latest readable in --workdir).
-    It computes in float32 whatever the training precision (the weights are float32 in every precision): a
-    mixed_bfloat16 graph would need TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs
-    rarely have bfloat16 units."""
+    logits, probabilities, classes and their class_names; the names also as the variable `class_names`), with
+    the weights of --checkpoint (or the latest readable in --workdir). It computes in float32 whatever the
+    training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
+    TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
     config = run_config(config)
     paths = _checkpoint_paths(config)
     trainer, checkpoint = _trainer(
@@ -173,6 +173,10 @@ def export(config):
     module = tf.Module()
     module.variables_by_path = checkpoint_lib.model_state(trainer.models)  # tracked: the SavedModel holds them
     module.serve = trainer.task.serve(trainer.models)
+    names = trainer.task.class_names if hasattr(trainer.task, "class_names") else None
+    if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
+        with tf.device("/cpu:0"):  # strings have no GPU kernels
+            module.class_names = tf.Variable(names, trainable=False, name="class_names")
     with trainer.averaged_weights():  # --ema_decay: the moving averages are what the run evaluated
         try:
             tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve})
@@ -181,7 +185,10 @@ def export(config):
     signature = module.serve.get_concrete_function()
     inputs = ", ".join(f"{s.name} {s.dtype.name} {s.shape.as_list()}" for s in signature.structured_input_signature[0])
     outputs = ", ".join(sorted(signature.structured_outputs))
-    print(f"exported step {step} from {path} to {export_dir} (serving_default: {inputs} -> {outputs})", flush=True)
+    shown = f"; classes {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}" if names is not None else ""
+    print(
+        f"exported step {step} from {path} to {export_dir} (serving_default: {inputs} -> {outputs}{shown})", flush=True
+    )
     return export_dir
 
 

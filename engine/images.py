@@ -17,7 +17,7 @@ accelerator (a quarter of the bytes over the host-to-device link): measure it th
 
 import tensorflow as tf
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 AREA = (0.08, 1.0)  # fraction of the image a training crop covers
 ASPECT = (3 / 4, 4 / 3)  # width / height of a training crop

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.preemption import PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL

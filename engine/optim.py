@@ -13,11 +13,11 @@ import re
 
 import tensorflow as tf
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
-# engine/config.py's LR_SCHEDULES).
+# engine/settings.py's LR_SCHEDULES).
 SCHEDULES = {
     "constant": None,
     "cosine": lambda progress: 0.5 * (1.0 + tf.cos(math.pi * progress)),
@@ -71,7 +71,7 @@ def _lamb(param, grad, slots, lr, t, hp):
 
 
 # The update rules by --optimizer name, and how many slots each keeps per parameter: a fork adds its rule here
-# (and its name to engine/config.py's OPTIMIZERS).
+# (and its name to engine/settings.py's OPTIMIZERS).
 RULES = {"sgd": _sgd, "adamw": _adamw, "lamb": _lamb}
 SLOTS = {"sgd": 1, "adamw": 2, "lamb": 2}
 
@@ -80,17 +80,18 @@ def _slots(hp):
     return 0 if hp.optimizer == "sgd" and not hp.momentum else SLOTS[hp.optimizer]
 
 
-def _group_settings(config, overrides, pattern):
-    """The run's settings with a task's optimizer group's, checked like flags (a fork's typo is one clear line)."""
+def checked_settings(config, overrides, what):
+    """The run's settings with `overrides` (an optimizer group's, an update's), checked like flags: a fork's typo is
+    one clear line naming `what` it came from."""
     unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
     if unknown:
-        raise ConfigError(f"optimizer group {pattern!r}: no setting {', '.join(sorted(unknown))}")
+        raise ConfigError(f"{what}: no setting {', '.join(sorted(unknown))}")
     for name, value in overrides.items():
         # A group may stand still (learning rate 0), unlike a run: every number zero or more, rules by name.
         if name == "optimizer" and value not in RULES:
-            raise ConfigError(f"optimizer group {pattern!r}: optimizer={value}: must be one of {', '.join(RULES)}")
+            raise ConfigError(f"{what}: optimizer={value}: must be one of {', '.join(RULES)}")
         if isinstance(value, (int, float)) and not (value >= 0 and math.isfinite(value)):
-            raise ConfigError(f"optimizer group {pattern!r}: {name}={value}: must be zero or positive")
+            raise ConfigError(f"{what}: {name}={value}: must be zero or positive")
     return dataclasses.replace(config, **overrides)
 
 
@@ -105,7 +106,7 @@ class Optimizer(tf.Module):
     def __init__(self, config, params, paths, groups=()):
         super().__init__(name="optimizer")
         self.config = config
-        group_settings = [_group_settings(config, overrides, pattern) for pattern, overrides in groups]
+        group_settings = [checked_settings(config, o, f"optimizer group {pattern!r}") for pattern, o in groups]
         # Each parameter's settings (0: the run's, k: the k-th group's), and the name its learning rate is logged
         # under: the run's `learning_rate`, a group's `learning_rate/<its regex>`.
         chosen = [

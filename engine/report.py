@@ -17,9 +17,25 @@ import uuid
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine.checkpoint import CheckpointError
 from engine.config import first_line
+from engine.errors import CheckpointError
 from engine.workdir import append_text, make_workdir, replace_text  # noqa: F401  (make_workdir: research/ uses it)
+
+
+def _train_fields(metrics):
+    """The console line's numbers: loss, then each update's rates, gradient norm and loss scale ("-" unless
+    float16), as name=value."""
+    fields = [f"loss={metrics['loss']:.5g}"]
+    prefixes = dict.fromkeys(k[: -len("grad_norm")] for k in metrics if k.endswith("grad_norm"))
+    for prefix in prefixes:
+        if prefix:
+            fields.append(f"{prefix}loss={metrics[prefix + 'loss']:.5g}")
+        rates = [k for k in metrics if k.startswith(prefix) and k[len(prefix) :].split("/")[0] == "learning_rate"]
+        fields += [f"{k}={metrics[k]:.4g}" for k in rates]
+        scale = metrics[prefix + "loss_scale"]
+        fields.append(f"{prefix}grad_norm={metrics[prefix + 'grad_norm']:.4g}")
+        fields.append(f"{prefix}loss_scale={'-' if scale is None else f'{scale:g}'}")
+    return " ".join(fields)
 
 
 def _number(value):
@@ -144,18 +160,12 @@ class Report:
 
     def train(self, step, metrics):
         """metrics: loss (the mean over the finite steps since the last line), learning_rate (or a task's optimizer
-        groups' learning_rate/<regex>), grad_norm, loss_scale
-        (None unless float16), examples_per_sec, skipped_steps (since the last line)."""
+        groups' learning_rate/<regex>), grad_norm, loss_scale (None unless float16), examples_per_sec, skipped_steps
+        (since the last line); a run of several updates: each one's under <update>/, with its loss."""
         record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
         record["skipped_steps"] = int(metrics["skipped_steps"])
         self._count_loss(record)
-        scale = "-" if metrics["loss_scale"] is None else f"{metrics['loss_scale']:g}"
-        rates = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.split("/")[0] == "learning_rate")
-        self.line(
-            f"train step={step} loss={metrics['loss']:.5g} {rates} "
-            f"grad_norm={metrics['grad_norm']:.4g} loss_scale={scale} "
-            f"examples_per_sec={metrics['examples_per_sec']:.1f}"
-        )
+        self.line(f"train step={step} {_train_fields(metrics)} examples_per_sec={metrics['examples_per_sec']:.1f}")
         if not self.chief:
             return
         self._append("metrics.jsonl", record)
@@ -177,6 +187,20 @@ class Report:
         if self.chief:
             self._append("eval.jsonl", {"step": step, **results})
             self._scalars("eval", step, {k: v for k, v in results.items() if k != "examples"})
+
+    def pictures(self, step, images):
+        """A task's pictures at an evaluation ({name: uint8 array [height, width, channels]}): each as
+        workdir/<name>.png (the latest) and as a TensorBoard image of the eval run, on the chief."""
+        if not self.chief:
+            return
+        for name, image in images.items():
+            path = os.path.join(self.workdir, f"{name}.png")
+            try:
+                replace_text(path, tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy())
+            except (OSError, tf.errors.OpError) as e:
+                raise CheckpointError(f"cannot write {path}: {first_line(e)}") from None
+            with _writing(os.path.join(self.workdir, "eval")), self._writers["eval"].as_default(step=step):
+                tf.summary.image(name, tf.convert_to_tensor(image, tf.uint8)[None], step=step)
 
     def summary(self, summary):
         """Writes summary.json. A process that resumed at the last step trained nothing itself: the throughput it

@@ -44,32 +44,46 @@ def split_state(models, freeze=""):
     return state, seeds
 
 
-def stateless_forward(task, models, batch, state, values, seeds, step, replica):
+def pass_seed(step, replica, draw=0):
+    """The seed of one forward pass: (step, replica) for a step's first, folded with `draw` for its later ones."""
+    seed = tf.stack([step, replica])
+    return seed if draw == 0 else tf.random.experimental.stateless_fold_in(seed, draw)
+
+
+def stateless_forward(task, models, batch, state, values, seeds, step, replica, draw=0, run=None, weights=()):
     """The task's training forward pass with nothing assigned, starting from `values` of `state`: returns (outputs,
     new values of `state`, the losses the pass added: activity regularizers and `add_loss` in a model's call).
 
-    Each seed generator draws from (its own seed, `step`, `replica`): every replica of a mirrored or
-    multi-worker job gets its own dropout masks, and a resumed run draws exactly the masks an uninterrupted
-    one would have. (Parameter-server workers all count as replica 0; they differ by the step they read.)
+    Each seed generator draws from (its own seed, `step`, `replica`, `draw`): every replica of a mirrored or
+    multi-worker job gets its own dropout masks, every forward pass of a step (`draw`: its updates, their
+    repetitions) its own, and a resumed run draws exactly the masks an uninterrupted one would have.
+    (Parameter-server workers all count as replica 0; they differ by the step they read.) `run(models, batch, seed)`
+    replaces the task's forward (an update's loss; `seed` its own noise's, apart from the masks'); `weights`:
+    (variable, value) pairs the pass reads instead of the variables (SAM's ascent point).
     """
-    mapping = list(zip(state, values))
+    mapping = [*zip(state, values), *weights]
     if seeds:
-        noise = tf.random.stateless_uniform([], tf.stack([step, replica]), minval=None, maxval=None, dtype=tf.int64)
+        seed = pass_seed(step, replica, draw)
+        noise = tf.random.stateless_uniform([], seed, minval=None, maxval=None, dtype=tf.int64)
         mapping += [(v, tf.stack([v.value[0], noise])) for v in seeds]
     # collect_losses: inside a stateless scope Keras records add_loss (activity regularizers too) in the scope
     # only, and only when asked. `model.losses` is not read here: it would evaluate the weight regularizers on the
-    # scope's value of each weight, which it has none of (make_train_step evaluates them on the weights).
+    # scope's value of each weight, which it has none of (the step evaluates them on the weights).
     with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-        outputs = task.forward(models, batch, training=True)
+        if run is None:
+            outputs = task.forward(models, batch, training=True)
+        else:  # the task's own noise: a stream no pass's masks draw from (their replica ids are >= 0)
+            outputs = run(models, batch, pass_seed(step, -1 - replica, draw))
     return outputs, [scope.get_current_value(v) for v in state], list(scope.losses)
 
 
-def weight_penalty(params):
+def weight_penalty(params, values=None):
     """The sum of the weight regularizers (kernel_regularizer, bias_regularizer) of the trained variables `params`
-    (Keras variables), in float32; None where none has one. Evaluated on the variables themselves, so a tape
-    differentiates it. A frozen variable's penalty is a constant of the loss, left out as Keras leaves out a
-    non-trainable layer's."""
-    terms = [tf.cast(v.regularizer(v.value), tf.float32) for v in params if getattr(v, "regularizer", None)]
+    (Keras variables), in float32; None where none has one. Evaluated on the variables themselves (or `values`),
+    so a tape differentiates it. A frozen variable's penalty is a constant of the loss, left out as Keras leaves
+    out a non-trainable layer's."""
+    values = [v.value for v in params] if values is None else values
+    terms = [tf.cast(v.regularizer(x), tf.float32) for v, x in zip(params, values) if getattr(v, "regularizer", None)]
     return tf.add_n(terms) if terms else None
 
 
@@ -131,132 +145,213 @@ def _assign_add(variable, delta):
     return variable.assign_add(delta)
 
 
-def make_train_step(
-    task,
-    models,
-    params,
-    optimizer,
-    loss_scale,
-    config,
-    num_replicas,
-    stop_flag,
-    step,
-    ema=(),
-    asynchronous=False,
-    jit_compile=False,
-):
-    """Returns train_step(batch) -> dict of scalars, identical on every replica.
+class Gradients:
+    """One evaluation of an update's gradients in a replica step (ReplicaStep.gradients): `loss` (all-reduced,
+    unscaled), `grads` (aligned with the update's variables: all-reduced, unscaled, clipped), `norm` (their global
+    norm before norm clipping) and `finite` (every element of the unclipped gradients finite)."""
 
-    `params`: the variables trained (every model's trainable ones, less --freeze). `loss_scale` is None unless
-    float16. `stop_flag` (a boolean variable, set on preemption) rides the all-reduce, so every replica and worker
-    learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout masks.
-    `ema`: moving averages of `params` (--ema_decay), updated with them. `asynchronous` (parameter servers):
-    updates are applied as deltas with assign_add, which the server applies atomically, so concurrent workers
-    never lose each other's updates or update counts. `jit_compile`: compile it with XLA (engine/xla.py decides).
+    def __init__(self, owner, name, loss, grads, norm, finite):
+        self.owner, self.name = owner, name
+        self.loss, self.grads, self.norm, self.finite = loss, grads, norm, finite
+
+
+class Built:
+    """What make_train_step fixes once for every step: the plans (engine/updates.py), the state a forward pass
+    updates, the seed generators, and how the pieces run."""
+
+    def __init__(self, task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit):
+        self.task, self.models, self.config = task, models, config
+        self.plans = {plan.name: plan for plan in plans}
+        self.state, self.seeds = split_state(models, config.freeze)
+        self.num_replicas, self.stop_flag, self.float16 = num_replicas, stop_flag, float16
+        self.asynchronous, self.jit = asynchronous, jit
+
+
+def forward_backward(built, plan, batch, step, replica, draw, loss, shift, values):
+    """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
+    grads, the state's new values). `values` of the state, or None to read them; `shift`: weights + shift."""
+    config, task, scale = built.config, built.task, plan.loss_scale.scale if built.float16 else None
+    variables, global_batch, accumulate = plan.variables, config.global_batch_size, config.grad_accum_steps
+    params = [v.value for v in variables]
+    at = params if shift is None else [p + tf.cast(s, p.dtype) for p, s in zip(params, shift)]
+    weights = () if shift is None else tuple(zip(variables, at))
+    values = [v.value for v in built.state] if values is None else values
+    run = None if loss is None else loss
+    # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
+    # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
+    # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
+    size = tf.shape(next(iter(batch.values())))[0] // accumulate if accumulate > 1 else None
+    total, grads = 0.0, None
+    for k in range(accumulate):
+        part = batch if size is None else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}
+        with tf.GradientTape() as tape:
+            if shift is not None:
+                tape.watch(at)
+            outputs, values, pass_losses = stateless_forward(
+                task, built.models, part, built.state, values, built.seeds, step, replica * accumulate + k,
+                draw, run, weights,
+            )  # fmt: skip
+            per_example = tf.cast(outputs if run else task.loss(outputs, part), tf.float32)
+            # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
+            # examples, the same number one device computes, whatever the replica count.
+            part_loss = tf.reduce_sum(per_example) / global_batch
+            if pass_losses:
+                # A pass's own losses are its estimate over the examples it saw (Keras divides an activity
+                # penalty by that batch): the mean over the step's num_replicas x accumulate equal passes is the
+                # estimate over the global batch, one device's number.
+                pass_total = tf.add_n([tf.cast(x, tf.float32) for x in pass_losses])
+                part_loss += pass_total / (built.num_replicas * accumulate)
+            penalty = weight_penalty(variables, None if shift is None else at) if k == 0 else None
+            if penalty is not None:
+                # The weights' penalty is every replica's whole term, once per step: the SUM all-reduce would
+                # count it once per replica.
+                part_loss += penalty / built.num_replicas
+            scaled = part_loss * scale if scale is not None else part_loss
+        part_grads = [
+            tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(at, tape.gradient(scaled, at))
+        ]
+        grads = part_grads if grads is None else [g + d for g, d in zip(grads, part_grads)]
+        total += part_loss
+    return total, grads, values
+
+
+class ReplicaStep:
+    """The primitives a task's `replica_step(step, batch)` is written from; the engine's own step is written
+    from them too. Made afresh on each replica at each step.
+
+    gradients(name, batch, loss=None, shift=None) -> Gradients: update `name`'s loss over its own forward pass,
+        reduced against the global batch with the models' own losses, scaled (float16), all-reduced ONCE,
+        unscaled, checked finite, clipped. `loss(models, batch, seed)` replaces the update's; `shift` (aligned with
+        variables(name)) evaluates it, and its gradients, at the weights + shift.
+    apply(name, gradients, when=None): the update's optimizer step with gradients from `gradients(name, ...)`
+        of this step, and its moving averages, the statistics the step's latest forward pass left, its loss
+        scale; masked: nothing of it changes unless every evaluation of it since its last apply was finite
+        (float16) and `when` (a bool tensor) holds. Every update is applied at least once a step.
+    variables(name): the values of the update's trained variables. `updates`: the Updates, in order;
+    `count`: the run's step counter.
     """
-    trained, params = params, [v.value for v in params]  # the Keras variables (their regularizers), their values
-    state, seeds = split_state(models, config.freeze)
-    warning = accumulation_warning(models, state, config.grad_accum_steps)
+
+    def __init__(self, built, count, replica):
+        self.updates = [plan.update for plan in built.plans.values()]
+        self.count, self._built, self._replica = count, built, replica
+        self._ctx = tf.distribute.get_replica_context()
+        self._draws, self._stop, self._state = 0, None, None
+        self._pending = {name: [] for name in built.plans}
+        self._applied = {name: [] for name in built.plans}  # each apply's (loss, norm, finite, scale, rates)
+
+    def _plan(self, name):
+        if name not in self._built.plans:
+            raise ValueError(f"no update {name!r}: the task's updates are {', '.join(self._built.plans)}")
+        return self._built.plans[name]
+
+    def variables(self, name):
+        return [v.value for v in self._plan(name).variables]
+
+    def gradients(self, name, batch, loss=None, shift=None):
+        built, plan = self._built, self._plan(name)
+        draw, self._draws = self._draws, self._draws + 1
+        local = _maybe_jit(
+            lambda b, c, r, s, v: forward_backward(built, plan, b, c, r, draw, loss or plan.update.loss, s, v),
+            built.jit,
+        )
+        total, grads, self._state = local(batch, self.count, self._replica, shift, self._state)
+        if self._stop is None:  # the stop flag rides the step's first all-reduce
+            total, stop, *grads = self._ctx.all_reduce(SUM, [total, tf.cast(built.stop_flag, tf.float32), *grads])
+            self._stop = stop
+        else:
+            total, *grads = self._ctx.all_reduce(SUM, [total, *grads])  # this evaluation's one all-reduce
+        scale = plan.loss_scale.scale if built.float16 else None
+        grads, norm, finite = _maybe_jit(lambda g: process_gradients(g, scale, plan.clipping), built.jit)(grads)
+        gradients = Gradients(self, name, total, grads, norm, finite)
+        self._pending[name].append(gradients)
+        return gradients
+
+    def apply(self, name, gradients, when=None):
+        built, plan = self._built, self._plan(name)
+        if not isinstance(gradients, Gradients) or gradients.owner is not self or gradients.name != name:
+            raise ValueError(f"apply({name!r}, ...) takes the Gradients of gradients({name!r}, ...) of this step")
+        if not any(g is gradients for g in self._pending[name]):  # taken before the weights its apply moved
+            raise ValueError(
+                f"apply({name!r}, ...): these gradients were applied already; take new gradients({name!r}, ...)"
+            )
+        pending, self._pending[name] = self._pending[name], []
+        finite = pending[0].finite if len(pending) == 1 else tf.reduce_all([g.finite for g in pending])
+        scale = plan.loss_scale.scale.value() if built.float16 else tf.constant(0.0)  # the scale before
+        update = _maybe_jit(
+            lambda g, f, w, s: plan.new_values(g, f, w, s, built.state, built.float16, built.asynchronous), built.jit
+        )
+        values, rates = update(gradients.grads, finite, when, self._state)
+        assign = _assign_add if built.asynchronous else _assign
+        targets = plan.targets(built.state, built.float16)
+
+        def assign_all(strategy, values):
+            for variable, value in zip(tf.nest.flatten(targets), tf.nest.flatten(values)):
+                strategy.extended.update(variable, assign, args=(value,), group=False)
+
+        self._ctx.merge_call(assign_all, args=(values,))
+        self._state = None  # the next forward pass reads the statistics as assigned
+        self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates))
+
+    def outputs(self):
+        """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale,
+        rates (a one-update run's under the plain names)."""
+        out, losses, finites = {}, [], []
+        for name, applied in self._applied.items():
+            plan = self._built.plans[name]
+            if not applied:
+                raise ValueError(f"the replica step never applies update {name!r} (apply it with when=False to skip)")
+            loss = applied[0][0] if len(applied) == 1 else tf.add_n([a[0] for a in applied]) / len(applied)
+            *_, norm, finite, scale, rates = applied[-1]
+            finite = tf.reduce_all([a[2] for a in applied]) if len(applied) > 1 else finite
+            if plan.prefix:
+                out.update({f"{plan.prefix}loss": loss, f"{plan.prefix}finite": finite})
+            out.update({f"{plan.prefix}grad_norm": norm, f"{plan.prefix}loss_scale": scale})
+            out.update({plan.prefix + rate: value for rate, value in rates.items()})
+            losses.append(loss)
+            finites.append(finite)
+        # Finite: every evaluation of the step, applied or not (float32 and bfloat16 answer any with divergence).
+        evaluated = [g.finite for pending in self._pending.values() for g in pending]
+        finite = finites[0] if len(finites) == 1 and not evaluated else tf.reduce_all([*finites, *evaluated])
+        loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
+        return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out}
+
+
+def engine_step(step, batch):
+    """The engine's replica step: each update in order, `repeat` times, applied when due (`every`)."""
+    for update in step.updates:
+        when = None if update.every == 1 else tf.equal(step.count % update.every, 0)
+        for _ in range(update.repeat):
+            step.apply(update.name, step.gradients(update.name, batch), when=when)
+
+
+def make_train_step(
+    task, models, plans, config, num_replicas, stop_flag, step, float16, asynchronous=False, jit_compile=False
+):
+    """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
+    the engine's, over `plans` (engine/updates.py).
+
+    `stop_flag` (a boolean variable, set on preemption) rides the step's first all-reduce, so every replica and
+    worker learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout
+    masks. `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
+    applies atomically, so concurrent workers never lose each other's updates or update counts. `jit_compile`:
+    compile it with XLA (engine/xla.py decides).
+    """
+    # One replica (and no parameter server): the whole step, all-reduces and assignments included, is one XLA
+    # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
+    whole = jit_compile and num_replicas == 1 and not asynchronous
+    built = Built(
+        task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit_compile and not whole
+    )
+    warning = accumulation_warning(models, built.state, config.grad_accum_steps)
     if warning:
         print(warning, flush=True)
-    slot_counts = [len(param_slots) for param_slots in optimizer.slots]
-    assigned = params + [s for param_slots in optimizer.slots for s in param_slots] + [optimizer.iterations]
-    assigned += [v.value for v in state] + list(ema)
-    if loss_scale:
-        assigned += [loss_scale.scale, loss_scale.good_steps]
-    global_batch = config.global_batch_size
-    accumulate = config.grad_accum_steps
-
-    def forward_backward(batch, step, replica):
-        # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
-        # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
-        # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
-        size = tf.shape(next(iter(batch.values())))[0] // accumulate if accumulate > 1 else None
-        loss, grads, values = 0.0, None, [v.value for v in state]
-        for k in range(accumulate):
-            part = batch if size is None else {name: t[k * size : (k + 1) * size] for name, t in batch.items()}
-            with tf.GradientTape() as tape:
-                outputs, values, pass_losses = stateless_forward(
-                    task, models, part, state, values, seeds, step, replica * accumulate + k
-                )
-                per_example = tf.cast(task.loss(outputs, part), tf.float32)
-                # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
-                # examples, the same number one device computes, whatever the replica count.
-                part_loss = tf.reduce_sum(per_example) / global_batch
-                if pass_losses:
-                    # A pass's own losses are its estimate over the examples it saw (Keras divides an activity
-                    # penalty by that batch): the mean over the step's num_replicas x accumulate equal passes is the
-                    # estimate over the global batch, one device's number.
-                    pass_total = tf.add_n([tf.cast(x, tf.float32) for x in pass_losses])
-                    part_loss += pass_total / (num_replicas * accumulate)
-                penalty = weight_penalty(trained) if k == 0 else None
-                if penalty is not None:
-                    # The weights' penalty is every replica's whole term, once per step: the SUM all-reduce would
-                    # count it once per replica.
-                    part_loss += penalty / num_replicas
-                scaled = part_loss * loss_scale.scale if loss_scale else part_loss
-            part_grads = [
-                tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
-                for p, g in zip(params, tape.gradient(scaled, params))
-            ]
-            grads = part_grads if grads is None else [g + d for g, d in zip(grads, part_grads)]
-            loss += part_loss
-        return loss, grads, values
-
-    def new_values(grads, new_state):
-        current = [tf.convert_to_tensor(v) for v in assigned]  # every variable read once
-        now_params, rest = current[: len(params)], iter(current[len(params) :])
-        now_slots = [[next(rest) for _ in range(count)] for count in slot_counts]
-        iterations = next(rest)
-        for _ in state:  # the statistics' new values come from the forward pass
-            next(rest)
-        now_ema = [next(rest) for _ in ema]
-        grads, grad_norm, finite = process_gradients(grads, loss_scale.scale if loss_scale else None, config)
-        new_params, new_slots, rates = optimizer.updates(now_params, now_slots, iterations, grads)
-        updated = new_params + [s for param_slots in new_slots for s in param_slots] + [iterations + 1] + new_state
-        # --ema_decay warmed up by the update count t, as TensorFlow's ExponentialMovingAverage(num_updates) and
-        # Model Garden do: min(D, (1 + t) / (10 + t)). A fixed D from the first update would leave D**t of the
-        # initial weights in the average that evaluation and export use.
-        t = tf.cast(iterations + 1, tf.float32)
-        decay = tf.minimum(config.ema_decay, (1.0 + t) / (10.0 + t))
-        updated += [decay * average + (1.0 - decay) * p for average, p in zip(now_ema, new_params)]
-        if loss_scale:
-            # float16: a non-finite step is routine (the scale was too high) and changes nothing but the scale: no
-            # weight, slot, update count, statistic or average.
-            values = [*(tf.where(finite, u, c) for u, c in zip(updated, current)), *loss_scale.next_state(finite)]
-        else:
-            # float32 and bfloat16: a non-finite step is divergence, and the loop stops or rolls back to the last
-            # checkpoint at the round's end, before anything is saved. Masking every value here would make each
-            # update wait for the global norm: 15% of a 1024-wide MLP's step, with XLA or without (bench/RESULTS.md).
-            values = updated
-        if asynchronous:
-            values = [v - c for v, c in zip(values, current)]
-        scale = loss_scale.scale.value() if loss_scale else tf.constant(0.0)
-        # The rates by optimizer.rate_names: `learning_rate` (a default run's one rate) only where some variable
-        # trains with the run's settings, each optimizer group's as `learning_rate/<its regex>`.
-        return values, {"grad_norm": grad_norm, "finite": finite, "loss_scale": scale, **rates}
-
-    # One replica (and no parameter server): the whole step, all-reduce and assignments included, is one
-    # XLA program, 1.1-1.2x faster than compiling its two halves. Several replicas: only the halves.
-    whole = jit_compile and num_replicas == 1 and not asynchronous
-    forward_backward = _maybe_jit(forward_backward, jit_compile and not whole)
-    new_values = _maybe_jit(new_values, jit_compile and not whole)
-
-    update = _assign_add if asynchronous else _assign
-
-    def assign_all(strategy, values):
-        for var, value in zip(assigned, values):
-            strategy.extended.update(var, update, args=(value,), group=False)
+    body = task.replica_step or engine_step
 
     def train_step(batch):
-        ctx = tf.distribute.get_replica_context()
-        replica = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
-        loss, grads, new_state = forward_backward(batch, tf.convert_to_tensor(step), replica)
-        stop = tf.cast(stop_flag, tf.float32)
-        loss, stop, *grads = ctx.all_reduce(SUM, [loss, stop, *grads])  # the one all-reduce of the step
-        values, metrics = new_values(grads, new_state)
-        ctx.merge_call(assign_all, args=(values,))
-        return {"loss": loss, "stop": stop > 0, **metrics}
+        replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
+        replica_step = ReplicaStep(built, tf.convert_to_tensor(step), replica)
+        body(replica_step, batch)
+        return replica_step.outputs()
 
     return tf.function(train_step, jit_compile=True) if whole else train_step
 

@@ -1,7 +1,7 @@
 """A workdir holds one run: its settings (config.json) say which, and one process at a time trains in it.
 
 The identity check: a train run started in a workdir whose config.json has other identity settings
-(engine/config.py IDENTITY_SETTINGS: model, data, optimizer, schedule, seed, batch, precision, reported split)
+(engine/identity.py IDENTITY_SETTINGS: model, data, optimizer, schedule, seed, batch, precision, reported split)
 is refused, naming each setting, before anything is written; the same command resumes, a higher
 --train_steps continues, cadence and execution settings never block.
 
@@ -33,8 +33,8 @@ import uuid
 
 import tensorflow as tf
 
-from engine.checkpoint import CheckpointError
-from engine.config import ConfigError, first_line, identity_changes, load_run_config, show
+from engine.config import first_line, identity_changes, load_run_config, show
+from engine.errors import CheckpointError, ConfigError
 
 LOCK_NAME = "train.lock"
 STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), which a train run is refused

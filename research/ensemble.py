@@ -34,7 +34,8 @@ from engine import config as config_lib
 from engine import data as data_lib
 from engine import distribute, loop, precision
 from engine import workdir as workdir_lib
-from engine.config import Config, ConfigError
+from engine.config import Config
+from engine.errors import ConfigError
 from engine.report import write_json
 
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
@@ -486,7 +487,9 @@ def plot(path, summary):
 def figure(summary):
     """ensemble_report.png as a matplotlib Figure: one panel per reported metric (labelled by its name) with each
     member, the average and the weighted ensemble on both splits, and the fitted weights (weights). Bars start at
-    0, so their lengths compare."""
+    0, so their lengths compare, and the axis ends just above the tallest. An objective that is a share to
+    maximize (accuracy) is drawn as what is left of it (1 - accuracy, the error rate): accuracies of 0.98 and
+    0.99 are bars of one length, their errors are twice as long as one another."""
     from matplotlib.figure import Figure  # deferred: matplotlib takes a second to import
 
     rows = [*summary["members"], summary["average"], summary["weighted"]]
@@ -497,15 +500,22 @@ def figure(summary):
     x = np.arange(len(rows))
     splits = ((-0.2, summary["validation_split"], "validation"), (0.2, summary["eval_split"], "test"))
     for ax, metric in zip(panels, metrics):
+        drawn = [r[key][metric] for r in rows for key in ("validation", "test")]
+        complement = metric == summary["objective"] and summary["direction"] == "max" and 0 <= min(drawn)
+        complement = complement and max(drawn) <= 1
         for offset, split, key in splits:
             label = f"{split} ({rows[0][key]['examples']} examples)"
-            values = [r[key][metric] for r in rows]
+            values = [1 - r[key][metric] if complement else r[key][metric] for r in rows]
             ax.bar_label(ax.bar(x + offset, values, width=0.4, label=label), fmt="%.4g", fontsize=8)
         heights = [bar.get_height() for bar in ax.patches]
         low, high = min(0.0, 1.15 * min(heights)), max(0.0, 1.15 * max(heights))
-        better = {"max": ", higher is better", "min": ", lower is better"}[summary["direction"]]
-        title = metric + (better if metric == summary["objective"] else "")
-        ax.set(xticks=x, ylim=(low, high) if high > low else (0, 1), ylabel=metric, title=title)
+        if complement:
+            name = "error rate (1 - accuracy)" if metric == "accuracy" else f"1 - {metric}"
+            title = f"{name}, lower is better"
+        else:
+            better = {"max": ", higher is better", "min": ", lower is better"}[summary["direction"]]
+            name, title = metric, metric + (better if metric == summary["objective"] else "")
+        ax.set(xticks=x, ylim=(low, high) if high > low else (0, 1), ylabel=name, title=title)
         ax.set_xticklabels(names, rotation=20, ha="right")
         ax.set_label(metric)
     fig.legend(*panels[0].get_legend_handles_labels(), loc="outside upper center", ncols=2)

@@ -12,7 +12,8 @@ before the tuner writes its study.
 import dataclasses
 import math
 
-from engine.config import CLUSTER_SETTINGS, Config, ConfigError, validate
+from engine.config import CLUSTER_SETTINGS, Config, validate
+from engine.errors import ConfigError
 
 KINDS = ("int", "float", "log", "choice")
 # One strategy (and cluster) serves every trial of the process; where trials are scored and written is the tuner's.

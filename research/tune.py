@@ -25,13 +25,15 @@ import time
 import urllib.parse
 import warnings
 
+import numpy as np
 import optuna
 import tensorflow as tf
 
 from engine import data as data_lib
 from engine import distribute, loop
 from engine import workdir as workdir_lib
-from engine.config import SEED_LIMIT, Config, ConfigError, first_line, show
+from engine.config import SEED_LIMIT, Config, first_line, show
+from engine.errors import ConfigError
 from engine.report import write_json
 from research.space import Param, parse_space, with_values  # noqa: F401  (Param: the space's entries, for callers)
 
@@ -545,8 +547,22 @@ def figure(config, trials, space, best, importances, objective, direction):
         importance.text(0.5, 0.5, _no_importance(complete, tied), ha="center", va="center")
         importance.set(title="parameter importance", xticks=[], yticks=[])
 
-    _parallel_coordinates(fig, coords, complete, space, best, metric)
+    _parallel_coordinates(fig, coords, complete, space, best, metric, direction)
     return fig
+
+
+def collapsed(values, direction):
+    """The values of `values` (complete trials' objectives) that collapsed, a diverged loss or an accuracy at chance:
+    worse than Tukey's far-out fence (3 interquartile ranges past the worse quartile) and farther from the nearest
+    other value than the others' whole range. Drawn apart, they leave the colour scale to the others."""
+    if len(values) < 4:  # quartiles of three values say nothing about which is odd
+        return []
+    low, high = np.percentile(values, [25, 75])
+    fence = low - 3 * (high - low) if direction == "max" else high + 3 * (high - low)
+    out = [v for v in values if (v < fence if direction == "max" else v > fence)]
+    kept = [v for v in values if v not in out]
+    span = max(kept) - min(kept)
+    return [v for v in out if min(abs(v - k) for k in kept) > span]
 
 
 def _no_importance(complete, tied):
@@ -557,7 +573,7 @@ def _no_importance(complete, tied):
     return "no parameter separates the best complete trials\nfrom the rest (PED-ANOVA)"
 
 
-def _parallel_coordinates(fig, ax, complete, space, best, metric):
+def _parallel_coordinates(fig, ax, complete, space, best, metric, direction):
     import matplotlib as mpl
 
     count = len(space)
@@ -569,23 +585,20 @@ def _parallel_coordinates(fig, ax, complete, space, best, metric):
     if not complete:
         ax.text((count - 1) / 2, 0.5, "no complete trial yet", ha="center")
         return
-    values = [t.value for t in complete]
+    odd = collapsed([t.value for t in complete], direction)
+    values = [t.value for t in complete if t.value not in odd]
     norm = mpl.colors.Normalize(min(values), max(values))
     cmap = mpl.colormaps["viridis"]
     spread = min(values) < max(values)  # one value has no range to colour: every line the same, no colour bar
     for t in complete:
         ys = [_position(p, t.params[p.name]) for p in space]
         is_best = best is not None and t.number == best.number
-        colour = "tab:red" if is_best else cmap(norm(t.value)) if spread else "tab:blue"
-        ax.plot(  # markers: with one searched parameter a trial is a single point
-            range(count),
-            ys,
-            color=colour,
-            marker="o",
-            markersize=4,
-            linewidth=3 if is_best else 1.2,
-            zorder=3 if is_best else 2,
-        )
+        style = dict(color="tab:red", linewidth=3, zorder=3) if is_best else dict(linewidth=1.2, zorder=2)
+        if t.value in odd:
+            style.update(color="0.6", linestyle="--", gid="collapsed")
+        elif not is_best:
+            style.update(color=cmap(norm(t.value)) if spread else "tab:blue")
+        ax.plot(range(count), ys, marker="o", markersize=4, **style)  # markers: one parameter is one point
     for i, p in enumerate(space):
         ends = [show(c) for c in p.choices] if p.kind == "choice" else [f"{p.low:g}", f"{p.high:g}"]
         last = i == count - 1  # the last axis labels to its left, inside the panel
@@ -601,12 +614,14 @@ def _parallel_coordinates(fig, ax, complete, space, best, metric):
                 zorder=5,
                 bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="0.8", alpha=0.9),
             )
+    apart = f"; {len(odd)} collapsed ({', '.join(f'{v:.4g}' for v in odd)}, grey)" if odd else ""
     if spread:
         bar = fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"{metric} (red: best)")
         bar.ax.set_label("colorbar")
+        ax.set_title(f"parallel coordinates of complete trials{apart}")
     else:
         which = f"all {len(values)}" if len(values) > 1 else "the one"
-        ax.set_title(f"parallel coordinates of complete trials: {which} at {metric} {values[0]:.4g} (red: best)")
+        ax.set_title(f"parallel coordinates of complete trials: {which} at {metric} {values[0]:.4g} (red: best){apart}")
 
 
 def _position(param, value):

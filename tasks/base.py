@@ -6,13 +6,16 @@ the data source gives it, `info` what the source knows (`num_classes` of a label
 After `prepare`, the engine sets `self.spec` to the prepared example's spec (what `models` and `serve` read).
 
 The engine owns everything else: the step (the global-batch loss, loss scaling, one all-reduce, the finite
-check, clipping, the update), the loop, checkpoints, reports, evaluation and export; research/ (tuning,
-ensembles) reads the task too.
+check, clipping, the update: a task says its updates, or writes its replica step from the engine's
+primitives, and keeps every one of those guarantees), the loop, checkpoints, reports, evaluation and
+export; research/ (tuning, ensembles) reads the task too.
 """
 
 import math
 
 import tensorflow as tf
+
+from engine.updates import DEFAULT, Update
 
 
 class Task:
@@ -42,8 +45,24 @@ class Task:
         return {"model": create(self.config.model, self.spec[self.input], self.outputs)}
 
     # Per-group optimizer settings: ((regex on <model name>/<variable path>, {setting: value}), ...), the first match
-    # wins; e.g. ((r"^discriminator/", {"learning_rate": 4e-4}),). Every group is updated in the one step.
+    # wins; e.g. ((r"^head/", {"learning_rate": 4e-4}),). The groups of the default update, applied together.
     optimizer_groups = ()
+
+    # ---- The step ------------------------------------------------------------------------------------------
+
+    def updates(self):
+        """The step as a sequence of engine.updates.Update, applied in order, each with its own loss, variables,
+        optimizer, loss scale, clipping and frequency (a GAN: the discriminator's, then the generator's). The
+        default: one update of every trained variable with the run's optimizer and the task's loss."""
+        return (Update(DEFAULT, groups=self.optimizer_groups),)
+
+    # A step the updates cannot say (SAM's ascent point, a penalty through the input) is written as
+    # `replica_step(self, step, batch)` from the primitives of engine/step.py's ReplicaStep: step.gradients(name,
+    # batch, loss=None, shift=None) -> Gradients (.loss, .grads, .norm, .finite: all-reduced once, unscaled, checked,
+    # clipped), step.apply(name, gradients, when=None) (the masked optimizer update), step.variables(name). It runs
+    # on every replica inside the round's tf.function; no primitive all-reduces twice, skips the finite check or
+    # clips before the all-reduce. None: the engine's own step over updates().
+    replica_step = None
 
     @property
     def outputs(self):
@@ -75,6 +94,11 @@ class Task:
         """Numbers that need more than per-example sums (a linear probe on frozen features): {} by default.
         `examples(split)` iterates over the prepared batches of a split, each example once (a `weight` of 0
         marks padding)."""
+        return {}
+
+    def pictures(self, models):
+        """{name: uint8 array [height, width, channels]} drawn at each evaluation and at the end (a GAN's samples): the
+        engine writes each to workdir/<name>.png and to TensorBoard. {} by default."""
         return {}
 
     # ---- Export and ensembles ------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ class Task(base.Task):
     def outputs(self):
         return self.info["num_classes"]
 
+    @property
+    def class_names(self):
+        """Label i's name: the source's (a folder: run's class folders), else "i", as tensorflow-datasets names the
+        classes of a label given only their number. The export returns them beside the indices."""
+        return tuple(self.info.get("class_names") or (str(i) for i in range(self.info["num_classes"])))
+
     def prepare(self, batch):
         image = batch["image"]
         if image.dtype == tf.uint8:
@@ -38,14 +44,17 @@ class Task(base.Task):
 
     def serve(self, models):
         spec = self.spec["image"]
+        names = tf.constant(self.class_names)
 
         @tf.function(input_signature=[tf.TensorSpec([None, *spec.shape], tf.float32, name="images")])
         def serve(images):
             logits = tf.cast(self.forward(models, {"image": images}, False), tf.float32)
+            classes = tf.argmax(logits, axis=-1, output_type=tf.int64)
             return {
                 "logits": logits,
                 "probabilities": tf.nn.softmax(logits),
-                "classes": tf.argmax(logits, axis=-1, output_type=tf.int64),
+                "classes": classes,
+                "class_names": tf.gather(names, classes),
             }
 
         return serve

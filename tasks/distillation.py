@@ -15,7 +15,8 @@ from --teacher's config.json (keep that workdir), export serves the student alon
 import tensorflow as tf
 
 from engine import checkpoint
-from engine.config import ConfigError, load_run_config
+from engine.config import load_run_config
+from engine.errors import ConfigError
 from tasks import classification
 
 DATASET = "digits"  # the default --dataset

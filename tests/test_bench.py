@@ -47,7 +47,7 @@ def test_quick_mode_measures_every_row(tmp_path):
     table = json.loads(out.read_text())["rows"]
     assert [row["id"] for row in table] == QUICK_ROWS
     for row in table:
-        assert row["result"] in ("PASS", "FALL SHORT", "info"), row
+        assert row["result"] in ("not judged", "info"), row  # --quick judges nothing
         assert math.isfinite(row["value"]), row
         assert row["measurement"] in result.stdout and row["shown"] in result.stdout
     measured = {row["id"]: row["value"] for row in table}

@@ -75,10 +75,14 @@ def test_the_teacher_stays_as_trained_and_export_serves_the_student(data_dir, te
     export_dir = evaluate.export(student_config(data_dir, workdir, teacher, mode="export"))
     served = tf.saved_model.load(export_dir)
     stored = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables")).get_variable_to_shape_map()
-    assert sorted(k for k in stored if k.endswith("VARIABLE_VALUE")) == [  # the student's alone
-        f"variables_by_path/model/mlp.Sdense{layer}.S{kind}/.ATTRIBUTES/VARIABLE_VALUE"
-        for layer in ("", "_1")
-        for kind in ("bias", "kernel")
+    # The student's weights alone, and the names of its classes (the export says what it predicts).
+    assert sorted(k for k in stored if k.endswith("VARIABLE_VALUE")) == [
+        "class_names/.ATTRIBUTES/VARIABLE_VALUE",
+        *(
+            f"variables_by_path/model/mlp.Sdense{layer}.S{kind}/.ATTRIBUTES/VARIABLE_VALUE"
+            for layer in ("", "_1")
+            for kind in ("bias", "kernel")
+        ),
     ]
     images = np.random.default_rng(0).uniform(size=(3, 8, 8, 1)).astype(np.float32)
     logits = served.signatures["serving_default"](images=images)["logits"].numpy()

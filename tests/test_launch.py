@@ -26,6 +26,7 @@ SUMMARY_KEYS = {
     "num_replicas",
     "precision",
     "global_batch_size",
+    "class_names",
 }
 METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec", "skipped_steps"}
 
@@ -37,6 +38,7 @@ def test_default_job_end_to_end(data_dir, tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert set(summary) == SUMMARY_KEYS
     assert summary["step"] == 1000 and summary["skipped_steps"] == 0
+    assert summary["class_names"] == [str(i) for i in range(10)]  # the digits' label names
     assert summary["eval"]["examples"] == 360 and summary["eval"]["accuracy"] >= 0.95
     assert summary["strategy"] == "one_device" and summary["num_replicas"] == 1
     assert summary["loss_scale"] is None and summary["examples_per_sec"] > 0

@@ -225,11 +225,13 @@ def test_ensemble_report_bars_start_at_zero_with_loss_and_a_clear_legend():
     fig.draw_without_rendering()
     axes = {ax.get_label(): ax for ax in fig.axes}
     assert {"accuracy", "loss", "weights"} <= set(axes), sorted(axes)
-    assert axes["accuracy"].get_title() == "accuracy, higher is better" and axes["loss"].get_title() == "loss"
+    assert axes["accuracy"].get_title() == "error rate (1 - accuracy), lower is better"
+    assert axes["loss"].get_title() == "loss"
     rows = [*ENSEMBLE["members"], ENSEMBLE["average"], ENSEMBLE["weighted"]]
     expected = {
         name: [r[split][name] for split in ("validation", "test") for r in rows] for name in ("accuracy", "loss")
     }
+    expected["accuracy"] = [1 - v for v in expected["accuracy"]]  # drawn as the error rate
     legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
     assert legends
     for name, values in expected.items():

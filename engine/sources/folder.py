@@ -28,7 +28,7 @@ import os
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 SETTINGS = {
     "folder_eval_percent": (

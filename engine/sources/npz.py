@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 MANY_CLASSES = 1 << 16  # classes a label may imply beyond the file's examples (a subset of a large label set)
 _CLASS = "a label is a class, an integer 0 .. N-1"

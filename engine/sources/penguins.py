@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "penguins.csv.gz")
 MEASUREMENTS = ("bill_length_mm", "bill_depth_mm", "flipper_length_mm")

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt.gz")
 TRAIN_FRACTION = 0.9  # nanoGPT's split: the first 90% of the text trains, the rest validates

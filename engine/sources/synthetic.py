@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 SETTINGS = {
     "synthetic_shape": ((28, 28, 1), "shape of one input example"),

@@ -19,7 +19,7 @@ A `label` is a class: `label:int64`, with --tfrecord_classes, its number of clas
 without reading them all). A label outside [0, --tfrecord_classes), or a record whose features are of another type
 or shape than named, stops the run naming its file and record.
 
-Each split is streamed file by file (engine/data.py `sharded`): each input pipeline reads its own files, and a resume
+Each split is streamed file by file (engine/records.py `sharded`): each input pipeline reads its own files, and a resume
 skips whole files by arithmetic on their exact numbers of records. Those are counted from the record headers (each
 record's length; the payloads are skipped, not read) once per file and kept in <--data_dir>/tfrecord_counts.json,
 keyed by the file's path and trusted while its size, modification time and a fingerprint of its first and last
@@ -39,7 +39,8 @@ import uuid
 import tensorflow as tf
 
 from engine import data
-from engine.config import ConfigError, first_line
+from engine.config import first_line
+from engine.errors import ConfigError
 
 SETTINGS = {
     "tfrecord_features": (

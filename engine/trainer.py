@@ -1,0 +1,398 @@
+"""What a run holds, built once under the strategy's scope (data, task, models, updates, counters); the traced
+inner loop that runs a round of steps with `tf.range(n)`, `n` a tensor, so it is traced once whatever the round's
+length; and evaluation. The steps read their batches by one of the paths of engine/inputs.py."""
+
+import collections
+import contextlib
+import functools
+import importlib
+import re
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
+
+from engine import data as data_lib
+from engine import distribute, inputs, precision, step, updates, xla
+from engine.config import check_batch
+from engine.errors import ConfigError
+
+
+class Recompiled(Exception):
+    """--jit_compile=auto chose XLA and the first step could not compile: the step was rebuilt without it, and the
+    round runs again from the same data position (the message says why)."""
+
+
+def create_model(config, family, spec, outputs):
+    """models/<family>.py's model for examples like `spec` (a tf.TensorSpec), with every variable built (call under
+    strategy.scope()). Its layers are named afresh (dense, dense_1, ...), whatever was built before in this
+    process: checkpoints key variables by these paths."""
+    uids = global_state.get_global_attribute("object_name_uids")
+    global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
+    try:
+        try:
+            model = importlib.import_module(f"models.{family}").create(config, tuple(spec.shape), outputs)
+        except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
+            raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
+        model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
+    finally:
+        global_state.set_global_attribute("object_name_uids", uids)
+    return model
+
+
+def _create(run_config, family, spec, outputs, config=None):
+    """A task's `create`: the model of this run's settings, or of `config`, another run's (a distillation teacher)."""
+    return create_model(config or run_config, family, spec, outputs)
+
+
+def trained_variables(models, freeze):
+    """The variables the step trains: every model's trainable ones whose <model name>/<path> (model/mlp/dense/kernel)
+    --freeze does not match."""
+    pattern = re.compile(freeze) if freeze else None
+    return [
+        v
+        for name, model in models.items()
+        for v in model.trainable_variables
+        if not (pattern and pattern.search(f"{name}/{v.path}"))
+    ]
+
+
+class Trainer:
+    """Everything a run holds: built once, eagerly, under the strategy's scope."""
+
+    def __init__(self, config, strategy):
+        self.config, self.strategy = config, strategy
+        check_batch(config, strategy.num_replicas_in_sync)
+        tf.config.run_functions_eagerly(config.run_eagerly)
+        # Data first: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
+        # seeds its initializers from that generator, so seeding after it keeps the weights the same.
+        self.data = data_lib.load(config)
+        self.task = self.data.task
+        keras.utils.set_random_seed(config.seed)
+        if config.deterministic:
+            tf.config.experimental.enable_op_determinism()
+        precision.set_policy(config.precision)
+        with strategy.scope():
+            self.models = self.task.models(functools.partial(_create, config))
+            self.params = trained_variables(self.models, config.freeze)
+            if not self.params:
+                raise ConfigError(f"--freeze={config.freeze}: matches every trainable variable; nothing to train")
+            # Each trained variable as <model name>/<path>: two models of one family share their Keras paths, and
+            # must not share optimizer slots or moving averages.
+            owner = {id(v): name for name, model in self.models.items() for v in model.trainable_variables}
+            self.param_names = [f"{owner[id(v)]}/{v.path}" for v in self.params]
+            # --ema_decay: the moving average of every trained variable, starting at its initial value.
+            self.ema = [tf.Variable(v.value, trainable=False, name="ema") for v in self.params if config.ema_decay]
+            # The task's updates, each with its optimizer and loss scale (engine/updates.py).
+            self.plans = updates.build_plans(self.task, self.params, self.param_names, self.ema, config)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps run, skipped too
+            self.batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches")  # the data position
+            self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped")
+            # The input pipelines that read up to the data position: a streamed split's order depends on it.
+            self.input_pipelines = tf.Variable(0, dtype=tf.int64, trainable=False, name="input_pipelines")
+            self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
+        self.float16 = config.precision == "mixed_float16"
+        # Bytes of record files this process read (a streamed split): the read-amplification count.
+        self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
+        # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
+        self.coordinator = (
+            tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
+        )
+        from engine import loop  # the loop's rule for where a signal ends a round, read where it is defined
+
+        self.stops_each_step = loop.stops_each_step(strategy)
+        self.in_step = inputs.gathers_in_step(config, strategy, self.data, self.coordinator)
+        self.jit_compile, self.jit_reason = xla.resolve(config, strategy, self.models)
+        self._build_train_step()
+        self.eval_loop = tf.function(self._eval_loop)
+        self.retraced = set()
+
+    def _build_train_step(self):
+        self.train_step = step.make_train_step(
+            self.task,
+            self.models,
+            self.plans,
+            self.config,
+            self.strategy.num_replicas_in_sync,
+            self.stop,
+            self.step,
+            self.float16,
+            asynchronous=self.coordinator is not None,
+            jit_compile=self.jit_compile,
+        )
+        self.train_loop = tf.function(self._train_loop)
+
+    @property
+    def optimizer(self):
+        """The first update's optimizer (a run of one update: its only one)."""
+        return self.plans[0].optimizer
+
+    @property
+    def loss_scale(self):
+        """The first update's loss scale (float16)."""
+        return self.plans[0].loss_scale
+
+    @property
+    def step_metrics(self):
+        """What each logged line carries from the step beside the loss: every update's rates, gradient norm and
+        loss scale (and loss, in a run of several)."""
+        return [name for plan in self.plans for name in plan.metric_names if not name.endswith("finite")]
+
+    @property
+    def ema_by_path(self):
+        """{model name: {variable path: moving average}}, keyed like the models in a checkpoint."""
+        averages = collections.defaultdict(dict)
+        for name, average in zip(self.param_names, self.ema):
+            model, path = name.split("/", 1)
+            averages[model][path] = average
+        return dict(averages)
+
+    def reset_ema(self):
+        """Starts the moving averages at the current weights (after a warm start)."""
+        for v, average in zip(self.params, self.ema):
+            average.assign(v.value)
+
+    @property
+    def model(self):
+        """The run's model (a task with several: the first)."""
+        return next(iter(self.models.values()))
+
+    @functools.cached_property
+    def metric_names(self):
+        """The task's metric names, in the order of the evaluation sums: found by tracing its metrics once."""
+        spec = self.data.eval_fn(tf.distribute.InputContext()).element_spec
+        traced = tf.function(lambda b: self.task.metrics(self.task.forward(self.models, b, False), b))
+        return sorted(traced.get_concrete_function(spec).structured_outputs)
+
+    @functools.cached_property
+    def eval_step(self):
+        return step.make_eval_step(self.task, self.models, self.metric_names)
+
+    @property
+    def waits_timed(self):
+        """Whether the rounds time each step's wait for its batch: on CPUs only, as the per-step stop (on an
+        accelerator the wait's end would wait for the batch to reach the device, a sync each step), and not under
+        op determinism, which refuses tf.timestamp."""
+        return self.stops_each_step and not tf_config.is_op_determinism_enabled()
+
+    @property
+    def pipelines(self):
+        """Input pipelines reading the training stream: one per worker (a parameter server's read their own)."""
+        return 1 if self.coordinator is not None else distribute.num_workers(self.strategy)
+
+    def check_pipelines(self):
+        """Refuses to resume a streamed split with another number of input pipelines than read it so far."""
+        saved = int(self.input_pipelines.numpy())
+        if self.data.sharded and saved and saved != self.pipelines:
+            raise ConfigError(
+                f"--dataset={self.config.dataset}: this run read its streamed training files with {saved} input "
+                f"pipelines (workers) up to its data position, and now has {self.pipelines}: each pipeline reads its "
+                f"own files, so the position means nothing to {self.pipelines}; resume it with {saved} workers, or "
+                "train in a new --workdir"
+            )
+
+    def train_iterator(self):
+        """An iterator over the training batches from the current data position on; None when the steps gather their
+        own (`in_step`)."""
+        start = int(self.batches.numpy())
+        self.check_pipelines()
+        self.input_pipelines.assign(self.pipelines)
+        return self.train_input.open(start)
+
+    @property
+    def train_input(self):
+        """The path the steps read their batches by (engine/inputs.py), from `in_step` and the strategy as they are."""
+        return inputs.train_input(self)
+
+    def stopping_anywhere(self):
+        """Whether any worker has been signalled. A signal that came during a round's last step is not in that
+        step's all-reduce: on several workers the flag is all-reduced once more, so all of them answer alike."""
+        if self.coordinator is not None or not distribute.is_multi_worker(self.strategy):
+            return bool(self.stop.numpy())
+        return bool(self._any_stop())
+
+    @tf.function
+    def _any_stop(self):
+        def replica_stop():
+            return tf.distribute.get_replica_context().all_reduce(step.SUM, tf.cast(self.stop, tf.float32))
+
+        return self.first_replica(self.strategy.run(replica_stop)) > 0
+
+    def first_replica(self, values):
+        return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
+
+    def _train_loop(self, iterator, steps, first_batch):
+        # The loss summed in float64: the sums of two parts of a logging window (a run preempted inside it, then
+        # resumed) then add up to the whole window's, exactly.
+        summed = [plan.prefix + "loss" for plan in self.plans if plan.prefix]  # each update's, in a run of several
+        sums = {name: tf.constant(0.0, tf.float64) for name in ["loss", *summed]}
+        finite_steps, done = tf.constant(0.0), tf.constant(0)
+        floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale
+        waited = tf.constant(0.0, tf.float64)
+        last = {"stop": False, **{name: 0.0 for name in self.step_metrics if name not in summed}}
+        timed, feed = self.waits_timed, self.train_input
+        for i in tf.range(steps):
+            out = feed.step(iterator, first_batch, i, timed)
+            waited += out.pop("waited")
+            sums = {k: v + tf.where(out["finite"], tf.cast(out[k], tf.float64), 0.0) for k, v in sums.items()}
+            finite_steps += tf.cast(out["finite"], tf.float32)
+            if self.float16:  # each update's scale against its scale after the step: a skip at the floor leaves it
+                at_floor = [
+                    ~out[p.prefix + "finite"] & (p.loss_scale.scale == out[p.prefix + "loss_scale"]) for p in self.plans
+                ]
+                floor_skipped += tf.cast(tf.reduce_any(at_floor), tf.float32)
+            last = {k: out[k] for k in last}
+            done += 1
+            self.step.assign_add(1)
+            self.batches.assign_add(1)
+            if self.stops_each_step and out["stop"]:
+                break
+        skipped = tf.cast(done, tf.float32) - finite_steps
+        # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
+        means = {k: v / tf.cast(finite_steps, tf.float64) for k, v in sums.items()}
+        return {
+            **means,
+            **{f"{k}_sum": v for k, v in sums.items()},
+            "skipped": skipped,
+            "floor_skipped": floor_skipped,
+            "steps": done,
+            "input_wait": waited,
+            **last,
+        }
+
+    def _eval_loop(self, iterator, steps):
+        totals = tf.zeros([len(self.metric_names) + 1])
+        for _ in tf.range(steps):
+            totals += self.first_replica(self.strategy.run(self.eval_step, args=(next(iterator),)))
+        return totals
+
+    def run_steps(self, iterator, steps):
+        """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers. `iterator`: the
+        batches, or None (train_iterator() when in_step): each step gathers its own from the data position on."""
+        position = (int(self.step.numpy()), int(self.batches.numpy()))
+        try:
+            out = self.train_input.run(iterator, steps, position[1])
+        except RuntimeError as e:
+            if "merge_call" in str(e) and self.jit_compile and self.config.jit_compile == "auto":
+                # What auto cannot know before the first round is traced (nothing has run yet): trace it again.
+                self.jit_compile, self.jit_reason = xla.resolve(self.config, self.strategy, self.models, True)
+                self._build_train_step()
+                print(f"jit_compile=false ({self.jit_reason}): the first round is traced again", flush=True)
+                return self.run_steps(iterator, steps)
+            if "merge_call" in str(e) and self.jit_compile:
+                raise ConfigError(
+                    f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
+                    "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
+                    f"which XLA cannot compile with "
+                    f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
+                ) from None
+            raise
+        except tf.errors.OpError as e:
+            unsupported = re.search(
+                r"unsupported operations when trying to compile.*?: ([\w, ]+) \(No registered", str(e)
+            )
+            if unsupported and self.jit_compile and self.config.jit_compile == "auto":
+                # Found only when the first step runs, after its batch was taken: the caller reads it again.
+                ops = unsupported.group(1)
+                self.jit_compile, self.jit_reason = xla.resolve(
+                    self.config, self.strategy, self.models, unsupported=ops
+                )
+                self._build_train_step()
+                # The counters are not ordered after the failed step (they touch other variables): put them back.
+                self.step.assign(position[0])
+                self.batches.assign(position[1])
+                raise Recompiled(f"jit_compile=false ({self.jit_reason}): the first round runs again") from None
+            raise self._explain(e, training=True) from None
+        return {k: float(v) for k, v in out.items()}
+
+    def _explain(self, error, training):
+        """An example the pipeline could not decode becomes DecodeError naming its file; a lost peer, PeerLost."""
+        found = re.search(rf"{data_lib.UNDECODABLE}\] \[(\d+)\] \[of stream\] \[(\d+)", error.message or "")
+        if found:
+            position, stream = int(found.group(1)), int(found.group(2))
+            return data_lib.DecodeError(
+                f"{self.data.origin(position, stream, training, self.pipelines)}; fix or remove it and run the same "
+                "command: the run resumes from its last checkpoint"
+            )
+        damaged = data_lib.unreadable(error)
+        if damaged:
+            return data_lib.DecodeError(
+                f"--dataset={self.config.dataset}: {damaged}; restore the file and run the same command: the run "
+                "resumes from its last checkpoint"
+            )
+        return distribute.explain_failure(self.strategy, self.config, error)
+
+    @functools.cached_property
+    def eval_dataset(self):
+        """Built at the first evaluation: a parameter-server chief never needs it."""
+        return self.strategy.distribute_datasets_from_function(self.data.eval_fn)
+
+    def check_retrace(self, name, function):
+        """Warns once, naming the function, when a round's function was traced again: a shape or structure that
+        changes between rounds (a task's, a data source's) recompiles the step every time, silently slow."""
+        if function.experimental_get_tracing_count() > 1 and name not in self.retraced:
+            self.retraced.add(name)
+            print(
+                f"warning: {name} was traced {function.experimental_get_tracing_count()} times: its inputs changed "
+                "shape or structure between calls (a task's batch or outputs?); every retrace recompiles the step",
+                flush=True,
+            )
+
+    def evaluate(self):
+        """The task's reported metrics over the evaluation split. With --ema_decay, of the averaged weights (what
+        export serves), and beside them, as raw_<metric>, of the trained weights themselves."""
+        if not self.ema:
+            return self._evaluate()
+        raw = self._evaluate()
+        with self.averaged_weights():
+            averaged = self._evaluate()
+        examples = averaged.pop("examples")
+        return {**averaged, **{f"raw_{k}": v for k, v in raw.items() if k != "examples"}, "examples": examples}
+
+    def pictures(self):
+        """The task's pictures (Task.pictures), drawn with the weights evaluation reads (the averages, --ema_decay)."""
+        with self.averaged_weights():
+            return self.task.pictures(self.models)
+
+    def _evaluate(self):
+        if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
+            return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
+        try:
+            totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
+            self.check_retrace("eval_loop", self.eval_loop)
+        except tf.errors.OpError as e:
+            raise self._explain(e, training=False) from None
+        return self._results(totals)
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """With --ema_decay: the trained variables hold their moving averages inside the block."""
+        if not self.ema:
+            yield
+            return
+        saved = [tf.identity(v.value) for v in self.params]
+        for v, average in zip(self.params, self.ema):
+            v.assign(average)
+        try:
+            yield
+        finally:
+            for v, value in zip(self.params, saved):
+                v.assign(value)
+
+    @tf.function
+    def eval_on_chief(self, dataset):
+        totals = tf.zeros([len(self.metric_names) + 1])
+        for batch in dataset:
+            totals += self.eval_step(batch)
+        return totals
+
+    def _results(self, totals):
+        *sums, examples = totals.numpy()
+        results = self.task.report({name: float(total / examples) for name, total in zip(self.metric_names, sums)})
+        results.update(self.task.probe(self.models, self.examples))
+        return {**results, "examples": int(examples)}
+
+    def examples(self, split):
+        """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
+        return data_lib.load(self.config, split).eval_fn(tf.distribute.InputContext())

@@ -1,0 +1,274 @@
+"""A step of several updates (engine/updates.py): each its own loss, variables, optimizer, loss scale, clipping and
+frequency, against a plain TensorFlow loop of the same math; and a checkpoint from before updates existed."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine import data as data_lib
+from engine import loop
+from engine.config import ConfigError, load_run_config
+from engine.updates import Update
+from tasks import classification
+from tests import helpers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SGD = dict(optimizer="sgd", momentum=0.0, hidden_sizes=(8,), jit_compile="false")
+BODY_RATE, HEAD_RATE = 0.1, 0.05
+
+
+class Split(classification.Task):
+    """The classification task as two updates: the hidden layer's (SGD at BODY_RATE), then the head's (at
+    HEAD_RATE), each with the task's loss. (At module level: autograph cannot convert a class made in a function.)"""
+
+    frequency = {}  # {update name: {"every": k, "repeat": n}}
+
+    def updates(self):
+        return (
+            Update("body", trains=r"/dense/", optimizer={"learning_rate": BODY_RATE}, **self.frequency.get("body", {})),
+            Update(
+                "head", trains=r"/dense_1/", optimizer={"learning_rate": HEAD_RATE}, **self.frequency.get("head", {})
+            ),
+        )
+
+
+class SplitAtFrequencies(Split):
+    frequency = {"body": {"every": 2}, "head": {"repeat": 2}}
+
+
+def _split_task(**frequency):
+    return SplitAtFrequencies if frequency else Split
+
+
+def _batches(trainer, n):
+    iterator = iter(trainer.data.train_fn(tf.distribute.InputContext()))
+    return [next(iterator) for _ in range(n)]
+
+
+def _reference(initial, batches, body_every=1, head_repeat=1):
+    """The two updates written out: relu(x W0 + b0) W1 + b1, softmax cross-entropy over the batch, plain SGD."""
+    w0, b0, w1, b1 = (tf.Variable(v) for v in initial)
+
+    def loss(batch):
+        x = tf.reshape(batch["image"], [len(batch["label"]), -1])
+        logits = tf.nn.relu(x @ w0 + b0) @ w1 + b1
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(batch["label"], logits))
+
+    def sgd(variables, rate, batch):
+        with tf.GradientTape() as tape:
+            value = loss(batch)
+        for v, g in zip(variables, tape.gradient(value, variables)):
+            v.assign_sub(rate * g)
+
+    for t, batch in enumerate(batches):
+        if t % body_every == 0:
+            sgd([w0, b0], BODY_RATE, batch)
+        for _ in range(head_repeat):
+            sgd([w1, b1], HEAD_RATE, batch)
+    return [v.numpy() for v in (w0, b0, w1, b1)]
+
+
+def _weights(trainer):
+    model = trainer.model
+    return [v.numpy() for v in (model.hidden[0].kernel, model.hidden[0].bias, model.head.kernel, model.head.bias)]
+
+
+def _halves(strategy, batch):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: {
+            k: v[ctx.replica_id_in_sync_group * 32 : (ctx.replica_id_in_sync_group + 1) * 32] for k, v in batch.items()
+        }
+    )
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+@pytest.mark.parametrize(
+    "frequency", [{}, {"body": {"every": 2}, "head": {"repeat": 2}}], ids=["each_step", "every_2_and_repeat_2"]
+)
+def test_updates_apply_in_order_each_with_its_own_optimizer(data_dir, monkeypatch, request, strategy, frequency):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: _split_task(**frequency))
+    chosen = request.getfixturevalue(strategy)
+    trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), chosen)
+    initial = _weights(trainer)
+    batches = _batches(trainer, 5)
+    for t, batch in enumerate(batches):
+        trainer.step.assign(t)
+        out = helpers.one_step(trainer, batch if strategy == "one_device" else _halves(chosen, batch))
+        trainer.step.assign_add(1)
+    want = _reference(
+        initial, batches, frequency.get("body", {}).get("every", 1), frequency.get("head", {}).get("repeat", 1)
+    )
+    for got, expected in zip(_weights(trainer), want):
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+    body, head = trainer.plans
+    assert int(body.optimizer.iterations.numpy()) == (3 if frequency else 5)  # applied at steps 0, 2, 4
+    assert int(head.optimizer.iterations.numpy()) == (10 if frequency else 5)
+    assert float(out["body/learning_rate"]) == pytest.approx(BODY_RATE)
+    assert float(out["head/learning_rate"]) == pytest.approx(HEAD_RATE)
+    assert float(out["loss"]) == pytest.approx(float(out["body/loss"]) + float(out["head/loss"]), rel=1e-6)
+    assert sorted(out) == sorted(
+        ["loss", "stop", "finite"]
+        + [f"{u}/{m}" for u in ("body", "head") for m in ("loss", "finite", "grad_norm", "loss_scale", "learning_rate")]
+    )
+
+
+def test_a_skipped_float16_update_changes_nothing_of_itself_and_halves_only_its_own_scale(
+    data_dir, one_device, monkeypatch
+):
+    class Poisoned(classification.Task):
+        def updates(self):
+            def infinite(models, batch, seed):  # every gradient of the head's update overflows
+                return self.loss(models["model"](batch["image"], training=True), batch) * float("inf")
+
+            return (Update("body", trains=r"/dense/"), Update("head", trains=r"/dense_1/", loss=infinite))
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Poisoned)
+    config = helpers.make_config(data_dir, precision="mixed_float16", initial_loss_scale=1024.0, **SGD)
+    trainer = loop.Trainer(config, one_device)
+    body, head = trainer.plans
+    before = _weights(trainer)
+    for batch in _batches(trainer, 3):
+        out = helpers.one_step(trainer, batch)
+    after = _weights(trainer)
+    assert not bool(out["head/finite"]) and bool(out["body/finite"]) and not bool(out["finite"])
+    np.testing.assert_array_equal(after[2], before[2])  # the head: nothing applied
+    np.testing.assert_array_equal(after[3], before[3])
+    assert np.abs(after[0] - before[0]).max() > 0  # the body trained through it
+    assert [int(p.optimizer.iterations.numpy()) for p in (body, head)] == [3, 0]
+    assert float(head.loss_scale.scale.numpy()) == 128.0  # halved three times
+    assert float(body.loss_scale.scale.numpy()) == 1024.0
+    assert [int(p.loss_scale.good_steps.numpy()) for p in (body, head)] == [3, 0]
+
+
+def test_a_run_of_two_updates_logs_and_checkpoints_each_by_name(data_dir, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: _split_task())
+    settings = dict(SGD, train_steps=10, steps_per_loop=5, checkpoint_every=5, eval_every=0)
+    whole = loop.train(helpers.make_config(data_dir, str(tmp_path / "whole"), **settings))
+    records = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [5, 10]
+    for record in records:
+        assert record["body/learning_rate"] == pytest.approx(BODY_RATE)
+        assert record["head/learning_rate"] == pytest.approx(HEAD_RATE)
+        assert record["loss"] == pytest.approx(record["body/loss"] + record["head/loss"], rel=1e-6)  # float32 sums
+        assert record["body/grad_norm"] > 0 and record["head/grad_norm"] > 0
+    assert whole["head/loss"] == pytest.approx(records[-1]["head/loss"])
+    assert whole["body/learning_rate"] == pytest.approx(BODY_RATE)
+    written = json.load(open(tmp_path / "whole" / "summary.json"))
+    assert written["head/loss"] == pytest.approx(records[-1]["head/loss"])
+    assert written["body/loss_scale"] is None and written["head/loss_scale"] is None  # float32, as in metrics.jsonl
+    assert "train step=10 loss=" in capsys.readouterr().out
+    reader = tf.train.load_checkpoint(str(tmp_path / "whole" / "checkpoints" / "ckpt-10"))
+    names = reader.get_variable_to_shape_map()
+    assert reader.get_tensor("optimizers/body/iterations/.ATTRIBUTES/VARIABLE_VALUE") == 10
+    assert reader.get_tensor("optimizers/head/iterations/.ATTRIBUTES/VARIABLE_VALUE") == 10
+    assert "loss_scales/head/scale/.ATTRIBUTES/VARIABLE_VALUE" in names and not any(
+        n.startswith("optimizer/") for n in names
+    )
+
+    # Stopped at step 5 and run again to 10: the same weights, bit for bit.
+    loop.train(helpers.make_config(data_dir, str(tmp_path / "parts"), **{**settings, "train_steps": 5}))
+    loop.train(helpers.make_config(data_dir, str(tmp_path / "parts"), **settings))
+    resumed = tf.train.load_checkpoint(str(tmp_path / "parts" / "checkpoints" / "ckpt-10"))
+    for name in names:
+        if name != "_CHECKPOINTABLE_OBJECT_GRAPH" and "save_counter" not in name:
+            np.testing.assert_array_equal(resumed.get_tensor(name), reader.get_tensor(name), err_msg=name)
+
+
+def test_a_checkpoint_written_before_updates_restores_and_trains_on_bit_identically(tmp_path):
+    """tests/data/before_updates: a 5-step run (hidden_sizes=8, --ema_decay=0.9) saved by the engine before updates
+    existed (optimizer/..., loss_scale/... keys). Trained on to step 10 it matches a fresh 10-step run exactly."""
+    old = tmp_path / "old"
+    shutil.copytree(os.path.join(HERE, "data", "before_updates"), old)
+    saved = load_run_config(str(old))
+    settings = dict(train_steps=10)
+    summary = loop.train(dataclasses.replace(saved, workdir=str(old), **settings))
+    fresh = loop.train(dataclasses.replace(saved, workdir=str(tmp_path / "fresh"), **settings))
+    assert summary["step"] == fresh["step"] == 10
+    resumed = tf.train.load_checkpoint(str(old / "checkpoints" / "ckpt-10"))
+    straight = tf.train.load_checkpoint(str(tmp_path / "fresh" / "checkpoints" / "ckpt-10"))
+    names = [n for n in straight.get_variable_to_shape_map() if n.startswith(("models/", "optimizer/", "ema/"))]
+    assert "optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE" in names and len(names) == 4 + 1 + 8 + 4
+    for name in names:
+        np.testing.assert_array_equal(resumed.get_tensor(name), straight.get_tensor(name), err_msg=name)
+    assert summary["eval"] == fresh["eval"]
+
+
+@pytest.mark.parametrize(
+    "updates, message",
+    [
+        (
+            (Update("body", trains=r"^nothing/"),),
+            "update 'body' trains='^nothing/' matches no trained variable (e.g. model/mlp/dense/kernel)",
+        ),
+        ((Update("a"), Update("a")), "two updates are named alike (a, a)"),
+        ((Update("a", repeat=0),), "update 'a': repeat=0: must be an integer of 1 or more"),
+        ((Update("a", optimizer={"learnig_rate": 1.0}),), "update 'a': no setting learnig_rate"),
+        ((Update("a b"),), "update name 'a b': use letters, digits, '_', '.' or '-'"),
+    ],
+    ids=["matches_nothing", "same_name", "repeat_0", "typo", "bad_name"],
+)
+def test_a_wrong_update_is_one_clear_error(data_dir, one_device, monkeypatch, updates, message):
+    class Wrong(classification.Task):
+        def updates(self):
+            return updates
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Wrong)
+    with pytest.raises(ConfigError) as raised:
+        loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
+    assert str(raised.value) == f"tasks/classification.py: {message}"
+
+
+class Fixed(classification.Task):
+    def updates(self):
+        return (Update("train", optimizer={"optimizer": "adamw", "beta_1": 0.5}),)
+
+
+def test_a_setting_an_update_fixes_over_a_given_flag_is_said(data_dir, one_device, monkeypatch, capsys):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Fixed)
+    loop.Trainer(helpers.make_config(data_dir, optimizer="sgd", beta_1=0.5, jit_compile="false"), one_device)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    # beta_1 was given as the update's own value, and the default settings are not "given": one line.
+    assert warnings == [
+        "warning: tasks/classification.py: update 'train' trains with optimizer=adamw, not --optimizer=sgd"
+    ]
+
+
+def _applied_twice(self, step, batch):
+    gradients = step.gradients("train", batch)
+    step.apply("train", gradients)
+    step.apply("train", gradients)  # the same gradients again
+
+
+def _applied_stale(self, step, batch):
+    stale = step.gradients("train", batch)
+    step.apply("train", stale)
+    step.gradients("train", batch)
+    step.apply("train", stale)  # taken at weights its own apply has moved since
+
+
+class AppliedTwice(classification.Task):
+    replica_step = _applied_twice
+
+
+class AppliedStale(classification.Task):
+    replica_step = _applied_stale
+
+
+@pytest.mark.parametrize("task", [AppliedTwice, AppliedStale], ids=["twice", "stale"])
+def test_gradients_apply_once_and_only_before_their_update_moves(data_dir, one_device, monkeypatch, task):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: task)
+    trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
+    with pytest.raises(ValueError) as raised:
+        helpers.one_step(trainer, _batches(trainer, 1)[0])
+    assert (
+        str(raised.value)
+        .strip()
+        .splitlines()[-1]
+        .endswith("apply('train', ...): these gradients were applied already; take new gradients('train', ...)")
+    )
+    assert int(trainer.optimizer.iterations.numpy()) == 0
