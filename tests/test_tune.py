@@ -213,6 +213,8 @@ def test_pruning_stops_a_hopeless_trial_early(data_dir, one_device, tmp_path, pr
     # Stopped at its first evaluation, step 20 of 60, and its workdir shows it.
     assert hopeless["steps"] == 20 and helpers.logged_steps(hopeless["workdir"]) == [10, 20]
     assert json.loads(read(hopeless["workdir"], "summary.json"))["step"] == 20
+    # Evaluated once at the step it was pruned at: the evaluation the pruner judged is the run's last.
+    assert [json.loads(line)["step"] for line in read(hopeless["workdir"], "eval.jsonl").splitlines()] == [20]
     assert checkpoint.list_checkpoints(os.path.join(hopeless["workdir"], "checkpoints"))[0].endswith("ckpt-20")
     assert hopeless["value"] < good["value"] - 0.2
 
