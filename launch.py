@@ -31,6 +31,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from engine.config import BUNDLED_DATASETS, Config, Switch, validate  # noqa: E402
 from engine.errors import ConfigError
+from engine.identity import CLUSTER  # noqa: E402
 from engine.preemption import PREEMPTION  # noqa: E402  (imports no TensorFlow)
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
@@ -155,19 +156,7 @@ HELP_GROUPS = {
         "ema_decay",
     ),
     "Precision and compilation": ("precision", "initial_loss_scale", "loss_scale_growth_interval", "jit_compile"),
-    "Devices and clusters": (
-        "strategy",
-        "num_cpu_devices",
-        "tpu",
-        "cluster_resolver",
-        "collective_timeout",
-        "connect_timeout",
-        "local_workers",
-        "local_cluster_network",
-        "num_ps",
-        "slurm_port_base",
-        "kubernetes_selector",
-    ),
+    "Devices and clusters": CLUSTER,
     "Modes": (
         "checkpoint",
         "export_dir",

@@ -10,21 +10,20 @@ from engine.settings import Config, Switch, applies
 # Where and how a run executes, not what it computes: a run resumes under other values (another strategy or
 # cluster size gives the same numbers, tests/test_parity.py), and evaluation takes them from its own command line.
 # Where a run executes: the strategy and its cluster (also what a tuner cannot vary between trials).
-CLUSTER_SETTINGS = frozenset(
-    {
-        "strategy",
-        "num_cpu_devices",
-        "tpu",
-        "cluster_resolver",
-        "collective_timeout",
-        "connect_timeout",
-        "local_workers",
-        "local_cluster_network",
-        "num_ps",
-        "slurm_port_base",
-        "kubernetes_selector",
-    }
+CLUSTER = (  # in the order --help lists them
+    "strategy",
+    "num_cpu_devices",
+    "tpu",
+    "cluster_resolver",
+    "collective_timeout",
+    "connect_timeout",
+    "local_workers",
+    "local_cluster_network",
+    "num_ps",
+    "slurm_port_base",
+    "kubernetes_selector",
 )
+CLUSTER_SETTINGS = frozenset(CLUSTER)
 EXECUTION_SETTINGS = CLUSTER_SETTINGS | frozenset(
     {
         "mode",

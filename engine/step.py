@@ -176,7 +176,6 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
     at = params if shift is None else [p + tf.cast(s, p.dtype) for p, s in zip(params, shift)]
     weights = () if shift is None else tuple(zip(variables, at))
     values = [v.value for v in built.state] if values is None else values
-    run = None if loss is None else loss
     # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
     # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
     # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
@@ -189,9 +188,9 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
                 tape.watch(at)
             outputs, values, pass_losses = stateless_forward(
                 task, built.models, part, built.state, values, built.seeds, step, replica * accumulate + k,
-                draw, run, weights,
+                draw, loss, weights,
             )  # fmt: skip
-            per_example = tf.cast(outputs if run else task.loss(outputs, part), tf.float32)
+            per_example = tf.cast(task.loss(outputs, part) if loss is None else outputs, tf.float32)
             # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
             # examples, the same number one device computes, whatever the replica count.
             part_loss = tf.reduce_sum(per_example) / global_batch
