@@ -8,7 +8,7 @@ Every flag is a field of engine/config.py's Config, with the same name, default 
 This is the only file that knows absl exists.
 
 The exit codes are the README's table ("Exit codes"), the one list of them: the constants below, the
-cluster's (engine/distribute.py) and the signals' (engine/preemption.py); tests/test_launch.py checks that the
+cluster's (engine/cluster.py) and the signals' (engine/preemption.py); tests/test_launch.py checks that the
 table lists exactly these. A signal during training stops every worker after the same step, which the chief
 saves (run the same command to resume); anywhere else (start-up, evaluation) there is nothing to save and the
 process exits at once. While a multi-worker job waits for its peers, TensorFlow holds Python's lock: Ctrl-C ends

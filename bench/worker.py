@@ -105,9 +105,9 @@ class FitRunner:
         # The engine's own pipeline, one replica, as the (inputs, labels) pairs fit reads.
         self.dataset = data.train_fn(tf.distribute.InputContext()).map(lambda b: (b["image"], b["label"]))
         module = importlib.import_module(f"models.{config.model}")
-        shape = tuple(data.spec["image"].shape)
-        self.model = module.create(config, shape, data.task.outputs)
-        self.model(tf.zeros((1, *shape)), training=False)
+        spec = data.spec["image"]
+        self.model = module.create(config, spec, data.task.outputs, data.task.info)
+        self.model(tf.zeros((1, *spec.shape)), training=False)
         self.model.compile(
             optimizer=keras.optimizers.AdamW(
                 learning_rate=config.learning_rate,

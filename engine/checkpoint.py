@@ -1,16 +1,11 @@
-"""Save, restore, resume and preemption.
-
-A checkpoint holds the model (weights and batch-norm statistics), each update's optimizer slots and
-update count and loss scale, the step, the data position (global batches consumed) and the skipped-step
-count. The input pipeline is a pure function of the data position (engine/pipeline.py), so a restored
-run reads exactly the batches an uninterrupted one would have: tf.distribute's iterators are not
-checkpointable, the position is.
-
-Preemption (engine/preemption.py): SIGTERM or SIGINT set a flag that the replica step all-reduces
-with the gradients, so every worker stops after the same step; the loop then saves here and exits.
+"""Save, restore, resume and preemption. A checkpoint holds `State`, below. The input pipeline is a pure function of
+the data position (engine/pipeline.py), so a restored run reads exactly the batches an uninterrupted one would have:
+tf.distribute's iterators are not checkpointable, the position is. On preemption (engine/preemption.py) every
+worker stops after the same step, and the loop saves here and exits.
 """
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -38,23 +33,41 @@ def model_state(models):
     return state
 
 
-def model_checkpoint(models, step, ema=None):
-    """The part of a training checkpoint that evaluation, export and ensembles read: the models, their moving
-    averages and the step (restore it with partial=True; the optimizer's state stays in the file)."""
-    return tf.train.Checkpoint(models=model_state(models), step=step, **({"ema": ema} if ema else {}))
+@dataclasses.dataclass(frozen=True)
+class State:
+    """What a run checkpoints, one field per key of the checkpoint: the keys every checkpoint of this engine has
+    (tests/data/before_updates, from older code, restores into it)."""
+
+    models: dict  # {name: Keras model}: weights, batch-norm statistics, seed-generator states (model_state)
+    plans: list  # each update's optimizer (slots, update count) and loss scale (engine/updates.py checkpointed)
+    step: tf.Variable  # steps run, skipped ones too
+    batches: tf.Variable  # the data position: global batches consumed
+    skipped: tf.Variable  # steps skipped for a non-finite loss or gradient
+    input_pipelines: tf.Variable  # the input pipelines that read the training stream up to the data position
+    ema: dict  # --ema_decay: {model name: {variable path: moving average}}; {} without it
+
+    def tracked(self):
+        """{checkpoint key: what is saved under it}."""
+        return dict(
+            models=model_state(self.models),
+            **updates.checkpointed(self.plans),
+            step=self.step,
+            batches=self.batches,
+            skipped=self.skipped,
+            input_pipelines=self.input_pipelines,
+            **({"ema": self.ema} if self.ema else {}),
+        )
+
+    def evaluated(self):
+        """What evaluation, export and ensembles restore (partial=True): the models, their averages and the step."""
+        return tf.train.Checkpoint(
+            models=model_state(self.models), step=self.step, **({"ema": self.ema} if self.ema else {})
+        )
 
 
 def tracked_state(trainer):
-    """What a checkpoint holds; one place, so training, evaluation and export restore the same names."""
-    return dict(
-        models=model_state(trainer.models),
-        **updates.checkpointed(trainer.plans),
-        step=trainer.step,
-        batches=trainer.batches,
-        skipped=trainer.skipped,
-        input_pipelines=trainer.input_pipelines,
-        **({"ema": trainer.ema_by_path} if trainer.ema else {}),
-    )
+    """The trainer's checkpoint: its State's keys, so training, evaluation and export restore the same names."""
+    return trainer.state.tracked()
 
 
 def describe_key(key):
@@ -87,7 +100,7 @@ class Checkpoints:
     def __init__(self, trainer, workdir, keep, chief=True, task_id=0):
         self.trainer = trainer
         self.directory = os.path.join(workdir, "checkpoints")
-        self.checkpoint = tf.train.Checkpoint(**tracked_state(trainer))
+        self.checkpoint = tf.train.Checkpoint(**trainer.state.tracked())
         self.chief = chief
         # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
         # to be readable, unlike whatever is newest on disk.
@@ -143,18 +156,15 @@ class Checkpoints:
 
             replace_text(state_file, "\n".join(lines) + "\n")
 
-    def latest(self):
-        return latest(self.directory)
-
     def save(self):
         """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
-        step = int(self.trainer.step.numpy())
+        step = int(self.trainer.state.step.numpy())
         if self.saved_path and _step_of(self.saved_path) == step:  # e.g. a run resumed at its last step
             return self.saved_path
         # Every floating-point variable: weights and the statistics a forward pass updates alike.
         bad = [
             v.path
-            for model in self.trainer.models.values()
+            for model in self.trainer.state.models.values()
             for v in model.variables
             if v.dtype.startswith("float") and not bool(tf.reduce_all(tf.math.is_finite(v)))
         ]

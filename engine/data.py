@@ -26,6 +26,7 @@ resumes from its last checkpoint once the file is fixed or removed. An empty spl
 
 A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default when empty), outside --workdir:
 the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
+prepare it (<data_dir>/<dataset>/.prepare.lock).
 
 The streams are engine/pipeline.py's, the splits and their record files engine/records.py's; their names a
 source uses (Split, in_memory, sharded) are importable from here too.
@@ -95,7 +96,7 @@ class Data:
     eval_steps: int  # evaluation steps that cover every evaluation example once
     eval_examples: int
     train_examples: int
-    task: object  # the run's tasks/<name>.py Task
+    task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/build.py, received here)
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
     sharded: bool = False  # the training stream depends on the number of input pipelines
     train_bytes: int = 0  # record bytes of the training files, when sharded
@@ -106,41 +107,47 @@ class Data:
 
 
 def task_class(config):
-    """tasks/<config.task>.py's Task class."""
+    """tasks/<config.task>.py's Task class: the builder (engine/build.py) reads it here, before the source, whose
+    features it names; this module never builds a task."""
     return importlib.import_module(f"tasks.{config.task}").Task
 
 
 def load(config, split=None):
-    """The Data for `config` (evaluating `split`, default --eval_split); raises ConfigError for an unknown split
-    or an unusable dataset."""
-    cls = task_class(config)
-    source = load_source(config, cls.features, split)
-    task = cls(config, source.spec, source.info)
+    """The Data for `config` (evaluating `split`, default --eval_split), its source and task built as a run builds
+    them (engine/build.py inputs); raises ConfigError for an unknown split or an unusable dataset."""
+    from engine import build  # noqa: PLC0415  (the builder is upstream of this module: it imports it)
+
+    return build.inputs(config, split)
+
+
+def prepare(config, source, task, split=None):
+    """The Data of `source` for `task` (built from the source's spec and info), evaluating `split`, default
+    --eval_split. Sets `task.spec` to the prepared example's spec."""
     train, evals = source.train, source.evals
     _check_sizes(config, train, evals, split)
     eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
 
-    def prepare(batch):
+    def prepared(batch):
         # The task sees its features; the engine's own (index, weight) pass around it.
         own = {k: batch[k] for k in ("index", "weight") if k in batch}
         return {**task.prepare({k: v for k, v in batch.items() if k not in own}), **own}
 
     one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
-    task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepare).element_spec.items()}
+    task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepared).element_spec.items()}
     _check_task_memory(config, task)
     pipelines = Pipelines(config, source)
 
     def train_fn(ctx, start_batch=0, stream=0, counter=None):
         """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each
         parameter-server worker reads its own)."""
-        ds = pipelines.train(ctx, start_batch, stream, counter).map(prepare, num_parallel_calls=AUTOTUNE)
+        ds = pipelines.train(ctx, start_batch, stream, counter).map(prepared, num_parallel_calls=AUTOTUNE)
         return _through_service(config, ds, ctx, stream, start_batch).prefetch(AUTOTUNE)
 
     def gather(batch, pipeline, num_pipelines):
-        return prepare(pipelines.share(batch, pipeline, num_pipelines))
+        return prepared(pipelines.share(batch, pipeline, num_pipelines))
 
     def eval_fn(ctx):
-        return pipelines.evaluation(ctx, eval_steps).map(prepare, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
+        return pipelines.evaluation(ctx, eval_steps).map(prepared, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
 
     return Data(
         train_fn,

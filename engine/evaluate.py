@@ -31,7 +31,7 @@ def run_config(config):
 
 def _trainer(config, strategy):
     trainer = Trainer(config, strategy or distribute.create_strategy(config))
-    return trainer, checkpoint_lib.model_checkpoint(trainer.models, trainer.step, trainer.ema_by_path)
+    return trainer, trainer.state.evaluated()
 
 
 def _checkpoint_paths(config):

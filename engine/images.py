@@ -5,14 +5,13 @@ the centre crop) and a random horizontal flip, both drawn by stateless ops from 
 gives the same pixels, so a resumed run sees what an uninterrupted one would. Evaluation takes the centre square of
 0.875 x the shorter side, resized to S: the pixels of the usual ImageNet practice (shorter side resized to
 S / 0.875, centre S x S cut out) without resizing what is cut away. A JPEG is decoded only inside its crop window
-(decode_and_crop_jpeg): 1.15x the speed of decoding it whole on 200-500 px JPEGs, 1.33x on 800-1200 px (1 core).
+(decode_and_crop_jpeg), which is faster than decoding it whole (measured: bench/RESULTS.md, section "JPEGs decoded
+inside the crop window").
 
-Images come out uint8, 4x fewer bytes than float32 through the decode's buffers; the task scales the batch
-(tasks/classification.py `prepare`, on the host). bench/decode.py measured where to scale, through to a small
-training step on a CPU (2 shared cores): uint8 batches scaled in the step against float32 scaled on the host
-1.59x, 1.19x and 0.64x in three runs (1.03x on one core), a wash where host and device are the same cores;
-bfloat16 on the host was slower than both every time (0.87x-0.92x of float32). Scaling in the step would pay on an
-accelerator (a quarter of the bytes over the host-to-device link): measure it there before moving it.
+Images come out uint8, a quarter of float32's bytes through the decode's buffers; the task scales the batch
+(tasks/classification.py `prepare`, on the host): on a CPU, where host and device are the same cores, where to
+scale was a wash (measured: bench/RESULTS.md, section "Where images are scaled"). Scaling in the step would pay
+on an accelerator (a quarter of the bytes over the host-to-device link): measure it there before moving it.
 """
 
 import tensorflow as tf

@@ -99,39 +99,66 @@ def _stream(proc, name, out):
 def run(strategy, workers, num_ps, argv, out=sys.stdout, network="loopback"):
     """Runs the job; `argv` is the command line of one task (without --local_workers). With `network` loopback
     this process moves into a network namespace of its own first (isolate_network); 2 where it cannot."""
-    if network == "loopback":
-        try:
-            isolate_network()
-        except OSError as e:
-            why = UNSHARE_FAILURES.get(e.errno, e.strerror)
-            print(
-                f"error: --local_cluster_network=loopback: cannot give the local cluster a network of its own "
-                f"({why}); --local_cluster_network=host runs it on this machine's network, where its servers listen "
-                "on every interface without authentication: use that only on a trusted network",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 2
+    if network == "loopback" and not _isolated():
+        return 2
     cluster = cluster_for(strategy, workers, num_ps)
-    tasks = {}
-    for job, addresses in cluster.items():
-        for index in range(len(addresses)):
-            task_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
-            proc = subprocess.Popen(
-                argv,
-                env={**os.environ, "TF_CONFIG": task_config},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-                # Its own session: a terminal's Ctrl-C reaches the launcher alone, which forwards it once. Sent to
-                # the whole process group as well, a worker would see it twice, and a second signal exits unsaved.
-                start_new_session=True,
-            )
-            name = f"{job} {index}"
-            tasks[name] = proc
-            threading.Thread(target=_stream, args=(proc, name, out), daemon=True).start()
-            out.write(f"[launcher] {name} pid {proc.pid} on {addresses[index]}\n")
+    tasks = {
+        f"{job} {index}": _start(job, index, cluster, argv, out)
+        for job, addresses in cluster.items()
+        for index in range(len(addresses))
+    }
+    _say_where(cluster, network, out)
+    # The job is done when its trainers are: every worker (multi-worker), or the chief (parameter servers,
+    # whose workers and servers serve until stopped). A parameter-server worker that dies is not fatal:
+    # the chief's coordinator moves its work to the others.
+    trainers = [n for n in tasks if n.startswith("worker")] if strategy == "multi_worker" else ["chief 0"]
+    code = _supervise(tasks, trainers, out)
+    code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+    out.write(f"[launcher] job finished with exit code {code}\n")
+    out.flush()
+    return code
+
+
+def _isolated():
+    """isolate_network(), or False after saying on stderr why it could not and what the alternative costs."""
+    try:
+        isolate_network()
+    except OSError as e:
+        why = UNSHARE_FAILURES.get(e.errno, e.strerror)
+        print(
+            f"error: --local_cluster_network=loopback: cannot give the local cluster a network of its own "
+            f"({why}); --local_cluster_network=host runs it on this machine's network, where its servers listen "
+            "on every interface without authentication: use that only on a trusted network",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
+
+
+def _start(job, index, cluster, argv, out):
+    """Starts task `index` of `job` with its TF_CONFIG; a thread copies its output to `out`, each line prefixed
+    with the task's name."""
+    name = f"{job} {index}"
+    task_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+    proc = subprocess.Popen(
+        argv,
+        env={**os.environ, "TF_CONFIG": task_config},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        # Its own session: a terminal's Ctrl-C reaches the launcher alone, which forwards it once. Sent to
+        # the whole process group as well, a worker would see it twice, and a second signal exits unsaved.
+        start_new_session=True,
+    )
+    threading.Thread(target=_stream, args=(proc, name, out), daemon=True).start()
+    out.write(f"[launcher] {name} pid {proc.pid} on {cluster[job][index]}\n")
+    return proc
+
+
+def _say_where(cluster, network, out):
+    """Who can reach the tasks' servers, which listen without authentication."""
     ports = ", ".join(address.rpartition(":")[2] for addresses in cluster.values() for address in addresses)
     if network == "loopback":
         out.write(
@@ -147,24 +174,21 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout, network="loopback"):
             f"without authentication (ports {ports}): run this on a trusted network only, or firewall these ports\n"
         )
     out.flush()
-    # The job is done when its trainers are: every worker (multi-worker), or the chief (parameter servers,
-    # whose workers and servers serve until stopped). A parameter-server worker that dies is not fatal:
-    # the chief's coordinator moves its work to the others.
-    trainers = [n for n in tasks if n.startswith("worker")] if strategy == "multi_worker" else ["chief 0"]
+
+
+def _supervise(tasks, trainers, out):
+    """The job's exit status (_wait), with SIGTERM and SIGINT forwarded to the trainers meanwhile; every task
+    stopped after (_stop)."""
     servers = [n for n in tasks if n not in trainers]
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     for signum in previous:  # preemption reaches every trainer, which saves and exits
         signal.signal(signum, lambda signum, frame: [tasks[n].send_signal(signum) for n in trainers])
     try:
-        code = _wait(tasks, trainers, out)
+        return _wait(tasks, trainers, out)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _stop([tasks[n] for n in trainers], [tasks[n] for n in servers])
-    code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
-    out.write(f"[launcher] job finished with exit code {code}\n")
-    out.flush()
-    return code
 
 
 def _wait(tasks, trainers, out):

@@ -26,12 +26,13 @@ from engine.actions import (  # noqa: F401  (re-exported: launch.py, research/ a
     Profile,
     TrainingError,
 )
+from engine.build import create_model, trained_variables  # noqa: F401  (re-exported: tests read them from here)
 from engine.config import show
 from engine.errors import ConfigError
 from engine.inputs import gathers_in_step  # noqa: F401  (re-exported)
 from engine.preemption import PREEMPTION
 from engine.report import Report, write_json
-from engine.trainer import Recompiled, Trainer, create_model, trained_variables  # noqa: F401  (re-exported)
+from engine.trainer import Recompiled, Trainer  # noqa: F401  (re-exported)
 
 
 def stops_each_step(strategy):

@@ -112,8 +112,8 @@ class Pipelines:
 
         # One gather per global batch instead of per-example work: the host stays off the critical path.
         ds = tf.data.Dataset.range(start_batch, 2**62).map(global_batch, num_parallel_calls=AUTOTUNE)
-        # Several replicas here take consecutive elements: split the batch. (Unbatching copies each slice: about
-        # 1 ms a step for a 256 x 784 batch on 2 cores, so one replica skips it.)
+        # Several replicas here take consecutive elements: split the batch. Unbatching copies each slice, so one
+        # replica skips it (measured: bench/RESULTS.md, section "One replica skips the unbatch").
         return ds if local_replicas == 1 else ds.unbatch()
 
     def owned(self, ctx):

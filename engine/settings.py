@@ -21,8 +21,9 @@ ON_NAN = ("stop", "rollback")
 BUNDLED_DATASETS = ("digits", *sources.available())
 INT64_LIMIT = 2**63  # every integer setting reaches TensorFlow as an int64
 SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy generator, which takes 32 bits
-# Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step
-# (measured on 2 cores: 64 take 2.7 s to the first step and 18x the all-reduce time of 8; 100,000 hang).
+# Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step,
+# so many of them take long to start and to all-reduce, and far more hang (measured: bench/RESULTS.md, section
+# "How many logical CPU devices").
 MAX_CPU_DEVICES = 64
 # --local_workers starts a TensorFlow process per task of its cluster, each with its own runtime and copy of the
 # model: at most this many, and no more than this machine's memory holds at their size at start (the RSS of a

@@ -1,20 +1,17 @@
-"""What a run holds, built once under the strategy's scope (data, task, models, updates, counters); the traced
-inner loop that runs a round of steps with `tf.range(n)`, `n` a tensor, so it is traced once whatever the round's
-length; and evaluation. The steps read their batches by one of the paths of engine/inputs.py."""
+"""What a run holds, built once, in order, under the strategy's scope (Trainer.__init__: the source and its task,
+the task's data, the models, their updates, the state a checkpoint holds, the step); the traced inner loop that
+runs a round of steps with `tf.range(n)`, `n` a tensor, so it is traced once whatever the round's length; and
+evaluation. The steps read their batches by one of the paths of engine/inputs.py."""
 
-import collections
 import contextlib
 import functools
-import importlib
 import re
 
-import keras
 import tensorflow as tf
-from keras.src.backend.common import global_state
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
 
+from engine import build, distribute, inputs, step, updates, xla
 from engine import data as data_lib
-from engine import distribute, inputs, precision, step, updates, xla
 from engine.config import check_batch
 from engine.errors import ConfigError
 
@@ -24,74 +21,30 @@ class Recompiled(Exception):
     round runs again from the same data position (the message says why)."""
 
 
-def create_model(config, family, spec, outputs):
-    """models/<family>.py's model for examples like `spec` (a tf.TensorSpec), with every variable built (call under
-    strategy.scope()). Its layers are named afresh (dense, dense_1, ...), whatever was built before in this
-    process: checkpoints key variables by these paths."""
-    uids = global_state.get_global_attribute("object_name_uids")
-    global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
-    try:
-        try:
-            model = importlib.import_module(f"models.{family}").create(config, tuple(spec.shape), outputs)
-        except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
-            raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
-        model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
-    finally:
-        global_state.set_global_attribute("object_name_uids", uids)
-    return model
-
-
-def _create(run_config, family, spec, outputs, config=None):
-    """A task's `create`: the model of this run's settings, or of `config`, another run's (a distillation teacher)."""
-    return create_model(config or run_config, family, spec, outputs)
-
-
-def trained_variables(models, freeze):
-    """The variables the step trains: every model's trainable ones whose <model name>/<path> (model/mlp/dense/kernel)
-    --freeze does not match."""
-    pattern = re.compile(freeze) if freeze else None
-    return [
-        v
-        for name, model in models.items()
-        for v in model.trainable_variables
-        if not (pattern and pattern.search(f"{name}/{v.path}"))
-    ]
-
-
 class Trainer:
-    """Everything a run holds: built once, eagerly, under the strategy's scope."""
+    """Everything a run holds: built once, eagerly, under the strategy's scope, in the order __init__ reads."""
 
     def __init__(self, config, strategy):
         self.config, self.strategy = config, strategy
         check_batch(config, strategy.num_replicas_in_sync)
         tf.config.run_functions_eagerly(config.run_eagerly)
-        # Data first: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
-        # seeds its initializers from that generator, so seeding after it keeps the weights the same.
-        self.data = data_lib.load(config)
-        self.task = self.data.task
-        keras.utils.set_random_seed(config.seed)
-        if config.deterministic:
-            tf.config.experimental.enable_op_determinism()
-        precision.set_policy(config.precision)
-        with strategy.scope():
-            self.models = self.task.models(functools.partial(_create, config))
-            self.params = trained_variables(self.models, config.freeze)
-            if not self.params:
-                raise ConfigError(f"--freeze={config.freeze}: matches every trainable variable; nothing to train")
-            # Each trained variable as <model name>/<path>: two models of one family share their Keras paths, and
-            # must not share optimizer slots or moving averages.
-            owner = {id(v): name for name, model in self.models.items() for v in model.trainable_variables}
-            self.param_names = [f"{owner[id(v)]}/{v.path}" for v in self.params]
-            # --ema_decay: the moving average of every trained variable, starting at its initial value.
-            self.ema = [tf.Variable(v.value, trainable=False, name="ema") for v in self.params if config.ema_decay]
+        # The source, then the task built from what it gives (its spec and info), then the task's data.
+        source, self.task = build.source_and_task(config)
+        self.data = data_lib.prepare(config, source, self.task)
+        # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and
+        # Keras seeds its initializers from that generator, so seeding after it keeps the weights the same.
+        build.seed(config)
+        with strategy.scope():  # the models, what they train, their updates, the state a checkpoint holds
+            self.models = self.task.models(build.Create(config, source.info))
+            self.params, self.param_names = build.trained(self.models, config.freeze)
+            self.ema = build.averages(self.params, config.ema_decay)
             # The task's updates, each with its optimizer and loss scale (engine/updates.py).
             self.plans = updates.build_plans(self.task, self.params, self.param_names, self.ema, config)
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps run, skipped too
-            self.batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches")  # the data position
-            self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped")
-            # The input pipelines that read up to the data position: a streamed split's order depends on it.
-            self.input_pipelines = tf.Variable(0, dtype=tf.int64, trainable=False, name="input_pipelines")
+            self.state = build.state(self.models, self.plans, self.param_names, self.ema)
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
+        self.step, self.batches = self.state.step, self.state.batches
+        self.skipped, self.input_pipelines = self.state.skipped, self.state.input_pipelines
+        # Then what the step and the loop read: precision, counters of this process, cluster, input path, XLA.
         self.float16 = config.precision == "mixed_float16"
         # Bytes of record files this process read (a streamed split): the read-amplification count.
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
@@ -138,15 +91,6 @@ class Trainer:
         """What each logged line carries from the step beside the loss: every update's rates, gradient norm and
         loss scale (and loss, in a run of several)."""
         return [name for plan in self.plans for name in plan.metric_names if not name.endswith("finite")]
-
-    @property
-    def ema_by_path(self):
-        """{model name: {variable path: moving average}}, keyed like the models in a checkpoint."""
-        averages = collections.defaultdict(dict)
-        for name, average in zip(self.param_names, self.ema):
-            model, path = name.split("/", 1)
-            averages[model][path] = average
-        return dict(averages)
 
     def reset_ema(self):
         """Starts the moving averages at the current weights (after a warm start)."""
@@ -395,4 +339,4 @@ class Trainer:
 
     def examples(self, split):
         """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
-        return data_lib.load(self.config, split).eval_fn(tf.distribute.InputContext())
+        return build.inputs(self.config, split).eval_fn(tf.distribute.InputContext())

@@ -112,7 +112,8 @@ class Plan:
         # float16: a non-finite step is routine (the scale was too high) and changes nothing but the scale: no
         # weight, slot, update count, statistic or average. float32 and bfloat16: a non-finite step is divergence,
         # and the loop stops or rolls back to the last checkpoint at the round's end, before anything is saved.
-        # Masking every value there would make each update wait for the global norm: 15% of a 1024-wide MLP's step.
+        # Masking every value there would make each update wait for the global norm, a measurable share of the
+        # step (bench/RESULTS.md, "2026-11-30: end to end", the table of the step's parts).
         keep = finite if scale is not None else None
         if when is not None:  # an update not due at this step (Update.every, a custom step's `when`)
             keep = when if keep is None else keep & when

@@ -1,5 +1,9 @@
 """Model families, one file each: `--model=NAME` loads `models/NAME.py` and calls its
-`create(config, input_shape, num_outputs)`, which returns a `tf.keras.Model`.
+`create(config, spec, num_outputs, info)`, which returns a `tf.keras.Model`: `spec` is the tf.TensorSpec of one
+input example, `info` what the data source knows of it (a text's `vocabulary`, a label's `num_classes`; {} when
+nothing), so a model that sizes itself from its data (a character tagger's embedding) is a model file. A factory
+of the older form, `create(config, input_shape, num_outputs)` (three parameters, the shape a tuple), is still
+called that way.
 
 A family's own settings are declared in its file as a literal `SETTINGS = {"name": (default, "help")}`:
 each becomes a flag and a field of the run's Config (engine/config.py), read by the runs that choose the

@@ -3,8 +3,8 @@
 Inputs (T,) token ids; outputs (T, vocabulary) logits of the next token at every position. Token and
 learned position embeddings; each block adds causal self-attention (one fused query/key/value projection,
 a fixed lower-triangular mask) and a 4x MLP to its input; a final norm; the head computes in float32.
-(The attention written out with einsum took about 8% less CPU time per training step than Keras's
-MultiHeadAttention at nanoGPT's CPU size; XLA made neither faster on 2 shared cores.)
+(The attention is written out with einsum: cheaper than Keras's MultiHeadAttention on a CPU; measured:
+bench/RESULTS.md, section "Attention written out with einsum".)
 Weights start as GPT-2's: normal(0.02), the residual projections scaled by 1/sqrt(2 x layers).
 """
 
@@ -77,7 +77,9 @@ class GPT(keras.Model):
         return self.head(self.norm(x))
 
 
-def create(config, input_shape, num_outputs):
+def create(config, spec, num_outputs, info):
+    del info  # the vocabulary arrives as num_outputs, the width of its logits (tasks/language_model.py)
+    input_shape = tuple(spec.shape)
     if len(input_shape) != 1:
         raise ValueError(f"gpt reads a sequence of token ids of shape (tokens,), got {input_shape}")
     if config.gpt_dim % config.gpt_heads:

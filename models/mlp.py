@@ -24,6 +24,6 @@ class MLP(keras.Model):
         return self.head(x)
 
 
-def create(config, input_shape, num_classes):
-    del input_shape  # Dense layers infer it on the first call
+def create(config, spec, num_classes, info):
+    del spec, info  # Dense layers infer the input width on the first call
     return MLP(config.hidden_sizes, num_classes, config.dropout, name="mlp")

@@ -110,7 +110,9 @@ class ResNet(keras.Model):
         return self.head(self.pool(x))
 
 
-def create(config, input_shape, num_classes):
+def create(config, spec, num_classes, info):
+    del info  # the images' shape is all it reads of them
+    input_shape = tuple(spec.shape)
     if len(input_shape) != 3:
         raise ValueError(f"resnet needs images of shape (height, width, channels), got {input_shape}")
     if (config.resnet_depth - 2) % 6 or config.resnet_depth < 8:

@@ -56,7 +56,9 @@ class Transformer(keras.Model):
         return self.head(tf.reduce_mean(self.norm(x), axis=1))
 
 
-def create(config, input_shape, num_classes):
+def create(config, spec, num_classes, info):
+    del info  # the inputs' shape is all it reads of them
+    input_shape = tuple(spec.shape)
     if len(input_shape) < 2:
         raise ValueError(f"transformer needs inputs of shape (tokens, features...), got {input_shape}")
     if config.transformer_dim % config.transformer_heads:

@@ -82,23 +82,7 @@ def ensemble(config, strategy=None):
     started = time.time()
     _check_own_workdir(config)  # before the slow part
     splits = (config.validation_split, config.eval_split)
-    names = config_lib.members(config)
-    runs = {name: read_config(name) for name in names if not is_file(name)}
-    if not runs:
-        raise ConfigError(
-            f"--members={config.members}: needs at least one train run's workdir (it gives the task and the "
-            "examples that files of predictions are checked against)"
-        )
-    kind = _check_task(config, runs)
-    files = {name: _read_file(name, splits, kind) for name in names if is_file(name)}  # before the slow part
-    loaded, reference = {}, None
-    for name, member_config in runs.items():
-        if config.data_dir:  # the data moved since the member trained
-            member_config = dataclasses.replace(member_config, data_dir=config.data_dir)
-        loaded[name], reference = _load_run(name, member_config, splits, reference)
-    for name, arrays in files.items():
-        loaded[name] = _align(name, arrays, splits, reference)
-    members = [loaded[name] for name in names]
+    members, reference, kind = _members(config, splits)
     task = reference.task
     objective, direction = task.objective
     examples = {split: reference.examples[split] for split in splits}
@@ -145,13 +129,39 @@ def ensemble(config, strategy=None):
         "test_examples": len(predictions[test][0]),
         "wall_seconds": time.time() - started,
     }
+    _write(config, summary, predictions, weights, reference)
+    return summary
+
+
+def _members(config, splits):
+    """(the members in --members order, the first train run's as the reference, what they combine): the task and
+    the files checked before the slow part, the runs' models loaded."""
+    names = config_lib.members(config)
+    runs = {name: read_config(name) for name in names if not is_file(name)}
+    if not runs:
+        raise ConfigError(
+            f"--members={config.members}: needs at least one train run's workdir (it gives the task and the "
+            "examples that files of predictions are checked against)"
+        )
+    kind = _check_task(config, runs)
+    files = {name: _read_file(name, splits, kind) for name in names if is_file(name)}  # before the slow part
+    loaded, reference = {}, None
+    for name, member_config in runs.items():
+        if config.data_dir:  # the data moved since the member trained
+            member_config = dataclasses.replace(member_config, data_dir=config.data_dir)
+        loaded[name], reference = _load_run(name, member_config, splits, reference)
+    for name, arrays in files.items():
+        loaded[name] = _align(name, arrays, splits, reference)
+    return [loaded[name] for name in names], reference, kind
+
+
+def _write(config, summary, predictions, weights, reference):
     with workdir_lib.Lock(config.workdir, doing="fitting an ensemble"):
         _check_own_workdir(config)  # again, under the lock: a run may have started there since
         print(table(summary), flush=True)
         write_json(os.path.join(config.workdir, "summary.json"), summary)
         _write_predictions(os.path.join(config.workdir, "predictions.npz"), predictions, weights, reference, config)
         plot(os.path.join(config.workdir, "ensemble_report.png"), summary)
-    return summary
 
 
 def _check_own_workdir(config):
@@ -210,7 +220,7 @@ def _load_run(workdir, member_config, splits, reference):
                         f"{where} takes {feature} {_spec_text(ours)} but {described} takes {feature} "
                         f"{_spec_text(theirs)}: an ensemble's members must share one input space"
                     )
-        checkpoint = checkpoint_lib.model_checkpoint(trainer.models, trainer.step, trainer.ema_by_path)
+        checkpoint = trainer.state.evaluated()
         try:
             checkpoint_lib.restore(checkpoint, found, partial=True)
         except checkpoint_lib.Unreadable as e:

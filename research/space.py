@@ -36,19 +36,22 @@ class Param:
         return trial.suggest_float(self.name, self.low, self.high, log=self.kind == "log")
 
 
-def parse_space(path, config=None):
-    """The search space in `path` as a list of Param; raises ConfigError naming the file, line and why. With
-    `config`, every choice and both ends of every range must also make a valid trial of it."""
+def _lines(path):
     try:
         with open(path, "rb") as f:
-            lines = f.read().decode("utf-8").splitlines()
+            return f.read().decode("utf-8").splitlines()
     except OSError as e:
         raise ConfigError(f"--tune_space={path}: cannot read it ({e.strerror})") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--tune_space={path}: not a text file (byte {e.start} is not UTF-8)") from None
+
+
+def parse_space(path, config=None):
+    """The search space in `path` as a list of Param; raises ConfigError naming the file, line and why. With
+    `config`, every choice and both ends of every range must also make a valid trial of it."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
     params = {}
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(_lines(path), 1):
         words = line.split("#")[0].split()
         if not words:
             continue

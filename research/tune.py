@@ -469,8 +469,6 @@ def figure(config, trials, space, best, importances, objective, direction):
     that pruning judged, the parameters' importance (panels labelled history, curves, importance) and, below, a
     parallel-coordinates view of the complete trials (coordinates, with its colorbar when their values differ)."""
     from matplotlib.figure import Figure  # deferred: matplotlib takes a second to import
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
 
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
@@ -487,21 +485,44 @@ def figure(config, trials, space, best, importances, objective, direction):
     fig.suptitle(
         f"study '{config.tune_study}': {len(complete)} complete, {len(pruned)} pruned ({direction} {metric}){tie}"
     )
+    _history(history, complete, pruned, metric, direction)
+    _curves(curves, complete, pruned, best, metric)
+    drawn = values + [v for t in trials for v in t.intermediate_values.values()]
+    for ax in (history, curves):
+        # Margins must not cross 0 or 1 where no value does: an accuracy past 1, a negative loss or error.
+        low, high = ax.get_ylim()
+        if drawn and min(drawn) >= 0:
+            low = max(low, 0.0)
+        if drawn and max(drawn) <= 1:
+            high = min(high, 1.0)
+        ax.set_ylim(low, high)
+    _importance(importance, importances, complete, tied)
+    _parallel_coordinates(fig, coords, complete, space, best, metric, direction)
+    return fig
 
-    history.scatter([t.number for t in complete], values, label="complete", zorder=3, clip_on=False)
+
+def _history(ax, complete, pruned, metric, direction):
+    from matplotlib.ticker import MaxNLocator
+
+    ax.scatter([t.number for t in complete], [t.value for t in complete], label="complete", zorder=3, clip_on=False)
     last = [(t.number, t.intermediate_values[max(t.intermediate_values)]) for t in pruned if t.intermediate_values]
     if last:
-        history.scatter(*zip(*last), marker="x", color="tab:red", label="pruned (last evaluation)", zorder=3)
+        ax.scatter(*zip(*last), marker="x", color="tab:red", label="pruned (last evaluation)", zorder=3)
     better = max if direction == "max" else min
     best_so_far, xs = [], []
     for t in sorted(complete, key=lambda t: t.number):
         best_so_far.append(t.value if not best_so_far else better(best_so_far[-1], t.value))
         xs.append(t.number)
     if xs:
-        history.step(xs, best_so_far, where="post", color="tab:green", label="best so far")
-    history.set(title="objective per trial", xlabel="trial", ylabel=metric)
-    history.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # there is no trial 2.5
-    history.legend()
+        ax.step(xs, best_so_far, where="post", color="tab:green", label="best so far")
+    ax.set(title="objective per trial", xlabel="trial", ylabel=metric)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # there is no trial 2.5
+    ax.legend()
+
+
+def _curves(ax, complete, pruned, best, metric):
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     styles = {
         "complete": dict(color="tab:blue", linestyle="-", marker="o", markersize=3, linewidth=1, alpha=0.6),
@@ -517,38 +538,28 @@ def figure(config, trials, space, best, importances, objective, direction):
             kind = "best" if best is not None and t.number == best.number else state
             if points:
                 steps = sorted(points)
-                curves.plot(steps, [points[s] for s in steps], gid=kind, **styles[kind])
+                ax.plot(steps, [points[s] for s in steps], gid=kind, **styles[kind])
                 counts[kind] += 1
-    curves.set(title="evaluations during training", xlabel="step", ylabel=metric)
-    curves.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    ax.set(title="evaluations during training", xlabel="step", ylabel=metric)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     handles = [Line2D([], [], label=f"{kind} ({n})", **styles[kind]) for kind, n in counts.items() if n]
     if handles:
-        curves.legend(handles=handles)
-    drawn = values + [v for t in trials for v in t.intermediate_values.values()]
-    for ax in (history, curves):
-        # Margins must not cross 0 or 1 where no value does: an accuracy past 1, a negative loss or error.
-        low, high = ax.get_ylim()
-        if drawn and min(drawn) >= 0:
-            low = max(low, 0.0)
-        if drawn and max(drawn) <= 1:
-            high = min(high, 1.0)
-        ax.set_ylim(low, high)
+        ax.legend(handles=handles)
 
+
+def _importance(ax, importances, complete, tied):
     if importances:
         names = list(importances)[::-1]
-        bars = importance.barh(names, [importances[n] for n in names])
-        importance.bar_label(bars, fmt="%.2f", padding=2)
-        importance.set(
+        bars = ax.barh(names, [importances[n] for n in names])
+        ax.bar_label(bars, fmt="%.2f", padding=2)
+        ax.set(
             title=f"parameter importance (PED-ANOVA over {len(complete)} complete trials)",
             xlabel="share of the importance",
             xlim=(0, 1.15 * max(importances.values())),  # room for the labels
         )
     else:
-        importance.text(0.5, 0.5, _no_importance(complete, tied), ha="center", va="center")
-        importance.set(title="parameter importance", xticks=[], yticks=[])
-
-    _parallel_coordinates(fig, coords, complete, space, best, metric, direction)
-    return fig
+        ax.text(0.5, 0.5, _no_importance(complete, tied), ha="center", va="center")
+        ax.set(title="parameter importance", xticks=[], yticks=[])
 
 
 def collapsed(values, direction):

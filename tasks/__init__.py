@@ -1,4 +1,4 @@
-"""Tasks, one file each: `--task=NAME` loads `tasks/NAME.py` and builds its `Task(config, data)`.
+"""Tasks, one file each: `--task=NAME` loads `tasks/NAME.py` and builds its `Task(config, spec, info)`.
 
 A task says what a batch holds, the per-example loss from the models' outputs, its evaluation metrics
 as per-example values (the engine sums them over replicas and workers, with padding weighted 0), how

@@ -1,9 +1,11 @@
 """The task protocol: the questions the engine asks of a batch, with the defaults most tasks keep.
 
 A task file, `tasks/<name>.py`, defines `class Task(base.Task)` and overrides what differs. The engine
-builds it once per run as `Task(config, spec, info)`: `spec` is {feature: tf.TensorSpec} of one example as
-the data source gives it, `info` what the source knows (`num_classes` of a label, a text's `vocabulary`).
-After `prepare`, the engine sets `self.spec` to the prepared example's spec (what `models` and `serve` read).
+builds a run in order (engine/trainer.py Trainer, from engine/build.py): the source, then the task, once per
+run, as `Task(config, spec, info)`: `spec` is {feature: tf.TensorSpec} of one example as the data source gives
+it, `info` what the source knows (`num_classes` of a label, a text's `vocabulary`). Then the task's data: the
+engine receives the task, runs `prepare` in the input pipeline and sets `self.spec` to the prepared example's
+spec (what `models` and `serve` read). Then `models(create)`, the updates and the step.
 
 The engine owns everything else: the step (the global-batch loss, loss scaling, one all-reduce, the finite
 check, clipping, the update: a task says its updates, or writes its replica step from the engine's
@@ -39,9 +41,12 @@ class Task:
 
     def models(self, create):
         """{name: model} of the run. `create(family, spec, outputs)` builds `models/<family>.py` for inputs like
-        `spec` (a tf.TensorSpec of one example); `create(..., config=c)` with another run's settings `c`. Every
-        model's trainable variables are trained, in one step; set `model.trainable = False` on one the task only
-        reads (a teacher)."""
+        `spec` (a tf.TensorSpec of one example), handing the factory the source's `info` too; `create(...,
+        config=c)` with another run's settings `c`. `create.trained(workdir, spec, outputs, flag, task)` is another
+        run's trained model (a distillation teacher): checked to be a `task` run on this run's dataset, built from
+        its config.json, restored from its newest checkpoint (its moving average where it kept one) and frozen;
+        ConfigError naming --`flag` otherwise. Every model's trainable variables are trained, in one step; set
+        `model.trainable = False` on one the task only reads."""
         return {"model": create(self.config.model, self.spec[self.input], self.outputs)}
 
     # Per-group optimizer settings: ((regex on <model name>/<variable path>, {setting: value}), ...), the first match

@@ -14,9 +14,6 @@ from --teacher's config.json (keep that workdir), export serves the student alon
 
 import tensorflow as tf
 
-from engine import checkpoint
-from engine.config import load_run_config
-from engine.errors import ConfigError
 from tasks import classification
 
 DATASET = "digits"  # the default --dataset
@@ -44,28 +41,10 @@ class Task(classification.Task):
         student = super().models(create)
         if self.config.mode == "export":  # the SavedModel serves the student: it holds no teacher
             return student
-        return {**student, "teacher": self._teacher(create)}
-
-    def _teacher(self, create):
-        where = self.config.teacher
-        saved = load_run_config(where)
-        if saved is None:
-            raise ConfigError(f"--teacher={where}: no config.json there; name the workdir of a trained run")
-        if saved.task != "classification":
-            raise ConfigError(f"--teacher={where}: a --task={saved.task} run; the teacher must be a classification run")
-        if saved.dataset != self.config.dataset:
-            raise ConfigError(
-                f"--teacher={where}: trained on --dataset={saved.dataset}, not this run's {self.config.dataset}"
-            )
-        teacher = create(saved.model, self.spec[self.input], self.outputs, config=saved)
-        found = checkpoint.warm_start({"teacher": teacher}, where, flag="teacher")
-        if found["missing"] or found["reshaped"]:  # a partly restored teacher would teach noise
-            raise ConfigError(
-                f"--teacher={where}: its checkpoint does not fit its config.json's model "
-                f"({', '.join(found['missing'] + found['reshaped'])})"
-            )
-        teacher.trainable = False
-        return teacher
+        # Checked against this run, rebuilt from --teacher's config.json, restored and frozen by the engine.
+        where, spec = self.config.teacher, self.spec[self.input]
+        teacher = create.trained(where, spec, self.outputs, flag="teacher", task="classification")
+        return {**student, "teacher": teacher}
 
     def forward(self, models, batch, training):
         student = models["model"](batch["image"], training=training)

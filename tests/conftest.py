@@ -2,9 +2,30 @@
 and mirrored runs share a process. Multi-worker runs are separate processes (tests/helpers.run_workers)."""
 
 import collections
+import contextlib
+import fcntl
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+# XLA's compiled programs, kept for the test session in one directory that its worker processes (pytest -n 2
+# starts them after this file is read, with this environment) and every process they start (launch.py, worker
+# processes) share. Most tests train the same few small models: the first compilation of each program is XLA's
+# work, the others read it back. The cache is keyed by the program itself, so each test runs the program it would
+# have compiled.
+if not os.environ.get("PYTEST_XDIST_WORKER") and "ENGINE_TESTS_XLA_CACHE" not in os.environ:
+    os.environ["ENGINE_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="engine-tests-xla-")
+    _OWN_XLA_CACHE = True
+else:
+    _OWN_XLA_CACHE = False
+if "ENGINE_TESTS_XLA_CACHE" in os.environ:
+    _flags = os.environ.get("TF_XLA_FLAGS", "")
+    if "tf_xla_persistent_cache_directory" not in _flags:
+        _cache = os.environ["ENGINE_TESTS_XLA_CACHE"]
+        os.environ["TF_XLA_FLAGS"] = f"{_flags} --tf_xla_persistent_cache_directory={_cache}".strip()
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -14,6 +35,11 @@ from tests import helpers  # noqa: E402
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
+
+
+def pytest_sessionfinish(session):
+    if _OWN_XLA_CACHE:  # the process that made it, after every worker process has finished
+        shutil.rmtree(os.environ["ENGINE_TESTS_XLA_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,11 +72,31 @@ def mirrored():
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
+def built_once(tmp_path_factory, name, build):
+    """A directory `build(path)` fills once for the whole test session: under `pytest -n 2` the first worker
+    process to ask builds it while the other waits on a lock, then both read it (a module fixture would build it
+    once per worker process that runs a module needing it)."""
+    base = tmp_path_factory.getbasetemp()
+    # xdist gives each worker basetemp/../popen-gwN; the parent is this session's alone. Without xdist, basetemp is.
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock, contextlib.ExitStack() as unlock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        unlock.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+        if not done.exists():
+            path.mkdir(exist_ok=True)
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def multi_worker_dir(data_dir, tmp_path_factory):
-    """Two localhost worker processes run every parity case and the non-finite scenario once."""
-    out = tmp_path_factory.mktemp("multi_worker")
-    results = helpers.run_workers(["tests/mw_worker.py", str(out), data_dir], count=2, timeout=600)
-    for code, output in results:
-        assert code == 0, output[-3000:]
-    return out
+    """Two localhost worker processes run every parity case and the non-finite scenario once for the session."""
+
+    def build(out):
+        results = helpers.run_workers(["tests/mw_worker.py", str(out), data_dir], count=2, timeout=600)
+        for code, output in results:
+            assert code == 0, output[-3000:]
+
+    return built_once(tmp_path_factory, "multi_worker", build)

@@ -141,6 +141,14 @@ def checkpoint_tensors(workdir):
     return path, {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "save_counter" not in k}
 
 
+def without_xla_cache():
+    """Environment variables for a process whose files may not grow (a full disk, RLIMIT_FSIZE): the test session's
+    XLA cache (tests/conftest.py) left out, since writing a compiled program there would fail before what the
+    test is about."""
+    flags = os.environ.get("TF_XLA_FLAGS", "").split()
+    return {"TF_XLA_FLAGS": " ".join(f for f in flags if not f.startswith("--tf_xla_persistent_cache_directory"))}
+
+
 def launch(*args, env=None, timeout=300):
     """Runs `python launch.py *args` from the repository root; returns the CompletedProcess (text output)."""
     return subprocess.run(

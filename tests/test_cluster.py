@@ -369,3 +369,25 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
     served_config = dataclasses.replace(config, tf_data_service=dispatcher.target)
     served = [b["image"].numpy() for b in data.load(served_config).train_fn(tf.distribute.InputContext()).take(5)]
     assert sorted(b.tobytes() for b in served) == sorted(b.tobytes() for b in direct)
+
+
+@pytest.mark.parametrize(
+    "hostlist,hosts",
+    [
+        ("gpu[07-08,10],login1", ["gpu07", "gpu08", "gpu10", "login1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("a[098-101]", ["a098", "a099", "a100", "a101"]),  # the width of the first number pads them all
+        ("solo", ["solo"]),
+    ],
+)
+def test_slurms_compressed_node_list_expands_in_order(hostlist, hosts):
+    from engine import cluster
+
+    assert cluster.expand_hostlist(hostlist) == hosts
+
+
+def test_slurms_tasks_per_node_expand_their_repeats():
+    from engine import cluster
+
+    assert cluster.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert cluster.expand_counts("4") == [4]

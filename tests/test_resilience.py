@@ -160,10 +160,10 @@ def test_checkpoint_of_another_model_is_refused(data_dir, one_device, tmp_path, 
 
 def _poison(monkeypatch, bad_batches):
     """Global batches `bad_batches` of the training stream carry a NaN (one device: one batch per step)."""
-    real_load = data.load
+    real_prepare = data.prepare
 
-    def load(config, split=None):
-        loaded = real_load(config, split)
+    def prepare(config, source, task, split=None):
+        loaded = real_prepare(config, source, task, split)
 
         def train_fn(ctx, start_batch=0, **kwargs):
             ds = loaded.train_fn(ctx, start_batch, **kwargs).enumerate(start_batch)
@@ -172,7 +172,7 @@ def _poison(monkeypatch, bad_batches):
 
         return dataclasses.replace(loaded, train_fn=train_fn, gather=None)  # through the poisoned pipeline
 
-    monkeypatch.setattr(data, "load", load)
+    monkeypatch.setattr(data, "prepare", prepare)
 
 
 def test_nan_stops_naming_the_steps_and_the_last_good_checkpoint(data_dir, one_device, tmp_path, monkeypatch):
@@ -277,7 +277,7 @@ def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
-    code, _, err = launch(tmp_path, *args, "--train_steps=20", preexec_fn=small_disk)
+    code, _, err = launch(tmp_path, *args, "--train_steps=20", env=helpers.without_xla_cache(), preexec_fn=small_disk)
     lines = err.strip().splitlines()
     assert code == 4, err[-2000:]
     assert lines[-1].startswith("error: cannot write checkpoint for step 20 to ") and str(tmp_path) in lines[-1]

@@ -391,6 +391,7 @@ def test_a_disk_full_between_checkpoints_ends_in_one_error_line(data_dir, tmp_pa
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, **helpers.without_xla_cache()},
         preexec_fn=small_disk,
     )
     lines = proc.stderr.strip().splitlines()

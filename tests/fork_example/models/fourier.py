@@ -1,7 +1,8 @@
 """Fourier features, then an MLP (Tancik et al., 2020): sines and cosines of learned projections let a small
 network fit inputs of a few dimensions (points, coordinates) that a plain MLP fits slowly.
 
-A model family is one file, models/<name>.py, with `create(config, input_shape, outputs) -> keras.Model`:
+A model family is one file, models/<name>.py, with `create(config, spec, outputs, info) -> keras.Model` (`spec`
+the tf.TensorSpec of one example, `info` what the source knows of it: a vocabulary, the number of classes):
 --model=fourier finds it. Its SETTINGS become flags (--fourier_width=128) and fields of the run's config."""
 
 import tensorflow as tf
@@ -29,6 +30,6 @@ class Fourier(keras.Model):
         return self.head(self.hidden(tf.concat([tf.sin(angles), tf.cos(angles)], axis=-1)))
 
 
-def create(config, input_shape, outputs):
-    del input_shape  # the layers infer the input width on the first call
+def create(config, spec, outputs, info):
+    del spec, info  # the layers infer the input width on the first call
     return Fourier(config.fourier_frequencies, config.fourier_scale, config.fourier_width, outputs, name="fourier")

@@ -1,0 +1,82 @@
+"""Where the suite's CPU time goes: `python -m pytest -p tests.cpu_usage` ends with the CPU-seconds of each module,
+its own process's and those of the processes its tests started (launch.py runs, worker processes), the modules
+in order of cost, then the costliest tests.
+
+The suite's budget is in CPU-seconds (README, "Tests"): on two cores, wall time is about half of them at best, and
+a timed wall-clock figure on a shared machine says more about the neighbours than about the suite. A test's
+children are counted once they have been waited for, killed ones too (resource.RUSAGE_CHILDREN).
+"""
+
+import collections
+import json
+import os
+import resource
+import tempfile
+import time
+
+import pytest
+
+LOG = "ENGINE_TESTS_CPU_LOG"  # the file every test process appends its records to
+SHOWN = 15  # the costliest tests listed after the modules
+
+
+def _cpu(who):
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def pytest_configure(config):
+    # Set before pytest -n starts its worker processes, which inherit it.
+    if LOG not in os.environ:
+        handle, path = tempfile.mkstemp(prefix="engine-tests-cpu-", suffix=".jsonl")
+        os.close(handle)
+        os.environ[LOG] = path
+        config._cpu_usage_log = path
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    own, children, started = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), time.monotonic()
+    yield
+    record = {
+        "test": item.nodeid,
+        "own": _cpu(resource.RUSAGE_SELF) - own,
+        "children": _cpu(resource.RUSAGE_CHILDREN) - children,
+        "wall": time.monotonic() - started,
+    }
+    with open(os.environ[LOG], "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def summary(records, shown=SHOWN):
+    """The report's lines from the tests' records."""
+    modules = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for r in records:
+        module = modules[r["test"].split("::")[0]]
+        module[0] += r["own"]
+        module[1] += r["children"]
+        module[2] += 1
+    own, children = sum(m[0] for m in modules.values()), sum(m[1] for m in modules.values())
+    lines = [
+        f"CPU-seconds of {len(records)} tests: {own + children:.0f} ({own:.0f} in pytest's processes, "
+        f"{children:.0f} in processes the tests started; start-up and collection not included)"
+    ]
+    lines.append("   total      own  started  tests  module")
+    for name, (o, c, n) in sorted(modules.items(), key=lambda kv: -(kv[1][0] + kv[1][1])):
+        lines.append(f"{o + c:8.1f} {o:8.1f} {c:8.1f} {n:6d}  {name}")
+    lines.append(f"the {shown} costliest tests:")
+    for r in sorted(records, key=lambda r: -(r["own"] + r["children"]))[:shown]:
+        lines.append(f"{r['own'] + r['children']:8.1f} {r['own']:8.1f} {r['children']:8.1f}  {r['test']}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = getattr(config, "_cpu_usage_log", None)
+    if path is None:  # a worker process: the controlling one reports
+        return
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    os.remove(path)
+    terminalreporter.section("CPU time")
+    for line in summary(records):
+        terminalreporter.write_line(line)

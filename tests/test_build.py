@@ -1,0 +1,159 @@
+"""One place builds a run (engine/build.py, in engine/trainer.py's order): the data receives its task, a model
+factory receives its input's spec and what the source knows of it, a task asks the engine for another run's trained
+model, and what a checkpoint holds is one named State."""
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from engine import build, data, loop
+from engine import checkpoint as checkpoint_lib
+from engine.config import ConfigError
+from engine.updates import Update
+from tasks import classification
+from tests import helpers
+
+# A model of a fork that sizes its embedding from the source's vocabulary, which the task never hands it: a
+# character tagger's shape. It reads one logit per token and class, as tasks/language_model.py's model does.
+TAGGER = """
+import tensorflow as tf
+
+keras = tf.keras
+
+
+def create(config, spec, outputs, info):
+    del config, spec
+    return keras.Sequential(
+        [keras.layers.Embedding(len(info["vocabulary"]), 8, name="embed"), keras.layers.Dense(outputs, name="head")],
+        name="tagger",
+    )
+"""
+
+# A factory of the older form: create(config, input_shape, outputs). It records what it was handed.
+OLD_FORM = """
+import tensorflow as tf
+
+received = []
+
+
+def create(config, input_shape, outputs):
+    received.append(input_shape)
+    return tf.keras.Sequential([tf.keras.layers.Flatten(), tf.keras.layers.Dense(outputs)], name="old")
+"""
+
+
+@pytest.fixture
+def model_file(tmp_path, monkeypatch):
+    """write(name, text): models/<name>.py as a fork adds it, found by the engine for this test only."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(folder)])
+    written = []
+
+    def write(name, text):
+        (folder / f"{name}.py").write_text(text)
+        written.append(f"models.{name}")
+        return name
+
+    yield write
+    for module in written:
+        sys.modules.pop(module, None)
+
+
+def _language_model(model):
+    # Validated with a bundled model, then given the fork's: --model accepts the files of models/ only.
+    config = helpers.make_config(
+        "", task="language_model", model="gpt", sequence_length=16, global_batch_size=16, eval_batch_size=64
+    )
+    return dataclasses.replace(config, model=model, learning_rate=1e-2)
+
+
+def test_a_model_file_sizes_its_embedding_from_the_sources_vocabulary(model_file, one_device):
+    trainer = loop.Trainer(_language_model(model_file("tagger", TAGGER)), one_device)
+    vocabulary = trainer.task.info["vocabulary"]
+    assert len(vocabulary) == 65
+    embed = trainer.model.get_layer("embed")
+    assert tuple(embed.embeddings.shape) == (65, 8)  # from info, not from the task: it hands the model outputs only
+    before = embed.embeddings.numpy()
+    first = trainer.run_steps(trainer.train_iterator(), 1)
+    later = trainer.run_steps(trainer.train_iterator(), 20)
+    assert first["loss"] == pytest.approx(np.log(65), abs=0.05)  # a fresh head guesses every character alike
+    assert later["loss"] < first["loss"] - 0.1  # it trains
+    assert not np.array_equal(before, embed.embeddings.numpy())
+
+
+def test_a_factory_of_the_older_form_gets_the_shape_as_a_tuple(model_file, data_dir, one_device):
+    config = dataclasses.replace(helpers.make_config(data_dir), model=model_file("old", OLD_FORM))
+    trainer = loop.Trainer(config, one_device)
+    assert sys.modules["models.old"].received == [(8, 8, 1)]
+    assert trainer.model.name == "old" and trainer.run_steps(trainer.train_iterator(), 1)["steps"] == 1
+
+
+def test_the_data_receives_the_task_built_before_it(data_dir):
+    config = helpers.make_config(data_dir)
+    source, task = build.source_and_task(config)
+    assert type(task) is classification.Task and task.info is source.info
+    prepared = data.prepare(config, source, task)
+    assert prepared.task is task and task.spec == prepared.spec
+    assert prepared.spec["image"] == tf.TensorSpec([8, 8, 1], tf.float32)  # the task's prepare: scaled floats
+    loaded = data.load(config)  # what evaluation and research read: built the same way
+    assert type(loaded.task) is classification.Task and loaded.spec == prepared.spec
+
+
+def test_a_trained_model_of_another_task_is_refused_naming_the_flag(data_dir, tmp_path):
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    loop.write_config(helpers.make_config(data_dir, other, task="regression", dataset="synthetic"), object())
+    create = build.Create(helpers.make_config(data_dir), {})
+    with pytest.raises(ConfigError, match=rf"^--teacher={other}: a --task=regression run; the teacher must be a "):
+        create.trained(other, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")
+
+
+def test_a_trained_model_is_rebuilt_restored_and_frozen(data_dir, tmp_path, one_device):
+    teacher = str(tmp_path / "teacher")
+    config = helpers.make_config(data_dir, teacher, hidden_sizes=(16,), train_steps=10)
+    loop.train(config, one_device)
+    create = build.Create(helpers.make_config(data_dir, hidden_sizes=(4,)), {})  # this run's own model differs
+    with one_device.scope():
+        model = create.trained(teacher, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")
+    _, saved = helpers.checkpoint_tensors(teacher)
+    assert not model.trainable and [tuple(v.shape) for v in model.variables] == [(64, 16), (16,), (16, 10), (10,)]
+    for v in model.variables:
+        key = f"models/model/{v.path.replace('/', '.S')}/.ATTRIBUTES/VARIABLE_VALUE"
+        np.testing.assert_array_equal(v.numpy(), saved[key], err_msg=key)
+
+
+COUNTS = ("skipped", "step")
+
+
+class TwoUpdates(classification.Task):
+    def updates(self):
+        return (Update("body", trains=r"/dense/"), Update("head", trains=r"/dense_1/"))
+
+
+@pytest.mark.parametrize(
+    "task, overrides, keys",
+    [
+        (None, {}, ["batches", "input_pipelines", "loss_scale", "models", "optimizer", *COUNTS]),
+        (None, {"ema_decay": 0.9}, ["batches", "ema", "input_pipelines", "loss_scale", "models", "optimizer", *COUNTS]),
+        (TwoUpdates, {}, ["batches", "input_pipelines", "loss_scales", "models", "optimizers", *COUNTS]),
+    ],
+)
+def test_a_checkpoint_holds_the_runs_state(data_dir, tmp_path, one_device, monkeypatch, task, overrides, keys):
+    if task is not None:
+        monkeypatch.setattr(data, "task_class", lambda config: task)
+    trainer = loop.Trainer(helpers.make_config(data_dir, str(tmp_path), hidden_sizes=(8,), **overrides), one_device)
+    state = trainer.state
+    assert sorted(state.tracked()) == keys
+    assert (state.step, state.batches, state.skipped) == (trainer.step, trainer.batches, trainer.skipped)
+    checkpoints = checkpoint_lib.Checkpoints(trainer, str(tmp_path), keep=1)
+    trainer.step.assign(7)
+    saved = tf.train.load_checkpoint(checkpoints.save()).get_variable_to_shape_map()
+    assert sorted({key.split("/")[0] for key in saved} - {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter"}) == sorted(
+        state.tracked()
+    )
