@@ -1,8 +1,8 @@
-"""The pieces a run is built from, in the order engine/trainer.py's Trainer builds them: the source (its examples'
-spec and what it knows of them), the task from those, the task's data, the models (a task asks for them through
-`Create`), the variables they train and their moving averages, then the state a checkpoint holds. Nothing here
-builds what is upstream of it: the data receives its task, a model factory receives its input's spec and the
-source's info."""
+"""The pieces a run is built from, in the order engine/trainer.py's Trainer builds them: the source (its
+examples' spec and what it knows of them), the task from those, the task's data, the seed, the models (a task
+asks for them through `Create`), the variables they train and their moving averages, then the state a
+checkpoint holds. Nothing here builds what is upstream of it: the data receives its task, a model factory
+receives its input's spec and the source's info."""
 
 import collections
 import importlib
@@ -64,7 +64,10 @@ def create_model(config, family, spec, outputs, info=None):
 def _factory_call(factory, config, spec, outputs, info):
     # A fork's factory written before factories received the spec and the source's info keeps working:
     # create(config, input_shape, outputs), the shape a tuple.
-    if len(inspect.signature(factory).parameters) == 3:
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = inspect.signature(factory).parameters.values()
+    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    if len(required) == 3:
         return factory(config, tuple(spec.shape), outputs)
     return factory(config, spec, outputs, info)
 
@@ -72,7 +75,8 @@ def _factory_call(factory, config, spec, outputs, info):
 class Create:
     """The `create` a task's `models(create)` receives (tasks/base.py): `create(family, spec, outputs)` builds a
     model of this run's settings (`config=`: of another run's), and `create.trained(...)` another run's trained
-    model, frozen (a distillation teacher)."""
+    model, frozen (a distillation teacher). Every model it builds receives this run's source's info: another run's
+    model reads the same dataset (trained() refuses one of another)."""
 
     def __init__(self, config, info):
         self.config, self.info = config, info

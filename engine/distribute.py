@@ -13,8 +13,6 @@ from engine.cluster import (  # noqa: F401  (the names callers and tests import 
     NOT_FORMED_EXIT_CODE,
     SLURM_VARIABLES,
     PeerLost,
-    expand_counts,
-    expand_hostlist,
 )
 from engine.config import planned_strategy
 from engine.errors import ConfigError

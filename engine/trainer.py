@@ -42,6 +42,7 @@ class Trainer:
             self.plans = updates.build_plans(self.task, self.params, self.param_names, self.ema, config)
             self.state = build.state(self.models, self.plans, self.param_names, self.ema)
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
+        # The same variables as the State's, named for the step and the loop: never rebind one.
         self.step, self.batches = self.state.step, self.state.batches
         self.skipped, self.input_pipelines = self.state.skipped, self.state.input_pipelines
         # Then what the step and the loop read: precision, counters of this process, cluster, input path, XLA.

@@ -1,8 +1,8 @@
 """Two logical CPU devices for the whole test process, set before any TensorFlow op runs, so one_device
 and mirrored runs share a process. Multi-worker runs are separate processes (tests/helpers.run_workers)."""
 
+import atexit
 import collections
-import contextlib
 import fcntl
 import os
 import shutil
@@ -18,9 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # have compiled.
 if not os.environ.get("PYTEST_XDIST_WORKER") and "ENGINE_TESTS_XLA_CACHE" not in os.environ:
     os.environ["ENGINE_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="engine-tests-xla-")
-    _OWN_XLA_CACHE = True
-else:
-    _OWN_XLA_CACHE = False
+    # Removed when this process ends, after its worker processes: also when the session stops on a usage error.
+    atexit.register(shutil.rmtree, os.environ["ENGINE_TESTS_XLA_CACHE"], True)
 if "ENGINE_TESTS_XLA_CACHE" in os.environ:
     _flags = os.environ.get("TF_XLA_FLAGS", "")
     if "tf_xla_persistent_cache_directory" not in _flags:
@@ -35,11 +34,6 @@ from tests import helpers  # noqa: E402
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
-
-
-def pytest_sessionfinish(session):
-    if _OWN_XLA_CACHE:  # the process that made it, after every worker process has finished
-        shutil.rmtree(os.environ["ENGINE_TESTS_XLA_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,17 +69,23 @@ def mirrored():
 def built_once(tmp_path_factory, name, build):
     """A directory `build(path)` fills once for the whole test session: under `pytest -n 2` the first worker
     process to ask builds it while the other waits on a lock, then both read it (a module fixture would build it
-    once per worker process that runs a module needing it)."""
+    once per worker process that runs a module needing it). A build that failed fails the other asker too, with
+    its message, instead of building again over what it left."""
     base = tmp_path_factory.getbasetemp()
     # xdist gives each worker basetemp/../popen-gwN; the parent is this session's alone. Without xdist, basetemp is.
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    path, done = root / name, root / f"{name}.done"
-    with open(root / f"{name}.lock", "w") as lock, contextlib.ExitStack() as unlock:
+    path, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
+    with open(root / f"{name}.lock", "w") as lock:  # closing the file releases the lock
         fcntl.flock(lock, fcntl.LOCK_EX)
-        unlock.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+        if failed.exists():
+            pytest.fail(f"building {name} failed in another test process:\n{failed.read_text()}")
         if not done.exists():
             path.mkdir(exist_ok=True)
-            build(path)
+            try:
+                build(path)
+            except BaseException as e:
+                failed.write_text(str(e)[-3000:])
+                raise
             done.touch()
     return path
 

@@ -361,13 +361,19 @@ def test_every_step_function_compiles_with_xla(data_dir, one_device, model):
 
 def test_tf_data_service_serves_the_same_batches(data_dir):
     dispatcher = tf.data.experimental.service.DispatchServer()
-    worker = tf.data.experimental.service.WorkerServer(  # noqa: F841  (serves until the test ends)
+    worker = tf.data.experimental.service.WorkerServer(
         tf.data.experimental.service.WorkerConfig(dispatcher_address=dispatcher.target.split("://")[1])
     )
-    config = helpers.make_config(data_dir)
-    direct = [b["image"].numpy() for b in data.load(config).train_fn(tf.distribute.InputContext()).take(5)]
-    served_config = dataclasses.replace(config, tf_data_service=dispatcher.target)
-    served = [b["image"].numpy() for b in data.load(served_config).train_fn(tf.distribute.InputContext()).take(5)]
+    try:
+        config = helpers.make_config(data_dir)
+        direct = [b["image"].numpy() for b in data.load(config).train_fn(tf.distribute.InputContext()).take(5)]
+        served_config = dataclasses.replace(config, tf_data_service=dispatcher.target)
+        served = [b["image"].numpy() for b in data.load(served_config).train_fn(tf.distribute.InputContext()).take(5)]
+    finally:
+        # The worker first: left to garbage collection, the dispatcher could go first, and a worker stopping
+        # without its dispatcher hung the test process (seen once in WorkerServer.__del__, TensorFlow 2.21).
+        worker._stop()
+        dispatcher._stop()
     assert sorted(b.tobytes() for b in served) == sorted(b.tobytes() for b in direct)
 
 
