@@ -60,9 +60,7 @@ class State:
 
     def evaluated(self):
         """What evaluation, export and ensembles restore (partial=True): the models, their averages and the step."""
-        return tf.train.Checkpoint(
-            models=model_state(self.models), step=self.step, **({"ema": self.ema} if self.ema else {})
-        )
+        return tf.train.Checkpoint(**{k: v for k, v in self.tracked().items() if k in ("models", "step", "ema")})
 
 
 def tracked_state(trainer):
