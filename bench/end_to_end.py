@@ -6,11 +6,12 @@
 
 Each repeat runs, one after the other in fresh processes: the engine (`launch.py --dataset=synthetic ...` at its
 default settings, so `--jit_compile=auto` chooses; the examples/s of its own summary.json, which leaves out the
-first round with its tracing and compiling), then `fit` with XLA off and on (steps_per_execution 50, the same
-model, data pipeline, batch and optimizer; its first execution left out alike). The row is the median over the
-repeats of engine / the faster fit: neighbours on a shared machine slow whichever side they meet, and alternating
-the sides spreads that over both. On the MLPs the model's forward and backward matmuls alone, timed in their own
-process, give the share of the matmul time the engine reaches end to end.
+first round with its tracing and compiling) and `fit` with XLA off and on, the engine first in even repeats and last
+in odd ones (steps_per_execution 50, the same model, data pipeline, batch and optimizer; its first execution left
+out alike). The row is the median (and the range) over the repeats of engine / the faster fit: neighbours on a
+shared machine slow whichever side they meet, and alternating the sides spreads that over both. On the MLPs the
+model's forward and backward matmuls alone, timed in their own process, give the share of the matmul time the engine
+reaches end to end.
 """
 
 import argparse
@@ -71,13 +72,17 @@ def measure(name, spec, precision, repeats, steps, steps_per_loop, fit_jit=(Fals
     """One row's measurements: per repeat the engine's and each fit's examples/s."""
     out = {"engine": [], "input_wait": [], "fit": {int(j): [] for j in fit_jit}, "jit_choice": None}
     for r in range(repeats):
-        speed, out["jit_choice"], wait = engine_run(spec, precision, steps, steps_per_loop)
-        out["engine"].append(speed)
-        out["input_wait"].append(wait)
-        for jit in fit_jit:
-            task = dict(kind="fit", spec=spec, precision=precision, jit=jit, steps_per_execution=50, steps=steps)
-            result = run.run_worker(task, f"fit {name} {precision} jit={int(jit)}")
-            out["fit"][int(jit)].append(result["examples_per_sec"])
+        # Which side goes first alternates: a neighbour that starts or stops mid-pair then favours neither.
+        sides = ["engine", *fit_jit] if r % 2 == 0 else [*fit_jit, "engine"]
+        for side in sides:
+            if side == "engine":
+                speed, out["jit_choice"], wait = engine_run(spec, precision, steps, steps_per_loop)
+                out["engine"].append(speed)
+                out["input_wait"].append(wait)
+                continue
+            task = dict(kind="fit", spec=spec, precision=precision, jit=side, steps_per_execution=50, steps=steps)
+            result = run.run_worker(task, f"fit {name} {precision} jit={int(side)}")
+            out["fit"][int(side)].append(result["examples_per_sec"])
         best_fit = max(out["fit"][j][r] for j in out["fit"])
         print(
             f"progress: {name} {precision} repeat {r + 1}/{repeats}: engine {speed:,.0f} examples/s, "
@@ -137,7 +142,8 @@ def rows(results, models):
                 f"{ratio:.2f}x",
                 f">= {target:.2f}x",
                 lambda v, t=target: v >= t,
-                f"median of {len(r['ratios'])} ({', '.join(f'{x:.2f}' for x in r['ratios'])}): engine "
+                f"median of {len(r['ratios'])} pairs, range {min(r['ratios']):.2f}-{max(r['ratios']):.2f} "
+                f"({', '.join(f'{x:.2f}' for x in r['ratios'])}): engine "
                 f"{statistics.median(r['engine']):,.0f} examples/s, jit_compile={r['jit_choice']}; fit "
                 + ", ".join(f"jit={j} {v:,.0f}" for j, v in fits.items())
                 + f" (best jit={best}); the engine's steps waited for input "

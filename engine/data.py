@@ -43,9 +43,7 @@ import urllib.parse
 import urllib.request
 
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
-import engine.digits  # noqa: F401  (registers the bundled `digits` builder with tfds)
 import tasks
 from engine import sources
 from engine.config import check_memory, first_line
@@ -222,7 +220,18 @@ def load_source(config, features, split=None):
     return source
 
 
+def _tensorflow_datasets():
+    """tensorflow_datasets, with the bundled `digits` builder registered. Imported by the first run that reads one
+    of its datasets: the other sources (engine/sources/) do not pay for importing it."""
+    import tensorflow_datasets as tfds  # noqa: PLC0415
+
+    import engine.digits  # noqa: F401, PLC0415  (registers the bundled `digits` builder with tfds)
+
+    return tfds
+
+
 def _tfds(config, name, features, eval_split):
+    tfds = _tensorflow_datasets()
     builder = _prepared_builder(config, name)
     info = builder.info
     keep = list(features or info.features.keys())
@@ -278,6 +287,7 @@ def _decoding(config, info, keep):
     """(encoded features, tfds decoders, {feature: spec} as decoded, per-example decode or None) of the features
     `keep`. Photos of many sizes (imagenet2012 and most photo datasets) are read encoded and decoded per
     example."""
+    tfds = _tensorflow_datasets()
     encoded = [
         f for f in keep if isinstance(info.features[f], tfds.features.Image) and None in info.features[f].shape[:2]
     ]
@@ -299,6 +309,7 @@ def _decoding(config, info, keep):
 
 
 def _prepared_builder(config, name):
+    tfds = _tensorflow_datasets()
     data_dir = os.path.expanduser(config.data_dir) if config.data_dir else None
     try:
         builder = tfds.builder(name, data_dir=data_dir)
@@ -333,7 +344,7 @@ def _check_reachable(config, builder):
         try:
             socket.create_connection((host, port), timeout=3).close()
         except OSError as e:
-            where = config.data_dir or tfds.core.constants.DATA_DIR
+            where = config.data_dir or _tensorflow_datasets().core.constants.DATA_DIR
             raise ConfigError(
                 f"--dataset={config.dataset}: not prepared in --data_dir={where} ({builder.data_dir}) and the "
                 f"network is unreachable ({'proxy ' if is_proxy else ''}{host}:{port}: {e.strerror or e}); prepare "

@@ -133,3 +133,62 @@ def test_end_to_end_rows_take_the_median_ratio_against_the_faster_fit():
     assert share["value"] == pytest.approx(100 / 120) and share["result"] == "FALL SHORT"
     assert table["end_to_end/mlp_1024/mixed_bfloat16"]["result"] == "ERROR"
     assert table["end_to_end/mlp_1024/mixed_bfloat16"]["detail"] == "boom"
+
+
+TINY_GPT = dict(gpt_layers=1, gpt_dim=16, gpt_heads=2, sequence_length=16, train_steps=3, global_batch_size=4)
+
+
+def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tmp_path):
+    """bench/pytorch.py's prepare: what bench/torch_gpt.py starts from is the engine's own run, not a copy."""
+    import numpy as np
+
+    from engine import data
+    from engine.config import Config, validate
+
+    flags = [f"--{k}={v}" for k, v in TINY_GPT.items()]
+    subprocess.run(
+        [sys.executable, "-m", "bench.pytorch", f"--prepare={tmp_path}", "--task=language_model", *flags],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    recipe = json.loads((tmp_path / "recipe.json").read_text())
+    assert (recipe["layers"], recipe["heads"], recipe["dim"], recipe["vocabulary"]) == (1, 2, 16, 65)
+    assert (recipe["train_steps"], recipe["learning_rate"], recipe["beta_2"]) == (3, 1e-3, 0.999)
+    weights = np.load(tmp_path / "weights.npz")
+    block = ["norm1", "qkv", "proj", "norm2", "mlp_in", "mlp_out"]
+    expected = {"embed.weight", "position", "norm.weight", "norm.bias", "head.weight", "head.bias"}
+    expected |= {f"blocks.0.{part}.{kind}" for part in block for kind in ("weight", "bias")}
+    assert set(weights.files) == expected
+    assert weights["blocks.0.mlp_in.weight"].shape == (16, 64)  # Keras's [in, out]: the PyTorch side transposes
+    assert weights["position"].shape == (16, 16) and weights["head.weight"].shape == (16, 65)
+    assert weights["blocks.0.norm1.weight"].tolist() == [1.0] * 16  # LayerNormalization's gamma starts at 1
+    # The batches are the ones the engine's steps gather, in its order.
+    batches = np.load(tmp_path / "batches.npy")
+    assert batches.shape == (3, 4, 17)
+    config = validate(Config(task="language_model", workdir=str(tmp_path / "unused"), **TINY_GPT))
+    engine = data.load(config)
+    for k in range(3):
+        np.testing.assert_array_equal(batches[k], engine.gather(np.int64(k), 0, 1)["tokens"].numpy())
+    # Every validation character is a target exactly once.
+    tokens, real = np.load(tmp_path / "eval_tokens.npy"), np.load(tmp_path / "eval_weights.npy")
+    assert tokens.shape[1] == 17 and real.sum() == 111_540 and (real > 0).sum() == engine.eval_examples
+
+
+def test_pytorch_rows_give_the_median_and_range_of_paired_ratios():
+    from bench import pytorch
+
+    def side(wall, step_ms, loss):
+        return dict(wall=wall, step_ms=step_ms, loss=loss, jit="true")
+
+    pairs = [
+        {"engine": side(60.0, 20.0, 1.80), "torch": side(90.0, 40.0, 1.79), "load": 1.0},
+        {"engine": side(80.0, 30.0, 1.81), "torch": side(80.0, 30.0, 1.80), "load": 3.0},
+        {"engine": side(70.0, 25.0, 1.79), "torch": side(100.0, 25.0, 1.78), "load": 2.0},
+    ]
+    cells = [c.strip() for c in pytorch.row("shakespeare_char", "float32", pairs).split("|")[1:-1]]
+    assert cells[2:6] == ["1.8000", "1.7900", "70.0", "90.0"]
+    assert cells[6] == "0.70x (0.67-1.00)"  # the median of 60/90, 80/80, 70/100; not 70/90
+    assert cells[7:10] == ["25.0", "30.0", "1.00x (0.50-1.00)"]  # 20/40, 30/30, 25/25
+    assert cells[10] == "1.0-3.0"

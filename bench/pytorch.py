@@ -1,0 +1,234 @@
+"""The engine against PyTorch on the same decoder: the same weights, batches, optimizer and evaluation.
+
+    python -m bench.pytorch                                  # shakespeare_char, float32 and bfloat16, 3 pairs each
+    python -m bench.pytorch --recipes=gpt_6x256 --repeats=5
+    python -m bench.pytorch --record                         # also appends the table to bench/RESULTS.md
+
+PyTorch is not a requirement of the engine: the first run makes a virtual environment of its own (.venv-torch, or
+--torch_venv) and installs BENCH_TORCH (default `torch==2.13.0`; on a machine without the CPU wheel at hand,
+`BENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"` avoids the CUDA build) and NumPy.
+
+For each recipe, one engine process first writes what both sides share (bench/torch_gpt.py names it): the
+initial weights of the engine's model, built as a run builds it, every training batch in the engine's order,
+and the evaluation windows. Then each repeat runs, as whole processes timed from outside, `launch.py` with the
+recipe's flags and bench/torch_gpt.py, alternating which goes first. A row gives each side's validation loss,
+wall time (start-up, training, evaluation) and time per step (the engine's from its summary, which leaves out the
+first round with its tracing and compiling; PyTorch's the median step after its first 20), and the median and
+range of the paired ratios engine / PyTorch: a busy neighbour moves the range more than the median.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench import run
+
+ROOT = run.ROOT
+TORCH_SCRIPT = os.path.join(ROOT, "bench", "torch_gpt.py")
+# The recipes: launch.py flags. gpt_6x256 is the larger decoder of the issue that asked for this comparison.
+RECIPES = {
+    "shakespeare_char": ["--flagfile=experiments/shakespeare_char.flags"],
+    "gpt_6x256": [
+        "--flagfile=experiments/shakespeare_char.flags",
+        "--gpt_layers=6",
+        "--gpt_dim=256",
+        "--gpt_heads=8",
+        "--sequence_length=128",
+        "--train_steps=500",
+    ],
+}
+# The engine's --precision and what PyTorch runs for it (bfloat16: autocast, weights and AdamW in float32).
+PRECISIONS = {"float32": "float32", "mixed_bfloat16": "bfloat16"}
+
+
+def ensure_torch(venv):
+    """The PyTorch virtual environment's python, made and installed on first use."""
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        print(f"making {venv} for PyTorch (once)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+        spec = os.environ.get("BENCH_TORCH", "torch==2.13.0").split()
+        subprocess.run([python, "-m", "pip", "install", "-q", *spec, "numpy"], check=True)
+    return python
+
+
+def prepare(argv, out):
+    """Writes what both sides share for the run `argv` (launch.py flags) into `out`: run in an engine process."""
+    import numpy as np
+    import tensorflow as tf
+
+    import launch
+    from engine import distribute
+    from engine.trainer import Trainer
+
+    launch._parse_flags(["launch.py", *argv])
+    config = launch._config_from_flags()
+    trainer = Trainer(config, distribute.create_strategy(config))
+    np.savez(os.path.join(out, "weights.npz"), **torch_names(trainer.models["model"]))
+    train = iter(trainer.data.train_fn(tf.distribute.InputContext()))
+    np.save(os.path.join(out, "batches.npy"), np.stack([next(train)["tokens"] for _ in range(config.train_steps)]))
+    evals = list(trainer.data.eval_fn(tf.distribute.InputContext()).take(trainer.data.eval_steps))
+    np.save(os.path.join(out, "eval_tokens.npy"), np.concatenate([b["tokens"] for b in evals]))
+    np.save(os.path.join(out, "eval_weights.npy"), np.concatenate([b["weight"] for b in evals]).astype(np.float32))
+    names = "seed learning_rate beta_1 beta_2 epsilon weight_decay warmup_steps lr_schedule train_steps clip_norm"
+    recipe = {name: getattr(config, name) for name in names.split()}
+    recipe.update(
+        vocabulary=len(trainer.task.info["vocabulary"]),
+        sequence_length=config.sequence_length,
+        layers=config.gpt_layers,
+        heads=config.gpt_heads,
+        dim=config.gpt_dim,
+        eval_batch_size=config.per_eval_batch_size,
+        global_batch_size=config.global_batch_size,
+    )
+    with open(os.path.join(out, "recipe.json"), "w") as f:
+        json.dump(recipe, f)
+
+
+def torch_names(model):
+    """{bench/torch_gpt.py's parameter name: the engine model's initial value}, in Keras layout."""
+    names = {"embed.weight": model.embed.embeddings, "position": model.position}
+    parts = ("norm1", "qkv", "proj", "norm2", "mlp_in", "mlp_out")
+    for i, block in enumerate(model.blocks):
+        for part in parts:
+            names.update(_layer(f"blocks.{i}.{part}", getattr(block, part)))
+    names.update(_layer("norm", model.norm))
+    names.update(_layer("head", model.head))
+    return {name: variable.numpy() for name, variable in names.items()}
+
+
+def _layer(prefix, layer):
+    if hasattr(layer, "gamma"):  # a LayerNormalization
+        return {f"{prefix}.weight": layer.gamma, f"{prefix}.bias": layer.beta}
+    return {f"{prefix}.weight": layer.kernel, f"{prefix}.bias": layer.bias}
+
+
+def timed(command, **kwargs):
+    """(seconds, the process) of a command run to its end; a failure raises with its output's tail."""
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, **kwargs)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(
+            f"{' '.join(command)} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+    return seconds, proc
+
+
+def engine_run(argv, precision, tmp):
+    workdir = os.path.join(tmp, "engine")
+    command = [sys.executable, "launch.py", *argv, f"--precision={precision}", f"--workdir={workdir}"]
+    seconds, proc = timed(command, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    subprocess.run(["rm", "-rf", workdir], check=True)
+    choice = next((w for w in proc.stdout.split() if w.startswith("jit_compile=")), "jit_compile=?")
+    step_ms = 1000 * summary["global_batch_size"] / summary["examples_per_sec"]
+    return dict(wall=seconds, step_ms=step_ms, loss=summary["eval"]["loss"], jit=choice.split("=", 1)[1])
+
+
+def torch_run(python, data, precision):
+    seconds, proc = timed([python, TORCH_SCRIPT, f"--data={data}", f"--precision={precision}"])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return dict(wall=seconds, step_ms=result["step_ms"], loss=result["validation_loss"], details=result)
+
+
+def measure(recipe, precision, python, data, repeats):
+    """`repeats` pairs of whole processes, alternating which side goes first."""
+    pairs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            sides = {}
+            order = ("engine", "torch") if r % 2 == 0 else ("torch", "engine")
+            for side in order:
+                if side == "engine":
+                    sides[side] = engine_run(RECIPES[recipe], precision, tmp)
+                else:
+                    sides[side] = torch_run(python, data, PRECISIONS[precision])
+            sides["load"] = os.getloadavg()[0]
+            pairs.append(sides)
+            e, t = sides["engine"], sides["torch"]
+            print(
+                f"progress: {recipe} {precision} pair {r + 1}/{repeats}: engine {e['wall']:.1f} s "
+                f"({e['step_ms']:.1f} ms/step, loss {e['loss']:.4f}), PyTorch {t['wall']:.1f} s "
+                f"({t['step_ms']:.1f} ms/step, loss {t['loss']:.4f}), load {sides['load']:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return pairs
+
+
+def ratio_text(values):
+    """The median of paired ratios and their range."""
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def row(recipe, precision, pairs):
+    e = [p["engine"] for p in pairs]
+    t = [p["torch"] for p in pairs]
+
+    def median(side, key):
+        return statistics.median(s[key] for s in side)
+
+    return (
+        f"| {recipe} | {precision} (PyTorch: {PRECISIONS[precision]}) | {median(e, 'loss'):.4f} | "
+        f"{median(t, 'loss'):.4f} | {median(e, 'wall'):.1f} | {median(t, 'wall'):.1f} | "
+        f"{ratio_text([a['wall'] / b['wall'] for a, b in zip(e, t)])} | {median(e, 'step_ms'):.1f} | "
+        f"{median(t, 'step_ms'):.1f} | {ratio_text([a['step_ms'] / b['step_ms'] for a, b in zip(e, t)])} | "
+        f"{min(p['load'] for p in pairs):.1f}-{max(p['load'] for p in pairs):.1f} | {e[0]['jit']} |"
+    )
+
+
+HEADER = (
+    "| recipe | precision | engine loss | PyTorch loss | engine wall s | PyTorch wall s | wall ratio (range) | "
+    "engine ms/step | PyTorch ms/step | step ratio (range) | load | engine jit_compile |\n" + "|---" * 12 + "|"
+)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes", default="shakespeare_char", help=f"comma-separated of {','.join(RECIPES)}")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated of {','.join(PRECISIONS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of processes per row")
+    parser.add_argument("--torch_venv", default=os.path.join(ROOT, ".venv-torch"))
+    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    parser.add_argument("--prepare", help=argparse.SUPPRESS)  # internal: the engine process that writes the data
+    args, rest = parser.parse_known_args(argv)
+    if args.prepare:
+        return prepare(rest, args.prepare)
+    recipes, precisions = args.recipes.split(","), args.precisions.split(",")
+    for name, given, known in (("recipes", recipes, RECIPES), ("precisions", precisions, PRECISIONS)):
+        if set(given) - set(known):
+            parser.error(f"--{name}={','.join(given)}: choose from {','.join(known)}")
+    python = ensure_torch(args.torch_venv)
+    started, load_before, lines = datetime.datetime.now(), os.getloadavg()[0], []
+    for recipe in recipes:
+        with tempfile.TemporaryDirectory() as data:
+            timed([sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *RECIPES[recipe]])
+            for precision in precisions:
+                lines.append(row(recipe, precision, measure(recipe, precision, python, data, args.repeats)))
+    torch_version = subprocess.run(
+        [python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    header = (
+        f"{started:%Y-%m-%d}, {run.machine()}, PyTorch {torch_version}, engine {run.revision()}, "
+        f"{(datetime.datetime.now() - started).total_seconds() / 60:.1f} min, load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after"
+    )
+    table = "\n".join([HEADER, *lines])
+    print(f"{table}\n{header}")
+    if args.record:
+        command = "python -m bench.pytorch " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(run.RESULTS, "a") as f:
+            f.write(f"\n## {started:%Y-%m-%d}: `{command.strip()}`\n\n{header}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
