@@ -1,8 +1,8 @@
 """The engine against PyTorch on the same decoder: the same weights, batches, optimizer and evaluation.
 
-    python -m bench.pytorch                                  # shakespeare_char, float32 and bfloat16, 3 pairs each
+    python -m bench.pytorch                      # shakespeare_char, float32 and bfloat16, 3 pairs each (~17 min)
     python -m bench.pytorch --recipes=gpt_6x256 --repeats=5
-    python -m bench.pytorch --record                         # also appends the table to bench/RESULTS.md
+    python -m bench.pytorch --record             # also appends the table to bench/RESULTS.md
 
 PyTorch is not a requirement of the engine: the first run makes a virtual environment of its own (.venv-torch, or
 --torch_venv) and installs BENCH_TORCH (default `torch==2.13.0`; on a machine without the CPU wheel at hand,
@@ -48,9 +48,10 @@ PRECISIONS = {"float32": "float32", "mixed_bfloat16": "bfloat16"}
 
 
 def ensure_torch(venv):
-    """The PyTorch virtual environment's python, made and installed on first use."""
+    """The PyTorch virtual environment's python, made and installed on first use (and again after an install
+    that did not finish: the test is that it imports torch)."""
     python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
+    if not os.path.exists(python) or subprocess.run([python, "-c", "import torch"], capture_output=True).returncode:
         print(f"making {venv} for PyTorch (once)", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         spec = os.environ.get("BENCH_TORCH", "torch==2.13.0").split()
@@ -121,13 +122,12 @@ def timed(command, **kwargs):
     return seconds, proc
 
 
-def engine_run(argv, precision, tmp):
-    workdir = os.path.join(tmp, "engine")
-    command = [sys.executable, "launch.py", *argv, f"--precision={precision}", f"--workdir={workdir}"]
-    seconds, proc = timed(command, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    with open(os.path.join(workdir, "summary.json")) as f:
-        summary = json.load(f)
-    subprocess.run(["rm", "-rf", workdir], check=True)
+def engine_run(argv, precision):
+    with tempfile.TemporaryDirectory() as workdir:
+        command = [sys.executable, "launch.py", *argv, f"--precision={precision}", f"--workdir={workdir}"]
+        seconds, proc = timed(command, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
     choice = next((w for w in proc.stdout.split() if w.startswith("jit_compile=")), "jit_compile=?")
     step_ms = 1000 * summary["global_batch_size"] / summary["examples_per_sec"]
     return dict(wall=seconds, step_ms=step_ms, loss=summary["eval"]["loss"], jit=choice.split("=", 1)[1])
@@ -142,25 +142,23 @@ def torch_run(python, data, precision):
 def measure(recipe, precision, python, data, repeats):
     """`repeats` pairs of whole processes, alternating which side goes first."""
     pairs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(repeats):
-            sides = {}
-            order = ("engine", "torch") if r % 2 == 0 else ("torch", "engine")
-            for side in order:
-                if side == "engine":
-                    sides[side] = engine_run(RECIPES[recipe], precision, tmp)
-                else:
-                    sides[side] = torch_run(python, data, PRECISIONS[precision])
-            sides["load"] = os.getloadavg()[0]
-            pairs.append(sides)
-            e, t = sides["engine"], sides["torch"]
-            print(
-                f"progress: {recipe} {precision} pair {r + 1}/{repeats}: engine {e['wall']:.1f} s "
-                f"({e['step_ms']:.1f} ms/step, loss {e['loss']:.4f}), PyTorch {t['wall']:.1f} s "
-                f"({t['step_ms']:.1f} ms/step, loss {t['loss']:.4f}), load {sides['load']:.1f}",
-                file=sys.stderr,
-                flush=True,
-            )
+    for r in range(repeats):
+        sides = {}
+        for side in ("engine", "torch") if r % 2 == 0 else ("torch", "engine"):
+            if side == "engine":
+                sides[side] = engine_run(RECIPES[recipe], precision)
+            else:
+                sides[side] = torch_run(python, data, PRECISIONS[precision])
+        sides["load"] = os.getloadavg()[0]
+        pairs.append(sides)
+        e, t = sides["engine"], sides["torch"]
+        print(
+            f"progress: {recipe} {precision} pair {r + 1}/{repeats}: engine {e['wall']:.1f} s "
+            f"({e['step_ms']:.1f} ms/step, loss {e['loss']:.4f}), PyTorch {t['wall']:.1f} s "
+            f"({t['step_ms']:.1f} ms/step, loss {t['loss']:.4f}), load {sides['load']:.1f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return pairs
 
 
@@ -212,12 +210,11 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as data:
             timed([sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *RECIPES[recipe]])
             for precision in precisions:
-                lines.append(row(recipe, precision, measure(recipe, precision, python, data, args.repeats)))
-    torch_version = subprocess.run(
-        [python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
-    ).stdout.strip()
+                pairs = measure(recipe, precision, python, data, args.repeats)
+                lines.append(row(recipe, precision, pairs))
     header = (
-        f"{started:%Y-%m-%d}, {run.machine()}, PyTorch {torch_version}, engine {run.revision()}, "
+        f"{started:%Y-%m-%d}, {run.machine()}, PyTorch {pairs[-1]['torch']['details']['torch']}, "
+        f"engine {run.revision()}, "
         f"{(datetime.datetime.now() - started).total_seconds() / 60:.1f} min, load average {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after"
     )
