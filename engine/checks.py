@@ -20,6 +20,7 @@ from engine.settings import (
     LR_SCHEDULES,
     MAX_CPU_DEVICES,
     MODES,
+    MOMENT_DTYPES,
     ON_NAN,
     OPTIMIZERS,
     PRECISIONS,
@@ -73,6 +74,7 @@ def check_choices(config):
     _choice(config, "local_cluster_network", ("loopback", "host"))
     _choice(config, "precision", PRECISIONS)
     _choice(config, "optimizer", OPTIMIZERS)
+    _choice(config, "first_moment_dtype", MOMENT_DTYPES)
     _choice(config, "lr_schedule", LR_SCHEDULES)
     _choice(config, "lr_scaling", LR_SCALINGS)
     _choice(config, "on_nan", ON_NAN)

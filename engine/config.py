@@ -123,8 +123,10 @@ def memory_estimate(config, input_shape=None, num_classes=None):
     features = math.prod(input_shape)
     parameters, activations = models.size(config, input_shape, num_classes)
     slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
+    if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
+        slots -= 0.5  # its first moment in half the bytes
     parts = {
-        "model, gradients and optimizer slots": 4 * parameters * (2 + slots),
+        "model, gradients and optimizer slots": int(4 * parameters * (2 + slots)),
         # The forward pass's activations are kept for the backward pass, which adds their gradients.
         "training batch": 4 * config.global_batch_size * (features + 2 * activations),
         "evaluation batch": 4 * config.per_eval_batch_size * (features + activations),

@@ -14,6 +14,7 @@ import re
 import tensorflow as tf
 
 from engine.errors import ConfigError
+from engine.settings import MOMENT_DTYPES
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
@@ -80,6 +81,16 @@ def _slots(hp):
     return 0 if hp.optimizer == "sgd" and not hp.momentum else SLOTS[hp.optimizer]
 
 
+def slot_dtypes(hp, dtype):
+    """The dtype each slot of a parameter of `dtype` is stored in: its own, but an Adam rule's first moment in
+    --first_moment_dtype. Its second moment stays: bfloat16's 8 bits of mantissa would round v's small steps
+    (1 - beta_2 of it) away, and the step divides by its root."""
+    dtypes = [dtype] * _slots(hp)
+    if dtypes and hp.optimizer in ("adamw", "lamb") and hp.first_moment_dtype != "float32":
+        dtypes[0] = tf.dtypes.as_dtype(hp.first_moment_dtype)
+    return dtypes
+
+
 def checked_settings(config, overrides, what):
     """The run's settings with `overrides` (an optimizer group's, an update's), checked like flags: a fork's typo is
     one clear line naming `what` it came from."""
@@ -90,6 +101,8 @@ def checked_settings(config, overrides, what):
         # A group may stand still (learning rate 0), unlike a run: every number zero or more, rules by name.
         if name == "optimizer" and value not in RULES:
             raise ConfigError(f"{what}: optimizer={value}: must be one of {', '.join(RULES)}")
+        if name == "first_moment_dtype" and value not in MOMENT_DTYPES:
+            raise ConfigError(f"{what}: first_moment_dtype={value}: must be one of {', '.join(MOMENT_DTYPES)}")
         if isinstance(value, (int, float)) and not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"{what}: {name}={value}: must be zero or positive")
     return dataclasses.replace(config, **overrides)
@@ -123,7 +136,10 @@ class Optimizer(tf.Module):
         # Counts applied updates only: a skipped (non-finite) step leaves it unchanged.
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
         self.slots_by_path = {
-            path: [tf.Variable(tf.zeros(p.shape, p.dtype), trainable=False, name=f"slot{k}") for k in range(_slots(hp))]
+            path: [
+                tf.Variable(tf.zeros(p.shape, dtype), trainable=False, name=f"slot{k}")
+                for k, dtype in enumerate(slot_dtypes(hp, p.dtype))
+            ]
             for path, p, hp in zip(paths, params, self.settings)
         }
         self.paths = list(paths)
@@ -153,7 +169,10 @@ class Optimizer(tf.Module):
             lr = rates[name]
             if decays and hp.weight_decay:
                 param -= param * hp.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
+            # Every rule computes in the parameter's dtype; a slot stored narrower is rounded when it is stored.
+            stored = [s.dtype for s in param_slots]
+            param_slots = [tf.cast(s, param.dtype) for s in param_slots]
             param, param_slots = RULES[hp.optimizer](param, tf.cast(grad, param.dtype), param_slots, lr, t, hp)
             new_params.append(param)
-            new_slots.append(param_slots)
+            new_slots.append([tf.cast(s, dtype) for s, dtype in zip(param_slots, stored)])
         return new_params, new_slots, {name: rates[name] for name in self.rate_names}

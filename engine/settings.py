@@ -14,6 +14,7 @@ STRATEGIES = ("one_device", "mirrored", "multi_worker", "parameter_server", "tpu
 CLUSTER_RESOLVERS = ("tf_config", "slurm", "kubernetes", "tpu")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "adamw", "lamb")
+MOMENT_DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCALINGS = ("none", "linear")
 MODES = ("train", "eval", "continuous_eval", "export", "sample", "tune", "ensemble")
@@ -178,6 +179,12 @@ class _RunSettings:
     beta_1: float = _setting(0.9, "adamw, lamb: first-moment decay", {"optimizer": ("adamw", "lamb")})
     beta_2: float = _setting(0.999, "adamw, lamb: second-moment decay", {"optimizer": ("adamw", "lamb")})
     epsilon: float = _setting(1e-7, "adamw, lamb: added to the second-moment root", {"optimizer": ("adamw", "lamb")})
+    first_moment_dtype: str = _setting(
+        "float32",
+        "adamw, lamb: float32|bfloat16: the dtype the first moment is stored in (bfloat16: half its memory and "
+        "traffic, as MaxText's mu_dtype; the update computes in float32 and the second moment stays float32)",
+        {"optimizer": ("adamw", "lamb")},
+    )
     weight_decay: float = _setting(0.0, "decoupled weight decay per step, times the learning rate; kernels only")
     warmup_steps: int = _setting(0, "linear warmup from 0 to the peak learning rate, in steps")
     lr_schedule: str = _setting("constant", "after warmup: constant|cosine (cosine decays to 0 at train_steps)")

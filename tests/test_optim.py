@@ -165,3 +165,64 @@ def test_metrics_and_console_carry_the_rate_the_groups_used(data_dir, one_device
     assert "learning_rate" not in record  # no variable trained at the run's 1e-3
     assert record["learning_rate/^model/"] == pytest.approx(2e-4)
     assert " learning_rate/^model/=0.0002 " in capsys.readouterr().out
+
+
+def _bfloat16(x):
+    return np.asarray(x, np.float32).astype(tf.bfloat16.as_numpy_dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_first_moment_in_bfloat16_is_stored_rounded_and_nothing_else(name):
+    rng = np.random.default_rng(1)
+    start = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        params = [tf.Variable(x) for x in start]
+        config = Config(optimizer=name, learning_rate=0.05, weight_decay=0.05, first_moment_dtype=dtype)
+        runs[dtype] = (params, optim.Optimizer(config, params, [f"p{i}" for i in range(len(params))]))
+    params, optimizer = runs["bfloat16"]
+    assert [[s.dtype for s in slots] for slots in optimizer.slots] == [[tf.bfloat16, tf.float32]] * len(SHAPES)
+    assert [[s.dtype for s in slots] for slots in runs["float32"][1].slots] == [[tf.float32] * 2] * len(SHAPES)
+    gradients = [[rng.normal(size=s).astype(np.float32) for s in SHAPES] for _ in range(8)]
+    for grads in gradients:
+        for params, optimizer in runs.values():
+            slots_before = [[s.numpy().astype(np.float32) for s in ss] for ss in optimizer.slots]
+            new_params, new_slots, _ = optimizer.updates(
+                [v.value() for v in params],
+                [[s.value() for s in ss] for ss in optimizer.slots],
+                optimizer.iterations.value(),
+                [tf.constant(g) for g in grads],
+            )
+            for var, value in zip(params, new_params):
+                var.assign(value)
+            for slots, values, before, g in zip(optimizer.slots, new_slots, slots_before, grads):
+                # The first moment as float32 computes it, then rounded to its stored dtype; the second exact.
+                m = before[0] + (g - before[0]) * (1.0 - 0.9)
+                stored = _bfloat16(m) if slots[0].dtype == tf.bfloat16 else m
+                np.testing.assert_allclose(values[0].numpy().astype(np.float32), stored, rtol=1e-6, atol=1e-9)
+                np.testing.assert_allclose(values[1].numpy(), before[1] + (g * g - before[1]) * (1.0 - 0.999))
+                for slot, value in zip(slots, values):
+                    slot.assign(value)
+            optimizer.iterations.assign_add(1)
+    narrow, wide = ([v.numpy() for v in runs[d][0]] for d in ("bfloat16", "float32"))
+    # Rounding m moves the weights a little, never far: within bfloat16's relative step of the update's size.
+    for a, b, s in zip(narrow, wide, start):
+        assert not np.array_equal(a, b)
+        np.testing.assert_allclose(a, b, atol=0.01 * float(np.max(np.abs(b - s))))
+
+
+def test_a_bfloat16_first_moment_resumes_exactly(data_dir, one_device, tmp_path):
+    settings = dict(first_moment_dtype="bfloat16", jit_compile="false", steps_per_loop=2, checkpoint_every=2)
+    whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
+    loop.train(helpers.make_config(data_dir, whole, train_steps=4, **settings), one_device)
+    loop.train(helpers.make_config(data_dir, halves, train_steps=2, **settings), one_device)
+    loop.train(helpers.make_config(data_dir, halves, train_steps=4, **settings), one_device)
+    (_, a), (_, b) = helpers.checkpoint_tensors(whole), helpers.checkpoint_tensors(halves)
+    slots = [k for k in a if "/slots_by_path/" in k]
+    first, second = ([k for k in slots if f"/{i}/.ATTRIBUTES" in k] for i in (0, 1))
+    assert len(first) == len(second) == 6  # the MLP's three kernels and three biases
+    assert {a[k].dtype for k in first} == {np.dtype(tf.bfloat16.as_numpy_dtype)}
+    assert {a[k].dtype for k in second} == {np.dtype(np.float32)}
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
