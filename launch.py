@@ -294,6 +294,11 @@ def main(argv):
         if lost is None:
             raise
         _exit(str(lost), code=LOST_PEER)
+    _print_result(config, result)
+
+
+def _print_result(config, result):
+    """The run's last line: what it reached, and where it says so."""
     if config.mode == "train":
         results = result["eval"]
         headline = importlib.import_module(f"tasks.{config.task}").Task.headline
@@ -301,7 +306,7 @@ def main(argv):
             f"{config.eval_split} {headline} {results[headline]:.4f} on {results['examples']} examples "
             f"({result['step']} steps, {result['wall_seconds']:.1f} s)"
         )
-    if config.mode == "tune":
+    elif config.mode == "tune":
         best = result["best"]
         counts = f"({result['trials']} trials: {result['complete']} complete, {result['pruned']} pruned; "
         counts += f"{result['wall_seconds']:.1f} s)"
@@ -312,7 +317,7 @@ def main(argv):
             )
         else:
             print(f"no trial completed {counts}")
-    if config.mode == "ensemble":
+    elif config.mode == "ensemble":
         metric = result["objective"]  # the task's, e.g. accuracy
         test = {name: result[name]["test"][metric] for name in ("weighted", "average")}
         best = (max if result["direction"] == "max" else min)(m["test"][metric] for m in result["members"])

@@ -3,6 +3,7 @@
     python -m bench.pytorch                      # shakespeare_char, float32 and bfloat16, 3 pairs each (~17 min)
     python -m bench.pytorch --recipes=gpt_6x256 --repeats=5
     python -m bench.pytorch --record             # also appends the table to bench/RESULTS.md
+    python -m bench.pytorch --precisions=mixed_bfloat16 --engine_flags="--jit_compile=true"   # the engine's flags
 
 PyTorch is not a requirement of the engine: the first run makes a virtual environment of its own (.venv-torch, or
 --torch_venv) and installs BENCH_TORCH (default `torch==2.13.0`; on a machine without the CPU wheel at hand,
@@ -122,9 +123,9 @@ def timed(command, **kwargs):
     return seconds, proc
 
 
-def engine_run(argv, precision):
+def engine_run(argv, precision, extra=()):
     with tempfile.TemporaryDirectory() as workdir:
-        command = [sys.executable, "launch.py", *argv, f"--precision={precision}", f"--workdir={workdir}"]
+        command = [sys.executable, "launch.py", *argv, f"--precision={precision}", *extra, f"--workdir={workdir}"]
         seconds, proc = timed(command, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
         with open(os.path.join(workdir, "summary.json")) as f:
             summary = json.load(f)
@@ -139,14 +140,14 @@ def torch_run(python, data, precision):
     return dict(wall=seconds, step_ms=result["step_ms"], loss=result["validation_loss"], details=result)
 
 
-def measure(recipe, precision, python, data, repeats):
-    """`repeats` pairs of whole processes, alternating which side goes first."""
+def measure(recipe, precision, python, data, repeats, extra=()):
+    """`repeats` pairs of whole processes, alternating which side goes first; `extra`: the engine's own flags."""
     pairs = []
     for r in range(repeats):
         sides = {}
         for side in ("engine", "torch") if r % 2 == 0 else ("torch", "engine"):
             if side == "engine":
-                sides[side] = engine_run(RECIPES[recipe], precision)
+                sides[side] = engine_run(RECIPES[recipe], precision, extra)
             else:
                 sides[side] = torch_run(python, data, PRECISIONS[precision])
         sides["load"] = os.getloadavg()[0]
@@ -167,7 +168,7 @@ def ratio_text(values):
     return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
-def row(recipe, precision, pairs):
+def row(recipe, precision, pairs, extra=()):
     e = [p["engine"] for p in pairs]
     t = [p["torch"] for p in pairs]
 
@@ -175,7 +176,7 @@ def row(recipe, precision, pairs):
         return statistics.median(s[key] for s in side)
 
     return (
-        f"| {recipe} | {precision} (PyTorch: {PRECISIONS[precision]}) | {median(e, 'loss'):.4f} | "
+        f"| {' '.join([recipe, *extra])} | {precision} (PyTorch: {PRECISIONS[precision]}) | {median(e, 'loss'):.4f} | "
         f"{median(t, 'loss'):.4f} | {median(e, 'wall'):.1f} | {median(t, 'wall'):.1f} | "
         f"{ratio_text([a['wall'] / b['wall'] for a, b in zip(e, t)])} | {median(e, 'step_ms'):.1f} | "
         f"{median(t, 'step_ms'):.1f} | {ratio_text([a['step_ms'] / b['step_ms'] for a, b in zip(e, t)])} | "
@@ -194,6 +195,9 @@ def main(argv=None):
     parser.add_argument("--recipes", default="shakespeare_char", help=f"comma-separated of {','.join(RECIPES)}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated of {','.join(PRECISIONS)}")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of processes per row")
+    parser.add_argument(
+        "--engine_flags", default="", help="more launch.py flags for the engine's runs, e.g. '--jit_compile=true'"
+    )
     parser.add_argument("--torch_venv", default=os.path.join(ROOT, ".venv-torch"))
     parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--prepare", help=argparse.SUPPRESS)  # internal: the engine process that writes the data
@@ -204,14 +208,15 @@ def main(argv=None):
     for name, given, known in (("recipes", recipes, RECIPES), ("precisions", precisions, PRECISIONS)):
         if set(given) - set(known):
             parser.error(f"--{name}={','.join(given)}: choose from {','.join(known)}")
+    extra = args.engine_flags.split()
     python = ensure_torch(args.torch_venv)
     started, load_before, lines = datetime.datetime.now(), os.getloadavg()[0], []
     for recipe in recipes:
         with tempfile.TemporaryDirectory() as data:
             timed([sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *RECIPES[recipe]])
             for precision in precisions:
-                pairs = measure(recipe, precision, python, data, args.repeats)
-                lines.append(row(recipe, precision, pairs))
+                pairs = measure(recipe, precision, python, data, args.repeats, extra)
+                lines.append(row(recipe, precision, pairs, extra))
     header = (
         f"{started:%Y-%m-%d}, {run.machine()}, PyTorch {pairs[-1]['torch']['details']['torch']}, "
         f"engine {run.revision()}, "
