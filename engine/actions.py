@@ -10,6 +10,7 @@ import os
 import tensorflow as tf
 
 from engine import checkpoint as checkpoint_lib
+from engine import sections
 from engine.preemption import PREEMPTION
 
 MAX_ROLLBACKS = 3  # --on_nan=rollback gives up after this many rollbacks without a save in between
@@ -193,18 +194,18 @@ class Evaluate:
         return bool(self.on_eval and self.on_eval(step, self.results))
 
 
-def evaluation_due(config, step, stopping):
-    """Whether the loop evaluates after reaching `step`: an --eval_every step short of the end (the end's
-    evaluation comes after the loop), unless the run is stopping (a preemption's grace period has no time for it:
-    the resumed run evaluates it, evaluates_on_resume)."""
-    return bool(config.eval_every) and step % config.eval_every == 0 and step < config.train_steps and not stopping
+def evaluation_due(loop, step, stopping):
+    """Whether the loop evaluates after reaching `step` (`loop`: the run's config.loop): an --eval_every step short
+    of the end (the end's evaluation comes after the loop), unless the run is stopping (a preemption's grace period
+    has no time for it: the resumed run evaluates it, evaluates_on_resume)."""
+    loop = sections.section(loop, "loop")
+    return bool(loop.eval_every) and step % loop.eval_every == 0 and step < loop.train_steps and not stopping
 
 
-def checkpoint_due(config, step, stopping):
+def checkpoint_due(loop, step, stopping):
     """Whether the loop saves after reaching `step`: every --checkpoint_every steps, at the end, and on a stop."""
-    return (
-        stopping or step == config.train_steps or bool(config.checkpoint_every and step % config.checkpoint_every == 0)
-    )
+    loop = sections.section(loop, "loop")
+    return stopping or step == loop.train_steps or bool(loop.checkpoint_every and step % loop.checkpoint_every == 0)
 
 
 class Preemption:
@@ -231,9 +232,9 @@ class Preemption:
 class Profile:
     """--profile_steps=A,B: the chief traces steps A+1..B into workdir/profile for TensorBoard's Profile tab."""
 
-    def __init__(self, config, chief):
-        self.steps = config.profile_steps if chief else ()
-        self.logdir = os.path.join(config.workdir, "profile")
+    def __init__(self, loop, workdir, chief):
+        self.steps = loop.profile_steps if chief else ()
+        self.logdir = os.path.join(workdir, "profile")
         self.running = False
 
     def before_round(self, current):

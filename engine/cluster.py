@@ -22,14 +22,14 @@ from engine.errors import ConfigError
 from engine.launcher import tf_config
 
 
-def resolve(config, strategy):
+def resolve(settings, strategy):
     """The cluster of a multi-worker or parameter-server job (`strategy`, the name the job runs with): from
-    TF_CONFIG (the default), Slurm or Kubernetes."""
-    source = config.cluster_resolver or "tf_config"
+    TF_CONFIG (the default), Slurm or Kubernetes. `settings`: the run's config.cluster, as every function here."""
+    source = settings.cluster_resolver or "tf_config"
     if source == "slurm":
-        return _slurm(config, strategy)
+        return _slurm(settings, strategy)
     if source == "kubernetes":
-        return _kubernetes(config)
+        return _kubernetes(settings)
     if source == "tpu":
         raise ConfigError(
             f"--cluster_resolver=tpu: use --strategy=tpu (with --strategy={strategy} the "
@@ -52,7 +52,7 @@ def resolve(config, strategy):
 SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
 
 
-def _slurm(config, strategy):
+def _slurm(settings, strategy):
     """Slurm: every task of `srun` runs the same command; the step's node list says who is who. Tasks are
     numbered node by node (Slurm's default block distribution), ports from --slurm_port_base on each node."""
     missing = [name for name in SLURM_VARIABLES if name not in os.environ]
@@ -62,7 +62,7 @@ def _slurm(config, strategy):
         )
     hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
     per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
-    addresses = [f"{host}:{config.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
+    addresses = [f"{host}:{settings.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
     tasks, rank = int(os.environ["SLURM_STEP_NUM_TASKS"]), int(os.environ["SLURM_PROCID"])
     if len(addresses) != tasks:
         raise ConfigError(
@@ -71,11 +71,11 @@ def _slurm(config, strategy):
         )
     jobs = [("worker", tasks)]
     if strategy == "parameter_server":
-        jobs = [("chief", 1), ("ps", config.num_ps), ("worker", tasks - 1 - config.num_ps)]
+        jobs = [("chief", 1), ("ps", settings.num_ps), ("worker", tasks - 1 - settings.num_ps)]
         if jobs[-1][1] < 1:
             raise ConfigError(
-                f"--num_ps={config.num_ps}: the Slurm step has {tasks} tasks, too few for a chief, "
-                f"{config.num_ps} parameter servers and at least one worker"
+                f"--num_ps={settings.num_ps}: the Slurm step has {tasks} tasks, too few for a chief, "
+                f"{settings.num_ps} parameter servers and at least one worker"
             )
     spec, start = {}, 0
     for job, count in jobs:
@@ -109,7 +109,7 @@ def expand_counts(counts):
     return expanded
 
 
-def _kubernetes(config):
+def _kubernetes(settings):
     try:
         import kubernetes  # noqa: F401  (optional: only this resolver needs it)
     except ImportError:
@@ -118,37 +118,37 @@ def _kubernetes(config):
             "(pip install kubernetes); a TFJob sets TF_CONFIG, so --cluster_resolver=tf_config "
             "works without it"
         ) from None
-    if not config.kubernetes_selector:
+    if not settings.kubernetes_selector:
         raise ConfigError(
             "--kubernetes_selector=: --cluster_resolver=kubernetes needs the label selector of the "
             "job's worker pods, e.g. job-name=train-worker"
         )
-    return tf.distribute.cluster_resolver.KubernetesClusterResolver({"worker": [config.kubernetes_selector]})
+    return tf.distribute.cluster_resolver.KubernetesClusterResolver({"worker": [settings.kubernetes_selector]})
 
 
-def tpu_strategy(config):
+def tpu_strategy(settings):
     """The TPU start-up sequence: resolve, connect, initialize the TPU system, then the strategy."""
 
     def start():
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.tpu)
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=settings.tpu)
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return resolver
 
     try:
-        resolver = _within_connect_timeout(config, start)
+        resolver = _within_connect_timeout(settings, start)
     except TimeoutError:
         raise ConfigError(
-            f"--tpu={config.tpu}: no TPU reachable (no answer within --connect_timeout={config.connect_timeout:g}s)"
+            f"--tpu={settings.tpu}: no TPU reachable (no answer within --connect_timeout={settings.connect_timeout:g}s)"
         ) from None
     # OSError: off Google Cloud, a TPU name is looked up on a metadata server that is not there (URLError).
     except (ValueError, OSError, tf.errors.NotFoundError, tf.errors.UnavailableError, RuntimeError) as e:
         reason = getattr(e, "reason", None) or first_line(e).split(". ")[0]
-        raise ConfigError(f"--tpu={config.tpu}: no TPU reachable ({reason})") from None
+        raise ConfigError(f"--tpu={settings.tpu}: no TPU reachable ({reason})") from None
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _within_connect_timeout(config, start):
+def _within_connect_timeout(settings, start):
     """Returns start(), run in a thread because TensorFlow can wait for an unreachable host forever, with no
     way to interrupt it (it lets go of Python's lock meanwhile, so a signal still reaches the preemption
     watcher). Raises TimeoutError after --connect_timeout."""
@@ -162,7 +162,7 @@ def _within_connect_timeout(config, start):
 
     thread = threading.Thread(target=run, name="connect", daemon=True)
     thread.start()
-    thread.join(config.connect_timeout)
+    thread.join(settings.connect_timeout)
     if "error" in outcome:
         raise outcome["error"]
     if "value" in outcome:
@@ -200,7 +200,7 @@ NOT_FORMED_EXIT_CODE = int(signal.SIGUSR1)
 class connect_deadline:
     """Ends this process with a clear message if the cluster has not formed after --connect_timeout seconds."""
 
-    def __init__(self, config, resolver):
+    def __init__(self, settings, resolver):
         spec = resolver.cluster_spec().as_dict()
         me = (resolver.task_type, resolver.task_id)
         peers = [
@@ -209,7 +209,7 @@ class connect_deadline:
             for i, address in enumerate(addresses)
             if (job, i) != me
         ]
-        self.command = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(config.connect_timeout), *peers]
+        self.command = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(settings.connect_timeout), *peers]
 
     def __enter__(self):
         # The process waits in native code that holds Python's lock, where no Python handler can run: libc's
@@ -311,7 +311,7 @@ LOST_PEER_ERRORS = (
 )
 
 
-def peer_lost(resolver, config, error):
+def peer_lost(resolver, settings, error):
     """PeerLost naming the peer that TensorFlow's `error` names (the first task other than this one)."""
     text = getattr(error, "message", str(error))
     cluster = resolver.cluster_spec().as_dict()
@@ -331,6 +331,6 @@ def peer_lost(resolver, config, error):
     first = next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "").rstrip(":")
     return PeerLost(
         f"lost {peer}: {first}; a peer that dies or is silent for --collective_timeout="
-        f"{config.collective_timeout:g}s stops the job; restart every task of the job to resume from the last "
+        f"{settings.collective_timeout:g}s stops the job; restart every task of the job to resume from the last "
         "checkpoint"
     )

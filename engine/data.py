@@ -133,7 +133,7 @@ def prepare(config, source, task, split=None):
     one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
     task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepared).element_spec.items()}
     _check_task_memory(config, task)
-    pipelines = Pipelines(config, source)
+    pipelines = Pipelines(config.data, source)
 
     def train_fn(ctx, start_batch=0, stream=0, counter=None):
         """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each

@@ -60,9 +60,9 @@ def create_strategy(config):
         # default ring all-reduce (measured: bench/RESULTS.md, "Mirrored CPU devices reduce to one device").
         return tf.distribute.MirroredStrategy(cpus, cross_device_ops=tf.distribute.ReductionToOneDevice())
     if name == "tpu":
-        return cluster.tpu_strategy(config)
+        return cluster.tpu_strategy(config.cluster)
     resolver = cluster_resolver(config)
-    with cluster.connect_deadline(config, resolver):
+    with cluster.connect_deadline(config.cluster, resolver):
         if name == "parameter_server":
             strategy = tf.distribute.ParameterServerStrategy(resolver)
             cluster.watch_servers(resolver.cluster_spec(), config.collective_timeout)
@@ -83,7 +83,7 @@ def create_strategy(config):
 
 def cluster_resolver(config):
     """The cluster of a multi-worker or parameter-server job: from TF_CONFIG (the default), Slurm or Kubernetes."""
-    return cluster.resolve(config, strategy_name(config))
+    return cluster.resolve(config.cluster, strategy_name(config))
 
 
 def serve(config):
@@ -142,7 +142,7 @@ def explain_failure(strategy, config, error):
     if not is_multi_worker(strategy) or not isinstance(error, cluster.LOST_PEER_ERRORS):
         return error
     # ParameterServerStrategy keeps its resolver to itself: its `cluster_resolver` (the extended strategy's) is None.
-    return cluster.peer_lost(strategy.cluster_resolver or strategy._cluster_resolver, config, error)
+    return cluster.peer_lost(strategy.cluster_resolver or strategy._cluster_resolver, config.cluster, error)
 
 
 def lost_peer(config, error):
@@ -152,4 +152,4 @@ def lost_peer(config, error):
         error, cluster.LOST_PEER_ERRORS
     ):
         return None
-    return cluster.peer_lost(cluster_resolver(config), config, error)
+    return cluster.peer_lost(cluster_resolver(config), config.cluster, error)

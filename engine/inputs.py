@@ -9,10 +9,10 @@ the workers in pieces (PerWorker, parameter servers).
 
 import tensorflow as tf
 
-from engine import distribute, xla
+from engine import distribute, sections, xla
 
 
-def gathers_in_step(config, strategy, data, coordinator):
+def gathers_in_step(cluster, strategy, data, coordinator):
     """Whether each replica gathers its batch inside the step, from the training split held in memory, instead of
     reading it from a tf.data pipeline: one CPU replica per worker (one device, or multi-worker), a split held in
     memory without a per-example decode. The pipeline's hand-over costs the step more than the gather
@@ -20,11 +20,11 @@ def gathers_in_step(config, strategy, data, coordinator):
     to be copied there first; not with parameter servers (each worker its own stream) or a tf.data service (its
     workers build the batches); not for several replicas in one process (mirrored), where the gathered steps
     drifted from one device more than the pipeline's in the ResNet parity case, though every batch was identical
-    (bench/RESULTS.md)."""
+    (bench/RESULTS.md). `cluster`: the run's config.cluster."""
     return (
         data.gather is not None
         and coordinator is None
-        and not config.tf_data_service
+        and not sections.section(cluster, "cluster").tf_data_service
         and strategy.num_replicas_in_sync == distribute.num_workers(strategy)
         and xla.device_kind(strategy) == "CPU"
     )

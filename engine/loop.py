@@ -141,7 +141,7 @@ def write_config(config, task):
 
 def run(trainer, report, checkpoints, started, on_eval=None):
     """The outer loop: rounds of steps, each followed by what is due; the final evaluation; the summary."""
-    profile = actions.Profile(trainer.config, distribute.is_chief(trainer.strategy))
+    profile = actions.Profile(trainer.config.loop, trainer.config.workdir, distribute.is_chief(trainer.strategy))
     try:
         return _rounds(trainer, report, checkpoints, started, on_eval, profile)
     finally:
@@ -177,10 +177,10 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
             actions.log(trainer, report, done)
             profile.after_round(current, report)
             stopping = preemption.stopping(done)
-            pruned = actions.evaluation_due(config, current, stopping) and evaluate(current)
+            pruned = actions.evaluation_due(config.loop, current, stopping) and evaluate(current)
             if pruned:
                 break
-            if actions.checkpoint_due(config, current, stopping):
+            if actions.checkpoint_due(config.loop, current, stopping):
                 checkpoints.save()
             if stopping:
                 preemption(current)

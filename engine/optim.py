@@ -7,12 +7,12 @@ Keras's own optimizers cannot be used in the step: they all-reduce again inside
 `apply_gradients` and cannot skip a step for every replica at once.
 """
 
-import dataclasses
 import math
 import re
 
 import tensorflow as tf
 
+from engine import sections
 from engine.errors import ConfigError
 from engine.settings import MOMENT_DTYPES
 
@@ -25,18 +25,20 @@ SCHEDULES = {
 }
 
 
-def learning_rate(config, step):
-    """Learning rate for the update that follows `step` updates: scaled peak, linear warmup, decay."""
-    peak = config.learning_rate
-    if config.lr_scaling == "linear":
-        peak *= config.global_batch_size / config.base_batch_size  # Goyal et al.: lr grows with the batch
+def learning_rate(optimization, step):
+    """Learning rate for the update that follows `step` updates: scaled peak, linear warmup, decay.
+    `optimization`: the run's config.optimization (or a Config, whose section it reads)."""
+    hp = sections.section(optimization, "optimization")
+    peak = hp.learning_rate
+    if hp.lr_scaling == "linear":
+        peak *= hp.global_batch_size / hp.base_batch_size  # Goyal et al.: lr grows with the batch
     step = tf.cast(step, tf.float32)
     lr = tf.constant(peak, tf.float32)
-    if config.warmup_steps:
-        lr *= tf.minimum(1.0, (step + 1.0) / config.warmup_steps)
-    decay = SCHEDULES[config.lr_schedule]
+    if hp.warmup_steps:
+        lr *= tf.minimum(1.0, (step + 1.0) / hp.warmup_steps)
+    decay = SCHEDULES[hp.lr_schedule]
     if decay is not None:
-        progress = (step - config.warmup_steps) / (config.train_steps - config.warmup_steps)
+        progress = (step - hp.warmup_steps) / (hp.train_steps - hp.warmup_steps)
         lr *= decay(tf.clip_by_value(progress, 0.0, 1.0))
     return lr
 
@@ -91,12 +93,18 @@ def slot_dtypes(hp, dtype):
     return dtypes
 
 
-def checked_settings(config, overrides, what):
-    """The run's settings with `overrides` (an optimizer group's, an update's), checked like flags: a fork's typo is
-    one clear line naming `what` it came from."""
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+def checked_settings(optimization, overrides, what):
+    """The run's optimizer settings (config.optimization) with `overrides` (an optimizer group's, an update's),
+    checked like flags: a fork's typo is one clear line naming `what` it came from."""
+    hp = sections.section(optimization, "optimization")
+    unknown = set(overrides) - set(sections.every_setting(hp))
     if unknown:
         raise ConfigError(f"{what}: no setting {', '.join(sorted(unknown))}")
+    for name in sorted(set(overrides) - set(hp.names)):
+        try:
+            getattr(hp, name)
+        except AttributeError as e:  # another section's setting, which no optimizer reads
+            raise ConfigError(f"{what}: {e}") from None
     for name, value in overrides.items():
         # A group may stand still (learning rate 0), unlike a run: every number zero or more, rules by name.
         if name == "optimizer" and value not in RULES:
@@ -105,7 +113,7 @@ def checked_settings(config, overrides, what):
             raise ConfigError(f"{what}: first_moment_dtype={value}: must be one of {', '.join(MOMENT_DTYPES)}")
         if isinstance(value, (int, float)) and not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"{what}: {name}={value}: must be zero or positive")
-    return dataclasses.replace(config, **overrides)
+    return hp.replace(**overrides)
 
 
 class Optimizer(tf.Module):
@@ -116,17 +124,17 @@ class Optimizer(tf.Module):
     updated with those settings instead of the run's (its own learning rate, rule, weight decay).
     """
 
-    def __init__(self, config, params, paths, groups=()):
+    def __init__(self, optimization, params, paths, groups=()):
         super().__init__(name="optimizer")
-        self.config = config
-        group_settings = [checked_settings(config, o, f"optimizer group {pattern!r}") for pattern, o in groups]
+        optimization = sections.section(optimization, "optimization")
+        group_settings = [checked_settings(optimization, o, f"optimizer group {pattern!r}") for pattern, o in groups]
         # Each parameter's settings (0: the run's, k: the k-th group's), and the name its learning rate is logged
         # under: the run's `learning_rate`, a group's `learning_rate/<its regex>`.
         chosen = [
             next((k for k, (pattern, _) in enumerate(groups, 1) if re.search(pattern, path)), 0) for path in paths
         ]
         names = ["learning_rate", *(f"learning_rate/{pattern}" for pattern, _ in groups)]
-        self.settings = [[config, *group_settings][k] for k in chosen]
+        self.settings = [[optimization, *group_settings][k] for k in chosen]
         self.rate_of = [names[k] for k in chosen]
         # The rates `updates` returns: those some parameter trains with, the run's first, then the groups' in order.
         self.rate_names = [names[k] for k in sorted(set(chosen))]

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from engine import sections
 from engine.errors import ConfigError
 from engine.records import counted_records, file_records, op_message, parsed, record_example, unreadable
 
@@ -36,36 +37,37 @@ def _permutation(n, seed):
 class Pipelines:
     """The training and evaluation streams of a source."""
 
-    def __init__(self, config, source):
-        self.config, self.source = config, source
+    def __init__(self, data, source):
+        # The run's config.data (a Config is read as its data section): what the streams read, and nothing else.
+        self.data, self.source = sections.section(data, "data"), source
         self.train_split, self.evals = source.train, source.evals
         self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
 
     def position(self, ctx, local):
         """The global stream position of this pipeline's `local`-th training example: its share of global
         batch k is every n-th position of that batch, as with random access."""
-        share = self.config.global_batch_size // ctx.num_input_pipelines
+        share = self.data.global_batch_size // ctx.num_input_pipelines
         return (
-            (local // share) * self.config.global_batch_size
+            (local // share) * self.data.global_batch_size
             + ctx.input_pipeline_id
             + (local % share) * ctx.num_input_pipelines
         )
 
     def seeds(self, index, stream):
         # Per example, from the run's seed, the stream and the example's position: a resumed run crops alike.
-        return tf.stack([tf.constant(self.config.seed, tf.int64) + tf.cast(stream, tf.int64) * (1 << 32), index])
+        return tf.stack([tf.constant(self.data.seed, tf.int64) + tf.cast(stream, tf.int64) * (1 << 32), index])
 
     # Training.
 
     def train(self, ctx, start_batch, stream, counter):
         """This pipeline's per-replica batches from global batch `start_batch` on."""
-        split, config = self.train_split, self.config
-        per_replica = ctx.get_per_replica_batch_size(config.global_batch_size)
+        split, data = self.train_split, self.data
+        per_replica = ctx.get_per_replica_batch_size(data.global_batch_size)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         if split.fetch is not None and self.source.decode is None:
             return self._gathered(ctx, start_batch, stream, per_replica, local_replicas)
         ds = self.examples(ctx, start_batch, stream, counter)
-        first = start_batch * (config.global_batch_size // ctx.num_input_pipelines)
+        first = start_batch * (data.global_batch_size // ctx.num_input_pipelines)
         ds = self._decoded(ds, True, stream, first, lambda local: self.position(ctx, local))
         return ds.batch(per_replica, drop_remainder=True)
 
@@ -74,7 +76,7 @@ class Pipelines:
         unparsed), with `index`."""
         split = self.train_split
         if split.fetch is not None:
-            share = self.config.global_batch_size // ctx.num_input_pipelines
+            share = self.data.global_batch_size // ctx.num_input_pipelines
             return self._gathered(ctx, start_batch, stream, share, 1).unbatch()
         if split.files:
             return self._sharded(ctx, start_batch, stream, counter)
@@ -86,7 +88,7 @@ class Pipelines:
         epoch, within = positions // n, positions % n
         seeds = tf.stack(
             [
-                tf.fill(tf.shape(epoch), tf.constant(self.config.seed, tf.int64)),
+                tf.fill(tf.shape(epoch), tf.constant(self.data.seed, tf.int64)),
                 epoch,
                 tf.fill(tf.shape(epoch), tf.cast(stream, tf.int64)),
             ],
@@ -98,8 +100,8 @@ class Pipelines:
     def share(self, batch, pipeline, num_pipelines, stream=0):
         """Input pipeline `pipeline`'s share of global batch `batch` (either may be a tensor), gathered from memory:
         the examples at stream positions pipeline, pipeline + n, ... of the batch, with their `index`."""
-        positions = batch * self.config.global_batch_size + tf.range(
-            pipeline, self.config.global_batch_size, num_pipelines, dtype=tf.int64
+        positions = batch * self.data.global_batch_size + tf.range(
+            pipeline, self.data.global_batch_size, num_pipelines, dtype=tf.int64
         )
         return {**self.train_split.fetch(self.order(positions, stream)), "index": positions}
 
@@ -121,24 +123,24 @@ class Pipelines:
         files = self.train_split.files
         if len(files) < ctx.num_input_pipelines:
             raise ConfigError(
-                f"--dataset={self.config.dataset}: its {len(files)} record files of --train_split="
-                f"{self.config.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
+                f"--dataset={self.data.dataset}: its {len(files)} record files of --train_split="
+                f"{self.data.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
                 "each of which reads its own files; write the split in more files"
             )
-        order = np.random.default_rng(self.config.seed).permutation(len(files))
+        order = np.random.default_rng(self.data.seed).permutation(len(files))
         return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
 
     def _sharded(self, ctx, start_batch, stream, counter):
-        config = self.config
+        data = self.data
         files = self.owned(ctx)
         paths = tf.constant([path for path, _ in files])
         counts = tf.constant([records for _, records in files], tf.int64)
         per_epoch = sum(records for _, records in files)
-        width = min(config.interleave_files, len(files))
+        width = min(data.interleave_files, len(files))
         groups = math.ceil(len(files) / width)
         # Seeds of this pipeline's orders: the run's, its stream's, its own. (A parameter-server worker's stream
         # is a tensor of the traced dataset function: everything below is graph arithmetic.)
-        key = _fold(tf.constant([config.seed, 0], tf.int64), stream, ctx.input_pipeline_id)
+        key = _fold(tf.constant([data.seed, 0], tf.int64), stream, ctx.input_pipeline_id)
 
         def file_order(epoch):
             return _permutation(len(files), _fold(key, epoch))
@@ -160,13 +162,13 @@ class Pipelines:
                 order = _permutation(tf.shape(window[0])[0], _fold(key, epoch, g, w))
                 return tuple(tf.gather(part, order) for part in window)
 
-            return ds.batch(config.shuffle_buffer).enumerate().map(shuffle).unbatch()
+            return ds.batch(data.shuffle_buffer).enumerate().map(shuffle).unbatch()
 
         def epoch_stream(epoch, first_group=0):
             return tf.data.Dataset.range(first_group, groups).flat_map(lambda g: group(epoch, g))
 
         # Where the start lies, by arithmetic on the counts: the epochs and groups before it are never read.
-        local = start_batch * (config.global_batch_size // ctx.num_input_pipelines)
+        local = start_batch * (data.global_batch_size // ctx.num_input_pipelines)
         epoch, within = divmod(local, per_epoch)
         sizes = tf.gather(counts, file_order(tf.constant(epoch, tf.int64)))
         sizes = tf.reduce_sum(tf.reshape(tf.pad(sizes, [[0, groups * width - len(files)]]), [groups, width]), axis=1)
@@ -184,11 +186,11 @@ class Pipelines:
     def _replayed(self, ctx, start_batch, stream):
         """A split with neither random access nor files: a shuffle buffer reshuffled each epoch; a restart
         replays the stream up to its position (reading, not training on, the examples before it)."""
-        config, split = self.config, self.train_split
+        data, split = self.data, self.train_split
         ds = split.make().shuffle(
-            min(config.shuffle_buffer, split.examples), seed=config.seed * 1000 + stream, reshuffle_each_iteration=True
+            min(data.shuffle_buffer, split.examples), seed=data.seed * 1000 + stream, reshuffle_each_iteration=True
         )
-        start = start_batch * config.global_batch_size
+        start = start_batch * data.global_batch_size
         ds = ds.repeat().skip(start).enumerate(start).map(lambda i, x: {**x, "index": i})
         return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
 
@@ -250,18 +252,18 @@ class Pipelines:
     def origin(self, position, stream=0, training=True, pipelines=1):
         """Why the example at `position` (of the training stream read with `pipelines` input pipelines, or
         of the evaluation split) could not be decoded: its file and the decoder's error."""
-        config = self.config
+        data = self.data
         if training:
-            pipeline = position % config.global_batch_size % pipelines
+            pipeline = position % data.global_batch_size % pipelines
             ctx = tf.distribute.InputContext(pipelines, pipeline, pipelines)
-            k, within = divmod(position, config.global_batch_size)
+            k, within = divmod(position, data.global_batch_size)
             ds = self.examples(ctx, k, stream).skip((within - pipeline) // pipelines)
         else:
             ds = self._unparsed(self.evals).skip(position)
         try:
             example = next(iter(ds.take(1)))
         except tf.errors.OpError as e:  # the file itself cannot be read
-            return f"--dataset={config.dataset}: cannot read example {position}: {op_message(e)}"
+            return f"--dataset={data.dataset}: cannot read example {position}: {op_message(e)}"
         where = example.get("origin")
         where = where.numpy().decode() if where is not None else f"example {position} of the split"
         split = self.train_split if training else self.evals
@@ -271,14 +273,14 @@ class Pipelines:
                 features = tf.function(lambda example: parsed(split.parse, example))(features)
             except tf.errors.OpError as e:
                 damaged = unreadable(e) or f"cannot parse {where}: {op_message(e)}"
-                return f"--dataset={config.dataset}: {damaged}"
+                return f"--dataset={data.dataset}: {damaged}"
         features.pop("origin", None)
         try:
             if self.source.decode is not None:
                 self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
         except tf.errors.OpError as e:
-            return f"--dataset={config.dataset}: cannot decode {where}: {op_message(e)}"
-        return f"--dataset={config.dataset}: the example at position {position} ({where}) was lost before decoding"
+            return f"--dataset={data.dataset}: cannot decode {where}: {op_message(e)}"
+        return f"--dataset={data.dataset}: the example at position {position} ({where}) was lost before decoding"
 
     def _unparsed(self, split):
         """The examples of `split` in order, a record file's unparsed (`decode` parses them)."""
@@ -289,7 +291,7 @@ class Pipelines:
     def evaluation(self, ctx, eval_steps):
         """This pipeline's share of the evaluation split, in order, padded with weight-0 examples to
         `eval_steps` batches per replica: every example counts exactly once."""
-        config, source = self.config, self.source
+        data, source = self.data, self.source
         # An example counts once unless its source says how much it counts (a text window: its characters).
         ds = self._unparsed(self.evals).enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
@@ -299,6 +301,6 @@ class Pipelines:
         padding = {k: tf.zeros(s.shape, s.dtype) for k, s in source.spec.items()}
         padding.update(index=tf.constant(-1, tf.int64), weight=tf.constant(0.0))
         ds = ds.concatenate(tf.data.Dataset.from_tensors(padding).repeat())
-        ds = ds.batch(ctx.get_per_replica_batch_size(config.per_eval_batch_size), drop_remainder=True)
+        ds = ds.batch(ctx.get_per_replica_batch_size(data.per_eval_batch_size), drop_remainder=True)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         return ds.take(eval_steps * local_replicas)

@@ -6,8 +6,9 @@ No TensorFlow here: launch.py reads this before TensorFlow starts, to turn each 
 """
 
 import dataclasses
+import functools
 
-from engine import sources
+from engine import sections, sources
 from engine.declared import ROOT, declared_settings, packages
 
 STRATEGIES = ("one_device", "mirrored", "multi_worker", "parameter_server", "tpu")
@@ -45,93 +46,98 @@ TFDS_NAMES = "tensorflow-datasets"  # the --dataset kind of every name that is n
 SELECTORS = ("model", "task", "dataset", "optimizer", "precision", "mode")
 
 
-def _setting(default, help_text, readers=None):
-    """A field of every run. `readers`, {selecting setting: values}, says which runs read it (--momentum:
+def _setting(section, default, help_text, readers=None, shared=()):
+    """A field of every run, in `section` (engine/sections.py) and read too by the `shared` sections (the schedule
+    reads --train_steps). `readers`, {selecting setting: values}, says which runs read it (--momentum:
     {"optimizer": ("sgd",)}); None: every run does. A file that reads it too adds itself in its READS."""
-    metadata = {"help": help_text}
+    metadata = {"help": help_text, "section": section, "shared": frozenset(shared)}
     if readers:
         metadata["readers"] = frozenset((selector, value) for selector, values in readers.items() for value in values)
     return dataclasses.field(default=default, metadata=metadata)
 
 
+# A setting of each section, declared as `name: type = _<section>(default, help[, readers][, shared=...])`.
+_run, _loop, _data, _models, _optimization, _numerics, _cluster, _research = (
+    functools.partial(_setting, name) for name in sections.SECTIONS
+)
 _TUNE = {"mode": ("tune",)}
 _ENSEMBLE = {"mode": ("ensemble",)}
 
 
 @dataclasses.dataclass(frozen=True)
-class _RunSettings:
+class _RunSettings(sections.Sectioned):
     """The settings every run has; Config below adds each model family's, task's and bundled source's own."""
 
     # What to do and where.
-    mode: str = _setting("train", "what to run: " + "|".join(MODES))
-    workdir: str = _setting("runs/default", "directory for checkpoints, metrics.jsonl, summary.json, TensorBoard")
-    checkpoint: str = _setting(
+    mode: str = _run("train", "what to run: " + "|".join(MODES))
+    workdir: str = _run("runs/default", "directory for checkpoints, metrics.jsonl, summary.json, TensorBoard")
+    checkpoint: str = _run(
         "", "eval, export: checkpoint path to use; empty: the latest in --workdir", {"mode": ("eval", "export")}
     )
-    export_dir: str = _setting(
+    export_dir: str = _run(
         "", "export: where to write the SavedModel; empty: <workdir>/export/<step>", {"mode": ("export",)}
     )
-    eval_timeout: float = _setting(
+    eval_timeout: float = _run(
         600.0, "continuous_eval: stop after this many seconds without a new checkpoint", {"mode": ("continuous_eval",)}
     )
 
     # Distribution.
-    strategy: str = _setting(
+    strategy: str = _cluster(
         "", "one_device|mirrored|multi_worker|parameter_server|tpu; empty: mirrored over all GPUs, else one device"
     )
-    num_cpu_devices: int = _setting(
+    num_cpu_devices: int = _cluster(
         1, "split the host CPU into this many logical devices (mirrored on a CPU-only machine)"
     )
-    tpu: str = _setting("", "TPU name or grpc:// address for --strategy=tpu; 'local' on a TPU VM")
-    cluster_resolver: str = _setting(
+    tpu: str = _cluster("", "TPU name or grpc:// address for --strategy=tpu; 'local' on a TPU VM")
+    cluster_resolver: str = _cluster(
         "", "where a cluster comes from: tf_config|slurm|kubernetes|tpu; empty: TF_CONFIG when it is set"
     )
-    collective_timeout: float = _setting(
+    collective_timeout: float = _cluster(
         10.0,
         "multi-worker and parameter servers: seconds a peer may go silent (no heartbeat, no answer) before the "
         "job stops, naming it as lost",
     )
-    connect_timeout: float = _setting(
+    connect_timeout: float = _cluster(
         300.0, "seconds to wait at start for every task of a cluster to come up, or for a TPU to answer"
     )
-    local_workers: int = _setting(0, "start this many worker processes on this machine (TF_CONFIG on localhost)")
-    local_cluster_network: str = _setting(
+    local_workers: int = _cluster(0, "start this many worker processes on this machine (TF_CONFIG on localhost)")
+    local_cluster_network: str = _cluster(
         "loopback",
         "the network of --local_workers' tasks: loopback (a network namespace of their own, holding only loopback; "
         "Linux) or host (this machine's: their servers listen on every interface, unauthenticated)",
     )
-    num_ps: int = _setting(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
-    slurm_port_base: int = _setting(8888, "slurm: first port of the tasks' servers on each node")
-    kubernetes_selector: str = _setting("", "kubernetes: label selector of the worker pods, e.g. job-name=w")
-    tf_data_service: str = _setting("", "grpc://host:port of a tf.data service dispatcher to preprocess on")
+    num_ps: int = _cluster(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
+    slurm_port_base: int = _cluster(8888, "slurm: first port of the tasks' servers on each node")
+    kubernetes_selector: str = _cluster("", "kubernetes: label selector of the worker pods, e.g. job-name=w")
+    tf_data_service: str = _cluster("", "grpc://host:port of a tf.data service dispatcher to preprocess on")
 
     # Task (tasks/<task>.py): what is trained, its loss and its metrics.
-    task: str = _setting("classification", "what to train, found as tasks/<task>.py")
+    task: str = _run("classification", "what to train, found as tasks/<task>.py")
 
     # Model (models/<model>.py). Each family declares its own settings in its file (SETTINGS).
-    model: str = _setting("", "model family, found as models/<model>.py; empty: the task's own (mlp for most)")
-    dropout: float = _setting(0.0, "dropout rate in the models that use it, 0 = off")
+    model: str = _run("", "model family, found as models/<model>.py; empty: the task's own (mlp for most)")
+    dropout: float = _models(0.0, "dropout rate in the models that use it, 0 = off")
 
     # Data.
-    dataset: str = _setting(
+    dataset: str = _data(
         "",
         "digits|synthetic|penguins|shakespeare (bundled), folder:PATH, tfrecord:GLOB, npz:PATH, or any "
         "tensorflow-datasets name (the top of --help says more); empty: the task's own",
     )
-    data_dir: str = _setting(
+    data_dir: str = _data(
         "",
         "tensorflow-datasets directory, outside --workdir: prepared datasets, tfds's download cache (downloads/) "
         "and the preparation lock (<dataset>/.prepare.lock); empty: $TFDS_DATA_DIR or ~/tensorflow_datasets",
     )
-    train_split: str = _setting("train", "split to train on")
-    eval_split: str = _setting("test", "split to evaluate on; every example is counted exactly once")
-    shuffle_buffer: int = _setting(10_000, "training shuffle buffer, in examples")
-    interleave_files: int = _setting(
+    train_split: str = _data("train", "split to train on")
+    eval_split: str = _data("test", "split to evaluate on; every example is counted exactly once")
+    shuffle_buffer: int = _data(10_000, "training shuffle buffer, in examples")
+    interleave_files: int = _data(
         16,
         "streamed splits (files too large for memory): files each input pipeline reads at once, example by "
         "example, shuffled together; a restart reads at most that many files before its position",
     )
-    image_size: int = _setting(
+    image_size: int = _data(
         0,
         "encoded images (JPEG, PNG; any size): train on random-resized crops of this many pixels a side, "
         "flipped at random; evaluate on the centre crop; 0 = images must already have one shape",
@@ -139,126 +145,128 @@ class _RunSettings:
     )
 
     # Batch and steps.
-    global_batch_size: int = _setting(128, "examples per step over all replicas")
-    eval_batch_size: int = _setting(0, "examples per evaluation step over all replicas; 0 = global_batch_size")
-    train_steps: int = _setting(1000, "optimizer steps to train for")
-    steps_per_loop: int = _setting(100, "steps per host round trip, run inside one tf.function")
-    eval_every: int = _setting(0, "evaluate every this many steps; 0 = only at the end")
-    checkpoint_every: int = _setting(
-        500, "save a checkpoint every this many steps (and at the end); 0 = only at the end"
-    )
-    keep_checkpoints: int = _setting(3, "how many recent checkpoints to keep")
-    profile_steps: tuple = _setting(
+    global_batch_size: int = _data(128, "examples per step over all replicas", shared=("loop", "optimization"))
+    eval_batch_size: int = _data(0, "examples per evaluation step over all replicas; 0 = global_batch_size")
+    train_steps: int = _loop(1000, "optimizer steps to train for", shared=("optimization",))
+    steps_per_loop: int = _loop(100, "steps per host round trip, run inside one tf.function")
+    eval_every: int = _loop(0, "evaluate every this many steps; 0 = only at the end")
+    checkpoint_every: int = _loop(500, "save a checkpoint every this many steps (and at the end); 0 = only at the end")
+    keep_checkpoints: int = _loop(3, "how many recent checkpoints to keep")
+    profile_steps: tuple = _loop(
         (), "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off"
     )
-    on_nan: str = _setting(
+    on_nan: str = _loop(
         "stop",
         "a non-finite loss in float32/bfloat16 (float16: steps skipped at the loss scale's floor): stop, or "
         "rollback to the last checkpoint, discarding every step since it and reading on past their batches",
     )
 
-    grad_accum_steps: int = _setting(
+    grad_accum_steps: int = _loop(
         1, "split each replica's batch into this many microbatches whose gradients add up before the one all-reduce"
     )
 
     # Starting from another run.
-    init_checkpoint: str = _setting(
+    init_checkpoint: str = _models(
         "", "start from these weights (a workdir's latest checkpoint, or a checkpoint path), matched by variable path"
     )
-    freeze: str = _setting(
+    freeze: str = _models(
         "",
         "regular expression: variables whose <model name>/<path> it matches (model/mlp/dense/) stay fixed, "
         "batch-norm statistics included",
     )
 
     # Optimizer and learning rate.
-    optimizer: str = _setting("adamw", "sgd|adamw|lamb (engine-owned update rules)")
-    learning_rate: float = _setting(1e-3, "peak learning rate (before --lr_scaling)")
-    momentum: float = _setting(0.9, "sgd: momentum, 0 = plain SGD", {"optimizer": ("sgd",)})
-    nesterov: bool = _setting(False, "sgd: Nesterov momentum", {"optimizer": ("sgd",)})
-    beta_1: float = _setting(0.9, "adamw, lamb: first-moment decay", {"optimizer": ("adamw", "lamb")})
-    beta_2: float = _setting(0.999, "adamw, lamb: second-moment decay", {"optimizer": ("adamw", "lamb")})
-    epsilon: float = _setting(1e-7, "adamw, lamb: added to the second-moment root", {"optimizer": ("adamw", "lamb")})
-    first_moment_dtype: str = _setting(
+    optimizer: str = _optimization("adamw", "sgd|adamw|lamb (engine-owned update rules)")
+    learning_rate: float = _optimization(1e-3, "peak learning rate (before --lr_scaling)")
+    momentum: float = _optimization(0.9, "sgd: momentum, 0 = plain SGD", {"optimizer": ("sgd",)})
+    nesterov: bool = _optimization(False, "sgd: Nesterov momentum", {"optimizer": ("sgd",)})
+    beta_1: float = _optimization(0.9, "adamw, lamb: first-moment decay", {"optimizer": ("adamw", "lamb")})
+    beta_2: float = _optimization(0.999, "adamw, lamb: second-moment decay", {"optimizer": ("adamw", "lamb")})
+    epsilon: float = _optimization(
+        1e-7, "adamw, lamb: added to the second-moment root", {"optimizer": ("adamw", "lamb")}
+    )
+    first_moment_dtype: str = _optimization(
         "float32",
         "adamw, lamb: float32|bfloat16: the dtype the first moment is stored in (bfloat16: half its memory and "
         "traffic, as MaxText's mu_dtype; the update computes in float32 and the second moment stays float32)",
         {"optimizer": ("adamw", "lamb")},
     )
-    weight_decay: float = _setting(0.0, "decoupled weight decay per step, times the learning rate; kernels only")
-    warmup_steps: int = _setting(0, "linear warmup from 0 to the peak learning rate, in steps")
-    lr_schedule: str = _setting("constant", "after warmup: constant|cosine (cosine decays to 0 at train_steps)")
-    lr_scaling: str = _setting("none", "none|linear: linear multiplies the learning rate by global/base batch")
-    base_batch_size: int = _setting(256, "batch size --learning_rate was tuned for (with --lr_scaling=linear)")
-    clip_norm: float = _setting(0.0, "clip the all-reduced gradients to this global norm; 0 = off")
-    clip_value: float = _setting(0.0, "clip each all-reduced gradient element to [-v, v]; 0 = off")
-    ema_decay: float = _setting(
+    weight_decay: float = _optimization(0.0, "decoupled weight decay per step, times the learning rate; kernels only")
+    warmup_steps: int = _optimization(0, "linear warmup from 0 to the peak learning rate, in steps")
+    lr_schedule: str = _optimization("constant", "after warmup: constant|cosine (cosine decays to 0 at train_steps)")
+    lr_scaling: str = _optimization("none", "none|linear: linear multiplies the learning rate by global/base batch")
+    base_batch_size: int = _optimization(256, "batch size --learning_rate was tuned for (with --lr_scaling=linear)")
+    clip_norm: float = _optimization(0.0, "clip the all-reduced gradients to this global norm; 0 = off")
+    clip_value: float = _optimization(0.0, "clip each all-reduced gradient element to [-v, v]; 0 = off")
+    ema_decay: float = _optimization(
         0.0, "keep an exponential moving average of the weights with this decay per step, used to evaluate and export"
     )
 
     # Tuning and ensembles.
-    tune_space: str = _setting(
+    tune_space: str = _research(
         "", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)", _TUNE
     )
-    tune_trials: int = _setting(
+    tune_trials: int = _research(
         20, "tune: complete or pruned trials the study runs to; a resumed study runs the rest", _TUNE
     )
-    tune_objective: str = _setting(
+    tune_objective: str = _research(
         "", "tune: metric the task reports on --validation_split to optimize; empty: the task's objective", _TUNE
     )
-    tune_direction: str = _setting(
+    tune_direction: str = _research(
         "", "tune: max|min the objective; empty: the task's direction (another --tune_objective must say it)", _TUNE
     )
-    tune_sampler: str = _setting("tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)", _TUNE)
-    tune_pruner: str = _setting(
+    tune_sampler: str = _research(
+        "tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)", _TUNE
+    )
+    tune_pruner: str = _research(
         "hyperband",
         "tune: stops bad trials from their --eval_every evaluations: none|median|successive_halving|hyperband",
         _TUNE,
     )
-    tune_startup_trials: int = _setting(
+    tune_startup_trials: int = _research(
         5, "tune: trials drawn at random (and never pruned by median) before the search learns", _TUNE
     )
-    tune_timeout: float = _setting(
+    tune_timeout: float = _research(
         0.0, "tune: seconds after which no new trial starts (a running one ends); 0 = none", _TUNE
     )
-    tune_storage: str = _setting(
+    tune_storage: str = _research(
         "", "tune: SQLAlchemy URL of the study, to share one across machines; empty: sqlite <workdir>/study.db", _TUNE
     )
-    tune_study: str = _setting("tune", "tune: name of the study in --tune_storage", _TUNE)
-    validation_split: str = _setting(
+    tune_study: str = _research("tune", "tune: name of the study in --tune_storage", _TUNE)
+    validation_split: str = _research(
         "validation",
         "tune, ensemble: split that scores trials and fits ensemble weights; never the test split",
         {"mode": ("tune", "ensemble")},
     )
-    members: str = _setting(
+    members: str = _research(
         "", "ensemble: comma-separated workdirs of trained runs and .npz files of other models' predictions", _ENSEMBLE
     )
-    ensemble_search: str = _setting(
+    ensemble_search: str = _research(
         "nelder_mead", "ensemble: how weights on the simplex are fitted on validation: nelder_mead|random", _ENSEMBLE
     )
-    ensemble_samples: int = _setting(
+    ensemble_samples: int = _research(
         2000, "ensemble, random: weight vectors drawn uniformly from the simplex", _ENSEMBLE
     )
-    ensemble_mean: str = _setting(
+    ensemble_mean: str = _research(
         "arithmetic", "ensemble: how members' probabilities combine: arithmetic|geometric (normalized)", _ENSEMBLE
     )
 
     # Numerics.
-    precision: str = _setting("float32", "float32|mixed_float16|mixed_bfloat16")
-    initial_loss_scale: float = _setting(
+    precision: str = _numerics("float32", "float32|mixed_float16|mixed_bfloat16")
+    initial_loss_scale: float = _numerics(
         2.0**15, "mixed_float16: starting dynamic loss scale", {"precision": ("mixed_float16",)}
     )
-    loss_scale_growth_interval: int = _setting(
+    loss_scale_growth_interval: int = _numerics(
         2000, "mixed_float16: double the scale after this many finite steps", {"precision": ("mixed_float16",)}
     )
-    jit_compile: Switch = _setting(
+    jit_compile: Switch = _numerics(
         "auto",
         "compile the replica step with XLA: true, false, or auto (the engine chooses from the model, the precision "
         "and the device, and the run's first line says what and why)",
     )
-    seed: int = _setting(0, "seed for initialization, shuffling and dropout")
-    deterministic: bool = _setting(False, "enable TensorFlow op determinism: same flags, same numbers")
-    run_eagerly: bool = _setting(False, "run the loop and step without graphs (print and pdb work in a task); slow")
+    seed: int = _run(0, "seed for initialization, shuffling and dropout", shared=("data",))
+    deterministic: bool = _numerics(False, "enable TensorFlow op determinism: same flags, same numbers")
+    run_eagerly: bool = _numerics(False, "run the loop and step without graphs (print and pdb work in a task); slow")
 
     @property
     def per_eval_batch_size(self):
@@ -266,9 +274,10 @@ class _RunSettings:
 
 
 _FIELDS, _READS, DECLARATION_ERRORS = declared_settings(
-    packages(), ROOT, {f.name for f in dataclasses.fields(_RunSettings)}
+    packages(), ROOT, {f.name for f in dataclasses.fields(_RunSettings)}, sections.RESERVED
 )
 Config = dataclasses.make_dataclass("Config", _FIELDS, bases=(_RunSettings,), frozen=True)
+Config.READ_BY = _READS  # who reads a declared setting besides its owner: their config.own(...) shows it
 Config.__module__ = __name__
 Config.__doc__ = """Every setting of a run: the engine's (_RunSettings) and those the chosen model, task and source
 declare. Frozen; build one with validate(Config(...))."""

@@ -120,20 +120,21 @@ def global_norm(grads):
     return tf.cond(tf.math.is_finite(squares), lambda: (tf.sqrt(squares), tf.constant(True)), rescaled)
 
 
-def process_gradients(grads, scale, config):
+def process_gradients(grads, scale, clipping):
     """(grads, grad_norm, finite) from the all-reduced gradients: unscaled (float16's `scale`), then judged
     finite element by element BEFORE clipping (clip_value would turn an overflow into +-clip_value), then
-    clipped by value and by global norm. `grad_norm` is the norm before norm clipping."""
+    clipped by value and by global norm (`clipping`: an update's Clipping, or config.optimization). `grad_norm` is
+    the norm before norm clipping."""
     if scale is not None:
         grads = [g / scale for g in grads]  # unscale before anything looks at the gradients
     finite = None
-    if config.clip_value:
+    if clipping.clip_value:
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        grads = [tf.clip_by_value(g, -config.clip_value, config.clip_value) for g in grads]
+        grads = [tf.clip_by_value(g, -clipping.clip_value, clipping.clip_value) for g in grads]
     grad_norm, norm_finite = global_norm(grads)
     finite = norm_finite if finite is None else finite
-    if config.clip_norm:
-        grads = [g * tf.minimum(1.0, config.clip_norm / grad_norm) for g in grads]
+    if clipping.clip_norm:
+        grads = [g * tf.minimum(1.0, clipping.clip_norm / grad_norm) for g in grads]
     return grads, grad_norm, finite
 
 

@@ -56,8 +56,8 @@ class Trainer:
         from engine import loop  # the loop's rule for where a signal ends a round, read where it is defined
 
         self.stops_each_step = loop.stops_each_step(strategy)
-        self.in_step = inputs.gathers_in_step(config, strategy, self.data, self.coordinator)
-        self.jit_compile, self.jit_reason = xla.resolve(config, strategy, self.models)
+        self.in_step = inputs.gathers_in_step(config.cluster, strategy, self.data, self.coordinator)
+        self.jit_compile, self.jit_reason = xla.resolve(config.numerics, strategy, self.models)
         self._build_train_step()
         self.eval_loop = tf.function(self._eval_loop)
         self.retraced = set()
@@ -221,7 +221,7 @@ class Trainer:
         except RuntimeError as e:
             if "merge_call" in str(e) and self.jit_compile and self.config.jit_compile == "auto":
                 # What auto cannot know before the first round is traced (nothing has run yet): trace it again.
-                self.jit_compile, self.jit_reason = xla.resolve(self.config, self.strategy, self.models, True)
+                self.jit_compile, self.jit_reason = xla.resolve(self.config.numerics, self.strategy, self.models, True)
                 self._build_train_step()
                 print(f"jit_compile=false ({self.jit_reason}): the first round is traced again", flush=True)
                 return self.run_steps(iterator, steps)
@@ -241,7 +241,7 @@ class Trainer:
                 # Found only when the first step runs, after its batch was taken: the caller reads it again.
                 ops = unsupported.group(1)
                 self.jit_compile, self.jit_reason = xla.resolve(
-                    self.config, self.strategy, self.models, unsupported=ops
+                    self.config.numerics, self.strategy, self.models, unsupported=ops
                 )
                 self._build_train_step()
                 # The counters are not ordered after the failed step (they touch other variables): put them back.

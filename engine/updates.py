@@ -59,17 +59,17 @@ class Plan:
     optimizer and loss scale (tf.Modules, checkpointed by the update's name), the moving averages of its
     variables, its clipping, and the prefix of its metrics ("" for a run's only update)."""
 
-    def __init__(self, update, variables, names, averages, config, prefix, what):
+    def __init__(self, update, variables, names, averages, optimization, numerics, prefix, what):
         self.update, self.name, self.prefix = update, update.name, prefix
         self.variables, self.names, self.averages = variables, names, averages
-        self.ema_decay = config.ema_decay
-        settings = optim.checked_settings(config, update.optimizer, what)
+        self.ema_decay = optimization.ema_decay
+        settings = optim.checked_settings(optimization, update.optimizer, what)
         self.optimizer = optim.Optimizer(settings, [v.value for v in variables], names, update.groups)
         # Created in every precision so a checkpoint fits any of them; only float16 uses it.
-        self.loss_scale = precision.LossScale(config.initial_loss_scale, config.loss_scale_growth_interval)
+        self.loss_scale = precision.LossScale(numerics.initial_loss_scale, numerics.loss_scale_growth_interval)
         self.clipping = Clipping(
-            config.clip_norm if update.clip_norm is None else update.clip_norm,
-            config.clip_value if update.clip_value is None else update.clip_value,
+            optimization.clip_norm if update.clip_norm is None else update.clip_norm,
+            optimization.clip_value if update.clip_value is None else update.clip_value,
         )
         if self.clipping.clip_norm and self.clipping.clip_value:
             raise ConfigError(f"{what}: choose one of clip_norm and clip_value, not both")
@@ -200,7 +200,8 @@ def build_plans(task, params, names, averages, config):
                 [params[i] for i in chosen],
                 [names[i] for i in chosen],
                 [averages[i] for i in chosen] if averages else [],
-                config,
+                config.optimization,
+                config.numerics,
                 "" if len(updates) == 1 else f"{update.name}/",
                 f"{task_file}: update {update.name!r}",
             )

@@ -10,7 +10,7 @@ without the hardware; `resolve` reads them from the running process.
 import keras
 import tensorflow as tf
 
-from engine import distribute
+from engine import distribute, sections
 
 # Instructions with which oneDNN multiplies bfloat16 matrices in hardware (Intel AMX tiles, AVX512_BF16 dot
 # products), as /proc/cpuinfo names them.
@@ -96,11 +96,13 @@ def _on_cpu(precision, cpu_flags, convolutions, largest_matrix):
     return True, f"auto: {precision} dense layers on a CPU: XLA fuses the step"
 
 
-def resolve(config, strategy, models, synchronizes=False, unsupported=""):
-    """choose() for this process: its strategy's device, this machine's CPU and the models' layers."""
+def resolve(numerics, strategy, models, synchronizes=False, unsupported=""):
+    """choose() for this process: the run's config.numerics, its strategy's device, this machine's CPU and the
+    models' layers."""
+    numerics = sections.section(numerics, "numerics")
     return choose(
-        config.jit_compile,
-        config.precision,
+        numerics.jit_compile,
+        numerics.precision,
         device_kind(strategy),
         cpu_flags=cpu_flags(),
         convolutions=has_convolutions(models.values()),

@@ -1,0 +1,152 @@
+"""The run's settings by what they are about: read-only views of a Config that hold one section each.
+
+Each engine setting names its section where engine/settings.py declares it (`momentum: float =
+_optimization(...)`), and the other sections that read it too (`shared=`: the schedule reads --train_steps); a
+model's, task's or source's own settings are their owner's (`config.own("model", "resnet")`), with the settings
+its READS names. A function handed `config.optimization` reads the optimizer's settings and no others: reading
+another section's is an AttributeError that names where the setting lives. config.json and the flags stay flat:
+sections are views.
+
+No TensorFlow here: launch.py reads engine/settings.py, which reads this, before TensorFlow starts.
+"""
+
+import dataclasses
+
+# The sections of the engine's own settings, in the order a reader meets them.
+SECTIONS = {
+    "run": "what to run and where: the mode, the workdir, what is trained (task, model) and the seed",
+    "loop": "the outer loop: how many steps, in rounds of how many, and what is due between them",
+    "data": "what is read and how: the dataset, its splits, shuffling and batches",
+    "models": "the models' weights: dropout, where they start, which stay fixed",
+    "optimization": "the optimizer, its learning-rate schedule, clipping and the moving average of the weights",
+    "numerics": "precision, the loss scale, XLA, determinism and eager execution",
+    "cluster": "where the run executes: the strategy, devices, cluster resolvers, timeouts, tf.data service",
+    "research": "the applications of the engine: tuning (tune_*), ensembles and the split that scores them",
+}
+# Names no model, task or source may declare as a setting: Config's sections, and what a view answers itself.
+RESERVED = frozenset(SECTIONS) | {"own", "READ_BY", "names", "values", "replace", "fields"}
+# Derived values a section answers too (a property of Config computed from that section's settings).
+DERIVED = {"per_eval_batch_size": "data"}
+
+
+def home(field):
+    """The section of a Config field: an engine setting's `section`, a declared one's owner ("model", "resnet")."""
+    return field.metadata.get("owner") or field.metadata["section"]
+
+
+def _where(section):
+    if isinstance(section, tuple):
+        return f"config.own{section!r}"
+    return f"config.{section}"
+
+
+class Section:
+    """The settings of one section of `config`, read as attributes; frozen. `names` are the settings it reads."""
+
+    __slots__ = ("_config", "_name", "_names")
+
+    def __init__(self, config, name, names):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_names", frozenset(names))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # Python's and TensorFlow's own probes (copy, tracing), and unset slots
+            raise AttributeError(name)
+        if name in self._names:
+            return getattr(self._config, name)
+        field = {f.name: f for f in dataclasses.fields(self._config)}.get(name)
+        if field is None and name not in DERIVED:
+            raise AttributeError(f"no setting {name} (in {_where(self._name)} or any other section)")
+        lives = DERIVED[name] if field is None else home(field)
+        how = "name it in the file's READS" if isinstance(self._name, tuple) else f"add {self._name!r} to its shared="
+        raise AttributeError(
+            f"the setting {name} is in {_where(lives)}, not {_where(self._name)}: hand the function that reads "
+            f"it that section too, or {how} where it is declared"
+        )
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"{_where(self._name)} is read-only: cannot set {name}")
+
+    def __eq__(self, other):
+        return isinstance(other, Section) and self._name == other._name and self.values() == other.values()
+
+    def __hash__(self):
+        return hash((self._name, tuple(sorted(self.values().items()))))
+
+    def __repr__(self):
+        inner = ", ".join(f"{k}={v!r}" for k, v in sorted(self.values().items()))
+        return f"{_where(self._name)}({inner})"
+
+    @property
+    def names(self):
+        """The settings this section reads (its own and those shared with it), sorted."""
+        return tuple(sorted(self._names))
+
+    def values(self):
+        """{setting: value} of every setting this section reads."""
+        return {name: getattr(self._config, name) for name in self._names}
+
+    def replace(self, **changes):
+        """This section of the config with `changes` (a setting of any section, as dataclasses.replace takes)."""
+        return Section(dataclasses.replace(self._config, **changes), self._name, self._names)
+
+    def fields(self):
+        """The Config fields of every setting in this section."""
+        return [f for f in dataclasses.fields(self._config) if f.name in self._names]
+
+
+def every_setting(config):
+    """The names of every setting of the Config under `config` (a Config or a view), whatever section."""
+    whole = config._config if isinstance(config, Section) else config
+    return [f.name for f in dataclasses.fields(whole)]
+
+
+def _names(config_type, name):
+    reads = getattr(config_type, "READ_BY", {})  # {setting: {owner whose READS names it}}
+    names = set()
+    for f in dataclasses.fields(config_type):
+        if home(f) == name or name in f.metadata.get("shared", ()) or name in reads.get(f.name, ()):
+            names.add(f.name)
+    return names | {derived for derived, section in DERIVED.items() if section == name}
+
+
+_CACHE = {}
+
+
+def section(config, name):
+    """The view of section `name` ("optimization", or an owner ("model", "resnet")) of `config`: a Config, or a
+    view already (returned as it is when it reads at least that section's settings). A function that reads one
+    section calls this on what it is handed, so it reads the same whether given the whole Config or its section.
+    Anything else (a test's namespace of the settings a function reads) is returned as it is."""
+    if not (isinstance(config, Section) or dataclasses.is_dataclass(config)):
+        return config
+    if not isinstance(name, tuple) and name not in SECTIONS:
+        raise ValueError(f"no section {name!r}: the sections are {', '.join(SECTIONS)} and each owner's own")
+    whole = config._config if isinstance(config, Section) else config
+    key = (type(whole), name)
+    if key not in _CACHE:
+        _CACHE[key] = _names(type(whole), name)
+    if isinstance(config, Section):  # a view that reads at least that section's settings serves as it is
+        if not config._names >= _CACHE[key]:
+            raise AttributeError(f"handed {_where(config._name)} where {_where(name)} is read: hand it that section")
+        return config
+    return Section(whole, name, _CACHE[key])
+
+
+class Sectioned:
+    """The sections of a Config, as properties: config.optimization, config.loop, ..., and config.own(...)."""
+
+    run = property(lambda self: section(self, "run"))
+    loop = property(lambda self: section(self, "loop"))
+    data = property(lambda self: section(self, "data"))
+    models = property(lambda self: section(self, "models"))
+    optimization = property(lambda self: section(self, "optimization"))
+    numerics = property(lambda self: section(self, "numerics"))
+    cluster = property(lambda self: section(self, "cluster"))
+    research = property(lambda self: section(self, "research"))
+
+    def own(self, kind, module):
+        """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task") or the source <module>
+        ("dataset") declares, and those its READS names."""
+        return section(self, (kind, module))
