@@ -42,6 +42,24 @@ def make_config(data_dir, workdir="unused", **overrides):
     return validate(Config(**{**TEST_DEFAULTS, "data_dir": data_dir, "workdir": workdir, **overrides}))
 
 
+def as_flags(settings):
+    """launch.py's command line for the settings `settings` ({name: value}), which validate(Config(**settings))
+    builds in this process: a test's reference run trains in-process what a launch.py run trains, without the
+    start-up of another TensorFlow process."""
+    from engine.config import show
+
+    return [f"--{name}={show(value)}" for name, value in settings.items()]
+
+
+def in_process_run(settings):
+    """The run `launch.py *as_flags(settings)` trains, trained in this process (its Config, and its strategy as
+    launch.py builds it); returns its summary."""
+    from engine import loop
+    from engine.config import Config, validate
+
+    return loop.train(validate(Config(**settings)))
+
+
 def local_values(strategy, variable):
     """Every local replica's copy of a variable, as numpy arrays."""
     return [v.numpy() for v in strategy.experimental_local_results(variable)]

@@ -20,7 +20,7 @@ from engine.preemption import PREEMPTED_EXIT_CODE
 from tests import helpers
 from tests.helpers import ROOT, checkpoint_tensors, logged_steps
 
-ROUND = 1000  # steps per round: the signal lands inside the second one
+ROUND = 500  # steps per round (over a second of training on 2 cores): the signal lands inside the second one
 FINAL = 2 * ROUND + 20  # the resumed run ends past the second round, wherever the signal stopped it
 
 

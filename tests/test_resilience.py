@@ -53,48 +53,49 @@ def kill_after(proc, workdir, step, timeout=180):
     raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
 
 
-@pytest.mark.parametrize(
-    "strategy", [[], ["--strategy=mirrored", "--num_cpu_devices=2"]], ids=["one_device", "mirrored"]
-)
+@pytest.mark.parametrize("strategy", [{}, dict(strategy="mirrored", num_cpu_devices=2)], ids=["one_device", "mirrored"])
 @pytest.mark.slow
-def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy):
-    args = [
-        f"--data_dir={data_dir}",
-        "--deterministic",
-        "--seed=5",
-        "--train_steps=400",
-        "--steps_per_loop=10",
-        "--checkpoint_every=50",
-        "--hidden_sizes=256,256",
-        "--warmup_steps=20",
-        "--lr_schedule=cosine",
-        *strategy,
-    ]
-    code, _, err = launch(tmp_path / "straight", *args)
-    assert code == 0, err[-2000:]
+def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy, capsys):
+    settings = dict(
+        data_dir=data_dir,
+        deterministic=True,
+        seed=5,
+        train_steps=300,
+        steps_per_loop=10,
+        checkpoint_every=50,
+        hidden_sizes=(256, 256),
+        warmup_steps=20,
+        lr_schedule="cosine",
+        **strategy,
+    )
+    # The run never killed trains in this process (the same Config, strategy and programs launch.py builds); the
+    # killed runs are launch.py's, the second of them restarted from the first one's checkpoint as a user would,
+    # and the last restart runs in this process again.
+    helpers.in_process_run({**settings, "workdir": str(tmp_path / "straight")})
+    args = helpers.as_flags(settings)
     killed = tmp_path / "killed"
     kill_points = [kill_after(start(killed, *args), killed, step) for step in (75, 230)]
-    code, out, err = launch(killed, *args)
-    assert code == 0, err[-2000:]
-    assert f"resumed from step {kill_points[-1] // 50 * 50}" in out
+    capsys.readouterr()
+    helpers.in_process_run({**settings, "workdir": str(killed)})
+    assert f"resumed from step {kill_points[-1] // 50 * 50}" in capsys.readouterr().out
     assert all(p % 50 for p in kill_points), kill_points  # killed between checkpoints: work was redone
 
     straight, resumed = (json.load(open(d / "summary.json")) for d in (tmp_path / "straight", killed))
-    assert resumed["step"] == straight["step"] == 400
+    assert resumed["step"] == straight["step"] == 300
     assert resumed["train_loss"] == straight["train_loss"] and resumed["eval"] == straight["eval"]
     records = [[json.loads(line) for line in open(d / "metrics.jsonl")] for d in (tmp_path / "straight", killed)]
-    assert [r["step"] for r in records[1]] == [r["step"] for r in records[0]] == list(range(10, 401, 10))
+    assert [r["step"] for r in records[1]] == [r["step"] for r in records[0]] == list(range(10, 301, 10))
     assert [r["loss"] for r in records[1]] == [r["loss"] for r in records[0]]
     (path_a, a), (path_b, b) = checkpoint_tensors(tmp_path / "straight"), checkpoint_tensors(killed)
-    assert path_a.endswith("ckpt-400") and path_b.endswith("ckpt-400") and a.keys() == b.keys()
+    assert path_a.endswith("ckpt-300") and path_b.endswith("ckpt-300") and a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir, tmp_path):
-    args = [f"--data_dir={data_dir}", "--steps_per_loop=4000", "--checkpoint_every=0", "--hidden_sizes=32"]
-    proc = start(tmp_path, *args, "--train_steps=1000000")
+def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir, tmp_path, capsys):
+    settings = dict(data_dir=data_dir, steps_per_loop=4000, checkpoint_every=0, hidden_sizes=(32,))
+    proc = start(tmp_path, *helpers.as_flags(settings), "--train_steps=1000000")
     deadline = time.monotonic() + 180
     while not logged_steps(tmp_path) and time.monotonic() < deadline:  # the first round is done
         time.sleep(0.05)
@@ -110,9 +111,10 @@ def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir,
     assert checkpoint.list_checkpoints(tmp_path / "checkpoints")[0].endswith(f"ckpt-{stopped}")
     assert logged_steps(tmp_path) == [4000, stopped]
 
-    code, out, err = launch(tmp_path, *args, f"--train_steps={stopped + 30}")
-    assert code == 0, err[-2000:]
-    assert f"resumed from step {stopped}" in out
+    capsys.readouterr()
+    # The restart, in this process: launch.py's Config for the same flags and more steps.
+    helpers.in_process_run({**settings, "workdir": str(tmp_path), "train_steps": stopped + 30})
+    assert f"resumed from step {stopped}" in capsys.readouterr().out
     # The resumed run's rounds end at the next multiple of 4000, if it comes first, and at the end.
     expected = [4000, stopped] + ([8000] if stopped + 30 > 8000 else []) + [stopped + 30]
     assert logged_steps(tmp_path) == expected
@@ -269,9 +271,9 @@ def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
-    args = [f"--data_dir={data_dir}", "--hidden_sizes=512,512", "--checkpoint_every=10", "--steps_per_loop=10"]
-    code, _, err = launch(tmp_path, *args, "--train_steps=10")
-    assert code == 0, err
+    settings = dict(data_dir=data_dir, hidden_sizes=(512, 512), checkpoint_every=10, steps_per_loop=10)
+    helpers.in_process_run({**settings, "workdir": str(tmp_path), "train_steps": 10})  # ckpt-10, as launch.py saves it
+    args = helpers.as_flags(settings)
 
     def small_disk():  # files may not grow past 256 KiB: the next checkpoint (about 3.6 MB) cannot be written
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))

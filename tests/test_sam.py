@@ -182,29 +182,30 @@ def multi_worker_main(out_dir, data_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_and_the_same_command_end_bit_identical(data_dir, tmp_path):
-    from tests.test_resilience import kill_after, launch, start
+def test_sigkill_and_the_same_command_end_bit_identical(data_dir, tmp_path, capsys):
+    from tests.test_resilience import kill_after, start
 
-    args = [
-        f"--data_dir={data_dir}",
-        "--task=sam",
-        "--deterministic",
-        "--seed=3",
-        "--train_steps=120",
-        "--steps_per_loop=10",
-        "--checkpoint_every=40",
-        "--hidden_sizes=128,128",
-        "--warmup_steps=20",
-        "--lr_schedule=cosine",
-        "--clip_norm=0.5",
-    ]
-    code, _, err = launch(tmp_path / "straight", *args)
-    assert code == 0, err[-2000:]
+    settings = dict(
+        data_dir=data_dir,
+        task="sam",
+        deterministic=True,
+        seed=3,
+        train_steps=120,
+        steps_per_loop=10,
+        checkpoint_every=40,
+        hidden_sizes=(128, 128),
+        warmup_steps=20,
+        lr_schedule="cosine",
+        clip_norm=0.5,
+    )
+    # The run never killed and the restart train in this process (launch.py's Config and strategy for the same
+    # flags); the killed one is launch.py's.
+    helpers.in_process_run({**settings, "workdir": str(tmp_path / "straight")})
     killed = tmp_path / "killed"
-    kill_point = kill_after(start(killed, *args), killed, 50)
-    code, out, err = launch(killed, *args)
-    assert code == 0, err[-2000:]
-    resumed_from = int(re.search(r"resumed from step (\d+)", out).group(1))
+    kill_point = kill_after(start(killed, *helpers.as_flags(settings)), killed, 50)
+    capsys.readouterr()
+    helpers.in_process_run({**settings, "workdir": str(killed)})
+    resumed_from = int(re.search(r"resumed from step (\d+)", capsys.readouterr().out).group(1))
     assert 0 < resumed_from <= kill_point and resumed_from % 40 == 0, (resumed_from, kill_point)
 
     straight, resumed = (json.load(open(d / "summary.json")) for d in (tmp_path / "straight", killed))
