@@ -182,7 +182,7 @@ def multi_worker_main(out_dir, data_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_and_the_same_command_end_bit_identical(data_dir, tmp_path, capsys):
+def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, tmp_path, capsys):
     from tests.test_resilience import kill_after, start
 
     settings = dict(
