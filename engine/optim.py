@@ -25,6 +25,7 @@ SCHEDULES = {
 }
 
 
+@tf.autograph.experimental.do_not_convert
 def learning_rate(optimization, step):
     """Learning rate for the update that follows `step` updates: scaled peak, linear warmup, decay.
     `optimization`: the run's config.optimization (or a Config, whose section it reads)."""
@@ -74,7 +75,8 @@ def _lamb(param, grad, slots, lr, t, hp):
 
 
 # The update rules by --optimizer name, and how many slots each keeps per parameter: a fork adds its rule here
-# (and its name to engine/settings.py's OPTIMIZERS).
+# (and its name to engine/settings.py's OPTIMIZERS). Rules and schedules run as written, without autograph (see
+# engine/step.py): a choice on a tensor is tf.where or tf.cond, not `if`.
 RULES = {"sgd": _sgd, "adamw": _adamw, "lamb": _lamb}
 SLOTS = {"sgd": 1, "adamw": 2, "lamb": 2}
 
@@ -159,6 +161,7 @@ class Optimizer(tf.Module):
         """The slot variables, one list per parameter in the order given."""
         return [self.slots_by_path[path] for path in self.paths]
 
+    @tf.autograph.experimental.do_not_convert
     def updates(self, params, slots, iterations, grads):
         """New parameter and slot values for one step from the values given; pure, nothing is read or assigned.
 

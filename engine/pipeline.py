@@ -82,6 +82,7 @@ class Pipelines:
             return self._sharded(ctx, start_batch, stream, counter)
         return self._replayed(ctx, start_batch, stream)
 
+    @tf.autograph.experimental.do_not_convert
     def order(self, positions, stream):
         """The examples at global stream `positions`: epoch e's permutation, element by element."""
         n = self.train_split.examples
@@ -97,6 +98,7 @@ class Pipelines:
         # The raw op: tf.random.experimental.index_shuffle mis-pads a batch of seeds.
         return tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
 
+    @tf.autograph.experimental.do_not_convert
     def share(self, batch, pipeline, num_pipelines, stream=0):
         """Input pipeline `pipeline`'s share of global batch `batch` (either may be a tensor), gathered from memory:
         the examples at stream positions pipeline, pipeline + n, ... of the batch, with their `index`."""

@@ -164,6 +164,7 @@ class Trainer:
 
         return self.first_replica(self.strategy.run(replica_stop)) > 0
 
+    @tf.autograph.experimental.do_not_convert
     def first_replica(self, values):
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], values)
 

@@ -74,6 +74,7 @@ class Plan:
         if self.clipping.clip_norm and self.clipping.clip_value:
             raise ConfigError(f"{what}: choose one of clip_norm and clip_value, not both")
 
+    @tf.autograph.experimental.do_not_convert
     def targets(self, state, float16):
         """The variables one apply assigns, by name: its weights, slots and count, the statistics `state` a forward
         pass updates, its moving averages, and its loss scale in float16."""
@@ -88,6 +89,7 @@ class Plan:
             targets["loss_scale"] = {"scale": self.loss_scale.scale, "good_steps": self.loss_scale.good_steps}
         return targets
 
+    @tf.autograph.experimental.do_not_convert
     def new_values(self, grads, finite, when, new_state, state, float16, asynchronous):
         """({name: value} of every variable one apply assigns (targets), its learning rates), from `grads` (the
         all-reduced, clipped gradients), `finite` (theirs), `when` (None, or whether the update is due) and the
