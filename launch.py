@@ -146,6 +146,7 @@ HELP_GROUPS = {
         "beta_1",
         "beta_2",
         "epsilon",
+        "first_moment_dtype",
         "weight_decay",
         "warmup_steps",
         "lr_schedule",

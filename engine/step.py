@@ -20,8 +20,9 @@ import tensorflow as tf
 
 SUM = tf.distribute.ReduceOp.SUM
 # The engine's functions marked do_not_convert are tensor code without Python control flow on tensors: autograph
-# has nothing to convert in them, and converting them cost every process about 1.3 CPU-seconds at start. What
-# calls a task's or a fork's code stays converted, so their `if` and `for` on tensors keep working.
+# has nothing to convert in them, and converting them cost every process's start measurably (bench/RESULTS.md,
+# "Start-up: autograph"). What calls a task's or a fork's code stays converted, so their `if` and `for` on tensors
+# keep working.
 
 
 def _maybe_jit(fn, jit_compile):
