@@ -91,10 +91,6 @@ class Section:
         """This section of the config with `changes` (a setting of any section, as dataclasses.replace takes)."""
         return Section(dataclasses.replace(self._config, **changes), self._name, self._names)
 
-    def fields(self):
-        """The Config fields of every setting in this section."""
-        return [f for f in dataclasses.fields(self._config) if f.name in self._names]
-
 
 def every_setting(config):
     """The names of every setting of the Config under `config` (a Config or a view), whatever section."""

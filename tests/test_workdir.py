@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
 from engine import checkpoint, evaluate, loop, report
-from engine.config import Config, ConfigError, show, validate
+from engine.config import Config, ConfigError, validate
 from research import ensemble
 from tests import helpers
 from tests.helpers import ROOT, logged_steps
@@ -149,7 +149,7 @@ def test_a_checkpoint_of_another_model_names_the_variable_by_path(data_dir, one_
 def test_a_second_process_is_refused_and_a_dead_ones_lock_is_taken_over(data_dir, one_device, tmp_path, capsys):
     settings = dict(data_dir=data_dir, workdir=str(tmp_path), hidden_sizes=(32,), steps_per_loop=10)
     settings.update(checkpoint_every=50)
-    args = [f"--{k}={show(v)}" for k, v in settings.items()]
+    args = helpers.as_flags(settings)
     first = subprocess.Popen(
         [sys.executable, "launch.py", *args, "--train_steps=1000000"],
         cwd=ROOT,
