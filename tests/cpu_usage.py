@@ -4,13 +4,15 @@ in order of cost, then the costliest tests.
 
 The suite's budget is in CPU-seconds (README, "Tests"): on two cores, wall time is about half of them at best, and
 a timed wall-clock figure on a shared machine says more about the neighbours than about the suite. A test's
-children are counted once they have been waited for, killed ones too (resource.RUSAGE_CHILDREN).
+children are counted once they have been waited for, killed ones too (resource.RUSAGE_CHILDREN, and the fork server's
+report for those it forked).
 """
 
 import collections
 import json
 import os
 import resource
+import sys
 import tempfile
 import time
 
@@ -25,6 +27,13 @@ def _cpu(who):
     return usage.ru_utime + usage.ru_stime
 
 
+def _started():
+    """CPU-seconds of the processes this one started and waited for: its own children, and those tests/forkserver.py
+    forked for it (the fork server's children, which RUSAGE_CHILDREN does not see)."""
+    forked = sys.modules.get("tests.forkserver")
+    return _cpu(resource.RUSAGE_CHILDREN) + (forked.CHILD_CPU[0] if forked else 0.0)
+
+
 def pytest_configure(config):
     # Set before pytest -n starts its worker processes, which inherit it.
     if LOG not in os.environ:
@@ -36,12 +45,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    own, children, started = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), time.monotonic()
+    own, children, started = _cpu(resource.RUSAGE_SELF), _started(), time.monotonic()
     yield
     record = {
         "test": item.nodeid,
         "own": _cpu(resource.RUSAGE_SELF) - own,
-        "children": _cpu(resource.RUSAGE_CHILDREN) - children,
+        "children": _started() - children,
         "wall": time.monotonic() - started,
     }
     with open(os.environ[LOG], "a") as f:

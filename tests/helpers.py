@@ -4,11 +4,11 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 
 from engine.launcher import free_ports
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,13 +169,8 @@ def without_xla_cache():
 
 def launch(*args, env=None, timeout=300):
     """Runs `python launch.py *args` from the repository root; returns the CompletedProcess (text output)."""
-    return subprocess.run(
-        [sys.executable, "launch.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+    return forkserver.run(
+        ["launch.py", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
 
 
@@ -188,9 +183,8 @@ def run_workers(args, count, timeout, env=None):
         tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
         worker_env = {**os.environ, **(env or {}), "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "3"}
         procs.append(
-            subprocess.Popen(
-                [sys.executable, *args],
-                cwd=ROOT,
+            forkserver.popen(
+                list(args),
                 env=worker_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -6,13 +6,11 @@ every row was measured and is a finite number, so the benchmark cannot rot.
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from bench import end_to_end, run
-from tests.helpers import ROOT
+from tests import forkserver
 
 QUICK_ROWS = [
     "speed/mlp_1024",
@@ -36,9 +34,8 @@ QUICK_ROWS = [
 @pytest.mark.slow
 def test_quick_mode_measures_every_row(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", f"--json={out}"],
-        cwd=ROOT,
+    result = forkserver.run(
+        ["-m", "bench.run", "--quick", f"--json={out}"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -146,9 +143,8 @@ def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tm
     from engine.config import Config, validate
 
     flags = [f"--{k}={v}" for k, v in TINY_GPT.items()]
-    subprocess.run(
-        [sys.executable, "-m", "bench.pytorch", f"--prepare={tmp_path}", "--task=language_model", *flags],
-        cwd=ROOT,
+    forkserver.run(
+        ["-m", "bench.pytorch", f"--prepare={tmp_path}", "--task=language_model", *flags],
         check=True,
         capture_output=True,
         timeout=300,

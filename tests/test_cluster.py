@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from engine import checkpoint, data, distribute, launcher, loop
 from engine.config import Config, ConfigError
-from tests import helpers
+from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
 
 
@@ -75,9 +75,8 @@ def test_launcher_stops_the_job_when_a_worker_fails(data_dir, tmp_path):
 @pytest.mark.slow
 def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worker(data_dir, one_device, tmp_path):
     args = ["--train_steps=400", "--steps_per_loop=100", "--hidden_sizes=256,256", f"--data_dir={data_dir}"]
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         [
-            sys.executable,
             "launch.py",
             f"--workdir={tmp_path / 'ps'}",
             "--strategy=parameter_server",
@@ -226,8 +225,8 @@ def test_a_lost_parameter_server_is_named(monkeypatch):
 @pytest.mark.slow
 def test_a_hung_parameter_server_ends_the_job_within_the_collective_timeout(tmp_path):
     """A stopped server fails no RPC: without a probe the chief waits for it forever."""
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", f"--workdir={tmp_path}", "--strategy=parameter_server", "--local_workers=1"]
+    proc = forkserver.popen(
+        ["launch.py", f"--workdir={tmp_path}", "--strategy=parameter_server", "--local_workers=1"]
         + ["--num_ps=1", "--dataset=synthetic", "--hidden_sizes=8", "--train_steps=100000", "--steps_per_loop=50"]
         + ["--collective_timeout=5", "--connect_timeout=120"],
         cwd=ROOT,

@@ -14,7 +14,7 @@ import pytest
 
 from engine import distribute
 from engine.config import Config, ConfigError, validate
-from tests import helpers
+from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
 
 
@@ -54,9 +54,8 @@ def test_threads_stay_flat_over_thousands_of_collectives(data_dir, tmp_path):
     starts one sleeping thread per collective that has a timeout. And the workers' servers, which listen on every
     interface (TensorFlow cannot be told to bind 127.0.0.1), listen in the local cluster's own network namespace,
     not in this one's: nothing outside it can reach them."""
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         [
-            sys.executable,
             "launch.py",
             f"--workdir={tmp_path}",
             f"--data_dir={data_dir}",
@@ -128,9 +127,8 @@ def test_sigterm_while_connecting_to_a_tpu_ends_the_run(tmp_path):
     the first SIGTERM must still end it."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         port = silent.getsockname()[1]
-        proc = subprocess.Popen(
+        proc = forkserver.popen(
             [
-                sys.executable,
                 "launch.py",
                 f"--workdir={tmp_path / 'run'}",
                 "--strategy=tpu",

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import helpers  # noqa: E402
+from tests import forkserver, helpers  # noqa: E402
 
 TOLERANCE = 1e-5
 # Tiny networks; a learning rate high enough that 20 steps move every weight well past the tolerance.
@@ -202,9 +202,8 @@ def test_multi_worker_matches_one_device(one_device_run, multi_worker_run):
 
 
 def _start(workdir, args):
-    return subprocess.Popen(
-        [sys.executable, "launch.py", f"--workdir={workdir}", *args],
-        cwd=helpers.ROOT,
+    return forkserver.popen(
+        ["launch.py", f"--workdir={workdir}", *args],
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -5,8 +5,6 @@ imagenet2012 (mock files of random sizes) trains end to end offline; bench/decod
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ import tensorflow_datasets as tfds
 from bench import decode as decode_bench
 from engine import images, loop
 from engine.config import ConfigError
-from tests import helpers
+from tests import forkserver, helpers
 
 
 def _position_image(height, width):
@@ -208,9 +206,8 @@ def test_mock_imagenet2012_trains_end_to_end_offline(one_device, tmp_path):
 def test_decode_benchmark_runs_the_decoder_locally_and_in_a_tf_data_service_worker(tmp_path):
     # The quick mode: small JPEGs, short windows. It also shows the decoder's graph runs in a service worker.
     out = tmp_path / "decode.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.decode", "--quick", f"--json={out}"],
-        cwd=helpers.ROOT,
+    result = forkserver.run(
+        ["-m", "bench.decode", "--quick", f"--json={out}"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -9,7 +9,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,8 +16,8 @@ import pytest
 
 from engine import checkpoint, loop
 from engine.preemption import PREEMPTED_EXIT_CODE
-from tests import helpers
-from tests.helpers import ROOT, checkpoint_tensors, logged_steps
+from tests import forkserver, helpers
+from tests.helpers import checkpoint_tensors, logged_steps
 
 ROUND = 500  # steps per round (over a second of training on 2 cores): the signal lands inside the second one
 FINAL = 2 * ROUND + 20  # the resumed run ends past the second round, wherever the signal stopped it
@@ -27,9 +26,8 @@ FINAL = 2 * ROUND + 20  # the resumed run ends past the second round, wherever t
 @contextlib.contextmanager
 def running(workdir, *args, env=None):
     """`python launch.py --workdir=workdir *args`, killed if still running when the block ends."""
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", f"--workdir={workdir}", *args],
-        cwd=ROOT,
+    proc = forkserver.popen(
+        ["launch.py", f"--workdir={workdir}", *args],
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

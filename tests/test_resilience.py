@@ -9,7 +9,6 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,14 +17,13 @@ import tensorflow as tf
 
 from engine import checkpoint, data, evaluate, loop, preemption
 from engine.config import ConfigError
-from tests import helpers
-from tests.helpers import ROOT, checkpoint_tensors, logged_steps
+from tests import forkserver, helpers
+from tests.helpers import checkpoint_tensors, logged_steps
 
 
 def start(workdir, *args, env=None, **popen):
-    return subprocess.Popen(
-        [sys.executable, "launch.py", f"--workdir={workdir}", *args],
-        cwd=ROOT,
+    return forkserver.popen(
+        ["launch.py", f"--workdir={workdir}", *args],
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -2,12 +2,10 @@
 followed by a restart, then the same steps uninterrupted. The 30-minute run is in bench/RESULTS.md."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests import forkserver
 
 PROCESSES = ("mlp worker 0 (soak)", "mlp worker 1 (soak)", "mlp worker 0 (reference)", "mlp worker 1 (reference)")
 
@@ -24,9 +22,8 @@ def table_row(output, first_cell):
 
 @pytest.mark.slow
 def test_short_soak_stops_resumes_exactly_and_nothing_grows(data_dir, tmp_path):
-    soak = subprocess.run(
+    soak = forkserver.run(
         [
-            sys.executable,
             "-m",
             "bench.soak",
             "--jobs=mlp",
@@ -36,7 +33,6 @@ def test_short_soak_stops_resumes_exactly_and_nothing_grows(data_dir, tmp_path):
             f"--workdir={tmp_path / 'soak'}",
             f"--data_dir={data_dir}",
         ],
-        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

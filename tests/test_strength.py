@@ -3,7 +3,6 @@ and each parameter-server worker reading its own stream."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +13,7 @@ if __name__ == "__main__":  # run as a script: the parameter-server probe below
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import data, loop  # noqa: E402
-from tests import helpers  # noqa: E402
+from tests import forkserver, helpers  # noqa: E402
 
 
 def _one_step(config, strategy):
@@ -119,9 +118,8 @@ def _parameter_server_first_batches(data_dir):
 
 def test_parameter_server_workers_read_different_streams(data_dir):
     # A separate process: connecting to a cluster changes this process's devices for good.
-    result = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), data_dir],
-        cwd=helpers.ROOT,
+    result = forkserver.run(
+        [os.path.abspath(__file__), data_dir],
         capture_output=True,
         text=True,
         timeout=300,

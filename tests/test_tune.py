@@ -11,7 +11,6 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 import time
 
 import optuna
@@ -21,7 +20,7 @@ from engine import checkpoint, loop
 from engine import workdir as workdir_lib
 from engine.config import ConfigError
 from research import tune
-from tests import helpers
+from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
 
 TUNE_DEFAULTS = dict(mode="tune", train_steps=60, eval_every=20, deterministic=True)
@@ -224,7 +223,6 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
     space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\nhidden_sizes choice 16 32,32\n")
     workdir = tmp_path / "study"
     args = [
-        sys.executable,
         "launch.py",
         "--mode=tune",
         f"--tune_space={space}",
@@ -239,7 +237,7 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
         "--global_batch_size=64",
         "--deterministic",
     ]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forkserver.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed_trial = workdir / "trials" / "2"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -254,7 +252,7 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
     kept = {n: read(workdir / "trials" / str(n), "metrics.jsonl") for n in (0, 1)}
     resume_from = int(os.path.basename(checkpoint.list_checkpoints(killed_trial / "checkpoints")[0]).split("-")[1])
 
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = forkserver.run(args, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"resumed from step {resume_from}" in out.stdout and resume_from >= 40
     after = load_study(workdir).trials

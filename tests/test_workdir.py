@@ -23,7 +23,7 @@ from tensorflow.core.util import event_pb2
 from engine import checkpoint, evaluate, loop, report
 from engine.config import Config, ConfigError, validate
 from research import ensemble
-from tests import helpers
+from tests import forkserver, helpers
 from tests.helpers import ROOT, logged_steps
 
 
@@ -150,9 +150,8 @@ def test_a_second_process_is_refused_and_a_dead_ones_lock_is_taken_over(data_dir
     settings = dict(data_dir=data_dir, workdir=str(tmp_path), hidden_sizes=(32,), steps_per_loop=10)
     settings.update(checkpoint_every=50)
     args = helpers.as_flags(settings)
-    first = subprocess.Popen(
-        [sys.executable, "launch.py", *args, "--train_steps=1000000"],
-        cwd=ROOT,
+    first = forkserver.popen(
+        ["launch.py", *args, "--train_steps=1000000"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -8,8 +8,6 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
@@ -17,8 +15,7 @@ import tensorflow as tf
 from engine import checkpoint, evaluate, loop, report, workdir
 from engine.checkpoint import CheckpointError
 from engine.config import Config, ConfigError, validate
-from tests import helpers
-from tests.helpers import ROOT
+from tests import forkserver, helpers
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +158,8 @@ def test_a_full_workdir_at_the_start_is_an_error_writing_it(tmp_path):
 
 def test_a_workdir_that_cannot_be_made_exits_4_in_one_line(data_dir, tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    proc = subprocess.run(
-        [sys.executable, "launch.py", f"--workdir={tmp_path}/file/run", f"--data_dir={data_dir}", "--train_steps=1"],
-        cwd=ROOT,
+    proc = forkserver.run(
+        ["launch.py", f"--workdir={tmp_path}/file/run", f"--data_dir={data_dir}", "--train_steps=1"],
         capture_output=True,
         text=True,
         timeout=120,
