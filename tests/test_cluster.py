@@ -55,6 +55,7 @@ def test_launcher_runs_two_workers_that_match_one_device(data_dir, tmp_path):
     assert summaries[0]["eval"]["accuracy"] == pytest.approx(summaries[1]["eval"]["accuracy"], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_launcher_stops_the_job_when_a_worker_fails(data_dir, tmp_path):
     # Worker 1's TF_CONFIG is fine, but its workdir cannot be written: it fails, the launcher stops worker 0.
     blocker = tmp_path / "file"
@@ -300,6 +301,7 @@ def test_slurm_outside_srun_is_a_clear_error(monkeypatch):
         distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("present", [0, 1])
 def test_unreachable_peer_is_named_within_the_connect_timeout(tmp_path, present):
     ports = helpers.free_ports(2)
@@ -344,6 +346,7 @@ def test_tpu_start_up_sequence(monkeypatch):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "resnet", "transformer"])
 def test_every_step_function_compiles_with_xla(data_dir, one_device, model):
     """What a TPU runs: the whole replica step (all-reduce and update included) and the eval step, each one XLA

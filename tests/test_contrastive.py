@@ -139,6 +139,7 @@ def test_mirrored_and_multi_worker_match_one_device(data_dir, mirrored, one_devi
     assert results["probe_accuracy"] == float(workers[0]["eval/probe_accuracy"]) == reference_eval["probe_accuracy"]
 
 
+@pytest.mark.slow
 def test_local_negatives_would_fail_the_parity_check(data_dir, mirrored, one_device_run, monkeypatch):
     from tasks import contrastive
 
@@ -155,6 +156,7 @@ def test_local_negatives_would_fail_the_parity_check(data_dir, mirrored, one_dev
     assert abs(results["loss"] - reference_eval["loss"]) > 0.1
 
 
+@pytest.mark.slow
 def test_run_eagerly_gathers_like_the_graph(data_dir, one_device, mirrored):
     # Eager mode has no all_gather under MirroredStrategy: the task gathers with an all-reduce there.
     import tensorflow as tf
@@ -184,6 +186,7 @@ def test_settings_that_would_break_the_global_negatives_are_refused(data_dir):
         helpers.make_config(data_dir, task="contrastive", contrastive_temperature=0.0)
 
 
+@pytest.mark.slow
 def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
     import tensorflow as tf
 

@@ -133,6 +133,7 @@ def test_a_teacher_workdir_that_holds_no_trained_run_is_refused_by_name(data_dir
         assert not os.path.exists(workdir)
 
 
+@pytest.mark.slow
 def test_init_checkpoint_starts_the_student_and_leaves_the_teacher_as_trained(data_dir, teacher, tmp_path, one_device):
     """A student of the teacher's shape, warm-started from another run of that shape: the frozen teacher keeps
     its own weights, not that run's."""

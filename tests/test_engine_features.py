@@ -66,6 +66,7 @@ def accumulation_reference(data_dir, one_device):
     return helpers.train_and_snapshot(helpers.make_config(data_dir, **SGD), one_device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 @pytest.mark.parametrize("accumulate", [2, 4])
 def test_grad_accumulation_gives_the_whole_batch_update(
@@ -114,6 +115,7 @@ def test_grad_accumulation_refuses_an_indivisible_replica_batch(data_dir, mirror
 # ---- --ema_decay -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_ema_is_the_numpy_moving_average_and_skips_what_the_step_skips(data_dir, strategy, request):
     decay = 0.8
@@ -158,6 +160,7 @@ def ema_run(data_dir, one_device, tmp_path_factory):
     return config, loop.train(config, one_device)
 
 
+@pytest.mark.slow
 def test_ema_is_checkpointed_and_resumed(data_dir, one_device, ema_run, tmp_path):
     config, _ = ema_run
     resumed = helpers.make_config(data_dir, str(tmp_path), ema_decay=0.8, **{**SGD, "train_steps": 3})
@@ -297,6 +300,7 @@ class CroppingTask(classification.Task):
 RETRACE = re.compile(r"^warning: (\w+) was traced (\d+) times", re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_a_retraced_round_is_named_once(data_dir, one_device, monkeypatch, capsys):
     _with_task(monkeypatch, CroppingTask)
     trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)

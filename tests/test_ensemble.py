@@ -51,6 +51,7 @@ def ensemble_config(data_dir, workdir, members, **overrides):
     return helpers.make_config(data_dir, str(workdir), mode="ensemble", members=",".join(members), **overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["nelder_mead", "random"])
 def test_weighted_ensemble_is_never_worse_on_validation_than_its_best_member(
     data_dir, members, tmp_path, capsys, search
@@ -85,6 +86,7 @@ def test_weighted_ensemble_is_never_worse_on_validation_than_its_best_member(
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.slow
 def test_test_data_never_touches_the_weights(data_dir, members, tmp_path):
     workdirs, _ = members
     on_test = ensemble.ensemble(ensemble_config(data_dir, tmp_path / "a", workdirs.values()))
@@ -94,6 +96,7 @@ def test_test_data_never_touches_the_weights(data_dir, members, tmp_path):
     assert on_test["fitted"] == on_train["fitted"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "other,message",
     [

@@ -172,6 +172,7 @@ def test_a_freeze_that_matches_everything_is_refused_before_anything_is_written(
     assert not os.path.exists(workdir)
 
 
+@pytest.mark.slow
 def test_freeze_keeps_the_batch_norm_statistics_it_matches(data_dir, tmp_path, one_device):
     """--freeze names variables; a frozen block's batch-norm statistics are variables too and must not drift."""
     config = make_config(

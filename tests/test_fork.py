@@ -72,12 +72,14 @@ def binary(fork, tmp_path_factory):
     return _train(fork, "binary", str(tmp_path_factory.mktemp("binary")))
 
 
+@pytest.mark.slow
 def test_a_forked_task_model_and_source_train_with_no_other_edit(binary):
     assert binary["step"] == STEPS and binary["eval"]["examples"] == 500
     assert binary["eval"]["accuracy"] >= 0.97  # 0.998 measured; an MLP with 64 hidden units reaches 0.90
     assert binary["eval"]["brier"] < 0.03
 
 
+@pytest.mark.slow
 def test_a_custom_step_is_one_more_task_file(fork, binary, tmp_path):
     mixup = _train(fork, "binary_mixup", str(tmp_path / "mixup"))
     assert mixup["eval"]["accuracy"] >= 0.97  # 0.994 measured

@@ -203,6 +203,7 @@ def test_mock_imagenet2012_trains_end_to_end_offline(one_device, tmp_path):
     assert [e["step"] for e in evaluated] == [3, 6] and all(e["examples"] == 64 for e in evaluated)
 
 
+@pytest.mark.slow
 def test_decode_benchmark_runs_the_decoder_locally_and_in_a_tf_data_service_worker(tmp_path):
     # The quick mode: small JPEGs, short windows. It also shows the decoder's graph runs in a service worker.
     out = tmp_path / "decode.json"

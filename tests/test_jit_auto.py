@@ -183,6 +183,7 @@ def _header(output):
     return next(line for line in output.splitlines() if line.startswith("task="))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision,setting,cpu,expected",
     [
@@ -217,6 +218,7 @@ def test_an_older_runs_config_json_with_a_bool_resumes(data_dir, one_device, tmp
     assert summary["step"] == 6 and "resumed from step 4" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data_dir, mirrored, capsys, monkeypatch):
     # On a GPU auto compiles the ResNet; with two replicas its synchronized batch norm cannot be compiled.
     monkeypatch.setattr(xla, "device_kind", lambda strategy: "GPU")

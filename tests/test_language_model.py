@@ -135,6 +135,7 @@ def trained(tmp_path_factory):
     return workdir, loop.train(_config(workdir=workdir, strategy="one_device"))
 
 
+@pytest.mark.slow
 def test_short_run_learns_below_the_bound_in_nats_and_bits(trained):
     _, result = trained
     results = result["eval"]

@@ -31,6 +31,7 @@ SUMMARY_KEYS = {
 METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec", "skipped_steps"}
 
 
+@pytest.mark.slow
 def test_default_job_end_to_end(data_dir, tmp_path):
     """`python launch.py` with nothing but where to write: the bundled digits, the default MLP."""
     result = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}")
@@ -55,6 +56,7 @@ def test_default_job_end_to_end(data_dir, tmp_path):
         assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / events))
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses(data_dir, tmp_path):
     args = [
         f"--data_dir={data_dir}",

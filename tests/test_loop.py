@@ -100,6 +100,7 @@ def test_jit_compile_flag_matches_plain_on_two_replicas(data_dir, mirrored):
         np.testing.assert_array_equal(jit[k][0], jit[k][1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_fixture", ["one_device", "mirrored"])
 def test_eval_counts_every_example_once(data_dir, strategy_fixture, request):
     strategy = request.getfixturevalue(strategy_fixture)
@@ -117,6 +118,7 @@ def test_eval_counts_every_example_once(data_dir, strategy_fixture, request):
     assert results["accuracy"] == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_reduced_precisions_match_float32_accuracy(data_dir, one_device, tmp_path):
     accuracy = {}
     for precision in ("float32", "mixed_float16", "mixed_bfloat16"):

@@ -119,6 +119,7 @@ def one_step(data_dir, monkeypatch, strategy, **settings):
     return variables, before, helpers.one_step(trainer, distributed(strategy, batch)), want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,accumulate,precision,jit", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_model_losses_count_once_per_step(data_dir, monkeypatch, request, strategy, accumulate, precision, jit):
     strategy = request.getfixturevalue(strategy)

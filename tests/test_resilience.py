@@ -119,6 +119,7 @@ def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir,
     assert json.load(open(tmp_path / "summary.json"))["step"] == stopped + 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated_data", "missing_index"])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(data_dir, one_device, tmp_path, capsys, damage):
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=30, checkpoint_every=10)
@@ -219,6 +220,7 @@ def test_nan_rollback_without_checkpoints_to_roll_back_to_is_refused(data_dir, t
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.slow
 def test_nan_rollback_never_picks_a_damaged_checkpoint(data_dir, one_device, tmp_path, monkeypatch, capsys):
     # ckpt-20 is damaged, so the restart resumes from ckpt-10; a NaN after that must roll back to ckpt-10 (the
     # checkpoint this process restored), not to ckpt-20, the newest on disk.

@@ -101,6 +101,7 @@ def one_device_runs(data_dir, one_device):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sam_matches_a_plain_tensorflow_loop_of_its_math(one_device_runs, case):
     snap, out, initial, batches = one_device_runs[case]
@@ -143,6 +144,7 @@ def assert_matches_one_device(snap, out, reference):
     assert out["grad_norm"] == pytest.approx(reference_out["grad_norm"], rel=TOLERANCE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_mirrored_matches_one_device(data_dir, mirrored, one_device_runs, case):
     snap, out = helpers.train_and_snapshot(sam_config(data_dir, **CASES[case]), mirrored)

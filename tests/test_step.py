@@ -15,6 +15,7 @@ def _batch(trainer, scale=1.0):
     return {**batch, "image": batch["image"] * scale}
 
 
+@pytest.mark.slow
 def test_skipped_step_keeps_batch_norm_statistics(data_dir, mirrored):
     # float16 ResNet on two replicas, a NaN in replica 1's input: the synchronized statistics would carry
     # the NaN to both replicas if the forward pass assigned them before the finite mask.

@@ -62,6 +62,7 @@ def _ids(batches):
     return [int(i) for b in batches for i in b["image"][:, 0].numpy()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelines", [2, 4])
 def test_each_pipeline_reads_only_its_own_files(records, pipelines):
     loaded = data.load(_config())
@@ -100,6 +101,7 @@ def test_a_restart_reads_as_little_at_step_100000_as_at_step_100(records):
     assert 0 < read[100] <= 2 * group and 0 < read[100_000] <= 2 * group, (read, group)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelines", [1, 2])
 def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(records, pipelines):
     loaded = data.load(_config())

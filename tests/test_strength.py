@@ -28,6 +28,7 @@ def _relative_difference(a, b):
     return np.sqrt(sum(np.sum((x - y) ** 2) for x, y in zip(a, b)) / sum(np.sum(y**2) for y in b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [dict(clip_norm=0.2), dict(clip_value=0.002)], ids=["clip_norm", "clip_value"])
 def test_float16_with_clipping_takes_the_float32_step(data_dir, one_device, clip):
     # Clipping the still-scaled gradients and unscaling afterwards shrinks the update by the loss scale (1024x).
@@ -45,6 +46,7 @@ def test_float16_with_clipping_takes_the_float32_step(data_dir, one_device, clip
     assert _relative_difference(update, reference) < 1e-2
 
 
+@pytest.mark.slow
 def test_round_loss_is_the_mean_of_its_finite_steps(data_dir, one_device):
     """A float16 round with one non-finite step (a NaN input) reports the mean loss of the other steps."""
     config = helpers.make_config(data_dir, **helpers.NONFINITE_CASE)

@@ -164,6 +164,7 @@ def test_search_finds_learning_rates_better_than_a_known_bad_one(study):
     assert f"tune: study 'tune' in {MASKED_URL}: 0 of 6 trials finished; objective validation accuracy" in console
 
 
+@pytest.mark.slow
 def test_best_flagfile_reruns_to_the_same_result(study, tmp_path):
     config, summary, _, _ = study
     flagfile = summary["best"]["flagfile"]
@@ -198,6 +199,7 @@ def test_a_train_run_and_a_tuner_refuse_each_others_workdir(study, data_dir, one
     assert {path: listing(path) for path in (study_dir, trial_dir)} == before  # nothing written, nothing lost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pruner", ["median", "successive_halving"])
 def test_pruning_stops_a_hopeless_trial_early(data_dir, one_device, tmp_path, pruner):
     space = write_space(tmp_path, "learning_rate log 1e-6 1e-1\n")

@@ -86,6 +86,7 @@ def _halves(strategy, batch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 @pytest.mark.parametrize(
     "frequency", [{}, {"body": {"every": 2}, "head": {"repeat": 2}}], ids=["each_step", "every_2_and_repeat_2"]

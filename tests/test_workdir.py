@@ -146,6 +146,7 @@ def test_a_checkpoint_of_another_model_names_the_variable_by_path(data_dir, one_
 # 2. One process at a time.
 
 
+@pytest.mark.slow
 def test_a_second_process_is_refused_and_a_dead_ones_lock_is_taken_over(data_dir, one_device, tmp_path, capsys):
     settings = dict(data_dir=data_dir, workdir=str(tmp_path), hidden_sizes=(32,), steps_per_loop=10)
     settings.update(checkpoint_every=50)
@@ -223,6 +224,7 @@ class Killed(BaseException):
     """A kill: nothing after it runs (the test process itself survives)."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed_in", ["final_evaluation", "summary"])
 def test_a_kill_after_the_final_save_leaves_the_files_of_an_uninterrupted_run(
     data_dir, one_device, tmp_path, monkeypatch, killed_in
@@ -308,6 +310,7 @@ def test_eval_falls_back_from_a_damaged_newest_checkpoint(data_dir, one_device, 
 # 6. --mode=eval, continuous_eval and export rebuild the run from its config.json.
 
 
+@pytest.mark.slow
 def test_other_modes_rebuild_the_run_from_its_config_json(data_dir, one_device, tmp_path):
     transformer = dict(
         model="transformer", transformer_layers=1, transformer_dim=16, transformer_heads=2, transformer_mlp_dim=32
@@ -378,6 +381,7 @@ def test_a_mixed_bfloat16_run_exports_float32_that_tflite_converts(data_dir, one
 # Issue 10, defect 9: a disk that fills up between checkpoints.
 
 
+@pytest.mark.slow
 def test_a_disk_full_between_checkpoints_ends_in_one_error_line(data_dir, tmp_path):
     def small_disk():  # files may not grow past 16 KiB: the TensorBoard events fill up within a few dozen steps
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
