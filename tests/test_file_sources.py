@@ -355,6 +355,7 @@ def test_a_truncated_tfrecord_file_is_refused_naming_it_in_one_line(data_dir, tm
     assert "(after 3 whole records;" in lines[0] and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_tfrecord_files_of_photos_train_end_to_end(data_dir, tmp_path, one_device):
     _shards(tmp_path, "train", [9, 11, 7, 13], image_kind="jpeg")
     _shards(tmp_path, "test", [6, 6], image_kind="jpeg", first=1000)

@@ -91,6 +91,7 @@ def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
     assert int(compiled.optimizer.iterations.numpy()) == 3
 
 
+@pytest.mark.slow
 def test_jit_compile_flag_matches_plain_on_two_replicas(data_dir, mirrored):
     case = helpers.PARITY_CASES["adamw"]
     jit, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, jit_compile=True, **case), mirrored)

@@ -211,6 +211,7 @@ def test_first_moment_in_bfloat16_is_stored_rounded_and_nothing_else(name):
         np.testing.assert_allclose(a, b, atol=0.01 * float(np.max(np.abs(b - s))))
 
 
+@pytest.mark.slow
 def test_a_bfloat16_first_moment_resumes_exactly(data_dir, one_device, tmp_path):
     settings = dict(first_moment_dtype="bfloat16", jit_compile="false", steps_per_loop=2, checkpoint_every=2)
     whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")

@@ -311,6 +311,7 @@ def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):
         evaluate.export(dataclasses.replace(config, mode="export"))
 
 
+@pytest.mark.slow
 def test_sidecar_evaluates_each_new_checkpoint(data_dir, one_device, tmp_path):
     args = [
         f"--data_dir={data_dir}",

@@ -61,6 +61,7 @@ def test_a_run_with_other_settings_is_refused_naming_them(data_dir, one_device, 
     assert files(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_same_command_resumes_more_steps_continue_and_cadence_never_blocks(
     data_dir, one_device, mirrored, tmp_path, capsys
 ):
