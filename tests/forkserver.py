@@ -43,6 +43,7 @@ RUNTIME_KEYS = frozenset({"TF_CONFIG", "SIGNALLED", "PYTEST_CURRENT_TEST"})
 # The environment the server starts with: the test process's as the session began (before any test's monkeypatch).
 START_ENV = dict(os.environ)
 CHILD_CPU = [0.0]  # CPU-seconds of the forked children that have been waited for
+LINGER = 10  # seconds the server waits, once the test process has ended, for the children it forked to end
 
 _server = None  # (the server's Popen, our end of its socket), started on first use
 _lock = threading.Lock()
@@ -238,8 +239,12 @@ def _connection():
 
 def _stop():
     proc, sock = _server
-    sock.close()  # the server's recv ends: it waits for its waiters and exits
-    proc.wait()
+    sock.close()  # the server's recv ends: it reaps its waiters and exits
+    try:
+        proc.wait(timeout=LINGER + 20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # The server.
@@ -264,18 +269,24 @@ def serve(fd):
                 os._exit(0)
         for fd in fds:
             os.close(fd)
-        _reap(os.WNOHANG)
-    _reap(0)
+        _reap()
+    # The test process has ended: the waiters of children that have exited are reaped (their children's CPU time
+    # counts in this process's, so in the session's), and those of children a failed test left running are left
+    # to init after a while, as a test process's own subprocesses would be, instead of holding its exit.
+    deadline = time.monotonic() + LINGER
+    while _reap() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
-def _reap(options):
+def _reap():
+    """Reaps the waiters that have exited; whether any are still running."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, options)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return False
         if pid == 0:
-            return
+            return True
 
 
 def _wait_for_child(request, fds):
@@ -288,6 +299,9 @@ def _wait_for_child(request, fds):
         _child(request, stdin, stdout, stderr)
     for fd in (stdin, stdout, stderr):
         os.close(fd)
+    quiet = os.open(os.devnull, os.O_RDWR)  # nor does it keep the test process's own streams open
+    for fd in (0, 1, 2):
+        os.dup2(quiet, fd)
     os.write(status, f"{pid}\n".encode())
     _, code, usage = os.wait4(pid, 0)
     report = {"returncode": os.waitstatus_to_exitcode(code), "cpu": usage.ru_utime + usage.ru_stime}
