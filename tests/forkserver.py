@@ -142,9 +142,9 @@ def popen(args, *, cwd=ROOT, env=None, stdin=None, stdout=None, stderr=None, tex
         )
     theirs = []  # the descriptors the child gets, closed here once sent
     try:
-        child_in, _ = _end(stdin, 0, "r", theirs)
-        child_out, out = _end(stdout, 1, "w", theirs)
-        child_err, err = (child_out, None) if stderr == subprocess.STDOUT else _end(stderr, 2, "w", theirs)
+        child_in, _ = _end(stdin, 0, theirs)
+        child_out, out = _end(stdout, 1, theirs)
+        child_err, err = (child_out, None) if stderr == subprocess.STDOUT else _end(stderr, 2, theirs)
         status, status_w = os.pipe()
         theirs.append(status_w)
         request = json.dumps({"argv": list(args), "env": env, "cwd": os.path.abspath(cwd)}).encode()
@@ -173,17 +173,16 @@ def run(args, *, timeout=None, capture_output=False, check=False, stdout=None, s
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _end(spec, inherited, mode, theirs):
-    """The descriptor the child gets for one of its standard streams (`spec` as subprocess takes it) and ours of
-    its pipe (None when it is not a pipe)."""
+def _end(spec, inherited, theirs):
+    """The descriptor the child gets for its standard stream `inherited` (0, 1 or 2; `spec` as subprocess takes
+    it) and our end of its pipe (None when it is not a pipe: stdin never is, popen runs that as a subprocess)."""
     ours = None
     if spec is None:
         fd = os.dup(inherited)
     elif spec == subprocess.PIPE:
-        r, w = os.pipe()
-        ours, fd = (w, r) if mode == "r" else (r, w)
+        ours, fd = os.pipe()
     elif spec == subprocess.DEVNULL:
-        fd = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
+        fd = os.open(os.devnull, os.O_RDONLY if inherited == 0 else os.O_WRONLY)
     else:
         fd = os.dup(spec if isinstance(spec, int) else spec.fileno())
     theirs.append(fd)
@@ -311,7 +310,6 @@ def _wait_for_child(request, fds):
 
 def _child(request, stdin, stdout, stderr):
     """Runs the request's script as `__main__` and exits as the interpreter would; never returns."""
-    import atexit as exits
     import runpy
     import traceback
 
@@ -339,13 +337,13 @@ def _child(request, stdin, stdout, stderr):
             code = _exit_code(stop.code)
         except KeyboardInterrupt:
             traceback.print_exc()
-            _finish(exits)
+            _finish()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         except BaseException:
             traceback.print_exc()
             code = 1
-        _finish(exits)
+        _finish()
     finally:
         os._exit(code)
 
@@ -359,11 +357,11 @@ def _exit_code(value):
     return 1
 
 
-def _finish(exits):
+def _finish():
     """What the interpreter does at exit before it ends the process: joins the non-daemon threads, runs the atexit
     handlers, flushes the standard streams."""
     threading._shutdown()
-    exits._run_exitfuncs()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
