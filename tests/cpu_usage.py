@@ -45,13 +45,16 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    own, children, started = _cpu(resource.RUSAGE_SELF), _started(), time.monotonic()
+    own, children, started = _cpu(resource.RUSAGE_SELF), _started(), time.time()
     yield
     record = {
         "test": item.nodeid,
         "own": _cpu(resource.RUSAGE_SELF) - own,
         "children": _started() - children,
-        "wall": time.monotonic() - started,
+        "wall": time.time() - started,
+        # Which test process ran it, and when: the report's lines on each process's idle time.
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "start": started,
     }
     with open(os.environ[LOG], "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -73,9 +76,37 @@ def summary(records, shown=SHOWN):
     lines.append("   total      own  started  tests  module")
     for name, (o, c, n) in sorted(modules.items(), key=lambda kv: -(kv[1][0] + kv[1][1])):
         lines.append(f"{o + c:8.1f} {o:8.1f} {c:8.1f} {n:6d}  {name}")
+    lines.extend(_workers(records))
     lines.append(f"the {shown} costliest tests:")
     for r in sorted(records, key=lambda r: -(r["own"] + r["children"]))[:shown]:
         lines.append(f"{r['own'] + r['children']:8.1f} {r['own']:8.1f} {r['children']:8.1f}  {r['test']}")
+    # A test whose wall time is well above its CPU time held its test process while using less than a core: its
+    # processes waited (a timeout, a poll, a peer's start), which two cores spend on nothing.
+    lines.append(f"the {shown} tests with the most wall time beyond their CPU time:")
+    lines.append("  beyond     wall      CPU  test")
+    waits = sorted(records, key=lambda r: -(r["wall"] - r["own"] - r["children"]))[:shown]
+    for r in waits:
+        cpu = r["own"] + r["children"]
+        lines.append(f"{r['wall'] - cpu:8.1f} {r['wall']:8.1f} {cpu:8.1f}  {r['test']}")
+    return lines
+
+
+def _workers(records):
+    """A line per test process: how long its tests ran against the span from the session's first test's start to
+    its last test's end. The difference is time that process held no test (it waited for a module to take, or had
+    none left while another finished): on two cores, wall time the suite could have used."""
+    timed = [r for r in records if "start" in r]
+    if not timed:
+        return []
+    first, last = min(r["start"] for r in timed), max(r["start"] + r["wall"] for r in timed)
+    lines = [f"test processes over the {last - first:.0f} s from the first test's start to the last one's end:"]
+    for worker in sorted({r["worker"] for r in timed}):
+        mine = [r for r in timed if r["worker"] == worker]
+        busy, done = sum(r["wall"] for r in mine), max(r["start"] + r["wall"] for r in mine)
+        lines.append(
+            f"  {worker}: {len(mine)} tests, {busy:.0f} s running them, idle {last - first - busy:.0f} s "
+            f"({last - done:.0f} s of it after its last test)"
+        )
     return lines
 
 
