@@ -45,6 +45,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    # Wall-clock time, not monotonic: the report lines up the starts of tests run in different processes.
     own, children, started = _cpu(resource.RUSAGE_SELF), _started(), time.time()
     yield
     record = {
@@ -81,7 +82,8 @@ def summary(records, shown=SHOWN):
     for r in sorted(records, key=lambda r: -(r["own"] + r["children"]))[:shown]:
         lines.append(f"{r['own'] + r['children']:8.1f} {r['own']:8.1f} {r['children']:8.1f}  {r['test']}")
     # A test whose wall time is well above its CPU time held its test process while using less than a core: its
-    # processes waited (a timeout, a poll, a peer's start), which two cores spend on nothing.
+    # processes waited (a timeout, a poll, a peer's start) or stood aside while the other test process's work held
+    # the cores; the first is time two cores spend on nothing.
     lines.append(f"the {shown} tests with the most wall time beyond their CPU time:")
     lines.append("  beyond     wall      CPU  test")
     waits = sorted(records, key=lambda r: -(r["wall"] - r["own"] - r["children"]))[:shown]
