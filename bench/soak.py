@@ -1,7 +1,7 @@
 """The soak run: long jobs through periodic checkpoints and SIGTERM-restart cycles, watching every process.
 
     nice python -m bench.soak --minutes=30     # the table in bench/RESULTS.md (about 70 min in all)
-    python -m bench.soak --jobs=mlp --minutes=0.25 --sample_seconds=1 --warmup_seconds=3   # tests/test_soak.py
+    python -m bench.soak --jobs=mlp --minutes=0.1 --sample_seconds=1 --warmup_seconds=1   # tests/test_soak.py
 
 Two jobs run side by side: a 2-worker multi_worker job (MLP 32,32 on the bundled digits; its workers are
 started here with TF_CONFIG on localhost ports, as engine/launcher.py does, so each has a pid to sample and to

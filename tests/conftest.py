@@ -29,11 +29,12 @@ if "ENGINE_TESTS_XLA_CACHE" in os.environ:
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tests import helpers  # noqa: E402
+from tests import forkserver, helpers  # noqa: E402
 
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
+forkserver.one_thread_per_op()
 
 
 def pytest_collection_modifyitems(config, items):

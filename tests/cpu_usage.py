@@ -36,11 +36,17 @@ def _started():
 
 def pytest_configure(config):
     # Set before pytest -n starts its worker processes, which inherit it.
-    if LOG not in os.environ:
+    # A path given in the environment keeps the records there after the report (one JSON line a test).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if LOG in os.environ:
+        config._cpu_usage_log, config._cpu_usage_keep = os.environ[LOG], True
+        open(os.environ[LOG], "w").close()
+    else:
         handle, path = tempfile.mkstemp(prefix="engine-tests-cpu-", suffix=".jsonl")
         os.close(handle)
         os.environ[LOG] = path
-        config._cpu_usage_log = path
+        config._cpu_usage_log, config._cpu_usage_keep = path, False
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -118,7 +124,8 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    os.remove(path)
+    if not config._cpu_usage_keep:
+        os.remove(path)
     terminalreporter.section("CPU time")
     for line in summary(records):
         terminalreporter.write_line(line)

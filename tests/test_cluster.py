@@ -103,7 +103,10 @@ def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worke
     text = "".join(output)
     assert proc.returncode == 0, text[-3000:]
     assert "[launcher] worker 1 exited with -9; the job goes on without it" in text
-    assert "error:" not in text  # the servers stopped at the end are no preempted runs
+    # The servers stopped at the end are no preempted runs: no task ends on the engine's `error:` line. (The chief
+    # may log the killed worker's refused connection, "... last error: UNKNOWN: ...", when a call to it was under
+    # way: that is the failure the coordinator recovers from, not one of the run's.)
+    assert re.findall(r"^(?:\[[^\]]*\] )?error:.*", text, re.MULTILINE) == []
     summary = json.load(open(tmp_path / "ps" / "summary.json"))
     assert summary["step"] == 400 and summary["strategy"] == "parameter_server"
     reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "ps" / "checkpoints")[0])

@@ -27,9 +27,9 @@ def test_short_soak_stops_resumes_exactly_and_nothing_grows(data_dir, tmp_path):
             "-m",
             "bench.soak",
             "--jobs=mlp",
-            "--minutes=0.25",  # two legs of 7.5 s of training each
+            "--minutes=0.1",  # two legs of 3 s of training each
             "--sample_seconds=1",
-            "--warmup_seconds=3",
+            "--warmup_seconds=1",
             f"--workdir={tmp_path / 'soak'}",
             f"--data_dir={data_dir}",
         ],
