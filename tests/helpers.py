@@ -12,28 +12,40 @@ from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Small, fast runs of real training; each test overrides what it is about.
+# Small, fast runs of real training; each test overrides what it is about. Without XLA: compiling a small model's
+# step takes 3 to 7 CPU-seconds, most of a 20-step run's time, and XLA's persistent cache cannot serve a test that
+# traces the same step again in its process (the traced function's name, new at every trace, is in the cache's
+# key); tests/test_parity.py, tests/test_jit_auto.py, and the runs below on XLA_CASE train the step XLA compiles,
+# as --jit_compile=auto gives it to a dense model on a CPU.
 TEST_DEFAULTS = dict(
     global_batch_size=64,
     hidden_sizes=(32, 32),
+    jit_compile="false",
     resnet_depth=8,
     resnet_width=4,
     steps_per_loop=10,
     train_steps=20,
 )
+XLA_CASE = dict(jit_compile="auto")
 
 # The parity cases: every optimizer with clipping active, and the ResNet with batch norm. Clipping hides the
 # gradient's scale (a gradient twice too large clips to the same step): SGD also runs unclipped.
 PARITY_CASES = {
-    "sgd": dict(optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, clip_norm=0.2),
-    "sgd_unclipped": dict(optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-    "adamw": dict(optimizer="adamw", learning_rate=3e-3, weight_decay=1e-2, clip_norm=0.2, warmup_steps=5),
-    "lamb": dict(optimizer="lamb", learning_rate=1e-2, weight_decay=1e-2, clip_norm=0.2, lr_schedule="cosine"),
+    "sgd": dict(
+        **XLA_CASE, optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, clip_norm=0.2
+    ),
+    "sgd_unclipped": dict(
+        **XLA_CASE, optimizer="sgd", learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    "adamw": dict(**XLA_CASE, optimizer="adamw", learning_rate=3e-3, weight_decay=1e-2, clip_norm=0.2, warmup_steps=5),
+    "lamb": dict(
+        **XLA_CASE, optimizer="lamb", learning_rate=1e-2, weight_decay=1e-2, clip_norm=0.2, lr_schedule="cosine"
+    ),
     "resnet": dict(model="resnet", resnet_width=16, optimizer="sgd", learning_rate=0.001, momentum=0.9, clip_norm=0.5),
 }
 
 # A float16 run whose loss scale halves on the poisoned step and doubles back after two finite steps.
-NONFINITE_CASE = dict(precision="mixed_float16", loss_scale_growth_interval=2, initial_loss_scale=1024.0)
+NONFINITE_CASE = dict(**XLA_CASE, precision="mixed_float16", loss_scale_growth_interval=2, initial_loss_scale=1024.0)
 
 
 def make_config(data_dir, workdir="unused", **overrides):

@@ -222,7 +222,8 @@ def test_an_older_runs_config_json_with_a_bool_resumes(data_dir, one_device, tmp
 def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data_dir, mirrored, capsys, monkeypatch):
     # On a GPU auto compiles the ResNet; with two replicas its synchronized batch norm cannot be compiled.
     monkeypatch.setattr(xla, "device_kind", lambda strategy: "GPU")
-    trainer = loop.Trainer(helpers.make_config(data_dir, model="resnet", precision="mixed_float16"), mirrored)
+    config = helpers.make_config(data_dir, model="resnet", precision="mixed_float16", **helpers.XLA_CASE)
+    trainer = loop.Trainer(config, mirrored)
     assert trainer.jit_compile
     out = trainer.run_steps(trainer.train_iterator(), 3)
     assert out["steps"] == 3 and not trainer.jit_compile and int(trainer.step.numpy()) == 3

@@ -94,8 +94,8 @@ def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
 @pytest.mark.slow
 def test_jit_compile_flag_matches_plain_on_two_replicas(data_dir, mirrored):
     case = helpers.PARITY_CASES["adamw"]
-    jit, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, jit_compile=True, **case), mirrored)
-    plain, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, jit_compile=False, **case), mirrored)
+    jit, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, **{**case, "jit_compile": "true"}), mirrored)
+    plain, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, **{**case, "jit_compile": "false"}), mirrored)
     for k in plain:
         np.testing.assert_allclose(jit[k][0], plain[k][0], atol=1e-5)
         np.testing.assert_array_equal(jit[k][0], jit[k][1])

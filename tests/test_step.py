@@ -240,7 +240,10 @@ def test_dropout_run_resumes_bit_exactly(data_dir, one_device, tmp_path):
 
     # The smallest transformer that has dropout in attention and MLP: what resumes is the dropout's stream.
     small = dict(transformer_layers=1, transformer_dim=16, transformer_heads=2, transformer_mlp_dim=32)
-    settings = dict(model="transformer", dropout=0.2, deterministic=True, checkpoint_every=10, eval_every=0, **small)
+    settings = dict(
+        **helpers.XLA_CASE, model="transformer", dropout=0.2, deterministic=True, checkpoint_every=10, eval_every=0
+    )
+    settings.update(small)
     straight = helpers.make_config(data_dir, workdir=str(tmp_path / "straight"), train_steps=20, **settings)
     loop.train(straight, one_device)
     resumed = dict(settings, workdir=str(tmp_path / "resumed"))
