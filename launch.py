@@ -29,6 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags, logging  # noqa: E402
 
+from engine import compile_cache  # noqa: E402  (imports no TensorFlow)
 from engine.config import BUNDLED_DATASETS, Config, Switch, validate  # noqa: E402
 from engine.errors import ConfigError
 from engine.identity import CLUSTER  # noqa: E402
@@ -156,7 +157,13 @@ HELP_GROUPS = {
         "clip_value",
         "ema_decay",
     ),
-    "Precision and compilation": ("precision", "initial_loss_scale", "loss_scale_growth_interval", "jit_compile"),
+    "Precision and compilation": (
+        "precision",
+        "initial_loss_scale",
+        "loss_scale_growth_interval",
+        "jit_compile",
+        "compile_cache",
+    ),
     "Devices and clusters": CLUSTER,
     "Modes": (
         "checkpoint",
@@ -259,6 +266,8 @@ def main(argv):
         sys.exit(launcher.run(config.strategy, config.local_workers, config.num_ps, command, network=network))
     try:
         launcher.tf_config()  # a bad TF_CONFIG fails before TensorFlow starts; an empty one is dropped
+        if config.compile_cache:  # TensorFlow reads where at its first op
+            compile_cache.use(config.compile_cache)
     except ConfigError as e:
         _exit(str(e))
     PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals

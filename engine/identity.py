@@ -38,6 +38,7 @@ EXECUTION_SETTINGS = CLUSTER_SETTINGS | frozenset(
         "tf_data_service",
         "data_dir",
         "jit_compile",
+        "compile_cache",
         "deterministic",
         "run_eagerly",
     }

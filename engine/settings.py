@@ -264,6 +264,12 @@ class _RunSettings(sections.Sectioned):
         "compile the replica step with XLA: true, false, or auto (the engine chooses from the model, the precision "
         "and the device, and the run's first line says what and why)",
     )
+    compile_cache: str = _numerics(
+        "",
+        "directory that keeps XLA's compiled steps for the next run of the same program on this machine (a resumed, "
+        "preempted or repeated run skips the compile); empty: none. On a disk that does not fill: a failed write "
+        "fails the step",
+    )
     seed: int = _run(0, "seed for initialization, shuffling and dropout", shared=("data",))
     deterministic: bool = _numerics(False, "enable TensorFlow op determinism: same flags, same numbers")
     run_eagerly: bool = _numerics(False, "run the loop and step without graphs (print and pdb work in a task); slow")

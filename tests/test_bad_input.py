@@ -34,6 +34,7 @@ CASES = [
     (["--eval_batch_size=100000000"], "--eval_batch_size=100000000"),
     (["--train_steps=99999999999999999999999"], "--train_steps=99999999999999999999999"),
     (["--num_cpu_devices=100000"], "--num_cpu_devices=100000"),
+    (["--compile_cache=/dev/null/cache"], "--compile_cache=/dev/null/cache"),
 ]
 # Downloads go through a proxy that refuses connections: the network is unreachable, on any machine.
 OFFLINE = {name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}

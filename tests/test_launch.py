@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine import loop
+from engine import compile_cache, loop
 from engine.config import ConfigError
 from tests import helpers
 from tests.helpers import launch
@@ -74,6 +74,43 @@ def test_same_seed_same_losses(data_dir, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         losses.append([json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")])
     assert len(losses[0]) == 10 and losses[0] == losses[1]
+
+
+@pytest.mark.slow
+def test_compile_cache_serves_the_next_run_of_the_same_program(data_dir, tmp_path):
+    """--compile_cache: the first run writes its compiled step there, in this TensorFlow's and CPU's folder; the same
+    flags in another workdir read it back (nothing compiled and written again) and train to the same numbers."""
+    cache = tmp_path / "cache"
+    args = [f"--data_dir={data_dir}", f"--compile_cache={cache}", "--deterministic", "--train_steps=20"]
+    args += ["--steps_per_loop=10", "--jit_compile=true"]
+    runs = []
+    for name in ("first", "second"):
+        # Fresh processes (an environment other than the fork server's): a forked one's TensorFlow read TF_XLA_FLAGS
+        # in the server, before launch.py could set where the cache is.
+        result = launch(f"--workdir={tmp_path / name}", *args, env=helpers.without_xla_cache())
+        assert result.returncode == 0, result.stderr[-3000:]
+        folder = cache / compile_cache.machine_key()
+        runs.append({entry.name: entry.stat().st_mtime_ns for entry in folder.iterdir()})
+    assert os.listdir(cache) == [compile_cache.machine_key()]
+    assert runs[0] and all(name.startswith("xla_compile_cache__") for name in runs[0]), runs[0]
+    assert runs[1] == runs[0]  # the same entries, none written again
+    losses = [
+        [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")] for name in ("first", "second")
+    ]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+
+
+def test_compile_cache_is_keyed_by_the_cpu_and_replaces_a_cache_already_named(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    keys = []
+    for flags in ("fpu avx2 fma", "fpu avx2 fma avx512f", "fpu avx2 fma avx512f"):
+        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: A CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+        keys.append(compile_cache.machine_key(str(cpuinfo)))
+    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[0].startswith("tf")
+    environ = {"TF_XLA_FLAGS": "--tf_xla_auto_jit=0 --tf_xla_persistent_cache_directory=/elsewhere"}
+    folder = compile_cache.use(str(tmp_path / "cache"), environ)
+    assert folder == str(tmp_path / "cache" / compile_cache.machine_key()) and os.path.isdir(folder)
+    assert environ["TF_XLA_FLAGS"] == f"--tf_xla_auto_jit=0 --tf_xla_persistent_cache_directory={folder}"
 
 
 def _tf_config(index):

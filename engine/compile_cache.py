@@ -1,0 +1,67 @@
+"""--compile_cache: XLA's compiled steps kept on disk, so the next run of the same program skips compiling them.
+
+A run's first round traces its step and XLA compiles it: on the Shakespeare recipe about 6 of the first round's
+10 s (bench/RESULTS.md). A resumed or preempted job, or the same recipe run again, compiles the same program again;
+with a cache it reads the compiled program back. TensorFlow's persistent compilation cache does the work
+(TF_XLA_FLAGS=--tf_xla_persistent_cache_directory), keyed by the program itself: another model, batch or setting
+compiles anew, and a changed one is never served a stale program.
+
+No TensorFlow here: TensorFlow reads TF_XLA_FLAGS once, at its first op, so launch.py calls `use` before it starts
+TensorFlow (a program that imports the engine sets TF_XLA_FLAGS itself, before its first op).
+
+The entries go in a folder per TensorFlow version and CPU (its model and instruction sets): a directory on a file
+system that machines of several CPU models share never hands one a program compiled for another's instructions.
+Programs compiled for a GPU are not keyed by its model: keep one GPU model per directory.
+
+Off unless asked for: TensorFlow fails the op it compiles when it cannot write the entry (a full disk ends the run at
+its first step), so the directory belongs on a disk that checkpoints do not fill. An entry is the compiled step,
+a few MB; nothing removes old ones.
+"""
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import tempfile
+
+from engine.errors import ConfigError
+
+FLAG = "--tf_xla_persistent_cache_directory"
+# The distributions TensorFlow is installed as; the first found names the cache's folder.
+TENSORFLOW_PACKAGES = ("tensorflow", "tensorflow-cpu", "tf-nightly", "tensorflow-macos")
+
+
+def machine_key(cpuinfo="/proc/cpuinfo"):
+    """The folder of this TensorFlow and CPU: `tf<version>-<12 hex digits of the CPU's model name and flags>`."""
+    version = "unknown"
+    for package in TENSORFLOW_PACKAGES:
+        try:
+            version = importlib.metadata.version(package)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    described = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                described.setdefault(name.strip(), value.strip())
+    except OSError:  # not Linux
+        pass
+    cpu = "\n".join(described.get(k, "") for k in ("model name", "flags")) or platform.processor() or "unknown"
+    return f"tf{version}-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}"
+
+
+def use(path, environ=os.environ):
+    """Points TensorFlow's compilation cache at `path`/machine_key(), made if missing, replacing any cache directory
+    TF_XLA_FLAGS named; returns that folder. ConfigError naming --compile_cache when it cannot be made or written."""
+    folder = os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--compile_cache={path}: cannot write there ({e.strerror or e})") from None
+    flags = [flag for flag in environ.get("TF_XLA_FLAGS", "").split() if not flag.startswith(FLAG + "=")]
+    environ["TF_XLA_FLAGS"] = " ".join([*flags, f"{FLAG}={folder}"])
+    return folder
