@@ -485,17 +485,24 @@ def figure(config, trials, space, best, importances, objective, direction):
     fig.suptitle(
         f"study '{config.tune_study}': {len(complete)} complete, {len(pruned)} pruned ({direction} {metric}){tie}"
     )
-    _history(history, complete, pruned, metric, direction)
+    odd = collapsed(values, direction)
+    apart = [t for t in complete if t.value in odd]
+    _history(history, [t for t in complete if t not in apart], pruned, metric, direction)
     _curves(curves, complete, pruned, best, metric)
-    drawn = values + [v for t in trials for v in t.intermediate_values.values()]
+    shown = [t for t in trials if t not in apart]
+    drawn = [t.value for t in shown if t in complete] + [v for t in shown for v in t.intermediate_values.values()]
     for ax in (history, curves):
-        # Margins must not cross 0 or 1 where no value does: an accuracy past 1, a negative loss or error.
         low, high = ax.get_ylim()
+        if apart and drawn:  # fitted to the other trials, as the colour scale is: a collapsed one is marked apart
+            margin = 0.05 * ((max(drawn) - min(drawn)) or abs(max(drawn)) or 1.0)
+            low, high = min(drawn) - margin, max(drawn) + margin
+        # Margins must not cross 0 or 1 where no value does: an accuracy past 1, a negative loss or error.
         if drawn and min(drawn) >= 0:
             low = max(low, 0.0)
         if drawn and max(drawn) <= 1:
             high = min(high, 1.0)
         ax.set_ylim(low, high)
+    _mark_apart(history, curves, apart)
     _importance(importance, importances, complete, tied)
     _parallel_coordinates(fig, coords, complete, space, best, metric, direction)
     return fig
@@ -518,6 +525,31 @@ def _history(ax, complete, pruned, metric, direction):
     ax.set(title="objective per trial", xlabel="trial", ylabel=metric)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # there is no trial 2.5
     ax.legend()
+
+
+def _mark_apart(history, curves, apart):
+    """The collapsed trials, outside the axes fitted to the others: a grey arrowhead at the edge of the objective
+    panel, pointing to where the trial's value lies, with its number and value; both panels' titles say so."""
+    if not apart:
+        return
+    low, high = history.get_ylim()
+    for t in apart:
+        below = t.value < low
+        edge = low if below else high
+        history.scatter([t.number], [edge], marker="v" if below else "^", color="0.6", zorder=4, clip_on=False)
+        history.annotate(
+            f"trial {t.number}: {t.value:.4g}",
+            (t.number, edge),
+            xytext=(0, 8 if below else -14),
+            textcoords="offset points",
+            ha="center",
+            color="0.4",
+            fontsize=8,
+        )
+    where = ", ".join(f"trial {t.number} at {t.value:.4g}" for t in apart)
+    note = f"{len(apart)} collapsed, off the axis ({where})"
+    history.set_title(f"objective per trial\n{note}")
+    curves.set_title(f"evaluations during training\n{note}")
 
 
 def _curves(ax, complete, pruned, best, metric):

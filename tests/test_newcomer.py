@@ -271,10 +271,18 @@ def test_tune_report_colours_exclude_a_collapsed_trial_and_mark_it_apart():
     collapsed = [line for line in coords.get_lines() if line.get_gid() == "collapsed"]
     assert len(collapsed) == 1 and collapsed[0].get_color() == "0.6" and collapsed[0].get_linestyle() == "--"
     assert "1 collapsed (0.0944, grey)" in coords.get_title()
+    # The objective and the learning curves on axes fitted to the other nine, the collapsed trial marked at the edge.
+    for name in ("history", "curves"):
+        low, high = axes[name].get_ylim()
+        assert 0.94 < low < 0.95 and 0.9833 < high <= 0.985, (name, low, high)
+        assert "1 collapsed, off the axis (trial 7 at 0.0944)" in axes[name].get_title()
+    marks = [t for t in axes["history"].texts if t.get_text() == "trial 7: 0.0944"]
+    assert len(marks) == 1 and marks[0].xy == (7, axes["history"].get_ylim()[0])
     # Without an outlier nothing is set apart.
     fig, axes, _ = tune_figure(make_study([(COMPLETE, v, {50: v}) for v in values if v > 0.5]))
     assert not [line for line in axes["coordinates"].get_lines() if line.get_gid() == "collapsed"]
     assert axes["colorbar"].get_ylim() == (0.95, 0.9833)
+    assert axes["history"].get_title() == "objective per trial" and not axes["history"].texts
 
 
 def test_a_diverged_loss_is_set_apart_too():
