@@ -1,10 +1,13 @@
 """--compile_cache: XLA's compiled steps kept on disk, so the next run of the same program skips compiling them.
 
-A run's first round traces its step and XLA compiles it: on the Shakespeare recipe about 6 of the first round's
-10 s (bench/RESULTS.md). A resumed or preempted job, or the same recipe run again, compiles the same program again;
-with a cache it reads the compiled program back. TensorFlow's persistent compilation cache does the work
-(TF_XLA_FLAGS=--tf_xla_persistent_cache_directory), keyed by the program itself: another model, batch or setting
-compiles anew, and a changed one is never served a stale program.
+A run's first round traces its step and XLA compiles it: on the Shakespeare recipe about 4.5 of the first round's
+16 s (bench/RESULTS.md). The same command run again (a recipe rerun, the benchmark's repeats, a job restarted from
+scratch) compiles the same program again; with a cache it reads the compiled program back. TensorFlow's persistent
+compilation cache does the work (TF_XLA_FLAGS=--tf_xla_persistent_cache_directory), keyed by the program and the
+traced function's name: another model, batch or setting compiles anew, and a changed one is never served a stale
+program. A run resumed from a checkpoint does not read it back yet: it traces other functions before its step, and
+the step comes out keyed apart (measured: a 300-step run, the same command stopped by SIGTERM at step 10 and
+resumed wrote a second entry on resuming).
 
 No TensorFlow here: TensorFlow reads TF_XLA_FLAGS once, at its first op, so launch.py calls `use` before it starts
 TensorFlow (a program that imports the engine sets TF_XLA_FLAGS itself, before its first op).
@@ -27,6 +30,9 @@ import tempfile
 from engine.errors import ConfigError
 
 FLAG = "--tf_xla_persistent_cache_directory"
+# The lines of /proc/cpuinfo that say which instructions a compiled program may use: x86's model name and flags,
+# Arm's implementer, part and features.
+CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
 # The distributions TensorFlow is installed as; the first found names the cache's folder.
 TENSORFLOW_PACKAGES = ("tensorflow", "tensorflow-cpu", "tf-nightly", "tensorflow-macos")
 
@@ -48,14 +54,18 @@ def machine_key(cpuinfo="/proc/cpuinfo"):
                 described.setdefault(name.strip(), value.strip())
     except OSError:  # not Linux
         pass
-    cpu = "\n".join(described.get(k, "") for k in ("model name", "flags")) or platform.processor() or "unknown"
-    return f"tf{version}-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}"
+    cpu = [platform.machine(), *(described.get(k, "") for k in CPU_FIELDS)]
+    if not any(cpu[1:]):  # no /proc/cpuinfo (macOS, Windows): what Python knows of the processor
+        cpu.append(platform.processor())
+    return f"tf{version}-{hashlib.sha256(chr(10).join(cpu).encode()).hexdigest()[:12]}"
 
 
 def use(path, environ=os.environ):
     """Points TensorFlow's compilation cache at `path`/machine_key(), made if missing, replacing any cache directory
     TF_XLA_FLAGS named; returns that folder. ConfigError naming --compile_cache when it cannot be made or written."""
     folder = os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
+    if any(c.isspace() for c in folder):  # TensorFlow splits TF_XLA_FLAGS at whitespace: it would write elsewhere
+        raise ConfigError(f"--compile_cache={path}: a path with a space cannot be passed to TensorFlow ({folder})")
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

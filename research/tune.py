@@ -491,6 +491,7 @@ def figure(config, trials, space, best, importances, objective, direction):
     _curves(curves, complete, pruned, best, metric)
     shown = [t for t in trials if t not in apart]
     drawn = [t.value for t in shown if t in complete] + [v for t in shown for v in t.intermediate_values.values()]
+    drawn = [v for v in drawn if math.isfinite(v)]  # a trial may report a NaN or an infinity
     for ax in (history, curves):
         low, high = ax.get_ylim()
         if apart and drawn:  # fitted to the other trials, as the colour scale is: a collapsed one is marked apart
@@ -528,26 +529,32 @@ def _history(ax, complete, pruned, metric, direction):
 
 
 def _mark_apart(history, curves, apart):
-    """The collapsed trials, outside the axes fitted to the others: a grey arrowhead at the edge of the objective
-    panel, pointing to where the trial's value lies, with its number and value; both panels' titles say so."""
+    """The collapsed trials, which the axes fitted to the others may leave out: a grey arrowhead at the edge of the
+    objective panel, pointing to where the trial's value lies (a grey point where it is within the axis), with its
+    number and value; both panels' titles say so."""
     if not apart:
         return
     low, high = history.get_ylim()
+    where = []
     for t in apart:
-        below = t.value < low
-        edge = low if below else high
-        history.scatter([t.number], [edge], marker="v" if below else "^", color="0.6", zorder=4, clip_on=False)
+        if low <= t.value <= high:  # within the other trials' early evaluations: drawn where it is, in grey
+            y, marker, offset, place = t.value, "o", 8, "grey"
+        else:
+            below = t.value < low or math.isnan(t.value)
+            y, marker, offset = (low, "v", 8) if below else (high, "^", -14)
+            place = "below the axis" if below else "above the axis"
+        history.scatter([t.number], [y], marker=marker, color="0.6", zorder=4, clip_on=False)
         history.annotate(
             f"trial {t.number}: {t.value:.4g}",
-            (t.number, edge),
-            xytext=(0, 8 if below else -14),
+            (t.number, y),
+            xytext=(0, offset),
             textcoords="offset points",
             ha="center",
             color="0.4",
             fontsize=8,
         )
-    where = ", ".join(f"trial {t.number} at {t.value:.4g}" for t in apart)
-    note = f"{len(apart)} collapsed, off the axis ({where})"
+        where.append(f"trial {t.number} at {t.value:.4g}, {place}")
+    note = f"{len(apart)} collapsed: {'; '.join(where)}"
     history.set_title(f"objective per trial\n{note}")
     curves.set_title(f"evaluations during training\n{note}")
 

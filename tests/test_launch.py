@@ -107,6 +107,13 @@ def test_compile_cache_is_keyed_by_the_cpu_and_replaces_a_cache_already_named(tm
         cpuinfo.write_text(f"processor\t: 0\nmodel name\t: A CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
         keys.append(compile_cache.machine_key(str(cpuinfo)))
     assert keys[0] != keys[1] and keys[1] == keys[2] and keys[0].startswith("tf")
+    arm = "processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: {}\n"
+    cpuinfo.write_text(arm.format("0xd0c"))  # Arm says which CPU it is in other lines
+    neoverse = compile_cache.machine_key(str(cpuinfo))
+    cpuinfo.write_text(arm.format("0xd40"))
+    assert neoverse != compile_cache.machine_key(str(cpuinfo)) and neoverse not in keys
+    with pytest.raises(ConfigError, match="--compile_cache=a b: a path with a space"):
+        compile_cache.use("a b", {})
     environ = {"TF_XLA_FLAGS": "--tf_xla_auto_jit=0 --tf_xla_persistent_cache_directory=/elsewhere"}
     folder = compile_cache.use(str(tmp_path / "cache"), environ)
     assert folder == str(tmp_path / "cache" / compile_cache.machine_key()) and os.path.isdir(folder)

@@ -275,7 +275,7 @@ def test_tune_report_colours_exclude_a_collapsed_trial_and_mark_it_apart():
     for name in ("history", "curves"):
         low, high = axes[name].get_ylim()
         assert 0.94 < low < 0.95 and 0.9833 < high <= 0.985, (name, low, high)
-        assert "1 collapsed, off the axis (trial 7 at 0.0944)" in axes[name].get_title()
+        assert "1 collapsed: trial 7 at 0.0944, below the axis" in axes[name].get_title()
     marks = [t for t in axes["history"].texts if t.get_text() == "trial 7: 0.0944"]
     assert len(marks) == 1 and marks[0].xy == (7, axes["history"].get_ylim()[0])
     # Without an outlier nothing is set apart.
@@ -283,6 +283,19 @@ def test_tune_report_colours_exclude_a_collapsed_trial_and_mark_it_apart():
     assert not [line for line in axes["coordinates"].get_lines() if line.get_gid() == "collapsed"]
     assert axes["colorbar"].get_ylim() == (0.95, 0.9833)
     assert axes["history"].get_title() == "objective per trial" and not axes["history"].texts
+
+
+def test_a_trial_that_reported_an_infinite_loss_leaves_the_fitted_axes_finite():
+    from research import tune
+    from tests.test_reports import COMPLETE, PRUNED, SPACE, make_study
+
+    losses = [0.21, 0.25, 0.19, 48.0, 0.3, 0.22]
+    outcomes = [(COMPLETE, v, {50: v}) for v in losses] + [(PRUNED, None, {50: float("inf")})]
+    study = make_study(outcomes, direction="minimize")
+    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
+    axes = {ax.get_label(): ax for ax in fig.axes}
+    for name in ("history", "curves"):
+        assert axes[name].get_ylim() == pytest.approx((0.1845, 0.3055)), name  # 0.19 to 0.3, 5% margins
 
 
 def test_a_diverged_loss_is_set_apart_too():

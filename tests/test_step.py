@@ -80,7 +80,9 @@ def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device
 
     # Inputs of 1e20 give gradient elements near 1e20: each squares to about 1e40, and their float32 sum
     # overflows although every element is finite.
-    config = helpers.make_config(data_dir, optimizer="sgd", momentum=0.0, learning_rate=0.1, clip_norm=1.0)
+    config = helpers.make_config(
+        data_dir, optimizer="sgd", momentum=0.0, learning_rate=0.1, clip_norm=1.0, **helpers.XLA_CASE
+    )
     trainer = Trainer(config, one_device)
     batch = _batch(trainer, scale=1e20)
     images, labels = batch["image"], batch["label"]
