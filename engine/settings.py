@@ -261,8 +261,8 @@ class _RunSettings(sections.Sectioned):
     )
     jit_compile: Switch = _numerics(
         "auto",
-        "compile the replica step with XLA: true, false, or auto (the engine chooses from the model, the precision "
-        "and the device, and the run's first line says what and why)",
+        "compile the replica step and the evaluation's forward pass with XLA: true, false, or auto (the engine "
+        "chooses from the model, the precision and the device, and the run's first line says what and why)",
     )
     compile_cache: str = _numerics(
         "",

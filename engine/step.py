@@ -365,14 +365,27 @@ def make_train_step(
     return tf.function(train_step, jit_compile=True) if whole else train_step
 
 
-def make_eval_step(task, models, names):
-    """Returns eval_step(batch) -> [sum of weight x metric for each of `names`..., sum of weights], summed over
-    all replicas. Padding examples carry weight 0, so every real example counts exactly once."""
+def make_eval_sums(task, models, jit_compile=False):
+    """Returns sums(batch) -> ({metric: sum of weight x metric}, sum of weights) over one replica's batch, a
+    tf.function, compiled with XLA when `jit_compile`: the task's forward pass and metrics, no all-reduce, so it
+    compiles under any number of replicas. Padding examples carry weight 0, so every real example counts once."""
 
-    def eval_step(batch):
+    def sums(batch):
         weights = batch["weight"]
         values = task.metrics(task.forward(models, batch, training=False), batch)
-        sums = [tf.reduce_sum(weights * tf.cast(values[name], tf.float32)) for name in names]
-        return tf.distribute.get_replica_context().all_reduce(SUM, tf.stack([*sums, tf.reduce_sum(weights)]))
+        return {name: tf.reduce_sum(weights * tf.cast(v, tf.float32)) for name, v in values.items()}, tf.reduce_sum(
+            weights
+        )
+
+    return tf.function(sums, jit_compile=True if jit_compile else None)
+
+
+def make_eval_step(sums, names):
+    """Returns eval_step(batch) -> [sum of weight x metric for each of `names`..., sum of weights], summed over
+    all replicas; `sums` from make_eval_sums."""
+
+    def eval_step(batch):
+        metrics, weight = sums(batch)
+        return tf.distribute.get_replica_context().all_reduce(SUM, tf.stack([*(metrics[n] for n in names), weight]))
 
     return eval_step

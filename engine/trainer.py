@@ -60,6 +60,7 @@ class Trainer:
         self.jit_compile, self.jit_reason = xla.resolve(config.numerics, strategy, self.models)
         self._build_train_step()
         self.eval_loop = tf.function(self._eval_loop)
+        self.eval_jit = None  # whether the evaluation sums compile with XLA: decided when first built
         self.retraced = set()
 
     def _build_train_step(self):
@@ -104,15 +105,25 @@ class Trainer:
         return next(iter(self.models.values()))
 
     @functools.cached_property
+    def eval_sums(self):
+        """One replica's evaluation sums (engine/step.py make_eval_sums), compiled with XLA where the train step is
+        when first built (`eval_jit` records it), and without after XLA could not compile them: without an
+        all-reduce inside, they compile under any number of replicas."""
+        if self.eval_jit is None:
+            self.eval_jit = bool(self.jit_compile)
+        return step.make_eval_sums(self.task, self.models, self.eval_jit)
+
+    @functools.cached_property
     def metric_names(self):
-        """The task's metric names, in the order of the evaluation sums: found by tracing its metrics once."""
-        spec = self.data.eval_fn(tf.distribute.InputContext()).element_spec
-        traced = tf.function(lambda b: self.task.metrics(self.task.forward(self.models, b, False), b))
-        return sorted(traced.get_concrete_function(spec).structured_outputs)
+        """The task's metric names, in the order of the evaluation sums: found by tracing them for a replica's
+        batch, the trace the evaluation then calls."""
+        replicas = self.strategy.num_replicas_in_sync
+        spec = self.data.eval_fn(tf.distribute.InputContext(num_replicas_in_sync=replicas)).element_spec
+        return sorted(self.eval_sums.get_concrete_function(spec).structured_outputs[0])
 
     @functools.cached_property
     def eval_step(self):
-        return step.make_eval_step(self.task, self.models, self.metric_names)
+        return step.make_eval_step(self.eval_sums, self.metric_names)
 
     @property
     def waits_timed(self):
@@ -235,12 +246,9 @@ class Trainer:
                 ) from None
             raise
         except tf.errors.OpError as e:
-            unsupported = re.search(
-                r"unsupported operations when trying to compile.*?: ([\w, ]+) \(No registered", str(e)
-            )
-            if unsupported and self.jit_compile and self.config.jit_compile == "auto":
+            ops = _unsupported_ops(e)
+            if ops and self.jit_compile and self.config.jit_compile == "auto":
                 # Found only when the first step runs, after its batch was taken: the caller reads it again.
-                ops = unsupported.group(1)
                 self.jit_compile, self.jit_reason = xla.resolve(
                     self.config.numerics, self.strategy, self.models, unsupported=ops
                 )
@@ -307,9 +315,28 @@ class Trainer:
         try:
             totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
             self.check_retrace("eval_loop", self.eval_loop)
-        except tf.errors.OpError as e:
+        except (tf.errors.OpError, RuntimeError) as e:
+            why = self._eval_uncompilable(e)
+            if why:  # the task's metrics, which training never ran: evaluated without XLA, whatever --jit_compile
+                print(f"evaluation without XLA ({why}): traced again", flush=True)
+                self.eval_jit = False
+                for built in ("eval_sums", "eval_step"):
+                    self.__dict__.pop(built, None)
+                self.eval_loop = tf.function(self._eval_loop)
+                return self._evaluate()
+            if isinstance(e, RuntimeError):
+                raise
             raise self._explain(e, training=False) from None
         return self._results(totals)
+
+    def _eval_uncompilable(self, error):
+        """Why XLA could not compile the evaluation sums; "" for another failure or sums not compiled."""
+        if not self.eval_jit:
+            return ""
+        if isinstance(error, RuntimeError):
+            return "the task's metrics synchronize replicas" if "merge_call" in str(error) else ""
+        ops = _unsupported_ops(error)
+        return f"the task's forward pass or metrics use {ops}, which XLA cannot compile" if ops else ""
 
     @contextlib.contextmanager
     def averaged_weights(self):
@@ -342,3 +369,9 @@ class Trainer:
     def examples(self, split):
         """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
         return build.inputs(self.config, split).eval_fn(tf.distribute.InputContext())
+
+
+def _unsupported_ops(error):
+    """The ops XLA named as without a kernel in `error` (an OpError from compiling a function), or ""."""
+    found = re.search(r"unsupported operations when trying to compile.*?: ([\w, ]+) \(No registered", str(error))
+    return found.group(1) if found else ""

@@ -276,3 +276,48 @@ def test_choose_leaves_xla_off_for_parameter_servers_and_ops_it_cannot_compile()
         "auto: the step holds ops XLA cannot compile (StatelessRandomGammaV3)",
     )
     assert xla.choose("true", "float32", "CPU", remote=True) == (True, "flag")  # the user's word
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_evaluation_compiles_with_xla_where_the_step_does_and_gives_the_same_numbers(data_dir, request, strategy):
+    """The evaluation's forward pass and metrics compile where the train step does (one XLA program per replica,
+    the all-reduce outside it), traced once: the trace that named the metrics is the one evaluated."""
+    results = {}
+    for setting in ("auto", "false"):
+        trainer = loop.Trainer(helpers.make_config(data_dir, jit_compile=setting), request.getfixturevalue(strategy))
+        results[setting] = trainer.evaluate()
+        assert trainer.eval_jit == (setting == "auto") == trainer.jit_compile
+        assert trainer.eval_sums._jit_compile == (True if setting == "auto" else None)
+        if strategy == "one_device":
+            assert trainer.eval_sums.experimental_get_tracing_count() == 1
+    assert results["auto"]["examples"] == results["false"]["examples"] == 360
+    assert results["auto"] == pytest.approx(results["false"], rel=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["auto", "true"])
+def test_evaluation_runs_without_xla_when_its_metrics_hold_an_op_xla_cannot_compile(
+    data_dir, one_device, capsys, monkeypatch, setting
+):
+    """A metric training never runs, drawn from a gamma distribution (no XLA kernel): found when the evaluation
+    first runs, which runs again without XLA, saying so once, and reports what an evaluation without XLA does."""
+    import tensorflow as tf
+
+    from tasks import classification
+
+    metrics = classification.Task.metrics
+
+    def with_gamma(self, outputs, batch):
+        gamma = tf.random.stateless_gamma([tf.shape(batch["label"])[0]], seed=[1, 2], alpha=50.0) / 50.0
+        return {**metrics(self, outputs, batch), "gamma": gamma}
+
+    monkeypatch.setattr(classification.Task, "metrics", with_gamma)
+    compiled = loop.Trainer(helpers.make_config(data_dir, jit_compile=setting), one_device)
+    plain = loop.Trainer(helpers.make_config(data_dir, jit_compile="false"), one_device)
+    assert compiled.jit_compile and not plain.jit_compile
+    results = [compiled.evaluate(), compiled.evaluate(), plain.evaluate()]
+    assert capsys.readouterr().out == (
+        "evaluation without XLA (the task's forward pass or metrics use StatelessRandomGammaV3, which XLA cannot "
+        "compile): traced again\n"
+    )
+    assert compiled.eval_jit is False and compiled.jit_compile  # training keeps XLA
+    assert results[0] == results[1] == results[2] and 0.9 < results[0]["gamma"] < 1.1
