@@ -15,7 +15,7 @@ import time
 
 import tensorflow as tf
 
-from engine import actions, distribute, xla
+from engine import actions, distribute, inputs, xla
 from engine import checkpoint as checkpoint_lib
 from engine import workdir as workdir_lib
 from engine.actions import (  # noqa: F401  (re-exported: launch.py, research/ and tests read them from here)
@@ -151,26 +151,28 @@ def run(trainer, report, checkpoints, started, on_eval=None):
 def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     config = trainer.config
     report.line(_header(trainer))
-    iterator, current, last = trainer.train_iterator(), int(trainer.step.numpy()), None
+    # The training iterator, held alone in a list: a finished one is deleted off the loop's thread (inputs.release).
+    held, current, last = [trainer.train_iterator()], int(trainer.step.numpy()), None
     report.count_losses(last_round_start(config), current)
     timing, evaluate = actions.Timing(), actions.Evaluate(trainer, report, on_eval)
     input_bound = actions.InputBoundWarning(timing, report)
     nan_policy = actions.NanPolicy(trainer, checkpoints, report)
     preemption = actions.Preemption(trainer, checkpoints, report)
-    with PREEMPTION.watch(trainer.stop):  # from here on a signal stops the loop at a step, saved
+    with PREEMPTION.watch(trainer.stop), _releasing(held):  # from here on a signal stops the loop at a step, saved
         # A run stopped at an evaluation step saved it unevaluated: the resumed run evaluates it, once (Report
         # dropped any evaluation of it logged before).
         pruned = evaluates_on_resume(config, current) and evaluate(current)
         while current < config.train_steps and not pruned:
-            done = _round(trainer, iterator, current, profile, report)
+            done = _round(trainer, held[0], current, profile, report)
             if done is None:  # recompiled: from the data position again, as the failed step took a batch
-                iterator = trainer.train_iterator()
+                _renew(held, trainer)
                 continue
             timing.add(done)
             input_bound(done)
             last = done.out
             if nan_policy(done):  # rolled back: on from the checkpoint's step, reading on from the round's batches
-                current, iterator = int(trainer.step.numpy()), trainer.train_iterator()
+                current = int(trainer.step.numpy())
+                _renew(held, trainer)
                 continue
             current = done.end
             actions.warn_skipped(trainer, report, done)
@@ -190,6 +192,22 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     # A tuner that stopped the run at an evaluation: its results are the run's, not evaluated again.
     results = evaluate.results if pruned else _final_evaluation(trainer, report, current)
     return _summary(trainer, report, current, results, timing, last, started)
+
+
+@contextlib.contextmanager
+def _releasing(held):
+    """The training iterators `held` holds, released when the loop ends (a signal or an error included): the final
+    evaluation and the process's exit do not wait for their deletion (inputs.release)."""
+    try:
+        yield
+    finally:
+        inputs.release(held)
+
+
+def _renew(held, trainer):
+    """Replaces the training iterator in `held` by one from the data position on, the old one released."""
+    inputs.release([held.pop()])
+    held.append(trainer.train_iterator())
 
 
 def _round(trainer, iterator, current, profile, report):

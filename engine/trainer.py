@@ -312,8 +312,9 @@ class Trainer:
     def _evaluate(self):
         if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
             return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
+        held = [iter(self.eval_dataset)]  # its only reference: deleted off this thread (inputs.release)
         try:
-            totals = self.eval_loop(iter(self.eval_dataset), tf.constant(self.data.eval_steps))
+            totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
             self.check_retrace("eval_loop", self.eval_loop)
         except (tf.errors.OpError, RuntimeError) as e:
             why = self._eval_uncompilable(e)
@@ -327,6 +328,8 @@ class Trainer:
             if isinstance(e, RuntimeError):
                 raise
             raise self._explain(e, training=False) from None
+        finally:
+            inputs.release(held)
         return self._results(totals)
 
     def _eval_uncompilable(self, error):
@@ -368,7 +371,7 @@ class Trainer:
 
     def examples(self, split):
         """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
-        return build.inputs(self.config, split).eval_fn(tf.distribute.InputContext())
+        return inputs.batches(build.inputs(self.config, split).eval_fn(tf.distribute.InputContext()))
 
 
 def _unsupported_ops(error):

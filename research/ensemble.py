@@ -32,7 +32,7 @@ import tasks
 from engine import checkpoint as checkpoint_lib
 from engine import config as config_lib
 from engine import data as data_lib
-from engine import distribute, loop, precision
+from engine import distribute, inputs, loop, precision
 from engine import workdir as workdir_lib
 from engine.config import Config
 from engine.errors import ConfigError
@@ -231,7 +231,8 @@ def _load_run(workdir, member_config, splits, reference):
         with trainer.averaged_weights():
             for split in splits:
                 own = split == splits[0]
-                batches = trainer.data.eval_fn(tf.distribute.InputContext()) if own else trainer.examples(split)
+                ctx = tf.distribute.InputContext()
+                batches = inputs.batches(trainer.data.eval_fn(ctx)) if own else trainer.examples(split)
                 predictions[split], examples[split] = _predict(predict, batches)
     finally:
         precision.set_policy("float32")
