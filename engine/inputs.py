@@ -18,8 +18,9 @@ def release(held):
     """Deletes the tf.data iterators in the list `held`, which must hold their only references, on a thread of its
     own. Deleting an autotuned iterator waits for its tuning thread to wake (TensorFlow 2.21: a sleep that doubles
     towards 60 s as the iterator lives; measured 0 to 51 s, bench/RESULTS.md "Deleting a tf.data iterator"), with
-    the GIL released: the run goes on meanwhile, and a process may exit before it ends."""
-    threading.Thread(target=held.clear, name="release_iterators", daemon=True).start()
+    the GIL released: the run goes on meanwhile. Not a daemon: a process exits after it (a daemon thread still in
+    TensorFlow's destructor when the interpreter finalized aborted the process)."""
+    threading.Thread(target=held.clear, name="release_iterators").start()
 
 
 def batches(dataset):

@@ -366,9 +366,10 @@ def make_train_step(
 
 
 def make_eval_sums(task, models, jit_compile=False):
-    """Returns sums(batch) -> ({metric: sum of weight x metric}, sum of weights) over one replica's batch, a
-    tf.function, compiled with XLA when `jit_compile`: the task's forward pass and metrics, no all-reduce, so it
-    compiles under any number of replicas. Padding examples carry weight 0, so every real example counts once."""
+    """Returns sums(batch) -> ({metric: sum of weight x metric}, sum of weights) over one replica's batch: the task's
+    forward pass and metrics, no all-reduce. With `jit_compile`, a tf.function compiled with XLA, which it can be
+    under any number of replicas; without, the plain function (a nested tf.function could not hold a metric that
+    gathers from every replica). Padding examples carry weight 0, so every real example counts once."""
 
     def sums(batch):
         weights = batch["weight"]
@@ -377,7 +378,7 @@ def make_eval_sums(task, models, jit_compile=False):
             weights
         )
 
-    return tf.function(sums, jit_compile=True if jit_compile else None)
+    return tf.function(sums, jit_compile=True) if jit_compile else sums
 
 
 def make_eval_step(sums, names):

@@ -116,10 +116,12 @@ class Trainer:
     @functools.cached_property
     def metric_names(self):
         """The task's metric names, in the order of the evaluation sums: found by tracing them for a replica's
-        batch, the trace the evaluation then calls."""
+        batch (compiled with XLA, the trace the evaluation then calls)."""
         replicas = self.strategy.num_replicas_in_sync
         spec = self.data.eval_fn(tf.distribute.InputContext(num_replicas_in_sync=replicas)).element_spec
-        return sorted(self.eval_sums.get_concrete_function(spec).structured_outputs[0])
+        sums = self.eval_sums  # built first: it decides eval_jit
+        traced = sums if self.eval_jit else tf.function(sums)
+        return sorted(traced.get_concrete_function(spec).structured_outputs[0])
 
     @functools.cached_property
     def eval_step(self):
