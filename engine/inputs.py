@@ -15,12 +15,17 @@ from engine import distribute, sections, xla
 
 
 def release(held):
-    """Deletes the tf.data iterators in the list `held`, which must hold their only references, on a thread of its
-    own. Deleting an autotuned iterator waits for its tuning thread to wake (TensorFlow 2.21: a sleep that doubles
-    towards 60 s as the iterator lives; measured 0 to 51 s, bench/RESULTS.md "Deleting a tf.data iterator"), with
-    the GIL released: the run goes on meanwhile. Not a daemon: a process exits after it (a daemon thread still in
-    TensorFlow's destructor when the interpreter finalized aborted the process)."""
-    threading.Thread(target=held.clear, name="release_iterators").start()
+    """Deletes the tf.data iterators in the list `held` on a thread of its own, where the list held their last
+    references (after an error the traceback may hold one: it is deleted where the error ends). Deleting an
+    autotuned iterator waits for its tuning thread to wake (TensorFlow 2.21: a sleep that doubles towards 60 s as
+    the iterator lives; measured 0 to 51 s, bench/RESULTS.md "Deleting a tf.data iterator waits for its
+    autotuner"), with the GIL released: the run goes on meanwhile. Not a daemon: the interpreter waits for it
+    before exiting (a daemon thread still in TensorFlow's destructor when the interpreter finalized aborted the
+    process)."""
+    try:
+        threading.Thread(target=held.clear, name="release_iterators").start()
+    except RuntimeError:  # the interpreter is shutting down: no new thread
+        held.clear()
 
 
 def batches(dataset):

@@ -367,9 +367,10 @@ def make_train_step(
 
 def make_eval_sums(task, models, jit_compile=False):
     """Returns sums(batch) -> ({metric: sum of weight x metric}, sum of weights) over one replica's batch: the task's
-    forward pass and metrics, no all-reduce. With `jit_compile`, a tf.function compiled with XLA, which it can be
-    under any number of replicas; without, the plain function (a nested tf.function could not hold a metric that
-    gathers from every replica). Padding examples carry weight 0, so every real example counts once."""
+    forward pass and metrics, no all-reduce. With `jit_compile`, a tf.function compiled with XLA, under any number
+    of replicas unless a metric synchronizes them (Trainer._evaluate then evaluates without); without, the plain
+    function (a nested tf.function could not hold such a metric). Padding examples carry weight 0, so every real
+    example counts once."""
 
     def sums(batch):
         weights = batch["weight"]

@@ -61,6 +61,7 @@ class Trainer:
         self._build_train_step()
         self.eval_loop = tf.function(self._eval_loop)
         self.eval_jit = None  # whether the evaluation sums compile with XLA: decided when first built
+        self.eval_ran = False  # an evaluation has run to its end (a later failure is not XLA's compile)
         self.retraced = set()
 
     def _build_train_step(self):
@@ -107,16 +108,16 @@ class Trainer:
     @functools.cached_property
     def eval_sums(self):
         """One replica's evaluation sums (engine/step.py make_eval_sums), compiled with XLA where the train step is
-        when first built (`eval_jit` records it), and without after XLA could not compile them: without an
-        all-reduce inside, they compile under any number of replicas."""
-        if self.eval_jit is None:
-            self.eval_jit = bool(self.jit_compile)
+        when first built (`eval_jit` records it), and without after XLA could not compile them (_evaluate): a
+        metric that synchronizes replicas, an op without an XLA kernel."""
+        if self.eval_jit is None:  # not on a parameter server's chief: XLA reads no remote variable
+            self.eval_jit = bool(self.jit_compile) and self.coordinator is None
         return step.make_eval_sums(self.task, self.models, self.eval_jit)
 
     @functools.cached_property
     def metric_names(self):
         """The task's metric names, in the order of the evaluation sums: found by tracing them for a replica's
-        batch (compiled with XLA, the trace the evaluation then calls)."""
+        batch (compiled with XLA on one device per process, the trace the evaluation then calls)."""
         replicas = self.strategy.num_replicas_in_sync
         spec = self.data.eval_fn(tf.distribute.InputContext(num_replicas_in_sync=replicas)).element_spec
         sums = self.eval_sums  # built first: it decides eval_jit
@@ -332,16 +333,22 @@ class Trainer:
             raise self._explain(e, training=False) from None
         finally:
             inputs.release(held)
+        self.eval_ran = True
         return self._results(totals)
 
     def _eval_uncompilable(self, error):
-        """Why XLA could not compile the evaluation sums; "" for another failure or sums not compiled."""
-        if not self.eval_jit:
+        """Why XLA could not compile the evaluation sums, from the first evaluation's failure (training never runs
+        the task's metrics); "" for sums not compiled, a later failure, or one that names the data."""
+        if not self.eval_jit or self.eval_ran:
             return ""
         if isinstance(error, RuntimeError):
             return "the task's metrics synchronize replicas" if "merge_call" in str(error) else ""
         ops = _unsupported_ops(error)
-        return f"the task's forward pass or metrics use {ops}, which XLA cannot compile" if ops else ""
+        if ops:
+            return f"the task's forward pass or metrics use {ops}, which XLA cannot compile"
+        if "xla" in (error.message or "").lower():  # its compile's own failure (tf2xla, an XLA pass)
+            return f"XLA could not compile the task's forward pass or metrics: {error.message.splitlines()[0]}"
+        return ""
 
     @contextlib.contextmanager
     def averaged_weights(self):
@@ -372,7 +379,8 @@ class Trainer:
         return {**results, "examples": int(examples)}
 
     def examples(self, split):
-        """The prepared batches of `split`, each example once (weight 0 marks padding), on this host."""
+        """The prepared batches of `split`, each example once (weight 0 marks padding), on this host: one pass of a
+        generator (its tf.data iterator deleted off this thread at the end, engine/inputs.py release)."""
         return inputs.batches(build.inputs(self.config, split).eval_fn(tf.distribute.InputContext()))
 
 

@@ -99,8 +99,8 @@ class Task:
 
     def probe(self, models, examples):
         """Numbers that need more than per-example sums (a linear probe on frozen features): {} by default.
-        `examples(split)` iterates over the prepared batches of a split, each example once (a `weight` of 0
-        marks padding)."""
+        `examples(split)` iterates once over the prepared batches of a split, each example once (a `weight` of 0
+        marks padding): a generator of batches, not a tf.data.Dataset."""
         return {}
 
     def pictures(self, models):

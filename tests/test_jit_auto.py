@@ -320,3 +320,39 @@ def test_evaluation_runs_without_xla_when_its_metrics_hold_an_op_xla_cannot_comp
     )
     assert compiled.eval_jit is False and compiled.jit_compile  # training keeps XLA
     assert results[0] == results[1] == results[2] and 0.9 < results[0]["gamma"] < 1.1
+
+
+@pytest.mark.parametrize(
+    "strategy,metric,reason",
+    [
+        ("mirrored", "synchronized", "the task's metrics synchronize replicas"),
+        ("one_device", "shuffled", "XLA could not compile the task's forward pass or metrics: "),
+    ],
+)
+def test_evaluation_runs_without_xla_when_xla_refuses_its_metrics(
+    data_dir, request, capsys, monkeypatch, strategy, metric, reason
+):
+    """Other refusals than a missing kernel, also found at the first evaluation: a metric summed over the replicas
+    (XLA cannot synchronize replicas inside one's program), a shuffle (XLA's compile fails on it)."""
+    import tensorflow as tf
+
+    from tasks import classification
+
+    metrics = classification.Task.metrics
+
+    def with_metric(self, outputs, batch):
+        ones = tf.ones_like(batch["weight"])
+        if metric == "synchronized":
+            value = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, ones)
+        else:
+            value = tf.random.shuffle(ones)  # XLA's own compile fails on it (FailedPreconditionError, TF 2.21)
+        return {**metrics(self, outputs, batch), metric: value}
+
+    monkeypatch.setattr(classification.Task, "metrics", with_metric)
+    compiled = loop.Trainer(helpers.make_config(data_dir, jit_compile="auto"), request.getfixturevalue(strategy))
+    plain = loop.Trainer(helpers.make_config(data_dir, jit_compile="false"), request.getfixturevalue(strategy))
+    results = [compiled.evaluate(), plain.evaluate()]
+    out = capsys.readouterr().out
+    assert out.startswith(f"evaluation without XLA ({reason}") and out.endswith("): traced again\n")
+    assert out.count("\n") == 1 and compiled.eval_jit is False and compiled.jit_compile
+    assert results[0] == results[1] and results[0][metric] == (2.0 if metric == "synchronized" else 1.0)
