@@ -7,6 +7,7 @@ gathers its batch from the split held in memory (InStep); the dataset's own iter
 the workers in pieces (PerWorker, parameter servers).
 """
 
+import contextlib
 import threading
 
 import tensorflow as tf
@@ -28,13 +29,19 @@ def release(held):
         held.clear()
 
 
-def batches(dataset):
-    """The batches of a finite `dataset`, iterated in Python; its iterator deleted off this thread at the end."""
-    held = [iter(dataset)]
+@contextlib.contextmanager
+def releasing(held):
+    """`held`, a list holding tf.data iterators, released (`release`) when the block ends, an error included."""
     try:
-        yield from held[0]
+        yield held
     finally:
         release(held)
+
+
+def batches(dataset):
+    """The batches of a finite `dataset`, iterated in Python; its iterator deleted off this thread at the end."""
+    with releasing([iter(dataset)]) as held:
+        yield from held[0]
 
 
 def gathers_in_step(cluster, strategy, data, coordinator):

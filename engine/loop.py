@@ -158,7 +158,9 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     input_bound = actions.InputBoundWarning(timing, report)
     nan_policy = actions.NanPolicy(trainer, checkpoints, report)
     preemption = actions.Preemption(trainer, checkpoints, report)
-    with PREEMPTION.watch(trainer.stop), _releasing(held):  # from here on a signal stops the loop at a step, saved
+    # From here on a signal stops the loop at a step, saved; the training iterator is released when the loop ends
+    # (a signal or an error included): the final evaluation and the exit do not wait for its deletion.
+    with PREEMPTION.watch(trainer.stop), inputs.releasing(held):
         # A run stopped at an evaluation step saved it unevaluated: the resumed run evaluates it, once (Report
         # dropped any evaluation of it logged before).
         pruned = evaluates_on_resume(config, current) and evaluate(current)
@@ -192,16 +194,6 @@ def _rounds(trainer, report, checkpoints, started, on_eval, profile):
     # A tuner that stopped the run at an evaluation: its results are the run's, not evaluated again.
     results = evaluate.results if pruned else _final_evaluation(trainer, report, current)
     return _summary(trainer, report, current, results, timing, last, started)
-
-
-@contextlib.contextmanager
-def _releasing(held):
-    """The training iterators `held` holds, released when the loop ends (a signal or an error included): the final
-    evaluation and the process's exit do not wait for their deletion (inputs.release)."""
-    try:
-        yield
-    finally:
-        inputs.release(held)
 
 
 def _renew(held, trainer):

@@ -315,24 +315,23 @@ class Trainer:
     def _evaluate(self):
         if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
             return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
-        held = [iter(self.eval_dataset)]  # its only reference: deleted off this thread (inputs.release)
-        try:
-            totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
-            self.check_retrace("eval_loop", self.eval_loop)
-        except (tf.errors.OpError, RuntimeError) as e:
-            why = self._eval_uncompilable(e)
-            if why:  # the task's metrics, which training never ran: evaluated without XLA, whatever --jit_compile
-                print(f"evaluation without XLA ({why}): traced again", flush=True)
-                self.eval_jit = False
-                for built in ("eval_sums", "eval_step"):
-                    self.__dict__.pop(built, None)
-                self.eval_loop = tf.function(self._eval_loop)
-                return self._evaluate()
-            if isinstance(e, RuntimeError):
-                raise
-            raise self._explain(e, training=False) from None
-        finally:
-            inputs.release(held)
+        # The iterator's only reference: deleted off this thread (inputs.release).
+        with inputs.releasing([iter(self.eval_dataset)]) as held:
+            try:
+                totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
+                self.check_retrace("eval_loop", self.eval_loop)
+            except (tf.errors.OpError, RuntimeError) as e:
+                why = self._eval_uncompilable(e)
+                if why:  # the task's metrics, which training never ran: evaluated without XLA, whatever --jit_compile
+                    print(f"evaluation without XLA ({why}): traced again", flush=True)
+                    self.eval_jit = False
+                    for built in ("eval_sums", "eval_step"):
+                        self.__dict__.pop(built, None)
+                    self.eval_loop = tf.function(self._eval_loop)
+                    return self._evaluate()
+                if isinstance(e, RuntimeError):
+                    raise
+                raise self._explain(e, training=False) from None
         self.eval_ran = True
         return self._results(totals)
 
