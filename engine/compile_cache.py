@@ -5,9 +5,10 @@ A run's first round traces its step and XLA compiles it: on the Shakespeare reci
 scratch) compiles the same program again; with a cache it reads the compiled program back. TensorFlow's persistent
 compilation cache does the work (TF_XLA_FLAGS=--tf_xla_persistent_cache_directory), keyed by the program and the
 traced function's name: another model, batch or setting compiles anew, and a changed one is never served a stale
-program. A run resumed from a checkpoint does not read it back yet: it traces other functions before its step, and
-the step comes out keyed apart (measured: a 300-step run, the same command stopped by SIGTERM at step 10 and
-resumed wrote a second entry on resuming).
+program. A traced function's name counts the functions traced before it in the process, and a resumed run restores
+its checkpoint (and may evaluate) before it trains: so with a cache the round's loop and the evaluation are traced
+first, before anything is restored (Trainer.trace), and a resumed run reads back what its first run compiled
+(before that, a run stopped by SIGTERM at step 10 and resumed wrote a second entry).
 
 No TensorFlow here: TensorFlow reads TF_XLA_FLAGS once, at its first op, so launch.py calls `use` before it starts
 TensorFlow (a program that imports the engine sets TF_XLA_FLAGS itself, before its first op).

@@ -67,6 +67,8 @@ def train(config, strategy=None, on_eval=None):
         checkpoints = checkpoint_lib.Checkpoints(
             trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
         )
+        if config.compile_cache:  # before restoring: a resumed run's compiled step and evaluation are read back
+            trainer.trace()
         restored = _restore(trainer, checkpoints)
         current = int(trainer.step.numpy())
         finished = _summary_at(config.workdir, current) if restored and current == config.train_steps else None

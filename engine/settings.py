@@ -267,7 +267,7 @@ class _RunSettings(sections.Sectioned):
     compile_cache: str = _numerics(
         "",
         "directory that keeps XLA's compiled steps for the next run of the same command on this machine, which skips "
-        "the compile (a run resumed from a checkpoint compiles anew); empty: none. On a disk that does not fill: a "
+        "the compile (a run resumed from a checkpoint included); empty: none. On a disk that does not fill: a "
         "failed write fails the step",
     )
     seed: int = _run(0, "seed for initialization, shuffling and dropout", shared=("data",))

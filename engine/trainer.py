@@ -227,6 +227,27 @@ class Trainer:
             totals += self.first_replica(self.strategy.run(self.eval_step, args=(next(iterator),)))
         return totals
 
+    def trace(self):
+        """Traces the round's loop (with the replica step) and the evaluation's now, as a run's first functions.
+        XLA's persistent cache (--compile_cache) keys a compiled function by its traced name, which counts the
+        functions traced before it in the process: traced before a checkpoint is restored (and a resumed run
+        evaluates), a resumed run's step and evaluation are named as the first run's, and read back."""
+        if self.coordinator is not None:  # a parameter server's rounds are scheduled functions: not traced here
+            return
+        spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))  # as run() passes the steps and position
+        try:
+            with inputs.releasing([self.train_input.open(0)]) as held:  # its spec: the data position is not read yet
+                self.train_loop.get_concrete_function(held[0], *spec)
+        except RuntimeError as e:
+            self._untraceable(e)
+            return self.trace()
+        try:
+            with inputs.releasing([iter(self.eval_dataset)]) as held:
+                self.eval_loop.get_concrete_function(held[0], tf.TensorSpec([], tf.int32))
+        except RuntimeError as e:  # metrics XLA cannot compile: the evaluation is rebuilt without it (no entry)
+            if not self._eval_without_xla(e):
+                raise
+
     def run_steps(self, iterator, steps):
         """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers. `iterator`: the
         batches, or None (train_iterator() when in_step): each step gathers its own from the data position on."""
@@ -234,20 +255,8 @@ class Trainer:
         try:
             out = self.train_input.run(iterator, steps, position[1])
         except RuntimeError as e:
-            if "merge_call" in str(e) and self.jit_compile and self.config.jit_compile == "auto":
-                # What auto cannot know before the first round is traced (nothing has run yet): trace it again.
-                self.jit_compile, self.jit_reason = xla.resolve(self.config.numerics, self.strategy, self.models, True)
-                self._build_train_step()
-                print(f"jit_compile=false ({self.jit_reason}): the first round is traced again", flush=True)
-                return self.run_steps(iterator, steps)
-            if "merge_call" in str(e) and self.jit_compile:
-                raise ConfigError(
-                    f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
-                    "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
-                    f"which XLA cannot compile with "
-                    f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
-                ) from None
-            raise
+            self._untraceable(e)
+            return self.run_steps(iterator, steps)
         except tf.errors.OpError as e:
             ops = _unsupported_ops(e)
             if ops and self.jit_compile and self.config.jit_compile == "auto":
@@ -262,6 +271,24 @@ class Trainer:
                 raise Recompiled(f"jit_compile=false ({self.jit_reason}): the first round runs again") from None
             raise self._explain(e, training=True) from None
         return {k: float(v) for k, v in out.items()}
+
+    def _untraceable(self, error):
+        """A RuntimeError tracing the round: a replica step that synchronizes replicas (merge_call), which XLA cannot
+        compile, is rebuilt without XLA where auto chose it (what auto cannot know before the step is traced),
+        refused where --jit_compile=true asked for it; any other is raised."""
+        if "merge_call" in str(error) and self.jit_compile and self.config.jit_compile == "auto":
+            self.jit_compile, self.jit_reason = xla.resolve(self.config.numerics, self.strategy, self.models, True)
+            self._build_train_step()
+            print(f"jit_compile=false ({self.jit_reason}): the first round is traced again", flush=True)
+            return
+        if "merge_call" in str(error) and self.jit_compile:
+            raise ConfigError(
+                f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
+                "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
+                f"which XLA cannot compile with "
+                f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
+            ) from None
+        raise error
 
     def _explain(self, error, training):
         """An example the pipeline could not decode becomes DecodeError naming its file; a lost peer, PeerLost."""
@@ -321,19 +348,26 @@ class Trainer:
                 totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
                 self.check_retrace("eval_loop", self.eval_loop)
             except (tf.errors.OpError, RuntimeError) as e:
-                why = self._eval_uncompilable(e)
-                if why:  # the task's metrics, which training never ran: evaluated without XLA, whatever --jit_compile
-                    print(f"evaluation without XLA ({why}): traced again", flush=True)
-                    self.eval_jit = False
-                    for built in ("eval_sums", "eval_step"):
-                        self.__dict__.pop(built, None)
-                    self.eval_loop = tf.function(self._eval_loop)
+                if self._eval_without_xla(e):
                     return self._evaluate()
                 if isinstance(e, RuntimeError):
                     raise
                 raise self._explain(e, training=False) from None
         self.eval_ran = True
         return self._results(totals)
+
+    def _eval_without_xla(self, error):
+        """Rebuilds the evaluation without XLA, saying why in one line, when `error` is XLA's failing to compile it
+        (the task's metrics, which training never ran, whatever --jit_compile says); False for any other error."""
+        why = self._eval_uncompilable(error)
+        if not why:
+            return False
+        print(f"evaluation without XLA ({why}): traced again", flush=True)
+        self.eval_jit = False
+        for built in ("eval_sums", "eval_step"):
+            self.__dict__.pop(built, None)
+        self.eval_loop = tf.function(self._eval_loop)
+        return True
 
     def _eval_uncompilable(self, error):
         """Why XLA could not compile the evaluation sums, from the first evaluation's failure (training never runs

@@ -77,23 +77,28 @@ def test_same_seed_same_losses(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_cache_serves_the_next_run_of_the_same_program(data_dir, tmp_path):
-    """--compile_cache: the first run writes its compiled step there, in this TensorFlow's and CPU's folder; the same
-    flags in another workdir read it back (nothing compiled and written again) and train to the same numbers."""
+@pytest.mark.parametrize("strategy", [[], ["--strategy=mirrored", "--num_cpu_devices=2"]], ids=["one", "mirrored"])
+def test_compile_cache_serves_the_next_run_of_the_same_program_and_a_resumed_one(data_dir, tmp_path, strategy):
+    """--compile_cache: the first run writes its compiled step and evaluation there, in this TensorFlow's and CPU's
+    folder; the same flags in another workdir read them back (nothing compiled and written again), and so does that
+    run resumed from its checkpoint to train on (it restores before it trains), to the first run's numbers."""
     cache = tmp_path / "cache"
-    args = [f"--data_dir={data_dir}", f"--compile_cache={cache}", "--deterministic", "--train_steps=20"]
-    args += ["--steps_per_loop=10", "--jit_compile=true"]
-    runs = []
-    for name in ("first", "second"):
+    folder = cache / compile_cache.machine_key()
+    args = [f"--data_dir={data_dir}", f"--compile_cache={cache}", "--deterministic", "--steps_per_loop=10"]
+    args += ["--jit_compile=true", *strategy]
+    entries = []
+    for name, steps in (("first", 20), ("second", 10), ("second", 20)):  # the last resumes the second's step 10
         # Fresh processes (an environment other than the fork server's): a forked one's TensorFlow read TF_XLA_FLAGS
         # in the server, before launch.py could set where the cache is.
-        result = launch(f"--workdir={tmp_path / name}", *args, env=helpers.without_xla_cache())
+        workdir = f"--workdir={tmp_path / name}"
+        result = launch(workdir, *args, f"--train_steps={steps}", env=helpers.without_xla_cache())
         assert result.returncode == 0, result.stderr[-3000:]
-        folder = cache / compile_cache.machine_key()
-        runs.append({entry.name: entry.stat().st_mtime_ns for entry in folder.iterdir()})
+        entries.append({entry.name: entry.stat().st_mtime_ns for entry in folder.iterdir()})
+    assert "resumed from step 10" in result.stdout
     assert os.listdir(cache) == [compile_cache.machine_key()]
-    assert runs[0] and all(name.startswith("xla_compile_cache__") for name in runs[0]), runs[0]
-    assert runs[1] == runs[0]  # the same entries, none written again
+    assert entries[0] and all(name.startswith("xla_compile_cache__") for name in entries[0]), entries[0]
+    assert entries[1] == entries[0]  # the same entries, none written again
+    assert entries[2] == entries[0], "the resumed run compiled its step or evaluation again"
     losses = [
         [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")] for name in ("first", "second")
     ]
