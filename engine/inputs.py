@@ -20,7 +20,8 @@ def release(held):
     references (after an error the traceback may hold one: it is deleted where the error ends). Deleting an
     autotuned iterator waits for its tuning thread to wake (TensorFlow 2.21: a sleep that doubles towards 60 s as
     the iterator lives; measured 0 to 51 s, bench/RESULTS.md "Deleting a tf.data iterator waits for its
-    autotuner"), with the GIL released: the run goes on meanwhile. Not a daemon: the interpreter waits for it
+    autotuner"; the strategy's distributed iterators, which one CPU device no longer uses, above all), with the
+    GIL released: the run goes on meanwhile. Not a daemon: the interpreter waits for it
     before exiting (a daemon thread still in TensorFlow's destructor when the interpreter finalized aborted the
     process)."""
     try:
@@ -68,10 +69,22 @@ def train_input(trainer):
         return InStep(trainer)
     if trainer.coordinator is not None:
         return PerWorker(trainer)
-    strategy = trainer.strategy
-    if isinstance(strategy, tf.distribute.OneDeviceStrategy) and "CPU" in strategy.extended.worker_devices[0]:
-        return DatasetIterator(trainer)
-    return Distributed(trainer)
+    return DatasetIterator(trainer) if one_cpu_device(trainer.strategy) else Distributed(trainer)
+
+
+def one_cpu_device(strategy):
+    """Whether `strategy` is one CPU device, where the dataset's own iterator serves the steps and the evaluation:
+    the strategy's distributed iterator adds a hop of host time per batch there, on the cores the step needs, and
+    deleting it waits for its autotuner (the 6-layer decoder's evaluation iterator: 9.6 s, the dataset's own 0.2 s;
+    bench/RESULTS.md)."""
+    return isinstance(strategy, tf.distribute.OneDeviceStrategy) and "CPU" in strategy.extended.worker_devices[0]
+
+
+def eval_iterator(trainer):
+    """An iterator over `trainer`'s evaluation batches: the dataset's own on one CPU device, else the strategy's."""
+    if one_cpu_device(trainer.strategy):
+        return iter(trainer.data.eval_fn(tf.distribute.InputContext()))
+    return iter(trainer.eval_dataset)
 
 
 class Distributed:
@@ -116,8 +129,7 @@ class Distributed:
 
 
 class DatasetIterator(Distributed):
-    """One CPU device: the dataset's own iterator. The distributed one adds a hop of host time per batch there, on
-    the cores the step needs (bench/RESULTS.md)."""
+    """One CPU device: the dataset's own iterator (one_cpu_device)."""
 
     def open(self, start):
         return iter(self.trainer.data.train_fn(tf.distribute.InputContext(), start, counter=self.counter()))

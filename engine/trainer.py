@@ -242,7 +242,7 @@ class Trainer:
             self._untraceable(e)
             return self.trace()
         try:
-            with inputs.releasing([iter(self.eval_dataset)]) as held:
+            with inputs.releasing([inputs.eval_iterator(self)]) as held:
                 self.eval_loop.get_concrete_function(held[0], tf.TensorSpec([], tf.int32))
         except RuntimeError as e:  # metrics XLA cannot compile: the evaluation is rebuilt without it (no entry)
             if not self._eval_without_xla(e):
@@ -343,7 +343,7 @@ class Trainer:
         if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
             return self._results(self.eval_on_chief(self.data.eval_fn(tf.distribute.InputContext())))
         # The iterator's only reference: deleted off this thread (inputs.release).
-        with inputs.releasing([iter(self.eval_dataset)]) as held:
+        with inputs.releasing([inputs.eval_iterator(self)]) as held:
             try:
                 totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
                 self.check_retrace("eval_loop", self.eval_loop)
