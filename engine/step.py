@@ -21,10 +21,12 @@ import tensorflow as tf
 SUM = tf.distribute.ReduceOp.SUM
 # The engine's functions marked do_not_convert are tensor code without Python control flow on tensors: autograph
 # has nothing to convert in them, and converting them cost every process's start measurably (bench/RESULTS.md,
-# "Start-up: autograph"). What calls a task's or a fork's code stays converted, so their `if` and `for` on tensors
-# keep working.
+# "Start-up: autograph"), ReplicaStep's apply and outputs the most. What calls a task's or a fork's code stays
+# converted (the loops, the step, gradients and the forward pass down to the task's), so their `if` and `for` on
+# tensors keep working (tests/test_updates.py).
 
 
+@tf.autograph.experimental.do_not_convert
 def _maybe_jit(fn, jit_compile):
     # Under several replicas only per-replica math can be compiled: the all-reduce and the variable
     # assignments synchronize replicas, which XLA cannot do inside a nested function (a TPU compiles all).
@@ -248,11 +250,13 @@ class ReplicaStep:
         self._pending = {name: [] for name in built.plans}
         self._applied = {name: [] for name in built.plans}  # each apply's (loss, norm, finite, scale, rates)
 
+    @tf.autograph.experimental.do_not_convert
     def _plan(self, name):
         if name not in self._built.plans:
             raise ValueError(f"no update {name!r}: the task's updates are {', '.join(self._built.plans)}")
         return self._built.plans[name]
 
+    @tf.autograph.experimental.do_not_convert
     def variables(self, name):
         return [v.value for v in self._plan(name).variables]
 
@@ -275,6 +279,7 @@ class ReplicaStep:
         self._pending[name].append(gradients)
         return gradients
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, name, gradients, when=None):
         built, plan = self._built, self._plan(name)
         if not isinstance(gradients, Gradients) or gradients.owner is not self or gradients.name != name:
@@ -301,6 +306,7 @@ class ReplicaStep:
         self._state = None  # the next forward pass reads the statistics as assigned
         self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates))
 
+    @tf.autograph.experimental.do_not_convert
     def outputs(self):
         """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale,
         rates (a one-update run's under the plain names)."""

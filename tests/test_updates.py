@@ -41,6 +41,23 @@ class SplitAtFrequencies(Split):
     frequency = {"body": {"every": 2}, "head": {"repeat": 2}}
 
 
+class Branching(classification.Task):
+    """A fork's Python `if` on tensors in its loss and its replica step (graph mode refuses a tensor as a bool
+    unless autograph converted the code), each branch taken as the plain task's step would be."""
+
+    def loss(self, outputs, batch):
+        per_example = super().loss(outputs, batch)
+        if tf.reduce_max(per_example) > 1e9:
+            per_example = 0.0 * per_example
+        return per_example
+
+    def replica_step(self, step, batch):
+        when = tf.constant(True)
+        if step.count < 0:
+            when = tf.constant(False)
+        step.apply("train", step.gradients("train", batch), when=when)
+
+
 def _split_task(**frequency):
     return SplitAtFrequencies if frequency else Split
 
@@ -275,3 +292,17 @@ def test_gradients_apply_once_and_only_before_their_update_moves(data_dir, one_d
         .endswith("apply('train', ...): these gradients were applied already; take new gradients('train', ...)")
     )
     assert int(trainer.optimizer.iterations.numpy()) == 0
+
+
+def test_a_forks_if_on_tensors_is_converted_in_its_loss_and_replica_step(data_dir, one_device, monkeypatch):
+    """The engine converts none of its own pure functions (engine/step.py), but every path to a task's code stays
+    converted: a fork's loss and replica step branching on tensors train as the plain task does, to the weight."""
+    config = helpers.make_config(data_dir, train_steps=3, **SGD)
+    plain = loop.Trainer(config, one_device)
+    plain.run_steps(None if plain.in_step else plain.train_iterator(), 3)
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Branching)
+    branching = loop.Trainer(config, one_device)
+    branching.run_steps(None if branching.in_step else branching.train_iterator(), 3)
+    assert int(branching.step.numpy()) == 3
+    for a, b in zip(_weights(plain), _weights(branching)):
+        np.testing.assert_array_equal(a, b)
