@@ -8,7 +8,9 @@ traced function's name: another model, batch or setting compiles anew, and a cha
 program. A traced function's name counts the functions traced before it in the process, and a resumed run restores
 its checkpoint (and may evaluate) before it trains: so with a cache the round's loop and the evaluation are traced
 first, before anything is restored (Trainer.trace), and a resumed run reads back what its first run compiled
-(before that, a run stopped by SIGTERM at step 10 and resumed wrote a second entry).
+(before that, a run stopped by SIGTERM at step 10 and resumed wrote a second entry). Not a first run that prepared
+its tensorflow-datasets dataset: the preparation traces functions of its own first, so its entries serve no later
+run (they compile once more).
 
 No TensorFlow here: TensorFlow reads TF_XLA_FLAGS once, at its first op, so launch.py calls `use` before it starts
 TensorFlow (a program that imports the engine sets TF_XLA_FLAGS itself, before its first op).

@@ -20,8 +20,8 @@ def release(held):
     references (after an error the traceback may hold one: it is deleted where the error ends). Deleting an
     autotuned iterator waits for its tuning thread to wake (TensorFlow 2.21: a sleep that doubles towards 60 s as
     the iterator lives; measured 0 to 51 s, bench/RESULTS.md "Deleting a tf.data iterator waits for its
-    autotuner"; the strategy's distributed iterators, which one CPU device no longer uses, above all), with the
-    GIL released: the run goes on meanwhile. Not a daemon: the interpreter waits for it
+    autotuner"; the strategy's distributed iterators block the longest, and one CPU device no longer uses them),
+    with the GIL released: the run goes on meanwhile. Not a daemon: the interpreter waits for it
     before exiting (a daemon thread still in TensorFlow's destructor when the interpreter finalized aborted the
     process)."""
     try:
@@ -75,8 +75,8 @@ def train_input(trainer):
 def one_cpu_device(strategy):
     """Whether `strategy` is one CPU device, where the dataset's own iterator serves the steps and the evaluation:
     the strategy's distributed iterator adds a hop of host time per batch there, on the cores the step needs, and
-    deleting it waits for its autotuner (the 6-layer decoder's evaluation iterator: 9.6 s, the dataset's own 0.2 s;
-    bench/RESULTS.md)."""
+    its deletion blocks for seconds where the dataset's own does not (bench/RESULTS.md, 2026-12-04, third
+    session)."""
     return isinstance(strategy, tf.distribute.OneDeviceStrategy) and "CPU" in strategy.extended.worker_devices[0]
 
 

@@ -67,7 +67,7 @@ def train(config, strategy=None, on_eval=None):
         checkpoints = checkpoint_lib.Checkpoints(
             trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
         )
-        if config.compile_cache:  # before restoring: a resumed run's compiled step and evaluation are read back
+        if config.compile_cache and trainer.jit_compile:  # before restoring: a resumed run's compiled step is read back
             trainer.trace()
         restored = _restore(trainer, checkpoints)
         current = int(trainer.step.numpy())

@@ -232,7 +232,9 @@ class Trainer:
         XLA's persistent cache (--compile_cache) keys a compiled function by its traced name, which counts the
         functions traced before it in the process: traced before a checkpoint is restored (and a resumed run
         evaluates), a resumed run's step and evaluation are named as the first run's, and read back."""
-        if self.coordinator is not None:  # a parameter server's rounds are scheduled functions: not traced here
+        # Not a parameter server's rounds (scheduled functions), nor a tf.data service's (opening an iterator there
+        # registers a job with the dispatcher).
+        if self.coordinator is not None or self.config.tf_data_service:
             return
         spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))  # as run() passes the steps and position
         try:
@@ -265,6 +267,8 @@ class Trainer:
                     self.config.numerics, self.strategy, self.models, unsupported=ops
                 )
                 self._build_train_step()
+                if not self.eval_ran:  # traced beforehand (trace()): the evaluation follows the step's choice
+                    self._reset_eval()
                 # The counters are not ordered after the failed step (they touch other variables): put them back.
                 self.step.assign(position[0])
                 self.batches.assign(position[1])
@@ -363,11 +367,15 @@ class Trainer:
         if not why:
             return False
         print(f"evaluation without XLA ({why}): traced again", flush=True)
-        self.eval_jit = False
+        self._reset_eval(jit=False)
+        return True
+
+    def _reset_eval(self, jit=None):
+        """The evaluation built afresh at its next use: with XLA where the step has it (`jit` None), or not."""
+        self.eval_jit = jit
         for built in ("eval_sums", "eval_step"):
             self.__dict__.pop(built, None)
         self.eval_loop = tf.function(self._eval_loop)
-        return True
 
     def _eval_uncompilable(self, error):
         """Why XLA could not compile the evaluation sums, from the first evaluation's failure (training never runs

@@ -233,6 +233,32 @@ def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data
     )
 
 
+def test_the_evaluation_traced_before_the_first_step_follows_it_off_xla(data_dir, one_device, capsys, monkeypatch):
+    """trace() (--compile_cache) builds the evaluation with XLA before the first step runs; when that step then
+    finds an op XLA has no kernel for and runs without XLA, the evaluation follows it, with no fallback of its own."""
+    import tensorflow as tf
+
+    from engine.trainer import Recompiled
+    from tasks import classification
+
+    forward = classification.Task.forward
+
+    def drawn(self, models, batch, training):
+        weight = tf.random.stateless_gamma([tf.shape(batch["label"])[0], 1], seed=[1, 2], alpha=50.0) / 50.0
+        return weight * forward(self, models, batch, training)
+
+    monkeypatch.setattr(classification.Task, "forward", drawn)
+    trainer = loop.Trainer(helpers.make_config(data_dir, jit_compile="auto"), one_device)
+    trainer.trace()
+    assert trainer.jit_compile and trainer.eval_jit
+    with pytest.raises(Recompiled):
+        trainer.run_steps(trainer.train_iterator(), 2)
+    results = trainer.evaluate()
+    assert not trainer.jit_compile and trainer.eval_jit is False
+    assert "evaluation without XLA" not in capsys.readouterr().out
+    assert results["examples"] == 360 and 0.0 <= results["accuracy"] <= 1.0
+
+
 def test_auto_runs_without_xla_when_the_step_holds_an_op_xla_cannot_compile(
     data_dir, one_device, tmp_path, capsys, monkeypatch
 ):

@@ -69,8 +69,8 @@ def test_finished_iterators_are_deleted_off_the_loops_thread(data_dir, mirrored,
 
 def test_one_cpu_device_evaluates_from_the_datasets_own_iterator(data_dir, one_device, monkeypatch):
     """On one CPU device the evaluation reads the dataset's own iterator, as its training does: deleting the
-    strategy's distributed one waits for its autotuner (9.6 s after the 6-layer decoder's evaluation, the dataset's
-    own 0.2 s), which held the process's exit. The same results as from the distributed iterator."""
+    strategy's distributed one blocks (9.6 s after the 6-layer decoder's evaluation, the dataset's own 0.2 s), which
+    held the process's exit. The same results as from the distributed iterator."""
     read = []
     releasing = inputs.releasing
     monkeypatch.setattr(inputs, "releasing", lambda held: releasing(read.extend(map(type, held)) or held))
