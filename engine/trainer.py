@@ -59,8 +59,7 @@ class Trainer:
         self.in_step = inputs.gathers_in_step(config.cluster, strategy, self.data, self.coordinator)
         self.jit_compile, self.jit_reason = xla.resolve(config.numerics, strategy, self.models)
         self._build_train_step()
-        self.eval_loop = tf.function(self._eval_loop)
-        self.eval_jit = None  # whether the evaluation sums compile with XLA: decided when first built
+        self._reset_eval()  # eval_jit: whether the evaluation sums compile with XLA, decided when first built
         self.eval_ran = False  # an evaluation has run to its end (a later failure is not XLA's compile)
         self.retraced = set()
 
