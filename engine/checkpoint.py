@@ -91,6 +91,12 @@ def latest(directory):
     return next(iter(list_checkpoints(directory)), None)
 
 
+def latest_step(directory):
+    """The step of the newest checkpoint in `directory` by its name (nothing read), or None."""
+    path = latest(directory)
+    return _step_of(path) if path else None
+
+
 class Checkpoints:
     """The run's checkpoints in workdir/checkpoints; on a multi-worker job every worker saves (the save
     is collective) and only the chief's copy is kept."""

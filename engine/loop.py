@@ -67,7 +67,8 @@ def train(config, strategy=None, on_eval=None):
         checkpoints = checkpoint_lib.Checkpoints(
             trainer, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
         )
-        if config.compile_cache and trainer.jit_compile:  # before restoring: a resumed run's compiled step is read back
+        # Before restoring: a resumed run's compiled step is read back. Not for a run with nothing left to train.
+        if config.compile_cache and trainer.jit_compile and not _trained(config, checkpoints.directory):
             trainer.trace()
         restored = _restore(trainer, checkpoints)
         current = int(trainer.step.numpy())
@@ -109,6 +110,15 @@ def _restore(trainer, checkpoints):
             f"({restored}); train it further with a higher --train_steps, or start this run in a new --workdir"
         )
     return restored
+
+
+def _trained(config, directory):
+    """Whether the newest checkpoint says, by its name, that the run has nothing left to train: at --train_steps with
+    its summary written (the run ends as already trained), or past them (refused)."""
+    step = checkpoint_lib.latest_step(directory)
+    return step is not None and (
+        step > config.train_steps or (step == config.train_steps and _summary_at(config.workdir, step) is not None)
+    )
 
 
 def _summary_at(workdir, step):

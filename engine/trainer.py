@@ -282,7 +282,7 @@ class Trainer:
         if "merge_call" in str(error) and self.jit_compile and self.config.jit_compile == "auto":
             self.jit_compile, self.jit_reason = xla.resolve(self.config.numerics, self.strategy, self.models, True)
             self._build_train_step()
-            print(f"jit_compile=false ({self.jit_reason}): the first round is traced again", flush=True)
+            print(f"jit_compile=false ({self.jit_reason}): the step is traced again without XLA", flush=True)
             return
         if "merge_call" in str(error) and self.jit_compile:
             raise ConfigError(

@@ -229,7 +229,7 @@ def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data
     assert out["steps"] == 3 and not trainer.jit_compile and int(trainer.step.numpy()) == 3
     assert capsys.readouterr().out == (
         "jit_compile=false (auto: the model or task synchronizes replicas inside its forward pass, which XLA "
-        "cannot): the first round is traced again\n"
+        "cannot): the step is traced again without XLA\n"
     )
 
 

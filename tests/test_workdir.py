@@ -85,6 +85,28 @@ def test_same_command_resumes_more_steps_continue_and_cadence_never_blocks(
     assert files(tmp_path) == before
 
 
+def test_with_a_compile_cache_a_run_with_nothing_left_to_train_traces_nothing(
+    data_dir, one_device, tmp_path, capsys, monkeypatch
+):
+    """--compile_cache traces the step before restoring (loop.train); a rerun of a finished run, and one refused for
+    fewer --train_steps, are told by the newest checkpoint's name and trace nothing before they end."""
+    traced = []
+    trace = loop.Trainer.trace
+    monkeypatch.setattr(loop.Trainer, "trace", lambda self: traced.append(1) or trace(self))
+    workdir = tmp_path / "run"
+    config = helpers.make_config(
+        data_dir, str(workdir), train_steps=4, steps_per_loop=2, jit_compile="true", compile_cache=str(tmp_path / "c")
+    )
+    first = loop.train(config, one_device)
+    assert traced == [1]
+    assert loop.train(config, one_device) == first and "already trained to step 4" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=rf"--train_steps=2: the run in {workdir} is already at step 4"):
+        loop.train(dataclasses.replace(config, train_steps=2), one_device)
+    assert traced == [1]
+    summary = loop.train(dataclasses.replace(config, train_steps=6), one_device)  # one that trains on traces first
+    assert summary["step"] == 6 and traced == [1, 1]
+
+
 def _readme_commands():
     """Every `python launch.py` command of the README's bash blocks, in order, as argument lists."""
     text = open(os.path.join(ROOT, "README.md")).read()
