@@ -88,9 +88,11 @@ class EngineRunner:
 class FitRunner:
     """Keras `model.fit` on the same model, data pipeline, batch and optimizer.
 
-    A window is one fit() call over `steps` batches, timed from the first batch to fit's return,
-    so fit's per-call setup (iterator, callbacks) is left out; fit itself dispatches as it does
-    without callbacks, since the timer only watches the first batch begin.
+    A window is one fit() call over `steps` batches, timed from the first batch's start to the epoch's end (its
+    last step done), so fit's per-call setup and teardown are left out: deleting its iterator waited up to 10 s
+    for a tf.data thread in some processes, which timed to fit's return read as half or a quarter of fit's speed
+    (bench/RESULTS.md). fit itself dispatches as it does without callbacks: the timer's are async-safe, and the
+    epoch's end waits for fit's steps (their callbacks flushed) anyway.
     """
 
     def __init__(self, config, steps_per_execution, jit_compile):
@@ -120,7 +122,7 @@ class FitRunner:
             steps_per_execution=steps_per_execution,
             jit_compile=jit_compile,
         )
-        self.started = None
+        self.started = self.ended = None
         runner = self
 
         class Timer(keras.callbacks.Callback):
@@ -130,12 +132,15 @@ class FitRunner:
                 if runner.started is None:
                     runner.started = time.perf_counter()
 
+            def on_epoch_end(self, epoch, logs=None):
+                runner.ended = time.perf_counter()
+
         self.timer = Timer()
 
     def window(self, steps):
-        self.started = None
+        self.started = self.ended = None
         self.model.fit(self.dataset.take(steps), epochs=1, verbose=0, callbacks=[self.timer])
-        return time.perf_counter() - self.started
+        return self.ended - self.started
 
 
 def time_side_by_side(runners, steps, rounds, budget_s=None):

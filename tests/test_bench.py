@@ -150,6 +150,30 @@ def test_end_to_end_pairs_the_engine_with_one_fit_configuration_not_each_repeats
 TINY_GPT = dict(gpt_layers=1, gpt_dim=16, gpt_heads=2, sequence_length=16, train_steps=3, global_batch_size=4)
 
 
+def test_a_fit_window_is_its_steps_not_fits_teardown(monkeypatch):
+    """fit's window runs from its first batch to its epoch's end: what fit does after its steps (deleting its
+    iterator waited for seconds in some processes) is not its speed, and the engine's rounds leave theirs out too."""
+    import time
+
+    from bench import worker
+
+    config = worker.make_config(run.QUICK_MODELS["mlp_256"], precision="float32")
+    runner = worker.FitRunner(config, steps_per_execution=5, jit_compile=False)
+    runner.window(10)  # traced: the window below is ten tiny steps
+    fit = runner.model.fit
+    calls = []
+
+    def fit_then_a_slow_teardown(*args, **kwargs):
+        history = fit(*args, **kwargs)
+        calls.append(kwargs["epochs"])
+        time.sleep(2.0)  # after the epoch's end: as the iterator's deletion waited
+        return history
+
+    monkeypatch.setattr(runner.model, "fit", fit_then_a_slow_teardown)
+    seconds = runner.window(10)
+    assert calls == [1] and 0 < seconds < 1.0, seconds
+
+
 def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tmp_path):
     """bench/pytorch.py's prepare: what bench/torch_gpt.py starts from is the engine's own run, not a copy."""
     import numpy as np
