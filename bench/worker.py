@@ -89,10 +89,10 @@ class FitRunner:
     """Keras `model.fit` on the same model, data pipeline, batch and optimizer.
 
     A window is one fit() call over `steps` batches, timed from the first batch's start to the epoch's end (its
-    last step done), so fit's per-call setup and teardown are left out: deleting its iterator waited up to 10 s
-    for a tf.data thread in some processes, which timed to fit's return read as half or a quarter of fit's speed
-    (bench/RESULTS.md). fit itself dispatches as it does without callbacks: the timer's are async-safe, and the
-    epoch's end waits for fit's steps (their callbacks flushed) anyway.
+    last step done), so fit's per-call setup and teardown are left out: deleting its iterator waits out its tf.data
+    autotuner's sleep in some processes, which timed to fit's return read as a fraction of fit's speed
+    (bench/RESULTS.md, "2026-12-04 (fourth session)"). fit itself dispatches as it does without callbacks: the
+    timer's are async-safe, and the epoch's end waits for fit's steps (their callbacks flushed) anyway.
     """
 
     def __init__(self, config, steps_per_execution, jit_compile):
