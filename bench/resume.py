@@ -57,8 +57,11 @@ def first_batch(pipelines, start, replay):
         ds = pipelines._replayed(ctx, start, 0)
     else:
         ds = pipelines.examples(ctx, start, 0, counter)
-    next(iter(ds.batch(pipelines.config.global_batch_size)))
-    return time.perf_counter() - tic, int(counter.numpy())
+    iterator = iter(ds.batch(pipelines.config.global_batch_size))
+    next(iterator)
+    seconds = time.perf_counter() - tic
+    del iterator  # after the clock: deleting it waits out its tf.data autotuner's sleep (bench/RESULTS.md)
+    return seconds, int(counter.numpy())
 
 
 def shares(pipelines, files, records):
