@@ -89,7 +89,8 @@ class FitRunner:
     """Keras `model.fit` on the same model, data pipeline, batch and optimizer.
 
     A window is one fit() call over `steps` batches, timed from the first batch's start to the epoch's end (its
-    last step done), so fit's per-call setup and teardown are left out: deleting its iterator waits out its tf.data
+    last step done), so fit's per-call setup and teardown are left out (but for Keras opening the next epoch's
+    iterator before the epoch's end, tens of milliseconds): deleting its iterator waits out its tf.data
     autotuner's sleep in some processes, which timed to fit's return read as a fraction of fit's speed
     (bench/RESULTS.md, "2026-12-04 (fourth session)"). fit itself dispatches as it does without callbacks: the
     timer's are async-safe, and the epoch's end waits for fit's steps (their callbacks flushed) anyway.

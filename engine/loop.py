@@ -114,7 +114,8 @@ def _restore(trainer, checkpoints):
 
 def _trained(config, directory):
     """Whether the newest checkpoint says, by its name, that the run has nothing left to train: at --train_steps with
-    its summary written (the run ends as already trained), or past them (refused)."""
+    its summary written (the run ends as already trained), or past them (refused). A damaged newest checkpoint
+    says so too, though the run then trains from an older one: untraced, so its step compiles again (a cache miss)."""
     step = checkpoint_lib.latest_step(directory)
     return step is not None and (
         step > config.train_steps or (step == config.train_steps and _summary_at(config.workdir, step) is not None)

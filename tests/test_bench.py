@@ -104,7 +104,7 @@ def test_rows_judge_each_number_against_its_target():
     assert table["memory/mlp_1024"]["result"] == "FALL SHORT"
 
 
-def test_end_to_end_rows_take_the_median_ratio_against_the_faster_fit():
+def test_end_to_end_rows_take_the_median_ratio_against_the_better_fit_configuration():
     models = {name: run.MODELS[name] for name in ("mlp_256", "mlp_1024")}
     # Per repeat: engine 100, 130, 90 examples/s against fit jit=1 (median 100, the faster configuration): 100, 90, 120.
     row = {
@@ -171,7 +171,7 @@ def test_a_fit_window_is_its_steps_not_fits_teardown(monkeypatch):
 
     monkeypatch.setattr(runner.model, "fit", fit_then_a_slow_teardown)
     seconds = runner.window(10)
-    assert calls == [1] and 0 < seconds < 1.0, seconds
+    assert calls == [1] and 0 < seconds < 2.0, seconds  # not the sleep: ten tiny steps
 
 
 def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tmp_path):
