@@ -29,11 +29,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags, logging  # noqa: E402
 
-from engine import compile_cache  # noqa: E402  (imports no TensorFlow)
-from engine.config import BUNDLED_DATASETS, Config, Switch, validate  # noqa: E402
-from engine.errors import ConfigError
-from engine.identity import CLUSTER  # noqa: E402
-from engine.preemption import PREEMPTION  # noqa: E402  (imports no TensorFlow)
+from engine.cluster.signals import PREEMPTION  # noqa: E402  (imports no TensorFlow)
+from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import BUNDLED_DATASETS, Config, Switch
+from engine.settings.identity import CLUSTER  # noqa: E402
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
 NON_FINITE = 3  # training stopped (loop.TrainingError): a non-finite loss, or float16 stuck at its scale floor
@@ -258,7 +259,7 @@ def main(argv):
             space.parse_space(config.tune_space, config)
     except ConfigError as e:
         _exit(str(e))
-    from engine import launcher
+    from engine.cluster import launcher
 
     if config.local_workers:
         command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--local_workers=0"]
@@ -273,31 +274,25 @@ def main(argv):
     PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     with _quiet_native_stderr():
         # Deferred: TensorFlow starts here, after the flags are known good.
-        from engine import checkpoint, distribute, evaluate, loop
-        from research import ensemble, tune
+        from engine.cluster import distribute
+        from engine.cluster.resolvers import PeerLost
+        from engine.run.actions import Preempted, TrainingError
+        from engine.settings.errors import CheckpointError
 
-    run = {
-        "train": loop.train,
-        "eval": evaluate.evaluate,
-        "continuous_eval": evaluate.follow,
-        "export": evaluate.export,
-        "sample": evaluate.sample,
-        "tune": tune.tune,
-        "ensemble": ensemble.ensemble,
-    }[config.mode]
+        run = _mode(config.mode)
     try:
         if distribute.serve(config):  # a parameter-server job's worker or ps task: serves until stopped
             return
         result = run(config)
     except ConfigError as e:
         _exit(str(e))
-    except loop.TrainingError as e:
+    except TrainingError as e:
         _exit(f"training stopped: {e}", code=NON_FINITE)
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         _exit(str(e), code=CANNOT_WRITE)
-    except distribute.PeerLost as e:
+    except PeerLost as e:
         _exit(str(e), code=LOST_PEER)
-    except loop.Preempted as e:  # the message says preempted or interrupted, and by what
+    except Preempted as e:  # the message says preempted or interrupted, and by what
         _exit(str(e), code=e.exit_code)
     except Exception as e:  # a peer lost outside the steps (a chief reading its servers' variables) is one too
         lost = distribute.lost_peer(config, e)
@@ -305,6 +300,27 @@ def main(argv):
             raise
         _exit(str(lost), code=LOST_PEER)
     _print_result(config, result)
+
+
+def _mode(mode):
+    """The function that runs --mode=`mode`, imported as it is asked for: a training run needs none of research/'s
+    tools (Optuna, SciPy, Matplotlib), and runs where they are not installed."""
+    if mode == "tune":
+        from research import tune
+
+        return tune.tune
+    if mode == "ensemble":
+        from research import ensemble
+
+        return ensemble.ensemble
+    if mode == "train":
+        from engine.run import loop
+
+        return loop.train
+    from engine.run import modes
+
+    run = {"eval": modes.evaluate, "continuous_eval": modes.follow, "export": modes.export, "sample": modes.sample}
+    return run[mode]
 
 
 def _print_result(config, result):

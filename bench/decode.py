@@ -75,8 +75,8 @@ def decoded(paths, image_size, batch):
     """Endless batches of {image: uint8 [batch, S, S, 3], label}, example i cropped with seed (SEED, i)."""
     import tensorflow as tf
 
-    from engine import images
-    from engine.config import Config
+    from engine.data import images
+    from engine.settings.fields import Config
 
     decode = images.decoder(Config(image_size=image_size, dataset="folder:bench"))
     files = tf.constant(paths)

@@ -19,7 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from bench.run import machine
-from engine import data
+from engine.data import datasets as data
+from engine.data.records import sharded
 from tests.helpers import make_config
 
 RECORD_BYTES = 3072  # a 32 x 32 x 3 uint8 image
@@ -87,7 +88,7 @@ def main(argv=None):
     files, records = (16, 200) if args.quick else (64, 1000)
     config = make_config("", global_batch_size=256, shuffle_buffer=1024)
     with tempfile.TemporaryDirectory() as directory:
-        split = data.sharded(write(directory, files, records), parse)
+        split = sharded(write(directory, files, records), parse)
         spec = {"image": tf.TensorSpec([32, 32, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
         source = data.Source(split, split, spec, {"num_classes": 10})
         pipelines = data._Pipelines(config, source)

@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from engine.launcher import cluster_for
-from engine.preemption import PREEMPTED_EXIT_CODE
+from engine.cluster.launcher import cluster_for
+from engine.cluster.signals import PREEMPTED_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -510,7 +510,7 @@ def _interrupt(signum, frame):
 def prepare_data(data_dir):
     """The bundled digits, prepared once: workers that prepare them at the same time would race."""
     code = (
-        "import engine.digits, tensorflow_datasets as tfds; tfds.builder('digits', data_dir=%r).download_and_prepare()"
+        "import sources.digits, tensorflow_datasets as tfds; tfds.builder('digits', data_dir=%r).download_and_prepare()"
     )
     subprocess.run([sys.executable, "-c", code % data_dir], cwd=ROOT, check=True, capture_output=True)
 

@@ -41,7 +41,8 @@ def main(task_path, result_path):
 
 
 def make_config(spec, **overrides):
-    from engine.config import Config, validate
+    from engine.settings.config import validate
+    from engine.settings.fields import Config
 
     fields = {**spec, **overrides}
     for name in ("hidden_sizes", "synthetic_shape"):
@@ -54,7 +55,7 @@ def make_config(spec, **overrides):
 def create_strategy(config, gpu_mirrored=False):
     import tensorflow as tf
 
-    from engine import distribute
+    from engine.cluster import distribute
 
     if gpu_mirrored:
         # Two logical GPUs share one chip: NCCL refuses a GPU twice, so reduce through one device.
@@ -70,7 +71,7 @@ class EngineRunner:
     """The engine as a user runs it: Trainer.run_steps(iterator, n), one call per window."""
 
     def __init__(self, config, strategy):
-        from engine.loop import Trainer
+        from engine.run.loop import Trainer
 
         self.config = config
         self.trainer = Trainer(config, strategy)
@@ -100,11 +101,12 @@ class FitRunner:
         import keras
         import tensorflow as tf
 
+        from engine.run import build
+
         keras.mixed_precision.set_global_policy(config.precision)
         keras.utils.set_random_seed(config.seed)
-        from engine import data as data_lib
 
-        data = data_lib.load(config)
+        data = build.inputs(config)
         # The engine's own pipeline, one replica, as the (inputs, labels) pairs fit reads.
         self.dataset = data.train_fn(tf.distribute.InputContext()).map(lambda b: (b["image"], b["label"]))
         module = importlib.import_module(f"models.{config.model}")
@@ -282,7 +284,7 @@ def model_speed(task, spec, strategy):
         runners["matmuls"] = MatmulRunner(spec, "float16" if task["precision"] == "mixed_float16" else "float32")
     for precision in task["precisions"]:
         if precision != task["precision"]:
-            config = make_config(spec, precision=precision, jit_compile=engine.config.jit_compile)
+            config = make_config(spec, precision=precision, jit_compile=engine.settings.config.jit_compile)
             runners[precision] = EngineRunner(config, strategy)
     for name, runner in runners.items():
         if name == "input":

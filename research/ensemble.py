@@ -29,14 +29,17 @@ import numpy as np
 import tensorflow as tf
 
 import tasks
-from engine import checkpoint as checkpoint_lib
-from engine import config as config_lib
-from engine import data as data_lib
-from engine import distribute, inputs, loop, precision
-from engine import workdir as workdir_lib
-from engine.config import Config
-from engine.errors import ConfigError
-from engine.report import write_json
+from engine.cluster import distribute
+from engine.data import datasets as data_lib
+from engine.numerics import precision
+from engine.run import inputs, loop
+from engine.settings import checks
+from engine.settings import config as config_lib
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
+from engine.state import checkpoint as checkpoint_lib
+from engine.state import workdir as workdir_lib
+from engine.state.report import write_json
 
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
 MEANS = ("arithmetic", "geometric")
@@ -136,7 +139,7 @@ def ensemble(config, strategy=None):
 def _members(config, splits):
     """(the members in --members order, the first train run's as the reference, what they combine): the task and
     the files checked before the slow part, the runs' models loaded."""
-    names = config_lib.members(config)
+    names = checks.members(config)
     runs = {name: read_config(name) for name in names if not is_file(name)}
     if not runs:
         raise ConfigError(

@@ -12,8 +12,10 @@ before the tuner writes its study.
 import dataclasses
 import math
 
-from engine.config import CLUSTER_SETTINGS, Config, validate
-from engine.errors import ConfigError
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
+from engine.settings.identity import CLUSTER_SETTINGS
 
 KINDS = ("int", "float", "log", "choice")
 # One strategy (and cluster) serves every trial of the process; where trials are scored and written is the tuner's.

@@ -1,7 +1,7 @@
 """--mode=tune: a hyperparameter search whose every trial is a real engine run.
 
 Optuna does the searching (random, TPE or a Gaussian process) and the early stopping (median, successive
-halving, Hyperband); this file turns its draws into configs, runs each with engine.loop.train in
+halving, Hyperband); this file turns its draws into configs, runs each with engine.run.loop.train in
 <workdir>/trials/<n>, reports every evaluation back so a hopeless trial stops early, and writes the results.
 The study lives in SQLite in the workdir (or in --tune_storage, which several machines can share), so a
 killed tuner restarted with the same command keeps its finished trials and resumes an interrupted one from
@@ -29,13 +29,15 @@ import numpy as np
 import optuna
 import tensorflow as tf
 
-from engine import data as data_lib
-from engine import distribute, loop
-from engine import workdir as workdir_lib
-from engine.config import SEED_LIMIT, Config, first_line, show
-from engine.errors import ConfigError
-from engine.report import write_json
-from research.space import Param, parse_space, with_values  # noqa: F401  (Param: the space's entries, for callers)
+from engine.cluster import distribute
+from engine.data import datasets as data_lib
+from engine.run import loop
+from engine.settings.config import first_line
+from engine.settings.errors import ConfigError
+from engine.settings.fields import SEED_LIMIT, Config, show
+from engine.state import workdir as workdir_lib
+from engine.state.report import write_json
+from research.space import parse_space, with_values
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts

@@ -19,8 +19,6 @@ import math
 
 import tensorflow as tf
 
-from engine.updates import DEFAULT, Update
-
 
 class Task:
     features = ()  # the source features a batch needs, checked to exist; the others are dropped before batching
@@ -58,10 +56,11 @@ class Task:
     # ---- The step ------------------------------------------------------------------------------------------
 
     def updates(self):
-        """The step as a sequence of engine.updates.Update, applied in order, each with its own loss, variables,
-        optimizer, loss scale, clipping and frequency (a GAN: the discriminator's, then the generator's). The
-        default: one update of every trained variable with the run's optimizer and the task's loss."""
-        return (Update(DEFAULT, groups=self.optimizer_groups),)
+        """The step as a sequence of engine.api.Update, applied in order, each with its own loss, variables,
+        optimizer, loss scale, clipping and frequency (a GAN: the discriminator's, then the generator's). () (the
+        default): one update, engine.api.DEFAULT, of every trained variable with the run's optimizer, the task's
+        optimizer_groups and its loss."""
+        return ()
 
     # A step the updates cannot say (SAM's ascent point, a penalty through the input) is written as
     # `replica_step(self, step, batch)` from the primitives of engine/step.py's ReplicaStep: step.gradients(name,

@@ -11,7 +11,7 @@ gets the same views on one device, on several replicas or workers, and in a resu
 import numpy as np
 import tensorflow as tf
 
-from engine.errors import ConfigError
+from engine.api import ConfigError
 from tasks import base
 
 DATASET = "digits"  # the default --dataset

@@ -32,8 +32,7 @@ it, and the generator's loss on that fake. `samples.png` shows a grid of generat
 import numpy as np
 import tensorflow as tf
 
-from engine.errors import ConfigError
-from engine.updates import Update
+from engine.api import ConfigError, Update
 from tasks import base, contrastive
 
 DATASET = "digits"  # the default --dataset

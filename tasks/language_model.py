@@ -10,7 +10,7 @@ the reported means are per token over the evaluation text. --mode=sample generat
 import numpy as np
 import tensorflow as tf
 
-from engine.errors import ConfigError
+from engine.api import ConfigError
 from tasks import base
 
 DATASET = "shakespeare"  # the default --dataset

@@ -33,7 +33,7 @@ What a user sees and what else moves:
 
 import tensorflow as tf
 
-from engine.updates import DEFAULT
+from engine.api import DEFAULT
 from tasks import classification
 
 DATASET = "digits"  # the default --dataset

@@ -50,7 +50,7 @@ def data_dir(tmp_path_factory):
     """A tensorflow-datasets directory with the bundled digits prepared once for the session."""
     import tensorflow_datasets as tfds
 
-    import engine.digits  # noqa: F401
+    import sources.digits  # noqa: F401
 
     path = str(tmp_path_factory.mktemp("tfds"))
     tfds.builder("digits", data_dir=path).download_and_prepare()

@@ -36,7 +36,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the server imports before it forks: everything a launch.py run imports that takes time.
-PRELOAD = ("tensorflow", "keras", "tensorflow_datasets", "engine.trainer", "engine.launcher", "research.tune")
+PRELOAD = (
+    "tensorflow",
+    "keras",
+    "tensorflow_datasets",
+    "engine.run.trainer",
+    "engine.cluster.launcher",
+    "research.tune",
+)
 # Environment variables the engine and the tests read at run time, after TensorFlow's import: a child may differ
 # from the server in these and nothing else.
 RUNTIME_KEYS = frozenset({"TF_CONFIG", "SIGNALLED", "PYTEST_CURRENT_TEST"})

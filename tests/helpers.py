@@ -7,7 +7,7 @@ import subprocess
 
 import numpy as np
 
-from engine.launcher import free_ports
+from engine.cluster.launcher import free_ports
 from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,8 @@ NONFINITE_CASE = dict(**XLA_CASE, precision="mixed_float16", loss_scale_growth_i
 
 
 def make_config(data_dir, workdir="unused", **overrides):
-    from engine.config import Config, validate
+    from engine.settings.config import validate
+    from engine.settings.fields import Config
 
     return validate(Config(**{**TEST_DEFAULTS, "data_dir": data_dir, "workdir": workdir, **overrides}))
 
@@ -58,7 +59,7 @@ def as_flags(settings):
     """launch.py's command line for the settings `settings` ({name: value}), which validate(Config(**settings))
     builds in this process: a test's reference run trains in-process what a launch.py run trains, without the
     start-up of another TensorFlow process."""
-    from engine.config import show
+    from engine.settings.fields import show
 
     return [f"--{name}={show(value)}" for name, value in settings.items()]
 
@@ -66,8 +67,9 @@ def as_flags(settings):
 def in_process_run(settings):
     """The run `launch.py *as_flags(settings)` trains, trained in this process (its Config, and its strategy as
     launch.py builds it); returns its summary."""
-    from engine import loop
-    from engine.config import Config, validate
+    from engine.run import loop
+    from engine.settings.config import validate
+    from engine.settings.fields import Config
 
     return loop.train(validate(Config(**settings)))
 
@@ -94,7 +96,7 @@ def snapshot(trainer):
 
 
 def train_and_snapshot(config, strategy):
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     trainer = Trainer(config, strategy)
     out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
@@ -127,7 +129,7 @@ def nonfinite_scenario(config, strategy, bad_replica):
     """
     import tensorflow as tf
 
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     trainer = Trainer(config, strategy)
     whole = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
@@ -164,7 +166,7 @@ def checkpoint_tensors(workdir):
     """(path, {name: value}) of the newest checkpoint in workdir/checkpoints, its save counter left out."""
     import tensorflow as tf
 
-    from engine import checkpoint
+    from engine.state import checkpoint
 
     path = checkpoint.latest(os.path.join(workdir, "checkpoints"))
     reader = tf.train.load_checkpoint(path)

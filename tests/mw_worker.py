@@ -11,7 +11,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import distribute  # noqa: E402
+from engine.cluster import distribute  # noqa: E402
 from tests import helpers  # noqa: E402
 
 

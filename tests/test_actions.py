@@ -6,8 +6,8 @@ import types
 import pytest
 import tensorflow as tf
 
-from engine import actions, loop
-from engine.preemption import PREEMPTION
+from engine.cluster.signals import PREEMPTION
+from engine.run import actions, loop
 
 
 class Lines:

@@ -10,8 +10,11 @@ import dataclasses
 import pytest
 
 import models
-from engine import config as config_lib
-from engine.config import Config, ConfigError, validate
+from engine.run import build
+from engine.settings import config as config_lib
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
 from tests import helpers
 from tests.helpers import launch
 
@@ -160,7 +163,7 @@ def test_memory_estimate_names_its_size(monkeypatch):
 def test_parameter_count_is_what_keras_builds(overrides, input_shape):
     import tensorflow as tf
 
-    from engine.loop import create_model
+    from engine.run.loop import create_model
 
     config = Config(**overrides)
     with tf.device("/cpu:0"):
@@ -185,12 +188,11 @@ def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
 
 
 def test_memory_is_checked_again_with_the_datasets_own_shape(data_dir, monkeypatch):
-    from engine import data
 
     config = helpers.make_config(data_dir)  # validated without the digits' shape: one value, two classes
     monkeypatch.setattr(config_lib, "memory_bytes", lambda: 100_000)
     with pytest.raises(ConfigError) as error:
-        data.load(config)
+        build.inputs(config)
     # 8 x 8 inputs, 10 classes: 3,466 parameters (64 x 32 + 32 x 32 + 32 x 10 and biases) with their gradients and
     # AdamW's slots; batches of 64 with 64 input and 138 activation floats each, kept for the backward pass in
     # training. Every size setting is at or below its default, so the model itself is named.

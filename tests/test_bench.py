@@ -178,8 +178,9 @@ def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tm
     """bench/pytorch.py's prepare: what bench/torch_gpt.py starts from is the engine's own run, not a copy."""
     import numpy as np
 
-    from engine import data
-    from engine.config import Config, validate
+    from engine.run import build
+    from engine.settings.config import validate
+    from engine.settings.fields import Config
 
     flags = [f"--{k}={v}" for k, v in TINY_GPT.items()]
     forkserver.run(
@@ -203,7 +204,7 @@ def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tm
     batches = np.load(tmp_path / "batches.npy")
     assert batches.shape == (3, 4, 17)
     config = validate(Config(task="language_model", workdir=str(tmp_path / "unused"), **TINY_GPT))
-    engine = data.load(config)
+    engine = build.inputs(config)
     for k in range(3):
         np.testing.assert_array_equal(batches[k], engine.gather(np.int64(k), 0, 1)["tokens"].numpy())
     # Every validation character is a target exactly once.

@@ -11,10 +11,11 @@ import pytest
 import tensorflow as tf
 
 import models
-from engine import build, data, loop
-from engine import checkpoint as checkpoint_lib
-from engine.config import ConfigError
-from engine.updates import Update
+from engine.data import datasets as data
+from engine.numerics.updates import Update
+from engine.run import build, loop
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint as checkpoint_lib
 from tasks import classification
 from tests import helpers
 
@@ -101,7 +102,7 @@ def test_the_data_receives_the_task_built_before_it(data_dir):
     prepared = data.prepare(config, source, task)
     assert prepared.task is task and task.spec == prepared.spec
     assert prepared.spec["image"] == tf.TensorSpec([8, 8, 1], tf.float32)  # the task's prepare: scaled floats
-    loaded = data.load(config)  # what evaluation and research read: built the same way
+    loaded = build.inputs(config)  # what evaluation and research read: built the same way
     assert type(loaded.task) is classification.Task and loaded.spec == prepared.spec
 
 

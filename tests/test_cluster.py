@@ -17,8 +17,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint, data, distribute, launcher, loop
-from engine.config import Config, ConfigError
+from engine.cluster import distribute, launcher
+from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE, SLURM_VARIABLES, PeerLost
+from engine.run import build, loop
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
+from engine.state import checkpoint
 from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
 
@@ -219,7 +223,7 @@ def test_a_lost_parameter_server_is_named(monkeypatch):
         "Connection refused; a peer that dies or is silent for --collective_timeout=5s stops the job; restart every "
         "task of the job to resume from the last checkpoint"
     )
-    assert isinstance(lost, distribute.PeerLost)
+    assert isinstance(lost, PeerLost)
     # Raised outside the steps (the chief reading a variable from the server): the same, for launch.py's exit 5.
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
     assert str(distribute.lost_peer(config, error)) == str(lost)
@@ -261,7 +265,7 @@ def test_a_hung_parameter_server_ends_the_job_within_the_collective_timeout(tmp_
         deadline.cancel()
         kill_all()
     text = "".join(output)
-    assert proc.returncode == distribute.LOST_PEER_EXIT_CODE == 5, text[-3000:]
+    assert proc.returncode == LOST_PEER_EXIT_CODE == 5, text[-3000:]
     lines = text.splitlines()
     assert (
         f"[chief 0] error: lost ps 0 ({addresses['ps 0']}): no answer within --collective_timeout=5s (a stopped "
@@ -298,7 +302,7 @@ def test_slurm_allocation_resolves_to_the_cluster(monkeypatch):
 
 
 def test_slurm_outside_srun_is_a_clear_error(monkeypatch):
-    for name in distribute.SLURM_VARIABLES:
+    for name in SLURM_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="--cluster_resolver=slurm: SLURM_PROCID is not set; run the job under srun"):
         distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm"))
@@ -321,7 +325,7 @@ def test_unreachable_peer_is_named_within_the_connect_timeout(tmp_path, present)
     )
     print(f"unreachable peer reported after {time.monotonic() - started:.1f} s")
     # Its own code: not 137, which a scheduler reads as an out-of-memory kill.
-    assert result.returncode == distribute.NOT_FORMED_EXIT_CODE == 10, result.stderr[-2000:]
+    assert result.returncode == NOT_FORMED_EXIT_CODE == 10, result.stderr[-2000:]
     missing = 1 - present
     assert (
         f"error: could not form the cluster within --connect_timeout=8s: no answer from worker {missing} "
@@ -372,9 +376,11 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
     )
     try:
         config = helpers.make_config(data_dir)
-        direct = [b["image"].numpy() for b in data.load(config).train_fn(tf.distribute.InputContext()).take(5)]
+        direct = [b["image"].numpy() for b in build.inputs(config).train_fn(tf.distribute.InputContext()).take(5)]
         served_config = dataclasses.replace(config, tf_data_service=dispatcher.target)
-        served = [b["image"].numpy() for b in data.load(served_config).train_fn(tf.distribute.InputContext()).take(5)]
+        served = [
+            b["image"].numpy() for b in build.inputs(served_config).train_fn(tf.distribute.InputContext()).take(5)
+        ]
     finally:
         # The worker first: left to garbage collection, the dispatcher could go first, and a worker stopping
         # without its dispatcher hung the test process (seen once in WorkerServer.__del__, TensorFlow 2.21).
@@ -393,13 +399,13 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
     ],
 )
 def test_slurms_compressed_node_list_expands_in_order(hostlist, hosts):
-    from engine import cluster
+    from engine.cluster import resolvers as cluster
 
     assert cluster.expand_hostlist(hostlist) == hosts
 
 
 def test_slurms_tasks_per_node_expand_their_repeats():
-    from engine import cluster
+    from engine.cluster import resolvers as cluster
 
     assert cluster.expand_counts("2(x3),1") == [2, 2, 2, 1]
     assert cluster.expand_counts("4") == [4]

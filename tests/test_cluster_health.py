@@ -12,8 +12,10 @@ import sys
 
 import pytest
 
-from engine import distribute
-from engine.config import Config, ConfigError, validate
+from engine.cluster import distribute
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
 from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
 
@@ -193,7 +195,7 @@ def test_empty_tf_config_counts_as_unset(monkeypatch):
 _UNREACHABLE_FLAG = """
 import os, signal, sys, time
 sys.path.insert(0, os.getcwd())
-from engine.preemption import Preemption
+from engine.cluster.signals import Preemption
 
 class Flag:
     def assign(self, value):
@@ -225,7 +227,7 @@ def test_a_stop_flag_that_cannot_be_set_still_ends_the_process():
 _IN_THE_NAMESPACE = """
 import ctypes, encodings.idna, os, socket, sys  # all before the user changes: the stdlib may be its owner's alone
 sys.path.insert(0, os.getcwd())
-from engine import launcher
+from engine.cluster import launcher
 if sys.argv[1] == "nobody":  # what a laptop's user is: no privilege at all
     os.setgroups([])
     os.setgid(65534)

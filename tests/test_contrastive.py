@@ -31,7 +31,7 @@ def snapshot(trainer):
 
 def train_and_evaluate(config, strategy):
     """(snapshot, the round's outputs, the evaluation) after config.train_steps steps."""
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     trainer = Trainer(config, strategy)
     out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
@@ -64,7 +64,7 @@ def multi_worker_run(data_dir, tmp_path_factory):
 def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirrored):
     import tensorflow as tf
 
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
     from tasks.contrastive import augment, uniforms, view_keys
 
     config = helpers.make_config(data_dir, task="contrastive")
@@ -161,7 +161,7 @@ def test_run_eagerly_gathers_like_the_graph(data_dir, one_device, mirrored):
     # Eager mode has no all_gather under MirroredStrategy: the task gathers with an all-reduce there.
     import tensorflow as tf
 
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     runs = []
     try:
@@ -177,7 +177,7 @@ def test_run_eagerly_gathers_like_the_graph(data_dir, one_device, mirrored):
 
 
 def test_settings_that_would_break_the_global_negatives_are_refused(data_dir):
-    from engine.config import ConfigError
+    from engine.settings.errors import ConfigError
     from tasks import contrastive
 
     with pytest.raises(ConfigError, match=r"^--grad_accum_steps=2: --task=contrastive draws its negatives from"):
@@ -190,8 +190,7 @@ def test_settings_that_would_break_the_global_negatives_are_refused(data_dir):
 def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
     import tensorflow as tf
 
-    from engine import data
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
     from tasks.contrastive import linear_probe
 
     # Measured (test split, 360 examples): raw pixels 0.9528; this encoder untrained 0.9611 (random features of a
@@ -206,8 +205,10 @@ def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
         steps_per_loop=600,
     )
 
+    from engine.run import build
+
     def pixels(split):
-        batches = list(data.load(config, split).eval_fn(tf.distribute.InputContext()))
+        batches = list(build.inputs(config, split).eval_fn(tf.distribute.InputContext()))
         real = np.concatenate([b["weight"].numpy() > 0 for b in batches])
         images = np.concatenate([b["image"].numpy().reshape(len(b["image"]), -1) for b in batches])[real]
         return images.astype(np.float64), np.concatenate([b["label"].numpy() for b in batches])[real]
@@ -230,7 +231,7 @@ def worker(out_dir, data_dir):
     """One process of the multi-worker run: trains CASE, evaluates, saves what the parity test compares."""
     import json
 
-    from engine import distribute
+    from engine.cluster import distribute
 
     strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
     snap, out, results = train_and_evaluate(helpers.make_config(data_dir, **CASE), strategy)

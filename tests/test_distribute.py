@@ -4,14 +4,16 @@ import json
 
 import pytest
 
-from engine import distribute
-from engine.config import Config, ConfigError
+from engine.cluster import distribute
+from engine.cluster.launcher import parse_tf_config
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
 
 GOOD = {"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 1}}
 
 
 def test_good_tf_config_parses():
-    assert distribute.parse_tf_config(json.dumps(GOOD)) == GOOD
+    assert parse_tf_config(json.dumps(GOOD)) == GOOD
 
 
 @pytest.mark.parametrize(
@@ -35,7 +37,7 @@ def test_good_tf_config_parses():
 )
 def test_malformed_tf_config_names_the_field(raw, message):
     with pytest.raises(ConfigError, match="TF_CONFIG=") as error:
-        distribute.parse_tf_config(raw)
+        parse_tf_config(raw)
     assert message in str(error.value)
 
 

@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint as checkpoint_lib
-from engine import data as data_lib
-from engine import evaluate, loop, step
-from engine import report as report_lib
-from engine.config import ConfigError
-from engine.report import Report
+from engine.data import datasets as data_lib
+from engine.numerics import replica as step
+from engine.run import loop
+from engine.run import modes as evaluate
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint as checkpoint_lib
+from engine.state import report as report_lib
+from engine.state.report import Report
 from tasks import classification
 from tests import helpers
 
@@ -388,7 +390,7 @@ def test_models_of_one_family_keep_their_own_slots_and_averages(data_dir, one_de
 
 
 def test_an_optimizer_group_that_matches_nothing_is_named(capsys):
-    from engine import optim
+    from engine.numerics import optim
 
     groups = ((r"^mlp/dense/", {"learning_rate": 0.0}), (r"dense/", {"learning_rate": 0.1}))
     optim.Optimizer(helpers.make_config("unused"), [tf.zeros([2])], ["model/mlp/dense/bias"], groups)

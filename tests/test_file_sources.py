@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import data, loop
-from engine.config import ConfigError
-from engine.sources import folder, tfrecord
+from engine.data.pipeline import UNDECODABLE
+from engine.data.records import sharded, unreadable
+from engine.run import build, loop
+from engine.settings.errors import ConfigError
+from sources import folder, tfrecord
 from tests import helpers
 
 CLASSES = ("ant", "bee", "cat")
@@ -55,7 +57,7 @@ def _refused(config, why):
     """The one-line ConfigError that loading `config`'s data raises; it starts with --dataset=... unless `why`
     names another flag."""
     with pytest.raises(ConfigError) as caught:
-        data.load(config)
+        build.inputs(config)
     message = str(caught.value)
     assert "\n" not in message and why in message, message
     return message
@@ -433,9 +435,9 @@ def test_a_record_unlike_the_features_stops_the_stream_naming_its_file_and_recor
             writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
     glob = f"{tmp_path}/{{split}}-*"
     config = _config(data_dir, glob, "tfrecord", tfrecord_features=features, tfrecord_classes=3, eval_split="train")
-    loaded = data.load(dataclasses.replace(config, global_batch_size=4, eval_batch_size=4))
+    loaded = build.inputs(dataclasses.replace(config, global_batch_size=4, eval_batch_size=4))
     dataset = loaded.train_fn if training else loaded.eval_fn
-    with pytest.raises(tf.errors.InvalidArgumentError, match=data.UNDECODABLE):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=UNDECODABLE):
         next(iter(dataset(tf.distribute.InputContext())))
     message = loaded.origin(0, 0, training, 1)
     record = re.escape(f"--dataset=tfrecord:{glob}: cannot parse {path} record ")
@@ -488,11 +490,11 @@ def test_a_file_replaced_with_the_same_size_and_time_is_counted_again(tmp_path, 
 @pytest.mark.parametrize("counted", [20, 50], ids=["more-than-counted", "fewer-than-counted"])
 def test_a_file_that_no_longer_holds_its_counted_records_stops_the_stream_naming_it(tmp_path, counted):
     path = _bytes_records(tmp_path / "a.tfrecord", 40, 42)
-    split = data.sharded([(path, counted)], lambda record: {"record": record})
+    split = sharded([(path, counted)], lambda record: {"record": record})
     with pytest.raises(tf.errors.OpError) as raised:
         list(split.make())
     if counted == 20:
         expected = f"{path}: holds more than the 20 records counted: it changed after they were counted"
     else:
         expected = f"{path}: truncated or corrupt: 40 of its 50 records could be read"
-    assert data.unreadable(raised.value).startswith(expected), data.unreadable(raised.value)
+    assert unreadable(raised.value).startswith(expected), unreadable(raised.value)

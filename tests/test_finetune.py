@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint, evaluate, loop
-from engine.config import ConfigError
+from engine.run import loop
+from engine.run import modes as evaluate
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint
 from tests.helpers import checkpoint_tensors, launch, make_config
 
 keras = tf.keras

@@ -47,7 +47,7 @@ def snapshot(trainer):
 
 def train(config, strategy):
     """(snapshot, the round's outputs, the trainer) after config.train_steps steps."""
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     trainer = Trainer(config, strategy)
     out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
@@ -67,7 +67,7 @@ def max_difference(a, b):
 def one_device_run(data_dir, one_device):
     """(snapshot, outputs, trainer) after 20 steps, and what the reference needs: ({model: initial weights}, the
     20 batches the steps gathered)."""
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     config = helpers.make_config(data_dir, **CASE)
     trainer = Trainer(config, one_device)
@@ -262,7 +262,9 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_training_beats_one_step_and_reports_each_update(data_dir, one_device, tmp_path):
-    from engine import checkpoint, evaluate, loop
+    from engine.run import loop
+    from engine.run import modes as evaluate
+    from engine.state import checkpoint
     from tasks import gan
 
     settings = dict(CASE, hidden_sizes=(64, 64), gan_latent=16, learning_rate=2e-4, steps_per_loop=100)
@@ -334,7 +336,7 @@ def test_frechet_distance_of_known_gaussians():
 
 
 def test_another_model_is_refused(data_dir):
-    from engine.errors import ConfigError
+    from engine.settings.errors import ConfigError
     from tasks import gan
 
     with pytest.raises(ConfigError, match=r"^--model=resnet: --task=gan builds its own generator and discriminator"):
@@ -343,7 +345,7 @@ def test_another_model_is_refused(data_dir):
 
 def worker(out_dir, data_dir):
     """One process of the multi-worker run: trains CASE, saves what the parity test compares."""
-    from engine import distribute
+    from engine.cluster import distribute
 
     strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
     snap, out, _ = train(helpers.make_config(data_dir, **CASE), strategy)

@@ -12,8 +12,9 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from bench import decode as decode_bench
-from engine import images, loop
-from engine.config import ConfigError
+from engine.data import images
+from engine.run import loop
+from engine.settings.errors import ConfigError
 from tests import forkserver, helpers
 
 

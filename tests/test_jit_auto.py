@@ -8,8 +8,10 @@ import pytest
 from absl import flags
 
 import launch
-from engine import loop, xla
-from engine.config import Config, ConfigError, from_json, validate
+from engine.run import loop, xla
+from engine.settings.config import from_json, validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
 from models import resnet
 from tests import helpers
 
@@ -238,7 +240,7 @@ def test_the_evaluation_traced_before_the_first_step_follows_it_off_xla(data_dir
     finds an op XLA has no kernel for and runs without XLA, the evaluation follows it, with no fallback of its own."""
     import tensorflow as tf
 
-    from engine.trainer import Recompiled
+    from engine.run.trainer import Recompiled
     from tasks import classification
 
     forward = classification.Task.forward

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.config import ConfigError
-from engine.sources import shakespeare
+from engine.run import build
+from engine.settings.errors import ConfigError
+from sources import shakespeare
 from tests import helpers
 from tests.test_parity import TOLERANCE, _max_difference
 
@@ -85,9 +86,8 @@ def test_evaluation_predicts_every_validation_character_exactly_once():
 def test_evaluation_weighs_each_real_target_position_once_and_padding_not_at_all():
     """The per-position weights the metrics use, window by window of the evaluation batches: 1 on a real target, 0
     on the padded end of the last window and on the weight-0 windows that fill the last batch."""
-    from engine import data
 
-    loaded = data.load(_config(eval_batch_size=512))
+    loaded = build.inputs(_config(eval_batch_size=512))
     targets = len(shakespeare.text()) - shakespeare.boundary()
     weights = np.concatenate(
         [loaded.task.target_weights(batch).numpy() for batch in loaded.eval_fn(tf.distribute.InputContext())]
@@ -118,7 +118,7 @@ def test_test_split_is_the_validation_text_and_other_splits_are_refused():
 
 
 def test_heads_that_do_not_divide_the_width_are_refused_by_name():
-    from engine.loop import create_model
+    from engine.run.loop import create_model
 
     with pytest.raises(ConfigError, match=r"^--gpt_heads=3: must divide --gpt_dim=32$"):
         create_model(_config(gpt_heads=3), "gpt", tf.TensorSpec([32], tf.int32), 65)
@@ -129,7 +129,7 @@ def test_heads_that_do_not_divide_the_width_are_refused_by_name():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from engine import loop
+    from engine.run import loop
 
     workdir = str(tmp_path_factory.mktemp("language_model"))
     return workdir, loop.train(_config(workdir=workdir, strategy="one_device"))
@@ -147,7 +147,8 @@ def test_short_run_learns_below_the_bound_in_nats_and_bits(trained):
 
 
 def test_sample_rebuilds_the_run_from_a_bare_command_line_with_its_own_seed():
-    from engine.config import Config, for_evaluation, validate
+    from engine.settings.config import for_evaluation, validate
+    from engine.settings.fields import Config
 
     trained = validate(Config(task="language_model", model="gpt", seed=0))
     # `--mode=sample --workdir=W --seed=5`: the task, model and dataset come from the run; the seed draws.
@@ -156,7 +157,7 @@ def test_sample_rebuilds_the_run_from_a_bare_command_line_with_its_own_seed():
 
 
 def test_sample_prints_the_prompt_and_sample_length_characters_of_the_vocabulary(trained):
-    from engine import evaluate
+    from engine.run import modes as evaluate
 
     workdir, _ = trained
     chars = shakespeare.vocabulary()
@@ -203,7 +204,8 @@ def test_mirrored_matches_one_device(one_device, mirrored):
 def test_the_task_alone_picks_its_model_and_dataset():
     """`--task=language_model` alone trains the causal decoder on Shakespeare: an MLP's one prediction per window
     would not fit the task's per-position targets."""
-    from engine.config import Config, validate
+    from engine.settings.config import validate
+    from engine.settings.fields import Config
 
     config = validate(Config(task="language_model"))
     assert (config.model, config.dataset) == ("gpt", "shakespeare")

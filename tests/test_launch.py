@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from engine import compile_cache, loop
-from engine.config import ConfigError
+from engine.run import compile_cache, loop
+from engine.settings.errors import ConfigError
 from tests import helpers
 from tests.helpers import launch
 
@@ -205,7 +205,8 @@ def exit_code_tables(readme):
 
 def test_the_readme_has_one_table_of_every_exit_code():
     import launch as launch_module  # defines the flags: imported here, by the tests that need them
-    from engine import distribute, preemption
+    from engine.cluster import signals as preemption
+    from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE
 
     with open(os.path.join(helpers.ROOT, "README.md")) as f:
         tables = exit_code_tables(f.read())
@@ -213,8 +214,8 @@ def test_the_readme_has_one_table_of_every_exit_code():
         assert exit_code_tables(f.read()) == []  # BUILD.md points to the README's: a second copy would drift
     assert len(tables) == 1, tables
     used = {0, launch_module.BAD_INPUT, launch_module.NON_FINITE, launch_module.CANNOT_WRITE, launch_module.LOST_PEER}
-    used |= {distribute.NOT_FORMED_EXIT_CODE, preemption.PREEMPTED_EXIT_CODE, preemption.INTERRUPTED_EXIT_CODE}
-    assert distribute.LOST_PEER_EXIT_CODE == launch_module.LOST_PEER  # the watcher's own exit, without launch.py
+    used |= {NOT_FORMED_EXIT_CODE, preemption.PREEMPTED_EXIT_CODE, preemption.INTERRUPTED_EXIT_CODE}
+    assert LOST_PEER_EXIT_CODE == launch_module.LOST_PEER  # the watcher's own exit, without launch.py
     assert sorted(tables[0], key=lambda code: (not code.isdigit(), int(code) if code.isdigit() else 0)) == [
         *(str(code) for code in sorted(used)),
         "128 + N",

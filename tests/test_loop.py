@@ -10,10 +10,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from engine import inputs, loop
-from engine.checkpoint import Checkpoints
-from engine.config import ConfigError
-from engine.report import Report
+from engine.run import inputs, loop
+from engine.settings.errors import ConfigError
+from engine.state.checkpoint import Checkpoints
+from engine.state.report import Report
 from tests import helpers
 
 

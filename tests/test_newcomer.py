@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench import run as bench_run
-from engine.config import Config
+from engine.settings.fields import Config
 from tests import helpers
 from tests.helpers import ROOT
 
@@ -130,7 +130,7 @@ def _sections(text):
 def test_help_groups_every_flag_once_by_what_it_is_about(help_text):
     import dataclasses
 
-    from engine.config import Config
+    from engine.settings.fields import Config
 
     sections, _ = _sections(help_text)
     assert list(sections) == HELP_GROUPS
@@ -169,7 +169,7 @@ def test_help_groups_every_flag_once_by_what_it_is_about(help_text):
 
 
 def test_help_starts_with_flagfiles_resuming_datasets_and_gpus(help_text):
-    from engine.config import BUNDLED_DATASETS
+    from engine.settings.fields import BUNDLED_DATASETS
 
     _, preamble = _sections(help_text)
     assert "--flagfile=experiments/digits_resnet.flags" in preamble
@@ -193,7 +193,8 @@ def test_a_folder_runs_export_returns_the_folder_name_of_its_prediction(data_dir
     import numpy as np
     import tensorflow as tf
 
-    from engine import evaluate, loop
+    from engine.run import loop
+    from engine.run import modes as evaluate
 
     root, names = tmp_path / "photos", ("ant", "bee", "cat")
     rng = np.random.default_rng(0)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from engine import loop
+from engine.run import loop
 from tests import helpers
 
 GROWTH = helpers.NONFINITE_CASE["loss_scale_growth_interval"]

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import data as data_lib
-from engine import loop, optim
-from engine.config import Config
+from engine.data import datasets as data_lib
+from engine.numerics import optim
+from engine.run import loop
+from engine.settings.fields import Config
 from tasks import classification
 from tests import helpers
 

@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from engine import checkpoint, loop
-from engine.preemption import PREEMPTED_EXIT_CODE
+from engine.cluster.signals import PREEMPTED_EXIT_CODE
+from engine.run import loop
+from engine.state import checkpoint
 from tests import forkserver, helpers
 from tests.helpers import checkpoint_tensors, logged_steps
 

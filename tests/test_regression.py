@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint, evaluate, loop
-from engine.sources import penguins
+from engine.run import loop
+from engine.run import modes as evaluate
+from engine.state import checkpoint
+from sources import penguins
 from tasks import regression
 from tests import helpers
 from tests.test_parity import TOLERANCE, _max_difference

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import data as data_lib
-from engine import loop
+from engine.data import datasets as data_lib
+from engine.run import loop
 from tasks import classification
 from tests import helpers
 

@@ -15,21 +15,22 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.config import Config
-from engine.launcher import free_ports
+from engine.cluster.launcher import free_ports
+from engine.settings.fields import Config
 from research import ensemble, tune
+from research.space import Param
 from tests.helpers import launch
 
 # The MLP's search space (experiments/digits_mlp.space): eight axes, long names.
 SPACE = [
-    tune.Param("optimizer", "choice", choices=("adamw", "sgd", "lamb")),
-    tune.Param("learning_rate", "log", 1e-4, 0.3),
-    tune.Param("hidden_sizes", "choice", choices=("64", "256", "64,64", "256,256", "512,512")),
-    tune.Param("weight_decay", "log", 1e-5, 0.1),
-    tune.Param("warmup_steps", "int", 0, 50),
-    tune.Param("global_batch_size", "choice", choices=(32, 64, 128)),
-    tune.Param("clip_norm", "choice", choices=(0.0, 1.0)),
-    tune.Param("precision", "choice", choices=("float32", "mixed_bfloat16")),
+    Param("optimizer", "choice", choices=("adamw", "sgd", "lamb")),
+    Param("learning_rate", "log", 1e-4, 0.3),
+    Param("hidden_sizes", "choice", choices=("64", "256", "64,64", "256,256", "512,512")),
+    Param("weight_decay", "log", 1e-5, 0.1),
+    Param("warmup_steps", "int", 0, 50),
+    Param("global_batch_size", "choice", choices=(32, 64, 128)),
+    Param("clip_norm", "choice", choices=(0.0, 1.0)),
+    Param("precision", "choice", choices=("float32", "mixed_bfloat16")),
 ]
 DISTRIBUTIONS = {
     p.name: CategoricalDistribution(p.choices)

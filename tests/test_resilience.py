@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint, data, evaluate, loop, preemption
-from engine.config import ConfigError
+from engine.cluster import signals as preemption
+from engine.data import datasets as data
+from engine.run import loop
+from engine.run import modes as evaluate
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint
 from tests import forkserver, helpers
 from tests.helpers import checkpoint_tensors, logged_steps
 

@@ -86,7 +86,7 @@ def weights_of(snap):
 @pytest.fixture(scope="module")
 def one_device_runs(data_dir, one_device):
     """{case: (snapshot, round outputs, initial weights, the 20 batches trained on)} of SAM on one device."""
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     runs = {}
     for name, case in CASES.items():
@@ -118,8 +118,8 @@ def test_sam_matches_a_plain_tensorflow_loop_of_its_math(one_device_runs, case):
 
 
 def test_a_sam_step_is_two_evaluations_of_one_all_reduce_each(data_dir, one_device, monkeypatch):
-    from engine import step as step_lib
-    from engine.loop import Trainer
+    from engine.numerics import replica as step_lib
+    from engine.run.loop import Trainer
 
     calls = []
 
@@ -169,7 +169,7 @@ def test_multi_worker_matches_one_device(data_dir, tmp_path, one_device_runs):
 
 
 def multi_worker_main(out_dir, data_dir):
-    from engine import distribute
+    from engine.cluster import distribute
 
     strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -230,7 +230,7 @@ def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, 
 
 def trace_error(data_dir, one_device, monkeypatch, replica_step, updates=None):
     """The message of the error the first round raises with `replica_step` (and `updates`) in tasks/sam.py."""
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
     from tasks import sam
 
     monkeypatch.setattr(sam.Task, "replica_step", replica_step)
@@ -253,7 +253,7 @@ def test_apply_refuses_a_raw_list_of_gradients(data_dir, one_device, monkeypatch
 
 
 def test_apply_refuses_the_gradients_of_another_update(data_dir, one_device, monkeypatch):
-    from engine.updates import Update
+    from engine.numerics.updates import Update
 
     def replica_step(self, step, batch):
         step.apply("biases", step.gradients("kernels", batch))
@@ -275,7 +275,7 @@ def test_a_step_that_never_applies_its_update_is_refused(data_dir, one_device, m
 def test_float16_a_non_finite_evaluation_masks_the_whole_update(data_dir, one_device, monkeypatch):
     """SAM's step with its first or its second evaluation made non-finite on demand: nothing of the update changes
     (weights, slots, update count) and the scale halves; a finite step applies."""
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
     from tasks import sam
 
     poisoned = tf.Variable(0)  # 0: neither evaluation, 1: the first, 2: the second

@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import actions, data, loop, optim, sections, xla
-from engine.config import Config, ConfigError, load_run_config
-from engine.declared import declared_settings
-from engine.settings import FIELD_BY_NAME, _RunSettings
+from engine.data import datasets as data
+from engine.data.pipeline import Pipelines
+from engine.numerics import optim
+from engine.run import actions, loop, xla
+from engine.settings import sections
+from engine.settings.config import load_run_config
+from engine.settings.declared import declared_settings
+from engine.settings.errors import ConfigError
+from engine.settings.fields import FIELD_BY_NAME, Config, _RunSettings
 from tests import helpers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,8 +116,8 @@ def test_a_file_may_not_declare_a_setting_named_as_a_section(tmp_path):
     packages = [("model", str(tmp_path / "models"), ["odd"])]
     fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"}, sections.RESERVED)
     assert fields == [] and errors == [
-        "models/odd.py: declares the setting loop, which engine/sections.py (a section of Config) declares already: "
-        "rename one of them"
+        "models/odd.py: declares the setting loop, which engine/settings/sections.py (a section of Config) declares "
+        "already: rename one of them"
     ]
 
 
@@ -198,7 +203,7 @@ def test_the_data_pipelines_read_their_section_as_they_read_every_setting(data_d
     ctx = tf.distribute.InputContext()
     batches = []
     for settings in (config.data, _everything(config)):
-        stream = data._Pipelines(settings, source).train(ctx, 3, 0, None)
+        stream = Pipelines(settings, source).train(ctx, 3, 0, None)
         batches.append([next(iter(stream.take(1)))])
     for key in batches[0][0]:
         np.testing.assert_array_equal(batches[0][0][key], batches[1][0][key])

@@ -13,9 +13,15 @@ import sys
 
 import pytest
 
-from engine import config as config_lib
-from engine import distribute, workdir
-from engine.config import Config, ConfigError, validate
+from engine.cluster import distribute
+from engine.settings import fields
+from engine.settings.checks import planned_strategy
+from engine.settings.config import validate
+from engine.settings.declared import declared_settings
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config, applies
+from engine.settings.identity import identity_changes
+from engine.state import workdir
 from tests.helpers import ROOT
 
 PS_CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
@@ -65,28 +71,28 @@ def test_strategy_refusals_judge_the_strategy_the_run_will_use(monkeypatch, tf_c
     _refused(Config(**overrides), message)
     # The refusal and the strategy that would be built read one resolution.
     unrefused = Config(**{**overrides, "precision": "float32", "tpu": "local"})
-    assert distribute.strategy_name(unrefused) == config_lib.planned_strategy(unrefused)
-    assert config_lib.planned_strategy(unrefused) in ("parameter_server", "multi_worker", "tpu")
+    assert distribute.strategy_name(unrefused) == planned_strategy(unrefused)
+    assert planned_strategy(unrefused) in ("parameter_server", "multi_worker", "tpu")
 
 
 def test_an_explicit_strategy_is_judged_without_reading_tf_config(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": PS_CLUSTER, "task": {"type": "chief", "index": 0}}))
     config = validate(Config(strategy="one_device", precision="mixed_float16"))
-    assert config_lib.planned_strategy(config) == "one_device"
+    assert planned_strategy(config) == "one_device"
     monkeypatch.delenv("TF_CONFIG")
-    assert config_lib.planned_strategy(Config(num_cpu_devices=2)) == "mirrored"
-    assert config_lib.planned_strategy(Config()) is None  # the devices decide: one_device, or mirrored over GPUs
+    assert planned_strategy(Config(num_cpu_devices=2)) == "mirrored"
+    assert planned_strategy(Config()) is None  # the devices decide: one_device, or mirrored over GPUs
 
 
 def test_a_source_reading_a_tasks_setting_makes_it_part_of_the_run():
     """Shakespeare reads --sequence_length, which language_model declares: a run of another task on it (a fork's)
     depends on it as much as a language_model run."""
     saved = validate(Config(task="classification", dataset="shakespeare"))
-    assert config_lib.applies("sequence_length", saved)
-    assert not config_lib.applies("sequence_length", validate(Config(task="classification")))
+    assert applies("sequence_length", saved)
+    assert not applies("sequence_length", validate(Config(task="classification")))
     changed = validate(Config(task="classification", dataset="shakespeare", sequence_length=16))
-    assert config_lib.identity_changes(saved, changed) == [("sequence_length", 64, 16)]
-    readers = config_lib.readers("sequence_length")
+    assert identity_changes(saved, changed) == [("sequence_length", 64, 16)]
+    readers = fields.readers("sequence_length")
     assert readers == {("task", "language_model"), ("dataset", "shakespeare")}
 
 
@@ -118,7 +124,7 @@ def test_two_files_declaring_one_setting_are_one_error_naming_both(tmp_path):
         ("task", *_package(tmp_path, "tasks", {"clash": 'SETTINGS = {"width": (4, "units")}', "reader": ""})),
         ("dataset", *_package(tmp_path, "engine/sources", {"odd": 'READS = ("no_such",)'})),
     ]
-    fields, readers, errors = config_lib.declared_settings(packages, str(tmp_path), {"dropout"})
+    fields, readers, errors = declared_settings(packages, str(tmp_path), {"dropout"})
     assert [name for name, _, _ in fields] == ["width"] and readers == {}
     assert errors == [
         "tasks/clash.py: declares the setting width, which models/wide.py declares already: rename one of them",

@@ -32,8 +32,8 @@ def test_skipped_step_keeps_batch_norm_statistics(data_dir, mirrored):
 
 
 def test_checkpoint_refuses_non_finite_statistics(data_dir, one_device, tmp_path):
-    from engine.checkpoint import CheckpointError, Checkpoints
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
+    from engine.state.checkpoint import CheckpointError, Checkpoints
 
     trainer = Trainer(helpers.make_config(data_dir, model="resnet"), one_device)
     moving = [v for v in trainer.model.non_trainable_variables if "moving_variance" in v.path][0]
@@ -43,7 +43,7 @@ def test_checkpoint_refuses_non_finite_statistics(data_dir, one_device, tmp_path
 
 
 def _process(grads, scale=None, **config):
-    from engine import step
+    from engine.numerics import replica as step
 
     settings = helpers.make_config("unused", **config)
     out, norm, finite = step.process_gradients([tf.constant(g, tf.float32) for g in grads], scale, settings)
@@ -76,7 +76,7 @@ def test_finite_gradients_whose_squares_overflow_are_finite():
 
 
 def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device):
-    from engine.loop import Trainer
+    from engine.run.loop import Trainer
 
     # Inputs of 1e20 give gradient elements near 1e20: each squares to about 1e40, and their float32 sum
     # overflows although every element is finite.
@@ -103,8 +103,8 @@ def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device
 
 
 def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
-    from engine import step
-    from engine.loop import Trainer
+    from engine.numerics import replica as step
+    from engine.run.loop import Trainer
 
     trainer = Trainer(helpers.make_config(data_dir, model="transformer", dropout=0.5), mirrored)
     state, seeds = step.split_state(trainer.models)
@@ -132,8 +132,8 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_step_draws_each_replicas_dropout_from_its_id(data_dir, mirrored, accumulate):
-    from engine import step
-    from engine.loop import Trainer
+    from engine.numerics import replica as step
+    from engine.run.loop import Trainer
 
     settings = dict(model="mlp", dropout=0.5, grad_accum_steps=accumulate, jit_compile="false")
     trainer = Trainer(helpers.make_config(data_dir, **settings), mirrored)
@@ -188,8 +188,8 @@ class NormalizedTask(classification.Task):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_grad_accumulation_is_ghost_batch_norm(data_dir, one_device, monkeypatch, capsys, accumulate):
-    from engine import data as data_lib
-    from engine.loop import Trainer
+    from engine.data import datasets as data_lib
+    from engine.run.loop import Trainer
 
     monkeypatch.setattr(data_lib, "task_class", lambda config: NormalizedTask)
     capsys.readouterr()
@@ -238,7 +238,7 @@ def test_grad_accumulation_is_ghost_batch_norm(data_dir, one_device, monkeypatch
 
 @pytest.mark.slow
 def test_dropout_run_resumes_bit_exactly(data_dir, one_device, tmp_path):
-    from engine import loop
+    from engine.run import loop
 
     # The smallest transformer that has dropout in attention and MLP: what resumes is the dropout's stream.
     small = dict(transformer_layers=1, transformer_dim=16, transformer_heads=2, transformer_mlp_dim=32)

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint as checkpoint_lib
-from engine import data
-from engine.config import ConfigError
-from engine.loop import Trainer
+from engine.data import datasets as data
+from engine.data.pipeline import Pipelines
+from engine.data.records import Source, in_memory, sharded
+from engine.run import build
+from engine.run.loop import Trainer
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint as checkpoint_lib
 from tests import helpers
 
 # Twelve files of 5 to 27 records: uneven, as real shards are. A record's image holds its id, file * 1000 + record.
@@ -47,9 +50,9 @@ def _parse(record):
 def records(tmp_path, monkeypatch):
     """The files, and data.load reading them as a streamed split (evaluated on the in-memory digits' shape)."""
     files = _write(str(tmp_path))
-    evals = data.in_memory({"image": tf.zeros([10, 4]), "label": tf.range(10, dtype=tf.int64)})
+    evals = in_memory({"image": tf.zeros([10, 4]), "label": tf.range(10, dtype=tf.int64)})
     spec = {"image": tf.TensorSpec([4], tf.float32), "label": tf.TensorSpec([], tf.int64)}
-    source = data.Source(data.sharded(files, _parse), evals, spec, {"num_classes": 10})
+    source = Source(sharded(files, _parse), evals, spec, {"num_classes": 10})
     monkeypatch.setattr(data, "load_source", lambda config, features, split=None: source)
     return files
 
@@ -65,7 +68,7 @@ def _ids(batches):
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelines", [2, 4])
 def test_each_pipeline_reads_only_its_own_files(records, pipelines):
-    loaded = data.load(_config())
+    loaded = build.inputs(_config())
     sizes = {f: os.path.getsize(path) for f, (path, _) in enumerate(records)}
     total = sum(sizes.values())
     owned, read = [], []
@@ -94,7 +97,7 @@ def test_a_restart_reads_as_little_at_step_100000_as_at_step_100(records):
     read = {}
     for start in (100, 100_000):  # 100,000 steps of 16 are 9,000 epochs of these files
         counter = tf.Variable(0, dtype=tf.int64)
-        pipelines = data._Pipelines(_config(), data.load_source(None, ()))
+        pipelines = Pipelines(_config(), data.load_source(None, ()))
         next(iter(pipelines.examples(tf.distribute.InputContext(), start, 0, counter)))
         read[start] = int(counter.numpy())
     # One group of files at most (the interleave reads ahead within it), wherever the position is.
@@ -104,7 +107,7 @@ def test_a_restart_reads_as_little_at_step_100000_as_at_step_100(records):
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelines", [1, 2])
 def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(records, pipelines):
-    loaded = data.load(_config())
+    loaded = build.inputs(_config())
     for i in range(pipelines):
         ctx = tf.distribute.InputContext(pipelines, i, pipelines)
         straight = list(loaded.train_fn(ctx, 0).take(45))
@@ -117,7 +120,7 @@ def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(records, pipe
 
 def test_stream_positions_match_the_random_access_convention(records):
     """`index` is the global stream position, as in memory: a pipeline's share of batch k is every n-th of it."""
-    loaded = data.load(_config())
+    loaded = build.inputs(_config())
     seen = []
     for i in range(2):
         for k, batch in enumerate(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 3).take(2)):
@@ -161,7 +164,7 @@ def test_a_changed_worker_count_is_refused_for_files_and_exact_in_memory(records
     trainer.batches.assign(5)
     assert trainer.train_iterator() is None  # not refused; each step gathers its batch from the data position
     batch = trainer.data.gather(tf.constant(5, tf.int64), tf.constant(0, tf.int64), trainer.pipelines)
-    loaded = data.load(helpers.make_config(data_dir))
+    loaded = build.inputs(helpers.make_config(data_dir))
     halves = [next(iter(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 5))) for i in range(2)]
     assert sorted(batch["index"].numpy()) == sorted(np.concatenate([h["index"] for h in halves]))
     assert int(trainer.input_pipelines.numpy()) == 1  # what the next checkpoint says
@@ -186,7 +189,7 @@ def test_an_input_bound_run_warns_once_and_reports_its_wait(
 ):
     from tensorflow.python.framework import config as tf_config
 
-    from engine import loop
+    from engine.run import loop
 
     # Op determinism (enabled for the process by any earlier --deterministic run) refuses the timestamps: off here.
     if tf_config.is_op_determinism_enabled():
@@ -256,7 +259,7 @@ def test_two_workers_resumed_as_one_are_refused_on_files_and_continue_in_memory(
 def test_a_parameter_server_workers_stream_is_built_inside_a_traced_function(records):
     """Under parameter servers each worker builds its dataset in a traced function, its stream number a tensor (the
     servers' counter): the streamed split places its start by graph arithmetic, alike to the eager build."""
-    loaded = data.load(_config())
+    loaded = build.inputs(_config())
     ctx = tf.distribute.InputContext()
     traced = tf.function(lambda stream: loaded.train_fn(ctx, 7, stream))(tf.constant(2, tf.int64))
     eager = loaded.train_fn(ctx, 7, 2)

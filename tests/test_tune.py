@@ -16,10 +16,12 @@ import time
 import optuna
 import pytest
 
-from engine import checkpoint, loop
-from engine import workdir as workdir_lib
-from engine.config import ConfigError
+from engine.run import loop
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint
+from engine.state import workdir as workdir_lib
 from research import tune
+from research.space import parse_space
 from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
 
@@ -44,7 +46,7 @@ def enqueue(config, *learning_rates):
     """Puts known trials first in the study the tuner will open, opened as the tuner opens it (so with the
     direction the tuner gives it, which the tests then check)."""
     os.makedirs(config.workdir, exist_ok=True)
-    space = tune.parse_space(config.tune_space, config)
+    space = parse_space(config.tune_space, config)
     study = tune._open_study(config, *tune.objective_of(config), space)
     for rate in learning_rates:
         study.enqueue_trial({"learning_rate": rate})
@@ -326,11 +328,11 @@ def test_an_objective_is_refused_before_any_trial_without_its_direction_or_when_
 )
 def test_bad_search_space_is_refused_naming_the_line(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
-        tune.parse_space(write_space(tmp_path, text))
+        parse_space(write_space(tmp_path, text))
 
 
 def test_space_file_shipped_for_the_resnet_parses():
-    space = tune.parse_space(os.path.join(ROOT, "experiments", "digits_resnet.space"))
+    space = parse_space(os.path.join(ROOT, "experiments", "digits_resnet.space"))
     assert {p.name for p in space} == {"resnet_depth", "resnet_width", "learning_rate", "weight_decay", "warmup_steps"}
 
 

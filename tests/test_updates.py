@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine import data as data_lib
-from engine import loop
-from engine.config import ConfigError, load_run_config
-from engine.updates import Update
+from engine.data import datasets as data_lib
+from engine.numerics.updates import Update
+from engine.run import loop
+from engine.settings.config import load_run_config
+from engine.settings.errors import ConfigError
 from tasks import classification
 from tests import helpers
 

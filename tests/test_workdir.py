@@ -20,8 +20,12 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine import checkpoint, evaluate, loop, report
-from engine.config import Config, ConfigError, validate
+from engine.run import loop
+from engine.run import modes as evaluate
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
+from engine.state import checkpoint, report
 from research import ensemble
 from tests import forkserver, helpers
 from tests.helpers import ROOT, logged_steps
@@ -127,7 +131,8 @@ def test_readme_commands_pasted_in_order_never_meet_another_run(monkeypatch):
 
     import launch  # defines the flags
     import tasks
-    from engine.config import for_evaluation, identity_changes
+    from engine.settings.config import for_evaluation
+    from engine.settings.identity import identity_changes
 
     runs, checked = {}, 0
     for args in _readme_commands():
@@ -205,7 +210,7 @@ def _foreign_lock(path, heartbeat):
 
 
 def test_a_lock_of_another_host_is_taken_only_when_its_heartbeat_stops(tmp_path, monkeypatch):
-    from engine import workdir
+    from engine.state import workdir
 
     monkeypatch.setattr(workdir, "STALE_SECONDS", 1.0)
     lock_file = tmp_path / workdir.LOCK_NAME
@@ -232,7 +237,7 @@ def test_a_lock_of_another_host_is_taken_only_when_its_heartbeat_stops(tmp_path,
 
 def test_on_a_file_system_without_exclusive_create_the_lock_is_written_and_read_back():
     """ram:// stands in for an object store (gs://): no O_EXCL there."""
-    from engine import workdir
+    from engine.state import workdir
 
     with workdir.Lock("ram://object_store_run", log=lambda line: None):
         with pytest.raises(ConfigError, match=f"another run is training here: pid {os.getpid()} on host"):

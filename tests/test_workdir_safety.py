@@ -12,9 +12,14 @@ import signal
 import pytest
 import tensorflow as tf
 
-from engine import checkpoint, evaluate, loop, report, workdir
-from engine.checkpoint import CheckpointError
-from engine.config import Config, ConfigError, validate
+from engine.run import loop
+from engine.run import modes as evaluate
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
+from engine.state import checkpoint, report, workdir
+from engine.state.checkpoint import CheckpointError
+from engine.state.workdir import make_workdir
 from tests import forkserver, helpers
 
 
@@ -148,7 +153,7 @@ def test_a_full_workdir_at_the_start_is_an_error_writing_it(tmp_path):
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))  # no file may grow: as on a full disk
     try:
         with pytest.raises(CheckpointError) as full:
-            report.make_workdir(str(tmp_path / "run"))
+            make_workdir(str(tmp_path / "run"))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, handler)
@@ -180,7 +185,7 @@ def test_a_planted_link_is_never_written_through(tmp_path, planted):
     run = tmp_path / "run"
     run.mkdir()
     os.symlink(target, run / planted)
-    report.make_workdir(str(run))
+    make_workdir(str(run))
     report.write_json(str(run / "summary.json"), {"step": 1})
     assert target.read_text() == "keep me\n"
     assert json.loads((run / "summary.json").read_text()) == {"step": 1} and not (run / "summary.json").is_symlink()

@@ -1,0 +1,52 @@
+"""The engine's public face: everything a fork's task, data source or action imports, from this one module.
+
+Files move inside engine/ as the engine grows; these names stay here. A fork imports them as
+`from engine.api import Update, ConfigError, ...`, and the bundled tasks and sources import the engine only
+through this module, so they show what a fork may rely on. Models import nothing of the engine.
+
+For a task (tasks/<name>.py, the protocol in tasks/base.py):
+    Task            the protocol with its defaults, to subclass
+    Update          one update of the step: its loss, the variables it trains, its optimizer, clipping, frequency
+    DEFAULT         the name of a task's one default update ("train")
+    ReplicaStep     the primitives a task's `replica_step(step, batch)` is written from (gradients, apply, ...)
+    Gradients       what ReplicaStep.gradients returns (.loss, .grads, .norm, .finite)
+    example_keys, example_uniforms, example_normals
+                    per-example random numbers from (seed, example index, role, repetition): the same numbers on
+                    one device, on several replicas or workers, and in a resumed run
+    bits            nats to bits
+For a data source (sources/<name>.py):
+    Source, Split   what `load(config, eval_split)` returns, and one split of it
+    in_memory       a split held in memory, from {feature: tensor of examples x ...}
+    sharded         a split streamed from counted TFRecord files
+    tfds_source     the Source of a tensorflow-datasets dataset (prepared into --data_dir on first use)
+    image_decoder   the per-example decode of photos of any size (random-resized crop and flip, centre crop)
+For an action (engine/run/actions/<name>.py): Action, Round (engine/run/actions/base.py)
+Errors: ConfigError (bad input: the message names the flag or file and the value), TaskError (a task's code that
+cannot run: the message names the task's file, the update or primitive, and what was wrong), first_line.
+"""
+
+from engine.data.images import decoder as image_decoder
+from engine.data.records import Source, Split, in_memory, sharded
+from engine.data.tfds_source import load as tfds_source
+from engine.numerics.replica import Gradients, ReplicaStep
+from engine.numerics.updates import DEFAULT, Update
+from engine.settings.config import first_line
+from engine.settings.errors import ConfigError
+from tasks.base import Task, bits
+
+__all__ = [
+    "DEFAULT",
+    "ConfigError",
+    "Gradients",
+    "ReplicaStep",
+    "Source",
+    "Split",
+    "Task",
+    "Update",
+    "bits",
+    "first_line",
+    "image_decoder",
+    "in_memory",
+    "sharded",
+    "tfds_source",
+]

@@ -1,0 +1,149 @@
+"""The tf.distribute strategy a config asks for, and what the engine asks of it (chief, workers, a lost peer).
+
+`create_strategy` must run before any other TensorFlow op in the process:
+logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
+before the runtime starts. Who a cluster's tasks are is engine/cluster.py's.
+"""
+
+import tensorflow as tf
+
+from engine.cluster import resolvers as cluster
+from engine.cluster.launcher import tf_config
+from engine.cluster.signals import PREEMPTION
+from engine.settings.checks import planned_strategy
+from engine.settings.errors import ConfigError
+
+
+def _setup_cpu_devices(count):
+    if count > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:
+            # The runtime already started (a notebook or a test made a strategy before): fine if it has enough.
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have < count:
+                raise ConfigError(
+                    f"--num_cpu_devices={count}: TensorFlow already started with {have} CPU devices "
+                    "in this process; set it before the first TensorFlow op"
+                ) from None
+    return [f"/cpu:{i}" for i in range(count)]
+
+
+def strategy_name(config):
+    """The strategy a config runs with: engine/config.py's planned_strategy (what validate judged), completed
+    with this machine's GPUs where only the devices decide."""
+    planned = planned_strategy(config)
+    if planned:
+        return planned
+    return "mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "one_device"
+
+
+def create_strategy(config):
+    """Builds the tf.distribute.Strategy for `config`; raises ConfigError on a bad cluster."""
+    tf_config()  # before any strategy: TensorFlow's resolvers read TF_CONFIG themselves
+    cpus = _setup_cpu_devices(config.num_cpu_devices)
+    name = strategy_name(config)
+    gpus = [f"/gpu:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))]
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy(gpus[0] if gpus else "/cpu:0")
+    if name == "mirrored":
+        if gpus:
+            return tf.distribute.MirroredStrategy(gpus)
+        # Logical CPU devices share one memory: summing on one device and copying back is far cheaper than the
+        # default ring all-reduce (measured: bench/RESULTS.md, "Mirrored CPU devices reduce to one device").
+        return tf.distribute.MirroredStrategy(cpus, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    if name == "tpu":
+        return cluster.tpu_strategy(config.cluster)
+    resolver = cluster_resolver(config)
+    with cluster.connect_deadline(config.cluster, resolver):
+        if name == "parameter_server":
+            strategy = tf.distribute.ParameterServerStrategy(resolver)
+            cluster.watch_servers(resolver.cluster_spec(), config.collective_timeout)
+            return strategy
+        cluster.detect_dead_peers(resolver.cluster_spec(), config.collective_timeout)
+        # RING works on every device type; NCCL is faster between GPUs. No timeout_seconds: TensorFlow
+        # starts a thread per collective that sleeps for the whole timeout, so a long job runs out of
+        # threads (measured: bench/RESULTS.md, "No collective timeout"); the heartbeat above finds a dead peer.
+        implementation = tf.distribute.experimental.CommunicationImplementation
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=implementation.NCCL if gpus else implementation.RING
+        )
+        # Waits for every peer in native code that holds Python's lock (engine/preemption.py says what a signal does).
+        return PREEMPTION.interruptible(
+            tf.distribute.MultiWorkerMirroredStrategy, cluster_resolver=resolver, communication_options=options
+        )
+
+
+def cluster_resolver(config):
+    """The cluster of a multi-worker or parameter-server job: from TF_CONFIG (the default), Slurm or Kubernetes."""
+    return cluster.resolve(config.cluster, strategy_name(config))
+
+
+def serve(config):
+    """A parameter-server job's worker or ps task: serve the chief until the job ends. Returns False on the
+    chief (and in any other strategy), which then trains."""
+    if strategy_name(config) != "parameter_server":
+        return False
+    resolver = cluster_resolver(config)
+    if resolver.task_type not in ("worker", "ps"):
+        return False
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        start=True,
+    )
+    print(f"{resolver.task_type} {resolver.task_id} serving the parameter-server job", flush=True)
+    server.join()
+    return True
+
+
+def is_chief(strategy):
+    """True on the one task that writes files (every task when there is no cluster)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type == "chief":
+        return True
+    return task_type in ("worker", None) and task_id == 0 and "chief" not in resolver.cluster_spec().jobs
+
+
+def is_multi_worker(strategy):
+    return isinstance(strategy, (tf.distribute.MultiWorkerMirroredStrategy, tf.distribute.ParameterServerStrategy))
+
+
+def is_parameter_server(strategy):
+    return isinstance(strategy, tf.distribute.ParameterServerStrategy)
+
+
+def num_workers(strategy):
+    """Parameter servers: the cluster's worker count (1 where the strategy has no resolver: inside a function
+    the coordinator runs on a worker)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    return len(resolver.cluster_spec().as_dict().get("worker", [0])) if resolver is not None else 1
+
+
+def task_id(strategy):
+    resolver = getattr(strategy, "cluster_resolver", None)
+    return (resolver.task_id or 0) if resolver is not None else 0
+
+
+def explain_failure(strategy, config, error):
+    """A lost peer on a multi-worker job becomes PeerLost naming it; other errors come back unchanged."""
+    if not is_multi_worker(strategy) or not isinstance(error, cluster.LOST_PEER_ERRORS):
+        return error
+    # ParameterServerStrategy keeps its resolver to itself: its `cluster_resolver` (the extended strategy's) is None.
+    return cluster.peer_lost(strategy.cluster_resolver or strategy._cluster_resolver, config.cluster, error)
+
+
+def lost_peer(config, error):
+    """PeerLost for an error of a cluster job's task that a lost peer raised outside the steps (a chief reading
+    its parameter servers' variables), else None."""
+    if strategy_name(config) not in ("multi_worker", "parameter_server") or not isinstance(
+        error, cluster.LOST_PEER_ERRORS
+    ):
+        return None
+    return cluster.peer_lost(cluster_resolver(config), config.cluster, error)

@@ -1,0 +1,336 @@
+"""The tasks of a cluster job: who they are (TF_CONFIG, Slurm, Kubernetes, a TPU) and what a task does when
+one of them stops answering (the connect deadline, the dead-peer heartbeat, the parameter-server watch).
+
+engine/distribute.py builds the strategy from what this module resolves; this module knows no strategy, only
+its name, so that the two do not import each other.
+"""
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import tensorflow as tf
+
+from engine.cluster.launcher import tf_config
+from engine.settings.config import first_line
+from engine.settings.errors import ConfigError
+
+
+def resolve(settings, strategy):
+    """The cluster of a multi-worker or parameter-server job (`strategy`, the name the job runs with): from
+    TF_CONFIG (the default), Slurm or Kubernetes. `settings`: the run's config.cluster, as every function here."""
+    source = settings.cluster_resolver or "tf_config"
+    if source == "slurm":
+        return _slurm(settings, strategy)
+    if source == "kubernetes":
+        return _kubernetes(settings)
+    if source == "tpu":
+        raise ConfigError(
+            f"--cluster_resolver=tpu: use --strategy=tpu (with --strategy={strategy} the "
+            "cluster comes from tf_config, slurm or kubernetes)"
+        )
+    parsed = tf_config()
+    if parsed is None:
+        raise ConfigError(
+            f"TF_CONFIG is not set: --strategy={strategy} reads the cluster from it "
+            '(e.g. {"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}})'
+        )
+    cluster = parsed["cluster"]
+    if strategy == "parameter_server" and not ("chief" in cluster and "ps" in cluster):
+        raise ConfigError(
+            f"TF_CONFIG={os.environ['TF_CONFIG']!r}: --strategy=parameter_server needs 'chief', 'worker' and 'ps' jobs"
+        )
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
+SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+
+
+def _slurm(settings, strategy):
+    """Slurm: every task of `srun` runs the same command; the step's node list says who is who. Tasks are
+    numbered node by node (Slurm's default block distribution), ports from --slurm_port_base on each node."""
+    missing = [name for name in SLURM_VARIABLES if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"--cluster_resolver=slurm: {missing[0]} is not set; run the job under srun (one task per worker)"
+        )
+    hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
+    per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
+    addresses = [f"{host}:{settings.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
+    tasks, rank = int(os.environ["SLURM_STEP_NUM_TASKS"]), int(os.environ["SLURM_PROCID"])
+    if len(addresses) != tasks:
+        raise ConfigError(
+            f"--cluster_resolver=slurm: SLURM_STEP_NUM_TASKS={tasks} but the node list holds "
+            f"{len(addresses)} tasks ({os.environ['SLURM_STEP_NODELIST']})"
+        )
+    jobs = [("worker", tasks)]
+    if strategy == "parameter_server":
+        jobs = [("chief", 1), ("ps", settings.num_ps), ("worker", tasks - 1 - settings.num_ps)]
+        if jobs[-1][1] < 1:
+            raise ConfigError(
+                f"--num_ps={settings.num_ps}: the Slurm step has {tasks} tasks, too few for a chief, "
+                f"{settings.num_ps} parameter servers and at least one worker"
+            )
+    spec, start = {}, 0
+    for job, count in jobs:
+        spec[job] = addresses[start : start + count]
+        if start <= rank < start + count:
+            task = (job, rank - start)
+        start += count
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type=task[0], task_id=task[1], rpc_layer="grpc"
+    )
+
+
+def expand_hostlist(hostlist):
+    """Slurm's compressed node list, e.g. "gpu[07-08,10],login1" -> gpu07, gpu08, gpu10, login1."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[]+)", hostlist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            hosts += [f"{prefix}{i:0{len(first)}d}" for i in range(int(first), int(last or first) + 1)]
+    return hosts
+
+
+def expand_counts(counts):
+    """Slurm's tasks per node, e.g. "2(x3),1" -> 2, 2, 2, 1."""
+    expanded = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", counts):
+        expanded += [int(count)] * int(repeat or 1)
+    return expanded
+
+
+def _kubernetes(settings):
+    try:
+        import kubernetes  # noqa: F401  (optional: only this resolver needs it)
+    except ImportError:
+        raise ConfigError(
+            "--cluster_resolver=kubernetes: needs the kubernetes client library "
+            "(pip install kubernetes); a TFJob sets TF_CONFIG, so --cluster_resolver=tf_config "
+            "works without it"
+        ) from None
+    if not settings.kubernetes_selector:
+        raise ConfigError(
+            "--kubernetes_selector=: --cluster_resolver=kubernetes needs the label selector of the "
+            "job's worker pods, e.g. job-name=train-worker"
+        )
+    return tf.distribute.cluster_resolver.KubernetesClusterResolver({"worker": [settings.kubernetes_selector]})
+
+
+def tpu_strategy(settings):
+    """The TPU start-up sequence: resolve, connect, initialize the TPU system, then the strategy."""
+
+    def start():
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=settings.tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return resolver
+
+    try:
+        resolver = _within_connect_timeout(settings, start)
+    except TimeoutError:
+        raise ConfigError(
+            f"--tpu={settings.tpu}: no TPU reachable (no answer within --connect_timeout={settings.connect_timeout:g}s)"
+        ) from None
+    # OSError: off Google Cloud, a TPU name is looked up on a metadata server that is not there (URLError).
+    except (ValueError, OSError, tf.errors.NotFoundError, tf.errors.UnavailableError, RuntimeError) as e:
+        reason = getattr(e, "reason", None) or first_line(e).split(". ")[0]
+        raise ConfigError(f"--tpu={settings.tpu}: no TPU reachable ({reason})") from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _within_connect_timeout(settings, start):
+    """Returns start(), run in a thread because TensorFlow can wait for an unreachable host forever, with no
+    way to interrupt it (it lets go of Python's lock meanwhile, so a signal still reaches the preemption
+    watcher). Raises TimeoutError after --connect_timeout."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = start()
+        except BaseException as e:  # noqa: BLE001  (raised again in the calling thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="connect", daemon=True)
+    thread.start()
+    thread.join(settings.connect_timeout)
+    if "error" in outcome:
+        raise outcome["error"]
+    if "value" in outcome:
+        return outcome["value"]
+    raise TimeoutError
+
+
+# Runs beside a process that is forming a cluster. TensorFlow waits for peers inside native code that
+# holds the GIL, where neither a Python thread nor a signal handler can run; this separate process can.
+_WATCHDOG = """
+import os, signal, socket, sys
+parent, seconds, peers = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+import select
+ready, _, _ = select.select([sys.stdin], [], [], seconds)
+if ready:
+    sys.exit(0)  # the parent formed the cluster and closed our stdin
+def answers(address):
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
+silent = [p for p in peers if not answers(p.split("=", 1)[1])]
+why = ("no answer from " + ", ".join(p.replace("=", " (") + ")" for p in silent)) if silent else (
+    "every peer answered but the cluster did not form: do all tasks' TF_CONFIG list the same cluster?")
+print(f"error: could not form the cluster within --connect_timeout={seconds:g}s: {why}", file=sys.stderr, flush=True)
+os.kill(parent, signal.SIGUSR1)  # the parent's handler exits with the signal's number (connect_deadline)
+"""
+
+# A cluster that did not form exits with this code, its own: SIGKILL's 137 reads as an out-of-memory kill.
+NOT_FORMED_EXIT_CODE = int(signal.SIGUSR1)
+
+
+class connect_deadline:
+    """Ends this process with a clear message if the cluster has not formed after --connect_timeout seconds."""
+
+    def __init__(self, settings, resolver):
+        spec = resolver.cluster_spec().as_dict()
+        me = (resolver.task_type, resolver.task_id)
+        peers = [
+            f"{job} {i}={address}"
+            for job, addresses in spec.items()
+            for i, address in enumerate(addresses)
+            if (job, i) != me
+        ]
+        self.command = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(settings.connect_timeout), *peers]
+
+    def __enter__(self):
+        # The process waits in native code that holds Python's lock, where no Python handler can run: libc's
+        # _exit is the handler, called with the signal's number, which becomes the exit code.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self.previous = libc.signal(NOT_FORMED_EXIT_CODE, ctypes.cast(libc._exit, ctypes.c_void_p))
+        self.libc = libc
+        self.watchdog = subprocess.Popen(self.command, stdin=subprocess.PIPE)
+
+    def __exit__(self, *exc):
+        self.watchdog.stdin.close()
+        self.watchdog.wait()  # before the handler goes: a watchdog that timed out as the cluster formed still ends it
+        self.libc.signal(NOT_FORMED_EXIT_CODE, self.previous)
+
+
+def detect_dead_peers(cluster_spec, seconds):
+    """Sets the heartbeat timeout of TensorFlow's coordination service, which fails every task's pending
+    collectives once a peer has been silent that long. MultiWorkerMirroredStrategy starts the service with
+    the same leader and jobs, but with a fixed 10 s timeout, unless it is configured before."""
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        heartbeat_timeout_in_ms=int(seconds * 1000),
+    )
+    for job in ("chief", "worker"):
+        if job in cluster_spec.jobs:
+            context.context().coordination_service.coordinated_job_list.add(
+                name=job, num_tasks=cluster_spec.num_tasks(job)
+            )
+
+
+# A gRPC server answers a client's HTTP/2 connection preface with its own SETTINGS frame, from its own threads: a
+# process that is stopped (SIGSTOP, a debugger) or a host cut off sends nothing, though its port may still accept.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # and an empty SETTINGS
+_PROBE_INTERVAL = 1.0  # seconds between rounds of probes
+
+
+def _silent(address, seconds):
+    """Whether the server at `address` (host:port) sends nothing within `seconds`. Refusing the connection or
+    closing it is an answer: the process is gone or alive, and TensorFlow's own errors say which."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=seconds) as connection:
+            connection.sendall(_HTTP2_PREFACE)
+            connection.recv(1)
+    except TimeoutError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def watch_servers(cluster_spec, seconds):
+    """A parameter-server chief: a thread that ends the process (exit 5) naming a parameter server or worker
+    that has answered nothing for `seconds`. A hung task fails no RPC, so without this the chief waits for it
+    forever. A task that is gone is left to TensorFlow: a lost server fails the step, a lost worker's share moves
+    to the others."""
+    spec = cluster_spec.as_dict()
+    peers = [
+        (f"{job} {i} ({address})", address) for job in ("ps", "worker") for i, address in enumerate(spec.get(job, []))
+    ]
+
+    def probe():
+        while True:
+            for name, address in peers:
+                if _silent(address, seconds):
+                    sys.stdout.flush()
+                    print(
+                        f"error: lost {name}: no answer within --collective_timeout={seconds:g}s (a stopped process "
+                        "or a host cut off); a peer that dies or is silent that long stops the job; restart every "
+                        "task of the job to resume from the last checkpoint",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(LOST_PEER_EXIT_CODE)
+            time.sleep(_PROBE_INTERVAL)
+
+    threading.Thread(target=probe, name="server-watch", daemon=True).start()
+
+
+class PeerLost(RuntimeError):
+    """A multi-worker peer died or stopped answering; restarting every worker resumes the job."""
+
+
+LOST_PEER_EXIT_CODE = 5  # launch.py's code for PeerLost
+
+# What TensorFlow raises on a task whose peer is gone or silent.
+LOST_PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.InternalError,
+)
+
+
+def peer_lost(resolver, settings, error):
+    """PeerLost naming the peer that TensorFlow's `error` names (the first task other than this one)."""
+    text = getattr(error, "message", str(error))
+    cluster = resolver.cluster_spec().as_dict()
+    lost = [
+        m
+        for m in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", text)
+        if m != (resolver.task_type, str(resolver.task_id))
+    ]
+    if lost:
+        job, index = lost[0]
+        peer = f"{job} {index} ({cluster.get(job, ['?'] * (int(index) + 1))[int(index)]})"
+    else:
+        peer = "a peer (not named by TensorFlow)"
+    # An error inside a tf.function starts "Graph execution error:", then the Python stack of the failing op.
+    lines = [line for line in text.splitlines() if line.strip()]
+    skip = ("Graph execution error", "Detected at node", "  File ", "\t")
+    first = next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "").rstrip(":")
+    return PeerLost(
+        f"lost {peer}: {first}; a peer that dies or is silent for --collective_timeout="
+        f"{settings.collective_timeout:g}s stops the job; restart every task of the job to resume from the last "
+        "checkpoint"
+    )

@@ -1,0 +1,182 @@
+"""Input pipelines: the bundled sources (engine/sources/), your own files and any tensorflow-datasets name.
+
+Every pipeline is a function of `tf.distribute.InputContext`, for
+`strategy.distribute_datasets_from_function`. Training reads one stream of examples per run, a pure
+function of the data position (global batches consumed), so a restored run starts at its position in
+constant time and reads what an uninterrupted one would. Evaluation pads with weight-0 examples so
+every real example is counted exactly once. Splits come in three kinds:
+
+- held in memory (`in_memory`: arrays, or file paths and labels): random access. Global batch k is
+  examples [k*G, (k+1)*G) of one global stream, each epoch a permutation by (seed, epoch); each input
+  pipeline (one per worker) takes every n-th of them, so a step sees exactly the examples one device
+  would, whatever the number of workers, and a pipeline reads only its own examples.
+- record files too large for memory (`sharded`: TFRecords, a prepared tensorflow-datasets split): each
+  input pipeline owns every n-th file (of a permutation by seed) and reads only those: its stream is
+  its files, each epoch in an order by (seed, epoch), --interleave_files at a time interleaved example
+  by example and shuffled together. The counts of records per file place any position by arithmetic:
+  a restart skips whole epochs and groups of files unread and reads at most one group before its
+  position. The stream depends on the number of pipelines, so a resumed run must have as many.
+- anything else (`make` only): streamed and replayed up to the position on a restart.
+
+A source may give a per-example `decode` (photos: decode, crop, flip) seeded by the example's stream
+position, so a resumed run crops alike; a record file's records are parsed in the same step. An example
+that cannot be parsed or decoded stops the run naming its file and record (Data.origin), and so does a
+record file that holds fewer or more records than counted: nothing is skipped silently, and the run
+resumes from its last checkpoint once the file is fixed or removed. An empty split is refused.
+
+A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default when empty), outside --workdir:
+the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
+prepare it (<data_dir>/<dataset>/.prepare.lock).
+
+The streams are engine/pipeline.py's, the splits and their record files engine/records.py's; their names a
+source uses (Split, in_memory, sharded) are importable from here too.
+"""
+
+import dataclasses
+import importlib
+import math
+
+import tensorflow as tf
+
+import sources
+import tasks
+from engine.data import tfds_source
+from engine.data.pipeline import AUTOTUNE, Pipelines
+from engine.settings.config import check_memory
+from engine.settings.errors import ConfigError
+
+_Pipelines = Pipelines  # the name tests/test_streamed.py and bench/resume.py build one by
+
+
+class DecodeError(ConfigError):
+    """An example of the data could not be decoded; the message names its file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    # (InputContext, start_batch, stream, counter) -> endless dataset of per-replica batches: {feature: tensor}
+    # after the task's `prepare`, plus `index`, each example's position in the training stream (seeds per
+    # example). `counter`, an int64 variable, counts the bytes of record files read.
+    train_fn: object
+    # InputContext -> finite dataset of eval_steps batches: the prepared features, `index` (the position in the
+    # split) and `weight` (1 for an example, 0 for padding).
+    eval_fn: object
+    eval_steps: int  # evaluation steps that cover every evaluation example once
+    eval_examples: int
+    train_examples: int
+    task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/build.py, received here)
+    spec: dict  # {feature: tf.TensorSpec} of one prepared example
+    sharded: bool = False  # the training stream depends on the number of input pipelines
+    train_bytes: int = 0  # record bytes of the training files, when sharded
+    origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
+    # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
+    # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
+    gather: object = None
+
+
+def task_class(config):
+    """tasks/<config.task>.py's Task class: the builder (engine/build.py) reads it here, before the source, whose
+    features it names; this module never builds a task."""
+    return importlib.import_module(f"tasks.{config.task}").Task
+
+
+def prepare(config, source, task, split=None):
+    """The Data of `source` for `task` (built from the source's spec and info), evaluating `split`, default
+    --eval_split. Sets `task.spec` to the prepared example's spec."""
+    train, evals = source.train, source.evals
+    _check_sizes(config, train, evals, split)
+    eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
+
+    def prepared(batch):
+        # The task sees its features; the engine's own (index, weight) pass around it.
+        own = {k: batch[k] for k in ("index", "weight") if k in batch}
+        return {**task.prepare({k: v for k, v in batch.items() if k not in own}), **own}
+
+    one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
+    task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepared).element_spec.items()}
+    _check_task_memory(config, task)
+    pipelines = Pipelines(config.data, source)
+
+    def train_fn(ctx, start_batch=0, stream=0, counter=None):
+        """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each
+        parameter-server worker reads its own)."""
+        ds = pipelines.train(ctx, start_batch, stream, counter).map(prepared, num_parallel_calls=AUTOTUNE)
+        return _through_service(config, ds, ctx, stream, start_batch).prefetch(AUTOTUNE)
+
+    def gather(batch, pipeline, num_pipelines):
+        return prepared(pipelines.share(batch, pipeline, num_pipelines))
+
+    def eval_fn(ctx):
+        return pipelines.evaluation(ctx, eval_steps).map(prepared, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
+
+    return Data(
+        train_fn,
+        eval_fn,
+        eval_steps,
+        evals.examples,
+        train.examples,
+        task,
+        task.spec,
+        sharded=bool(train.files),
+        train_bytes=pipelines.train_bytes,
+        origin=pipelines.origin,
+        gather=gather if train.fetch is not None and source.decode is None else None,
+    )
+
+
+def _check_sizes(config, train, evals, split):
+    if not evals.examples:  # a mean over nothing: NaN, said as if it were a number
+        raise ConfigError(
+            f"--dataset={config.dataset or tasks.default_dataset(config.task)}: the split "
+            f"{split or config.eval_split} it evaluates holds no examples"
+        )
+    if train.examples < config.global_batch_size:
+        raise ConfigError(
+            f"--global_batch_size={config.global_batch_size}: larger than the "
+            f"{train.examples} examples of --train_split={config.train_split}"
+        )
+
+
+def _check_task_memory(config, task):
+    """The memory check again, now with the task's prepared input shape and its outputs."""
+    input_spec = task.spec.get(task.input)
+    try:
+        outputs = task.outputs
+    except NotImplementedError:  # a task that builds its own models
+        outputs = None
+    check_memory(config, tuple(input_spec.shape) if input_spec else None, outputs)
+
+
+def _through_service(config, ds, ctx, stream, start_batch):
+    if not config.tf_data_service:
+        return ds
+    # The service's workers build the batches; each is built once (dynamic sharding), but they
+    # arrive in the order the service's workers finish them, not always the stream's.
+    return ds.apply(
+        tf.data.experimental.service.distribute(
+            processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
+            service=config.tf_data_service,
+            job_name=f"train-{ctx.input_pipeline_id}-{stream}-{start_batch}",
+        )
+    )
+
+
+def load_source(config, features, split=None):
+    """The Source `config.dataset` names, keeping `features` (all when empty); its eval split is `split`, else
+    --eval_split."""
+    name = config.dataset or tasks.default_dataset(config.task)
+    kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is engine/sources/KIND.py's to read
+    if kind in sources.available():
+        source = importlib.import_module(f"sources.{kind}").load(config, split or config.eval_split)
+    else:
+        source = tfds_source.load(config, name, features, split or config.eval_split)
+    missing = [f for f in features if f not in source.spec]
+    if missing:
+        raise ConfigError(
+            f"--dataset={name}: --task={config.task} needs the features {', '.join(features)} "
+            f"(it has {', '.join(source.spec)})"
+        )
+    for feature, spec in source.spec.items():
+        if not spec.shape.is_fully_defined():
+            raise ConfigError(f"--dataset={name}: {feature} has no fixed shape ({spec.shape})")
+    return source

@@ -1,0 +1,308 @@
+"""The training and evaluation streams of a source (engine/data.py `Source`), each a pure function of the data
+position: global batch k holds the same examples whatever the number of input pipelines, on every restart.
+
+A split held in memory is gathered a global batch at a time; one in record files is read file by file, each
+pipeline its own files, placed by arithmetic on their counts; any other is replayed up to the position. A
+source's decode runs per example, seeded by its stream position, and an example it cannot decode stops the
+run naming its position (`Pipelines.origin` names its file).
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from engine.data.records import counted_records, file_records, op_message, parsed, record_example, unreadable
+from engine.settings import sections
+from engine.settings.errors import ConfigError
+
+AUTOTUNE = tf.data.AUTOTUNE
+_CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
+UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
+
+
+def _fold(seed, *values):
+    """A [2] int64 stateless seed mixed with `values` (ints or int tensors), one after the other."""
+    for value in values:
+        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
+    return seed
+
+
+def _permutation(n, seed):
+    """A uniform random permutation of range(n) from a [2] int64 seed. (RandomIndexShuffle is far from uniform on
+    a few elements, such as a pipeline's files: on 12 it leaves most in place, and it reads 16 bits of a seed word.)"""
+    return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
+
+
+class Pipelines:
+    """The training and evaluation streams of a source."""
+
+    def __init__(self, data, source):
+        # The run's config.data (a Config is read as its data section): what the streams read, and nothing else.
+        self.data, self.source = sections.section(data, "data"), source
+        self.train_split, self.evals = source.train, source.evals
+        self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
+
+    def position(self, ctx, local):
+        """The global stream position of this pipeline's `local`-th training example: its share of global
+        batch k is every n-th position of that batch, as with random access."""
+        share = self.data.global_batch_size // ctx.num_input_pipelines
+        return (
+            (local // share) * self.data.global_batch_size
+            + ctx.input_pipeline_id
+            + (local % share) * ctx.num_input_pipelines
+        )
+
+    def seeds(self, index, stream):
+        # Per example, from the run's seed, the stream and the example's position: a resumed run crops alike.
+        return tf.stack([tf.constant(self.data.seed, tf.int64) + tf.cast(stream, tf.int64) * (1 << 32), index])
+
+    # Training.
+
+    def train(self, ctx, start_batch, stream, counter):
+        """This pipeline's per-replica batches from global batch `start_batch` on."""
+        split, data = self.train_split, self.data
+        per_replica = ctx.get_per_replica_batch_size(data.global_batch_size)
+        local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        if split.fetch is not None and self.source.decode is None:
+            return self._gathered(ctx, start_batch, stream, per_replica, local_replicas)
+        ds = self.examples(ctx, start_batch, stream, counter)
+        first = start_batch * (data.global_batch_size // ctx.num_input_pipelines)
+        ds = self._decoded(ds, True, stream, first, lambda local: self.position(ctx, local))
+        return ds.batch(per_replica, drop_remainder=True)
+
+    def examples(self, ctx, start_batch, stream, counter=None):
+        """This pipeline's training examples from global batch `start_batch` on, undecoded (a record file's
+        unparsed), with `index`."""
+        split = self.train_split
+        if split.fetch is not None:
+            share = self.data.global_batch_size // ctx.num_input_pipelines
+            return self._gathered(ctx, start_batch, stream, share, 1).unbatch()
+        if split.files:
+            return self._sharded(ctx, start_batch, stream, counter)
+        return self._replayed(ctx, start_batch, stream)
+
+    @tf.autograph.experimental.do_not_convert
+    def order(self, positions, stream):
+        """The examples at global stream `positions`: epoch e's permutation, element by element."""
+        n = self.train_split.examples
+        epoch, within = positions // n, positions % n
+        seeds = tf.stack(
+            [
+                tf.fill(tf.shape(epoch), tf.constant(self.data.seed, tf.int64)),
+                epoch,
+                tf.fill(tf.shape(epoch), tf.cast(stream, tf.int64)),
+            ],
+            axis=-1,
+        )
+        # The raw op: tf.random.experimental.index_shuffle mis-pads a batch of seeds.
+        return tf.raw_ops.RandomIndexShuffle(index=within, seed=seeds, max_index=n - 1, rounds=4)
+
+    @tf.autograph.experimental.do_not_convert
+    def share(self, batch, pipeline, num_pipelines, stream=0):
+        """Input pipeline `pipeline`'s share of global batch `batch` (either may be a tensor), gathered from memory:
+        the examples at stream positions pipeline, pipeline + n, ... of the batch, with their `index`."""
+        positions = batch * self.data.global_batch_size + tf.range(
+            pipeline, self.data.global_batch_size, num_pipelines, dtype=tf.int64
+        )
+        return {**self.train_split.fetch(self.order(positions, stream)), "index": positions}
+
+    def _gathered(self, ctx, start_batch, stream, per_replica, local_replicas):
+        def global_batch(k):
+            batch = self.share(k, ctx.input_pipeline_id, ctx.num_input_pipelines, stream)
+            if local_replicas == 1:
+                return batch
+            return {k: tf.reshape(v, [local_replicas, per_replica, *v.shape[1:]]) for k, v in batch.items()}
+
+        # One gather per global batch instead of per-example work: the host stays off the critical path.
+        ds = tf.data.Dataset.range(start_batch, 2**62).map(global_batch, num_parallel_calls=AUTOTUNE)
+        # Several replicas here take consecutive elements: split the batch. Unbatching copies each slice, so one
+        # replica skips it (measured: bench/RESULTS.md, section "One replica skips the unbatch").
+        return ds if local_replicas == 1 else ds.unbatch()
+
+    def owned(self, ctx):
+        """This pipeline's files, ((path, records), ...): every n-th of a permutation fixed by the seed."""
+        files = self.train_split.files
+        if len(files) < ctx.num_input_pipelines:
+            raise ConfigError(
+                f"--dataset={self.data.dataset}: its {len(files)} record files of --train_split="
+                f"{self.data.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
+                "each of which reads its own files; write the split in more files"
+            )
+        order = np.random.default_rng(self.data.seed).permutation(len(files))
+        return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
+
+    def _sharded(self, ctx, start_batch, stream, counter):
+        data = self.data
+        files = self.owned(ctx)
+        paths = tf.constant([path for path, _ in files])
+        counts = tf.constant([records for _, records in files], tf.int64)
+        per_epoch = sum(records for _, records in files)
+        width = min(data.interleave_files, len(files))
+        groups = math.ceil(len(files) / width)
+        # Seeds of this pipeline's orders: the run's, its stream's, its own. (A parameter-server worker's stream
+        # is a tensor of the traced dataset function: everything below is graph arithmetic.)
+        key = _fold(tf.constant([data.seed, 0], tf.int64), stream, ctx.input_pipeline_id)
+
+        def file_order(epoch):
+            return _permutation(len(files), _fold(key, epoch))
+
+        def group(epoch, g):
+            chosen = file_order(epoch)[g * width : (g + 1) * width]
+            ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, chosen), tf.gather(counts, chosen)))
+            ds = ds.interleave(
+                lambda path, n: counted_records(path, n, counter),
+                cycle_length=width,
+                block_length=1,
+                num_parallel_calls=AUTOTUNE,
+                deterministic=True,
+            )
+
+            # Shuffled within the group, window by window of --shuffle_buffer examples, each window's order a
+            # function of (seed, stream, pipeline, epoch, group, window): alike on every restart.
+            def shuffle(w, window):
+                order = _permutation(tf.shape(window[0])[0], _fold(key, epoch, g, w))
+                return tuple(tf.gather(part, order) for part in window)
+
+            return ds.batch(data.shuffle_buffer).enumerate().map(shuffle).unbatch()
+
+        def epoch_stream(epoch, first_group=0):
+            return tf.data.Dataset.range(first_group, groups).flat_map(lambda g: group(epoch, g))
+
+        # Where the start lies, by arithmetic on the counts: the epochs and groups before it are never read.
+        local = start_batch * (data.global_batch_size // ctx.num_input_pipelines)
+        epoch, within = divmod(local, per_epoch)
+        sizes = tf.gather(counts, file_order(tf.constant(epoch, tf.int64)))
+        sizes = tf.reduce_sum(tf.reshape(tf.pad(sizes, [[0, groups * width - len(files)]]), [groups, width]), axis=1)
+        ends = tf.cumsum(sizes)  # where each group of the start epoch ends
+        first_group = tf.reduce_sum(tf.cast(ends <= within, tf.int64))
+        before = tf.concat([[0], ends], axis=0)[first_group]
+        ds = epoch_stream(tf.constant(epoch, tf.int64), first_group).skip(within - before)
+        ds = ds.concatenate(tf.data.Dataset.range(epoch + 1, 2**62).flat_map(epoch_stream))
+        # Unparsed: the decode step parses (`_decoded`), so a record that does not parse is named like an image
+        # that does not decode.
+        return ds.enumerate(local).map(
+            lambda i, item: {**record_example(*item), "index": self.position(ctx, i)}, num_parallel_calls=AUTOTUNE
+        )
+
+    def _replayed(self, ctx, start_batch, stream):
+        """A split with neither random access nor files: a shuffle buffer reshuffled each epoch; a restart
+        replays the stream up to its position (reading, not training on, the examples before it)."""
+        data, split = self.data, self.train_split
+        ds = split.make().shuffle(
+            min(data.shuffle_buffer, split.examples), seed=data.seed * 1000 + stream, reshuffle_each_iteration=True
+        )
+        start = start_batch * data.global_batch_size
+        ds = ds.repeat().skip(start).enumerate(start).map(lambda i, x: {**x, "index": i})
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+
+    # Decoding.
+
+    def _decoded(self, ds, training, stream, first, position, end=None):
+        """`ds` with each example decoded (`decode`: a record file's record parsed, then the source's decode). A
+        failure stops the pipeline naming the example's position: the decode runs in parallel and its errors are
+        dropped, and the positions that come out are checked against `position(first), position(first + 1), ...`
+        (up to `end`, exclusive)."""
+        split = self.train_split if training else self.evals
+        if self.source.decode is None and not split.files:
+            return ds.map(lambda x: {k: v for k, v in x.items() if k != "origin"})
+
+        def run(x):
+            own = {k: x[k] for k in ("index", "weight") if k in x}
+            features = self.decode({k: v for k, v in x.items() if k not in own}, split, stream, x["index"], training)
+            return {**features, **own}
+
+        def blank(spec, index):
+            return {**{k: tf.zeros([d or 0 for d in s.shape], s.dtype) for k, s in spec.items()}, "index": index}
+
+        # After every _CHECK_EVERY examples, and at the end, a marker that cannot fail: a dropped example shows even
+        # where every one fails (an endless stream of failures would hang otherwise).
+        raw, decoded = ds.element_spec, ds.map(run).element_spec
+        markers = tf.data.Dataset.from_tensors(blank(raw, tf.constant(-1, tf.int64))).repeat()
+        pattern = tf.data.Dataset.from_tensor_slices(tf.constant([0] * _CHECK_EVERY + [1], tf.int64)).repeat()
+        ds = tf.data.Dataset.choose_from_datasets([ds, markers], pattern, stop_on_empty_dataset=True)
+        if end is not None:
+            ds = ds.concatenate(tf.data.Dataset.from_tensors(blank(raw, tf.constant(-1, tf.int64))))
+        marker = lambda x: x["index"] < 0  # noqa: E731
+        ds = ds.enumerate().map(
+            lambda slot, x: (slot, tf.cond(marker(x), lambda: blank(decoded, x["index"]), lambda: run(x))),
+            num_parallel_calls=AUTOTUNE,
+        )
+
+        def check(j, item):
+            # The j-th to come out must be the j-th in: else slot j was dropped, an example (markers cannot fail),
+            # the (j - markers before it)-th since `first`.
+            slot, x = item
+            expected = position(first + j - j // (_CHECK_EVERY + 1))
+            found = tf.debugging.Assert(tf.equal(slot, j), [UNDECODABLE, expected, "of stream", stream], summarize=1)
+            with tf.control_dependencies([found]):
+                return {k: tf.identity(v) for k, v in x.items()}
+
+        ds = ds.ignore_errors().enumerate().map(check, num_parallel_calls=AUTOTUNE)
+        ds = ds.filter(lambda x: tf.logical_not(marker(x)))
+        return ds if end is None else ds.take(end - first)
+
+    def decode(self, example, split, stream, index, training):
+        """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode."""
+        if split.files:
+            example = parsed(split.parse, example)
+        example = {k: v for k, v in example.items() if k != "origin"}
+        if self.source.decode is None:
+            return example
+        return self.source.decode(example, self.seeds(index, stream), training)
+
+    def origin(self, position, stream=0, training=True, pipelines=1):
+        """Why the example at `position` (of the training stream read with `pipelines` input pipelines, or
+        of the evaluation split) could not be decoded: its file and the decoder's error."""
+        data = self.data
+        if training:
+            pipeline = position % data.global_batch_size % pipelines
+            ctx = tf.distribute.InputContext(pipelines, pipeline, pipelines)
+            k, within = divmod(position, data.global_batch_size)
+            ds = self.examples(ctx, k, stream).skip((within - pipeline) // pipelines)
+        else:
+            ds = self._unparsed(self.evals).skip(position)
+        try:
+            example = next(iter(ds.take(1)))
+        except tf.errors.OpError as e:  # the file itself cannot be read
+            return f"--dataset={data.dataset}: cannot read example {position}: {op_message(e)}"
+        where = example.get("origin")
+        where = where.numpy().decode() if where is not None else f"example {position} of the split"
+        split = self.train_split if training else self.evals
+        features = {k: v for k, v in example.items() if k not in ("index", "weight")}
+        if split.files:
+            try:  # in a graph, as in the pipeline: its checks' messages read alike
+                features = tf.function(lambda example: parsed(split.parse, example))(features)
+            except tf.errors.OpError as e:
+                damaged = unreadable(e) or f"cannot parse {where}: {op_message(e)}"
+                return f"--dataset={data.dataset}: {damaged}"
+        features.pop("origin", None)
+        try:
+            if self.source.decode is not None:
+                self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
+        except tf.errors.OpError as e:
+            return f"--dataset={data.dataset}: cannot decode {where}: {op_message(e)}"
+        return f"--dataset={data.dataset}: the example at position {position} ({where}) was lost before decoding"
+
+    def _unparsed(self, split):
+        """The examples of `split` in order, a record file's unparsed (`decode` parses them)."""
+        return file_records(split.files) if split.files else split.make()
+
+    # Evaluation.
+
+    def evaluation(self, ctx, eval_steps):
+        """This pipeline's share of the evaluation split, in order, padded with weight-0 examples to
+        `eval_steps` batches per replica: every example counts exactly once."""
+        data, source = self.data, self.source
+        # An example counts once unless its source says how much it counts (a text window: its characters).
+        ds = self._unparsed(self.evals).enumerate().map(lambda i, x: {"weight": tf.constant(1.0), **x, "index": i})
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        pid, n = ctx.input_pipeline_id, ctx.num_input_pipelines
+        mine = len(range(pid, self.evals.examples, n))
+        ds = self._decoded(ds, False, 0, 0, lambda local: pid + local * n, end=mine)
+        padding = {k: tf.zeros(s.shape, s.dtype) for k, s in source.spec.items()}
+        padding.update(index=tf.constant(-1, tf.int64), weight=tf.constant(0.0))
+        ds = ds.concatenate(tf.data.Dataset.from_tensors(padding).repeat())
+        ds = ds.batch(ctx.get_per_replica_batch_size(data.per_eval_batch_size), drop_remainder=True)
+        local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        return ds.take(eval_steps * local_replicas)

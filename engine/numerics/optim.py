@@ -1,0 +1,189 @@
+"""Engine-owned optimizers and the learning-rate schedule.
+
+Each rule is a pure function from (parameter, gradient, slots) to their new
+values, so the step can apply every update masked by the all-reduced finite
+flag (float16's skipped steps). The rules reproduce Keras 3's SGD, AdamW and Lamb (tests check parity).
+Keras's own optimizers cannot be used in the step: they all-reduce again inside
+`apply_gradients` and cannot skip a step for every replica at once.
+"""
+
+import math
+import re
+
+import tensorflow as tf
+
+from engine.settings import sections
+from engine.settings.errors import ConfigError
+from engine.settings.fields import MOMENT_DTYPES
+
+# Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
+# (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
+# engine/settings.py's LR_SCHEDULES).
+SCHEDULES = {
+    "constant": None,
+    "cosine": lambda progress: 0.5 * (1.0 + tf.cos(math.pi * progress)),
+}
+
+
+@tf.autograph.experimental.do_not_convert
+def learning_rate(optimization, step):
+    """Learning rate for the update that follows `step` updates: scaled peak, linear warmup, decay.
+    `optimization`: the run's config.optimization (or a Config, whose section it reads)."""
+    hp = sections.section(optimization, "optimization")
+    peak = hp.learning_rate
+    if hp.lr_scaling == "linear":
+        peak *= hp.global_batch_size / hp.base_batch_size  # Goyal et al.: lr grows with the batch
+    step = tf.cast(step, tf.float32)
+    lr = tf.constant(peak, tf.float32)
+    if hp.warmup_steps:
+        lr *= tf.minimum(1.0, (step + 1.0) / hp.warmup_steps)
+    decay = SCHEDULES[hp.lr_schedule]
+    if decay is not None:
+        progress = (step - hp.warmup_steps) / (hp.train_steps - hp.warmup_steps)
+        lr *= decay(tf.clip_by_value(progress, 0.0, 1.0))
+    return lr
+
+
+def _sgd(param, grad, slots, lr, t, hp):
+    if not slots:
+        return param - lr * grad, []
+    (velocity,) = slots
+    velocity = hp.momentum * velocity - lr * grad
+    if hp.nesterov:
+        return param + hp.momentum * velocity - lr * grad, [velocity]
+    return param + velocity, [velocity]
+
+
+def _moments(grad, slots, hp):
+    m, v = slots
+    return m + (grad - m) * (1.0 - hp.beta_1), v + (tf.square(grad) - v) * (1.0 - hp.beta_2)
+
+
+def _adamw(param, grad, slots, lr, t, hp):
+    m, v = _moments(grad, slots, hp)
+    alpha = lr * tf.sqrt(1.0 - hp.beta_2**t) / (1.0 - hp.beta_1**t)
+    return param - alpha * m / (tf.sqrt(v) + hp.epsilon), [m, v]
+
+
+def _lamb(param, grad, slots, lr, t, hp):
+    m, v = _moments(grad, slots, hp)
+    update = (m / (1.0 - hp.beta_1**t)) / (tf.sqrt(v / (1.0 - hp.beta_2**t)) + hp.epsilon)
+    param_norm, update_norm = tf.norm(param), tf.norm(update)
+    # Layer-wise trust ratio; 1 where either norm is zero (fresh biases, zero updates).
+    trust = tf.where((param_norm > 0) & (update_norm > 0), param_norm / update_norm, 1.0)
+    return param - trust * lr * update, [m, v]
+
+
+# The update rules by --optimizer name, and how many slots each keeps per parameter: a fork adds its rule here
+# (and its name to engine/settings.py's OPTIMIZERS). Rules and schedules run as written, without autograph (see
+# engine/step.py): a choice on a tensor is tf.where or tf.cond, not `if`.
+RULES = {"sgd": _sgd, "adamw": _adamw, "lamb": _lamb}
+SLOTS = {"sgd": 1, "adamw": 2, "lamb": 2}
+
+
+def _slots(hp):
+    return 0 if hp.optimizer == "sgd" and not hp.momentum else SLOTS[hp.optimizer]
+
+
+def slot_dtypes(hp, dtype):
+    """The dtype each slot of a parameter of `dtype` is stored in: its own, but an Adam rule's first moment in
+    --first_moment_dtype. Its second moment stays: bfloat16's 8 bits of mantissa would round v's small steps
+    (1 - beta_2 of it) away, and the step divides by its root."""
+    dtypes = [dtype] * _slots(hp)
+    if dtypes and hp.optimizer in ("adamw", "lamb") and hp.first_moment_dtype != "float32":
+        dtypes[0] = tf.dtypes.as_dtype(hp.first_moment_dtype)
+    return dtypes
+
+
+def checked_settings(optimization, overrides, what):
+    """The run's optimizer settings (config.optimization) with `overrides` (an optimizer group's, an update's),
+    checked like flags: a fork's typo is one clear line naming `what` it came from."""
+    hp = sections.section(optimization, "optimization")
+    unknown = set(overrides) - set(sections.every_setting(hp))
+    if unknown:
+        raise ConfigError(f"{what}: no setting {', '.join(sorted(unknown))}")
+    for name in sorted(set(overrides) - set(hp.names)):
+        try:
+            getattr(hp, name)
+        except AttributeError as e:  # another section's setting, which no optimizer reads
+            raise ConfigError(f"{what}: {e}") from None
+    for name, value in overrides.items():
+        # A group may stand still (learning rate 0), unlike a run: every number zero or more, rules by name.
+        if name == "optimizer" and value not in RULES:
+            raise ConfigError(f"{what}: optimizer={value}: must be one of {', '.join(RULES)}")
+        if name == "first_moment_dtype" and value not in MOMENT_DTYPES:
+            raise ConfigError(f"{what}: first_moment_dtype={value}: must be one of {', '.join(MOMENT_DTYPES)}")
+        if isinstance(value, (int, float)) and not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"{what}: {name}={value}: must be zero or positive")
+    return hp.replace(**overrides)
+
+
+class Optimizer(tf.Module):
+    """Slots and update counter of one of the rules above. Create under `strategy.scope()`.
+
+    `paths` name the parameters: slots are checkpointed by them. `groups` (a task's optimizer_groups):
+    ((regex, {setting: value}), ...); a parameter whose path matches a group's regex (the first that does) is
+    updated with those settings instead of the run's (its own learning rate, rule, weight decay).
+    """
+
+    def __init__(self, optimization, params, paths, groups=()):
+        super().__init__(name="optimizer")
+        optimization = sections.section(optimization, "optimization")
+        group_settings = [checked_settings(optimization, o, f"optimizer group {pattern!r}") for pattern, o in groups]
+        # Each parameter's settings (0: the run's, k: the k-th group's), and the name its learning rate is logged
+        # under: the run's `learning_rate`, a group's `learning_rate/<its regex>`.
+        chosen = [
+            next((k for k, (pattern, _) in enumerate(groups, 1) if re.search(pattern, path)), 0) for path in paths
+        ]
+        names = ["learning_rate", *(f"learning_rate/{pattern}" for pattern, _ in groups)]
+        self.settings = [[optimization, *group_settings][k] for k in chosen]
+        self.rate_of = [names[k] for k in chosen]
+        # The rates `updates` returns: those some parameter trains with, the run's first, then the groups' in order.
+        self.rate_names = [names[k] for k in sorted(set(chosen))]
+        for pattern, _ in groups:  # a typo in a group's regex would otherwise train with the run's settings, silently
+            if not any(re.search(pattern, path) for path in paths):
+                print(f"warning: optimizer group {pattern!r} matches no trained variable (e.g. {paths[0]})", flush=True)
+        # Counts applied updates only: a skipped (non-finite) step leaves it unchanged.
+        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
+        self.slots_by_path = {
+            path: [
+                tf.Variable(tf.zeros(p.shape, dtype), trainable=False, name=f"slot{k}")
+                for k, dtype in enumerate(slot_dtypes(hp, p.dtype))
+            ]
+            for path, p, hp in zip(paths, params, self.settings)
+        }
+        self.paths = list(paths)
+        # Decay kernels only: biases and normalization scales are left alone.
+        self.decays = [len(p.shape) >= 2 for p in params]
+
+    @property
+    def slots(self):
+        """The slot variables, one list per parameter in the order given."""
+        return [self.slots_by_path[path] for path in self.paths]
+
+    @tf.autograph.experimental.do_not_convert
+    def updates(self, params, slots, iterations, grads):
+        """New parameter and slot values for one step from the values given; pure, nothing is read or assigned.
+
+        `slots` is shaped like `self.slots`; returns (new_params, new_slots, {name: learning rate} of `rate_names`):
+        the rates the parameters were updated with, and no other (a run's own rate is not logged where every
+        parameter trains in a group).
+        """
+        t = tf.cast(iterations + 1, tf.float32)
+        rates = {}
+        new_params, new_slots = [], []
+        for param, grad, param_slots, decays, hp, name in zip(
+            params, grads, slots, self.decays, self.settings, self.rate_of
+        ):
+            if name not in rates:
+                rates[name] = learning_rate(hp, iterations)
+            lr = rates[name]
+            if decays and hp.weight_decay:
+                param -= param * hp.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
+            # Every rule computes in the parameter's dtype; a slot stored narrower is rounded when it is stored.
+            stored = [s.dtype for s in param_slots]
+            param_slots = [tf.cast(s, param.dtype) for s in param_slots]
+            param, param_slots = RULES[hp.optimizer](param, tf.cast(grad, param.dtype), param_slots, lr, t, hp)
+            new_params.append(param)
+            new_slots.append([tf.cast(s, dtype) for s, dtype in zip(param_slots, stored)])
+        return new_params, new_slots, {name: rates[name] for name in self.rate_names}

@@ -1,0 +1,225 @@
+"""A train step as a sequence of updates: what each trains, with which optimizer, clipped how, how often.
+
+A task's `updates()` returns them in order (the default: one update, "train", of every trained variable with
+the run's optimizer). Each update is one loss over its own forward pass, its variables, its optimizer (rule,
+settings, slots and update count), its loss scale in float16 and its clipping; engine/step.py runs each as the
+engine's own step: the loss over the GLOBAL batch, one all-reduce, unscale, finite check, clip, masked apply.
+A step the updates cannot say (SAM's ascent point) a task writes as `replica_step(step, batch)` from the
+primitives of engine/step.py's ReplicaStep.
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from engine.numerics import optim, precision
+from engine.settings.errors import ConfigError
+
+DEFAULT = "train"  # the one update of a task that defines none; its metrics and checkpoint keep the plain names
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """One update of the step.
+
+    name: its metrics are <name>/loss, <name>/grad_norm, <name>/learning_rate, <name>/loss_scale.
+    loss: loss(models, batch, seed) -> per-example float32 losses of the replica's batch, computed in the step's
+        training forward pass; `seed` ([2] int64) is this pass's own (seed, step, replica, pass): draw the task's
+        noise from it (tf.random.stateless_normal(shape, seed=seed)). None: the task's forward and loss.
+    trains: a tuple of model names, or a regex over <model>/<variable path>; (): every trained variable.
+    optimizer: settings of this update's optimizer over the run's ({"optimizer": "adamw", "beta_1": 0.5, ...}).
+    groups: optimizer groups inside the update, as Task.optimizer_groups.
+    clip_norm, clip_value: None: the run's --clip_norm and --clip_value.
+    every: applied at the steps whose count of steps before it is a multiple of `every` (its gradients are taken
+        at every step, so every replica all-reduces alike; nothing of it changes at the other steps).
+    repeat: applied this many times per step, in turn, each time a fresh forward pass over the step's batch.
+    """
+
+    name: str
+    loss: Callable | None = None
+    trains: str | tuple = ()
+    optimizer: dict = dataclasses.field(default_factory=dict)
+    groups: tuple = ()
+    clip_norm: float | None = None
+    clip_value: float | None = None
+    every: int = 1
+    repeat: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Clipping:
+    clip_norm: float
+    clip_value: float
+
+
+class Plan:
+    """One update as built for a run: its Keras variables (in the run's order), their <model>/<path> names, its
+    optimizer and loss scale (tf.Modules, checkpointed by the update's name), the moving averages of its
+    variables, its clipping, and the prefix of its metrics ("" for a run's only update)."""
+
+    def __init__(self, update, variables, names, averages, optimization, numerics, prefix, what):
+        self.update, self.name, self.prefix = update, update.name, prefix
+        self.variables, self.names, self.averages = variables, names, averages
+        self.ema_decay = optimization.ema_decay
+        settings = optim.checked_settings(optimization, update.optimizer, what)
+        self.optimizer = optim.Optimizer(settings, [v.value for v in variables], names, update.groups)
+        # Created in every precision so a checkpoint fits any of them; only float16 uses it.
+        self.loss_scale = precision.LossScale(numerics.initial_loss_scale, numerics.loss_scale_growth_interval)
+        self.clipping = Clipping(
+            optimization.clip_norm if update.clip_norm is None else update.clip_norm,
+            optimization.clip_value if update.clip_value is None else update.clip_value,
+        )
+        if self.clipping.clip_norm and self.clipping.clip_value:
+            raise ConfigError(f"{what}: choose one of clip_norm and clip_value, not both")
+
+    @tf.autograph.experimental.do_not_convert
+    def targets(self, state, float16):
+        """The variables one apply assigns, by name: its weights, slots and count, the statistics `state` a forward
+        pass updates, its moving averages, and its loss scale in float16."""
+        targets = {
+            "params": [v.value for v in self.variables],
+            "slots": self.optimizer.slots,
+            "iterations": self.optimizer.iterations,
+            "state": [v.value for v in state],
+            "ema": list(self.averages),
+        }
+        if float16:
+            targets["loss_scale"] = {"scale": self.loss_scale.scale, "good_steps": self.loss_scale.good_steps}
+        return targets
+
+    @tf.autograph.experimental.do_not_convert
+    def new_values(self, grads, finite, when, new_state, state, float16, asynchronous):
+        """({name: value} of every variable one apply assigns (targets), its learning rates), from `grads` (the
+        all-reduced, clipped gradients), `finite` (theirs), `when` (None, or whether the update is due) and the
+        statistics `new_state` of `state` the step's forward passes left (None: unchanged); pure. Asynchronous
+        (parameter servers): the changes, to add."""
+        current = tf.nest.map_structure(tf.convert_to_tensor, self.targets(state, float16))  # every variable read once
+        iterations = current["iterations"]
+        new_params, new_slots, rates = self.optimizer.updates(current["params"], current["slots"], iterations, grads)
+        # --ema_decay warmed up by the update count t, as TensorFlow's ExponentialMovingAverage(num_updates) and
+        # Model Garden do: min(D, (1 + t) / (10 + t)). A fixed D from the first update would leave D**t of the
+        # initial weights in the average that evaluation and export use.
+        t = tf.cast(iterations + 1, tf.float32)
+        decay = tf.minimum(self.ema_decay, (1.0 + t) / (10.0 + t))
+        updated = {
+            "params": new_params,
+            "slots": new_slots,
+            "iterations": iterations + 1,
+            "state": current["state"] if new_state is None else new_state,
+            "ema": [decay * average + (1.0 - decay) * p for average, p in zip(current["ema"], new_params)],
+        }
+        scale = current.pop("loss_scale", None)
+        # float16: a non-finite step is routine (the scale was too high) and changes nothing but the scale: no
+        # weight, slot, update count, statistic or average. float32 and bfloat16: a non-finite step is divergence,
+        # and the loop stops or rolls back to the last checkpoint at the round's end, before anything is saved.
+        # Masking every value there would make each update wait for the global norm, a measurable share of the
+        # step (bench/RESULTS.md, "2026-11-30: end to end", the table of the step's parts).
+        keep = finite if scale is not None else None
+        if when is not None:  # an update not due at this step (Update.every, a custom step's `when`)
+            keep = when if keep is None else keep & when
+        values = updated if keep is None else tf.nest.map_structure(lambda u, c: tf.where(keep, u, c), updated, current)
+        if scale is not None:
+            grown = dict(zip(("scale", "good_steps"), self.loss_scale.next_state(finite)))
+            if when is not None:
+                grown = {k: tf.where(when, v, scale[k]) for k, v in grown.items()}
+            values, current = {**values, "loss_scale": grown}, {**current, "loss_scale": scale}
+        if asynchronous:
+            values = tf.nest.map_structure(lambda v, c: v - c, values, current)
+        return values, rates
+
+    @property
+    def rate_names(self):
+        """The learning rates it logs: learning_rate, learning_rate/<group regex>, under its prefix."""
+        return [self.prefix + name for name in self.optimizer.rate_names]
+
+    @property
+    def metric_names(self):
+        """The step's outputs of this update beside `loss`, `finite` and `stop`."""
+        own = [f"{self.prefix}loss", f"{self.prefix}finite"] if self.prefix else []
+        return [*own, f"{self.prefix}grad_norm", f"{self.prefix}loss_scale", *self.rate_names]
+
+
+def _check(update, task_file):
+    if not isinstance(update, Update):
+        raise ConfigError(f"{task_file}: updates() returned {update!r}, not an engine.numerics.updates.Update")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", update.name or ""):
+        raise ConfigError(f"{task_file}: update name {update.name!r}: use letters, digits, '_', '.' or '-'")
+    for field in ("every", "repeat"):
+        value = getattr(update, field)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{task_file}: update {update.name!r}: {field}={value!r}: must be an integer of 1 or more"
+            )
+
+
+def _say_overrides(update, config, task_file):
+    """A warning for each setting an update fixes over a value the run was given (not its default): --optimizer=sgd
+    on a task whose updates train with adamw would otherwise be ignored in silence."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name, value in update.optimizer.items():
+        given = getattr(config, name, None)
+        if name in defaults and given != defaults[name] and given != value:
+            print(
+                f"warning: {task_file}: update {update.name!r} trains with {name}={value}, not --{name}={given}",
+                flush=True,
+            )
+
+
+def _selected(update, names):
+    """Indices of the names (<model>/<path>) the update trains."""
+    if isinstance(update.trains, str) and update.trains:
+        return [i for i, name in enumerate(names) if re.search(update.trains, name)]
+    models = tuple(update.trains)
+    return [i for i, name in enumerate(names) if not models or name.split("/", 1)[0] in models]
+
+
+def build_plans(task, params, names, averages, config):
+    """The task's updates built for the run: [Plan], in the order they apply. `params`, `names`: the run's trained
+    variables and their <model>/<path>; `averages`: their moving averages (--ema_decay), or []."""
+    task_file = f"tasks/{config.task}.py"
+    updates = tuple(task.updates()) or (Update(DEFAULT, groups=task.optimizer_groups),)
+    for update in updates:
+        _check(update, task_file)
+    taken = [u.name for u in updates]
+    if len(set(taken)) != len(taken):
+        raise ConfigError(f"{task_file}: two updates are named alike ({', '.join(taken)})")
+    plans, covered = [], set()
+    for update in updates:
+        chosen = _selected(update, names)
+        if not chosen:
+            raise ConfigError(
+                f"{task_file}: update {update.name!r} trains={update.trains!r} matches no trained variable "
+                f"(e.g. {names[0]})"
+            )
+        covered.update(chosen)
+        plans.append(
+            Plan(
+                update,
+                [params[i] for i in chosen],
+                [names[i] for i in chosen],
+                [averages[i] for i in chosen] if averages else [],
+                config.optimization,
+                config.numerics,
+                "" if len(updates) == 1 else f"{update.name}/",
+                f"{task_file}: update {update.name!r}",
+            )
+        )
+    for update in updates:
+        _say_overrides(update, config, task_file)
+    left = [names[i] for i in range(len(names)) if i not in covered]
+    if left:
+        print(f"warning: {task_file}: no update trains {left[0]}" + (f" and {len(left) - 1} more" if left[1:] else ""))
+    return plans
+
+
+def checkpointed(plans):
+    """The optimizers' and loss scales' part of a checkpoint: a one-update run keeps the names of the runs before
+    updates existed (optimizer, loss_scale), so their checkpoints restore; several go by update name."""
+    if len(plans) == 1:
+        return {"optimizer": plans[0].optimizer, "loss_scale": plans[0].loss_scale}
+    return {
+        "optimizers": {p.name: p.optimizer for p in plans},
+        "loss_scales": {p.name: p.loss_scale for p in plans},
+    }

@@ -1,0 +1,210 @@
+"""Evaluation and export from checkpoints: --mode=eval, --mode=continuous_eval, --mode=export."""
+
+import dataclasses
+import json
+import os
+import time
+
+import tensorflow as tf
+
+from engine.cluster import distribute
+from engine.run.loop import Trainer
+from engine.settings import config as config_lib
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint as checkpoint_lib
+from engine.state.report import format_metrics, write_json
+from engine.state.workdir import append_text
+
+
+def run_config(config):
+    """The config that rebuilds the trained run: its config.json (beside --checkpoint, else in --workdir), with
+    this command line's execution settings, --eval_split and --eval_batch_size, and its --global_batch_size,
+    --data_dir and --train_steps where given; a model flag that contradicts the run is refused
+    (engine/config.py for_evaluation). Without a config.json, the command line as given."""
+    runs = [os.path.dirname(os.path.dirname(config.checkpoint))] if config.checkpoint else []
+    for workdir in [*runs, config.workdir]:
+        saved = config_lib.load_run_config(workdir) if workdir else None
+        if saved is not None:
+            return config_lib.for_evaluation(config, saved, workdir)
+    return config
+
+
+def _trainer(config, strategy):
+    trainer = Trainer(config, strategy or distribute.create_strategy(config))
+    return trainer, trainer.state.evaluated()
+
+
+def _checkpoint_paths(config):
+    """--checkpoint, or the workdir's checkpoints newest first."""
+    if config.checkpoint:
+        if not tf.io.gfile.exists(config.checkpoint + ".index"):
+            raise ConfigError(
+                f"--checkpoint={config.checkpoint}: no such checkpoint (expected {config.checkpoint}.index)"
+            )
+        return [config.checkpoint]
+    found = checkpoint_lib.list_checkpoints(os.path.join(config.workdir, "checkpoints"))
+    if not found:
+        raise ConfigError(f"--workdir={config.workdir}: no checkpoint to use (train first, or pass --checkpoint)")
+    return found
+
+
+def _restore(trainer, checkpoint, config, paths):
+    """Restores the first readable of `paths`; a damaged one in the workdir is reported and the previous one
+    used, as training does. Returns the path restored."""
+    for path in paths:
+        try:
+            checkpoint_lib.restore(checkpoint, path, partial=True)
+            return path
+        except checkpoint_lib.Unreadable as e:
+            if config.checkpoint:
+                raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
+            print(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one", flush=True)
+    raise ConfigError(f"--workdir={config.workdir}: no readable checkpoint (all {len(paths)} are damaged)")
+
+
+def evaluate(config, strategy=None):
+    """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest readable in --workdir) of the run
+    rebuilt from its config.json."""
+    config = run_config(config)
+    paths = _checkpoint_paths(config)
+    trainer, checkpoint = _trainer(config, strategy)
+    path = _restore(trainer, checkpoint, config, paths)
+    step = int(trainer.step.numpy())
+    results = trainer.evaluate()
+    print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
+    summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
+    if distribute.is_chief(trainer.strategy):
+        write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
+    return summary
+
+
+def follow(config, strategy=None, poll_seconds=2.0):
+    """--mode=continuous_eval: a sidecar that evaluates each new checkpoint of a running job.
+
+    A sidecar started before its trainer waits for the run to appear (its config.json, which says what model to
+    build, or a checkpoint of a workdir from before config.json). Writes continuous_eval.jsonl and TensorBoard
+    events under workdir/continuous_eval, beside the job's own, from its first evaluation on; stops after
+    evaluating step --train_steps, or after --eval_timeout seconds with nothing new. When nothing came in that
+    time it writes nothing and stops with ConfigError saying so.
+    """
+    directory = os.path.join(config.workdir, "checkpoints")
+    print(f"continuous_eval: following {directory}", flush=True)
+    _wait_for_run(config, directory, poll_seconds)
+    config = run_config(config)
+    trainer, checkpoint = _trainer(config, strategy)
+    writer, done, results, waited_since = None, set(), [], time.monotonic()
+    while time.monotonic() - waited_since < config.eval_timeout:
+        latest = checkpoint_lib.latest(directory)
+        if latest is None or latest in done:
+            time.sleep(poll_seconds)
+            continue
+        try:
+            checkpoint_lib.restore(checkpoint, latest, partial=True)
+        except checkpoint_lib.Unreadable:
+            time.sleep(poll_seconds)  # still being written: try again
+            continue
+        except checkpoint_lib.CheckpointError:  # the storage did not answer: a sidecar waits it out
+            print(f"continuous_eval: the storage did not answer a read of {latest}; trying again", flush=True)
+            time.sleep(poll_seconds)
+            continue
+        done.add(latest)
+        step = int(trainer.step.numpy())
+        result = {"step": step, "checkpoint": latest, **trainer.evaluate()}
+        results.append(result)
+        print(f"continuous_eval step={step} {format_metrics(trainer_results(result))}", flush=True)
+        append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
+        writer = writer or tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
+        with writer.as_default(step=step):
+            for name, value in trainer_results(result).items():
+                if name != "examples":
+                    tf.summary.scalar(name, value)
+        writer.flush()
+        if step >= config.train_steps:
+            break
+        waited_since = time.monotonic()
+    else:
+        if not results:
+            raise ConfigError(
+                f"--workdir={config.workdir}: no checkpoint appeared in {directory} within "
+                f"--eval_timeout={config.eval_timeout:g} s; nothing evaluated"
+            )
+        print(
+            f"continuous_eval: no new checkpoint for {config.eval_timeout:g} s (--eval_timeout) after step "
+            f"{results[-1]['step']} of {config.train_steps}; stopping",
+            flush=True,
+        )
+    return results
+
+
+def _wait_for_run(config, directory, poll_seconds):
+    """Waits up to --eval_timeout for the run of --workdir to exist: its config.json (or, in a workdir from
+    before config.json, a checkpoint). Built earlier, the sidecar would evaluate the command line's model."""
+    since = time.monotonic()
+    while not (tf.io.gfile.exists(os.path.join(config.workdir, "config.json")) or checkpoint_lib.latest(directory)):
+        if time.monotonic() - since >= config.eval_timeout:
+            raise ConfigError(
+                f"--workdir={config.workdir}: no run appeared there (no config.json, no checkpoint) within "
+                f"--eval_timeout={config.eval_timeout:g} s; nothing evaluated"
+            )
+        time.sleep(poll_seconds)
+
+
+def trainer_results(result):
+    """The evaluation's own numbers in a continuous_eval record (without step and checkpoint)."""
+    return {k: v for k, v in result.items() if k not in ("step", "checkpoint")}
+
+
+def export(config):
+    """--mode=export: writes a SavedModel whose serving signature is the task's (classification: images to
+    logits, probabilities, classes and their class_names; the names also as the variable `class_names`), with
+    the weights of --checkpoint (or the latest readable in --workdir). It computes in float32 whatever the
+    training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
+    TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
+    config = run_config(config)
+    paths = _checkpoint_paths(config)
+    trainer, checkpoint = _trainer(
+        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
+    )
+    path = _restore(trainer, checkpoint, config, paths)
+    step = int(trainer.step.numpy())
+    export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
+    if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
+        raise ConfigError(f"--export_dir={export_dir}: exists and is not empty; refusing to overwrite it")
+    module = tf.Module()
+    module.variables_by_path = checkpoint_lib.model_state(trainer.models)  # tracked: the SavedModel holds them
+    module.serve = trainer.task.serve(trainer.models)
+    names = trainer.task.class_names if hasattr(trainer.task, "class_names") else None
+    if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
+        with tf.device("/cpu:0"):  # strings have no GPU kernels
+            module.class_names = tf.Variable(names, trainable=False, name="class_names")
+    with trainer.averaged_weights():  # --ema_decay: the moving averages are what the run evaluated
+        try:
+            tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve})
+        except (tf.errors.OpError, OSError) as e:
+            raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
+    signature = module.serve.get_concrete_function()
+    inputs = ", ".join(f"{s.name} {s.dtype.name} {s.shape.as_list()}" for s in signature.structured_input_signature[0])
+    outputs = ", ".join(sorted(signature.structured_outputs))
+    shown = f"; classes {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}" if names is not None else ""
+    print(
+        f"exported step {step} from {path} to {export_dir} (serving_default: {inputs} -> {outputs}{shown})", flush=True
+    )
+    return export_dir
+
+
+def sample(config):
+    """--mode=sample: text generated by the trained model of --workdir (or --checkpoint), continuing
+    --sample_prompt, for tasks that generate (language_model)."""
+    config = run_config(config)
+    paths = _checkpoint_paths(config)
+    trainer, checkpoint = _trainer(
+        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
+    )
+    if trainer.task.sample is None:
+        raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
+    path = _restore(trainer, checkpoint, config, paths)
+    with trainer.averaged_weights():
+        text = trainer.task.sample(trainer.models, config)
+    print(text, flush=True)
+    print(f"(sampled {config.sample_length} tokens from step {int(trainer.step.numpy())}, {path})", flush=True)
+    return text

@@ -1,0 +1,391 @@
+"""The checks of a run's settings that need neither TensorFlow nor this machine, by section, in the order
+engine/config.py's validate runs them: each raises ConfigError naming the flag and its value.
+"""
+
+import dataclasses
+import importlib.util
+import math
+import re
+
+import models
+import tasks
+from engine.settings.errors import ConfigError
+from engine.settings.fields import (
+    BUNDLED_DATASETS,
+    CLUSTER_RESOLVERS,
+    DECLARED_FIELDS,
+    FIELD_BY_NAME,
+    INT64_LIMIT,
+    LR_SCALINGS,
+    LR_SCHEDULES,
+    MAX_CPU_DEVICES,
+    MODES,
+    MOMENT_DTYPES,
+    ON_NAN,
+    OPTIMIZERS,
+    PRECISIONS,
+    REFUSED_UNLESS_READ,
+    SEED_LIMIT,
+    STRATEGIES,
+    TFDS_NAMES,
+    Switch,
+    applies,
+    readers,
+    show,
+)
+
+
+def fail(flag, value, why):
+    raise ConfigError(f"--{flag}={show(value)}: {why}")
+
+
+def _choice(config, name, choices, allow_empty=False):
+    value = getattr(config, name)
+    if allow_empty and value == "":
+        return
+    if value not in choices:
+        fail(name, value, "must be one of " + ", ".join(choices))
+
+
+def _positive(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+            fail(name, value, "must be a positive number")
+
+
+def _non_negative(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if not value >= 0 or (isinstance(value, float) and not math.isfinite(value)):
+            fail(name, value, "must be zero or positive")
+
+
+# ---- The run and its loop ------------------------------------------------------------------------------------
+
+
+def check_choices(config):
+    """Every setting that names one of a fixed set of choices."""
+    _choice(config, "mode", MODES)
+    if not config.workdir:
+        fail("workdir", config.workdir, "must name a directory")
+    _choice(config, "strategy", STRATEGIES, allow_empty=True)
+    _choice(config, "cluster_resolver", CLUSTER_RESOLVERS, allow_empty=True)
+    _choice(config, "local_cluster_network", ("loopback", "host"))
+    _choice(config, "precision", PRECISIONS)
+    _choice(config, "optimizer", OPTIMIZERS)
+    _choice(config, "first_moment_dtype", MOMENT_DTYPES)
+    _choice(config, "lr_schedule", LR_SCHEDULES)
+    _choice(config, "lr_scaling", LR_SCALINGS)
+    _choice(config, "on_nan", ON_NAN)
+
+
+def check_types(config):
+    """Returns the config with a bool given for a Switch as its word; refuses any other Switch value and an
+    integer TensorFlow's int64 cannot hold."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type is Switch and isinstance(value, bool):
+            config = dataclasses.replace(config, **{field.name: show(value)})
+        elif field.type is Switch and value not in Switch.VALUES:
+            fail(field.name, value, "must be auto, true or false")
+        if field.type in (int, tuple) and max(value if field.type is tuple else (value,), default=0) >= INT64_LIMIT:
+            fail(field.name, value, "must be less than 2**63 (TensorFlow's int64)")
+    return config
+
+
+def check_signs(config):
+    """The engine's numbers that must be positive, then those that may be zero."""
+    _positive(
+        config,
+        "num_cpu_devices",
+        "collective_timeout",
+        "connect_timeout",
+        "num_ps",
+        "slurm_port_base",
+        "global_batch_size",
+        "train_steps",
+        "steps_per_loop",
+        "learning_rate",
+        "grad_accum_steps",
+        "base_batch_size",
+        "initial_loss_scale",
+        "loss_scale_growth_interval",
+        "shuffle_buffer",
+        "interleave_files",
+        "keep_checkpoints",
+        "eval_timeout",
+        "epsilon",  # an Adam step divides by the second-moment root plus it: 0 divides by 0 on a zero gradient
+    )
+    _non_negative(
+        config,
+        "eval_batch_size",
+        "eval_every",
+        "checkpoint_every",
+        "local_workers",
+        "weight_decay",
+        "warmup_steps",
+        "clip_norm",
+        "clip_value",
+        "seed",
+        "image_size",
+    )
+
+
+def check_limits(config):
+    """The upper bounds of the engine's numbers: the seed's 32 bits, the logical devices, the stream's int64, a
+    port, the rates below 1."""
+    if config.seed >= SEED_LIMIT:
+        fail(
+            "seed",
+            config.seed,
+            "must be in [0, 2**32): keras.utils.set_random_seed seeds NumPy with it, which takes 32 bits",
+        )
+    if config.num_cpu_devices > MAX_CPU_DEVICES:
+        fail(
+            "num_cpu_devices",
+            config.num_cpu_devices,
+            f"must be at most {MAX_CPU_DEVICES}: logical CPU devices emulate replicas, each with a copy of every "
+            "variable and a thread in every step",
+        )
+    if config.train_steps * config.global_batch_size >= INT64_LIMIT:
+        fail(
+            "train_steps",
+            config.train_steps,
+            f"times --global_batch_size={config.global_batch_size} must be less than 2**63: the data stream "
+            "numbers its examples in int64",
+        )
+    if config.slurm_port_base > 65535:
+        fail("slurm_port_base", config.slurm_port_base, "must be a port, in [1, 65535]")
+    for name in ("beta_1", "beta_2", "dropout", "ema_decay", "momentum"):
+        if not 0 <= getattr(config, name) < 1:
+            fail(name, getattr(config, name), "must be in [0, 1)")
+
+
+# ---- Optimizer, schedule and the loop's policies ---------------------------------------------------------------
+
+
+def check_training(config):
+    """What the optimizer, the profiler and the NaN policy need of the other settings."""
+    peak = config.learning_rate * (
+        config.global_batch_size / config.base_batch_size if config.lr_scaling == "linear" else 1
+    )
+    if config.weight_decay * peak >= 1:  # the decay takes weight_decay x the rate of each kernel, per step
+        fail(
+            "weight_decay",
+            config.weight_decay,
+            f"times the peak learning rate ({peak:g}) must be less than 1: each step would take every kernel "
+            "to 0 or past it",
+        )
+    profile = config.profile_steps
+    if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1] <= config.train_steps):
+        fail("profile_steps", profile, f"must be A,B with 0 <= A < B <= --train_steps={config.train_steps}")
+    if config.clip_norm and config.clip_value:
+        fail("clip_value", config.clip_value, "choose one of --clip_norm and --clip_value, not both")
+    if config.on_nan == "rollback" and not config.checkpoint_every:
+        fail(
+            "on_nan",
+            config.on_nan,
+            "needs --checkpoint_every > 0 (0 saves only at the end, so a rollback would discard every step since the "
+            "run started); set --checkpoint_every to the most steps a rollback may discard",
+        )
+
+
+# ---- Devices and clusters --------------------------------------------------------------------------------------
+
+
+def check_local_workers(config):
+    """--local_workers starts a cluster's workers here: only for the strategies that have workers."""
+    if config.local_workers and config.strategy not in ("multi_worker", "parameter_server"):
+        fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
+
+
+def check_strategy(config):
+    """The refusals that depend on the strategy, judged on the one the run will use (planned_strategy), whether
+    --strategy, TF_CONFIG or --cluster_resolver chose it."""
+    name, origin = _plan(config)
+    said = origin if config.strategy else f"the {name} strategy ({origin})"  # the flag, or what chose it
+    if name == "parameter_server" and config.precision == "mixed_float16":
+        fail(
+            "precision",
+            config.precision,
+            f"is not supported with {said}: asynchronous "
+            "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
+        )
+    if config.mode == "tune" and name in ("multi_worker", "parameter_server"):  # else each process would tune
+        fail(
+            "strategy",
+            config.strategy,
+            f"--mode=tune runs its trials in one process (one_device, mirrored or tpu), not with {said}: on "
+            "several machines start one tuner on each, sharing a study through --tune_storage",
+        )
+    if name == "tpu" and not config.tpu:
+        fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
+    if name == "tpu" and config.precision == "mixed_float16":
+        # An explicit --strategy=tpu keeps the words it has always been refused with.
+        computes = "TPUs compute" if config.strategy else f"{said} computes"
+        fail("precision", config.precision, f"{computes} in bfloat16, not float16: use --precision=mixed_bfloat16")
+
+
+def _plan(config):
+    """(strategy name or None, what chose it): see planned_strategy."""
+    if config.strategy:
+        return config.strategy, f"--strategy={config.strategy}"
+    from engine.cluster.launcher import tf_config  # deferred: the launcher imports engine.config, which imports this
+
+    cluster = (tf_config() or {}).get("cluster")
+    if cluster and "ps" in cluster:
+        return "parameter_server", "TF_CONFIG has a 'ps' job"
+    if cluster:
+        return "multi_worker", "TF_CONFIG has a cluster"
+    if config.cluster_resolver in ("tf_config", "slurm", "kubernetes"):
+        return "multi_worker", f"--cluster_resolver={config.cluster_resolver}"
+    if config.cluster_resolver == "tpu":
+        return "tpu", "--cluster_resolver=tpu"
+    if config.num_cpu_devices > 1:
+        return "mirrored", f"--num_cpu_devices={config.num_cpu_devices}"
+    return None, "the devices"
+
+
+def planned_strategy(config):
+    """The strategy a run of `config` will use, as its flags and environment decide it: --strategy; else a cluster
+    in TF_CONFIG (parameter_server when it has a 'ps' job, else multi_worker); else --cluster_resolver's (tpu, or
+    multi_worker); else mirrored over --num_cpu_devices; None where only the devices decide (mirrored over several
+    GPUs, else one_device), which needs TensorFlow: engine/distribute.py's strategy_name completes this.
+    Every check that depends on the strategy reads this one answer, before anything starts."""
+    return _plan(config)[0]
+
+
+def check_batch(config, num_replicas):
+    """The batch checks that need the replica count (known once the strategy exists)."""
+    for name in ("global_batch_size", "eval_batch_size"):
+        value = getattr(config, name)
+        if value and value % num_replicas:
+            fail(name, value, f"must be divisible by the number of replicas ({num_replicas})")
+    per_replica = config.global_batch_size // num_replicas
+    if per_replica % config.grad_accum_steps:
+        fail(
+            "grad_accum_steps",
+            config.grad_accum_steps,
+            f"must divide each replica's batch ({per_replica} = --global_batch_size={config.global_batch_size} "
+            f"over {num_replicas} replica{'s' if num_replicas > 1 else ''})",
+        )
+
+
+# ---- The task, its model and its data ---------------------------------------------------------------------------
+
+
+def resolve_task(config):
+    """Returns the config with an empty --dataset and --model made the task's own, once the task, the schedule's
+    warmup and --freeze are known good; refuses a model that is not a file of models/."""
+    if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
+        fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
+    if config.task not in tasks.available():
+        fail("task", config.task, f"must name a file in tasks/ ({', '.join(tasks.available())})")
+    if not config.dataset:
+        config = dataclasses.replace(config, dataset=tasks.default_dataset(config.task))
+    if not config.model:
+        config = dataclasses.replace(config, model=tasks.default_model(config.task))
+    if config.freeze:
+        try:
+            re.compile(config.freeze)
+        except re.error as e:
+            fail("freeze", config.freeze, f"not a regular expression ({e})")
+    if config.model not in models.available():
+        fail("model", config.model, f"must name a file in models/ ({', '.join(models.available())})")
+    return config
+
+
+def check_data(config):
+    """The dataset's name, the declared settings of the chosen model, task and source, and the engine's settings
+    a source reads given to a dataset that does not read them."""
+    _check_dataset_name(config.dataset)
+    _check_declared(config)
+    for name in REFUSED_UNLESS_READ:
+        if getattr(config, name) != FIELD_BY_NAME[name].default and not applies(name, config):
+            fail(name, getattr(config, name), f"--dataset={config.dataset} does not read it ({_read_by(name)})")
+
+
+def _check_dataset_name(name):
+    if name.partition(":")[0] in BUNDLED_DATASETS:  # a bundled source, or one that reads its argument (npz:PATH)
+        return
+    import tensorflow_datasets as tfds  # deferred: importing it costs a second
+
+    try:
+        tfds.builder_cls(name.split(":")[0].split("/")[0])
+    except Exception:  # tfds raises several kinds for a name it cannot resolve
+        fail(
+            "dataset",
+            name,
+            f"unknown dataset: not bundled ({', '.join(BUNDLED_DATASETS)}) nor a tensorflow-datasets name",
+        )
+
+
+def _check_declared(config):
+    """The declared settings of the chosen model, task and source: numbers positive (or in their declared range),
+    lists of positive integers, "required" strings given. What only the module can judge (a depth of 6n+2) it
+    raises when it builds."""
+    for field in DECLARED_FIELDS:
+        if not applies(field.name, config):
+            continue
+        value, bounds = getattr(config, field.name), field.metadata["bounds"]
+        if field.type is tuple and not (value and min(value) > 0):
+            fail(field.name, value, "must be a list of positive integers, e.g. 64,64")
+        if field.type is str and bounds == "required" and not value:
+            flag, module = field.metadata["owner"]
+            fail(field.name, value, f"--{flag}={module} needs it ({field.metadata['help'].split(': ', 1)[1]})")
+        if field.type in (int, float) and bounds and not bounds[0] <= value <= bounds[1]:
+            fail(field.name, value, f"must be in [{bounds[0]}, {bounds[1]}]")
+        if field.type in (int, float) and not bounds and not (value > 0 and math.isfinite(value)):
+            fail(field.name, value, "must be a positive number")
+
+
+def _read_by(name):
+    """A setting's readers in words: read by --dataset=folder, ... and tensorflow-datasets names."""
+    names = sorted(f"--{selector}={value}" for selector, value in readers(name) if value != TFDS_NAMES)
+    if ("dataset", TFDS_NAMES) in readers(name):
+        names.append("tensorflow-datasets names")
+    return "read by " + (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0])
+
+
+# ---- Modes: tuning and ensembles ---------------------------------------------------------------------------------
+
+
+def check_modes(config):
+    """The settings of --mode=tune and --mode=ensemble."""
+    if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):
+        fail("tune_objective", config.tune_objective, "must name a metric the task reports (e.g. accuracy, loss)")
+    _choice(config, "tune_direction", ("max", "min"), allow_empty=True)
+    _choice(config, "tune_sampler", ("random", "tpe", "gp"))
+    _choice(config, "tune_pruner", ("none", "median", "successive_halving", "hyperband"))
+    _choice(config, "ensemble_search", ("nelder_mead", "random"))
+    _choice(config, "ensemble_mean", ("arithmetic", "geometric"))
+    _positive(config, "tune_trials", "ensemble_samples")
+    _non_negative(config, "tune_startup_trials", "tune_timeout")
+    if config.mode in ("tune", "ensemble") and config.validation_split.split("[")[0] == "test":
+        fail("validation_split", config.validation_split, "tuning and ensemble fitting never look at the test split")
+    if config.mode == "tune":
+        _check_tune(config)
+    if config.mode == "ensemble" and len(members(config)) < 2:
+        fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
+    if config.mode == "ensemble" and config.validation_split == config.eval_split:
+        fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
+
+
+def _check_tune(config):
+    if not config.tune_space:
+        fail("tune_space", "", "--mode=tune needs a search-space file, e.g. experiments/digits_mlp.space")
+    if config.tune_pruner != "none" and not 0 < config.eval_every < config.train_steps:
+        fail(
+            "eval_every",
+            config.eval_every,
+            f"--tune_pruner={config.tune_pruner} judges trials by evaluations "
+            f"before the end: must be in [1, --train_steps={config.train_steps})",
+        )
+    if config.tune_sampler == "gp" and importlib.util.find_spec("torch") is None:
+        fail("tune_sampler", "gp", "Optuna's Gaussian-process sampler needs PyTorch (pip install torch); or use tpe")
+
+
+def members(config):
+    """--members as a list of workdirs."""
+    return [m for m in config.members.split(",") if m]

@@ -1,0 +1,240 @@
+"""A run's checked Config: validate() for one built from flags, from_json() and load_run_config() for the one a
+run saved, for_evaluation() for the one that evaluates a trained run; and the checks that need this machine.
+
+Every setting is declared in engine/settings.py (the engine's) or in the file of the model, task or source
+that owns it (engine/declared.py finds them); the checks that need neither TensorFlow nor this machine are
+engine/checks.py's, by section; engine/identity.py says which saved settings are a run's identity. The names
+they define are importable from here too, the one module the rest of the engine reads settings through.
+No TensorFlow on this module's import path: launch.py reads it before TensorFlow starts.
+"""
+
+import dataclasses
+import json
+import math
+import os
+
+import models
+import tasks
+from engine.settings import checks
+from engine.settings.checks import (
+    fail,
+)
+from engine.settings.errors import ConfigError
+from engine.settings.fields import (
+    DECLARATION_ERRORS,
+    LOCAL_TASK_BYTES,
+    MAX_LOCAL_TASKS,
+    MEMORY_SETTINGS,
+    REFUSED_UNLESS_READ,
+    Config,
+    applies,
+    show,
+)
+from engine.settings.identity import (
+    EVALUATION_SETTINGS,
+    IDENTITY_SETTINGS,
+    KINDS,
+    holds,
+)
+
+
+def validate(config):
+    """Raises ConfigError naming the first bad setting; returns the config, an empty --dataset and --model made
+    the task's own. The checks run in this order, so a config with two bad settings is refused for the first."""
+    if DECLARATION_ERRORS:  # two files declare one setting: every command stops on it, naming both
+        raise ConfigError(DECLARATION_ERRORS[0])
+    checks.check_choices(config)
+    config = checks.check_types(config)
+    checks.check_signs(config)
+    checks.check_limits(config)
+    checks.check_training(config)
+    checks.check_local_workers(config)
+    if config.local_workers:
+        _check_local_tasks(config)
+    checks.check_strategy(config)
+    config = checks.resolve_task(config)
+    checks.check_data(config)
+    check_memory(config)
+    checks.check_modes(config)
+    return config
+
+
+def first_line(error):
+    """The first line of an error's message (a TensorFlow error's own message, without its context)."""
+    text = getattr(error, "message", None) or str(error)
+    return (text.strip().splitlines() or [type(error).__name__])[0]
+
+
+# ---- What this machine holds ----------------------------------------------------------------------------------
+
+
+def _check_local_tasks(config):
+    """--local_workers starts every task of its cluster here: no more than MAX_LOCAL_TASKS, nor than fit in memory."""
+    total = memory_bytes()
+    limit = max(1, min(MAX_LOCAL_TASKS, total // LOCAL_TASK_BYTES))
+    why = (
+        f"at most {limit} fit (each is a TensorFlow process of about {_bytes(LOCAL_TASK_BYTES)}, this machine has "
+        f"{_bytes(total)}; the launcher's cap is {MAX_LOCAL_TASKS})"
+    )
+    if config.local_workers > limit:
+        fail("local_workers", config.local_workers, f"starts {config.local_workers} TensorFlow processes here; {why}")
+    if config.strategy == "parameter_server" and 1 + config.local_workers + config.num_ps > limit:
+        count = 1 + config.local_workers + config.num_ps
+        fail(
+            "num_ps",
+            config.num_ps,
+            f"with --local_workers={config.local_workers} starts {count} TensorFlow processes here (a chief, "
+            f"{config.local_workers} workers, {config.num_ps} parameter servers); {why}",
+        )
+
+
+def memory_estimate(config, input_shape=None, num_classes=None):
+    """{part: bytes} a run needs at least, from its settings: the model (models.size) with its gradients and
+    optimizer slots, the activations of a training batch and of an evaluation batch, synthetic data. A synthetic
+    dataset's shape is its settings'; another's unknown shape counts as one value and two classes."""
+    if config.dataset == "synthetic":
+        input_shape, num_classes = config.synthetic_shape, config.synthetic_classes
+    input_shape, num_classes = input_shape or (1, 1, 1), num_classes or 2
+    features = math.prod(input_shape)
+    parameters, activations = models.size(config, input_shape, num_classes)
+    slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
+    if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
+        slots -= 0.5  # its first moment in half the bytes
+    parts = {
+        "model, gradients and optimizer slots": int(4 * parameters * (2 + slots)),
+        # The forward pass's activations are kept for the backward pass, which adds their gradients.
+        "training batch": 4 * config.global_batch_size * (features + 2 * activations),
+        "evaluation batch": 4 * config.per_eval_batch_size * (features + activations),
+    }
+    if config.dataset == "synthetic":  # both pools, float32 images and int64 labels, and the labelling projection
+        examples = config.synthetic_examples + max(1, config.synthetic_examples // 4)
+        parts["synthetic data"] = examples * (4 * features + 8) + 4 * features * num_classes
+    return parts
+
+
+def check_memory(config, input_shape=None, num_classes=None):
+    """Refuses a run whose memory_estimate exceeds this machine's memory, naming the setting whose default would
+    shrink it most (--model when none would: the model does not fit even at its defaults). Host memory: an
+    accelerator's is smaller, so a run refused here could not run there either."""
+    total = memory_bytes()
+    parts = memory_estimate(config, input_shape, num_classes)
+    need = sum(parts.values())
+    if need <= total:
+        return
+    default = Config()
+
+    def with_default(name):
+        changed = dataclasses.replace(config, **{name: getattr(default, name)})
+        return sum(memory_estimate(changed, input_shape, num_classes).values())
+
+    culprit = min(MEMORY_SETTINGS, key=with_default)
+    if with_default(culprit) >= need:
+        culprit = "model"
+    details = ", ".join(f"{part} {_bytes(size)}" for part, size in parts.items() if size)
+    fail(
+        culprit,
+        getattr(config, culprit),
+        f"needs about {_bytes(need)} of memory ({details}), more than this machine's {_bytes(total)}",
+    )
+
+
+def memory_bytes():
+    """This machine's memory, or its container's limit where that is lower (a Kubernetes pod's, say)."""
+    import psutil  # deferred: only validation needs it
+
+    total = psutil.virtual_memory().total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():  # v2 writes "max" for none
+            total = min(total, int(limit))
+    return total
+
+
+def _bytes(count):
+    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
+    if count >= 1000 ** len(units):
+        return f"over 1000 {units[-1]}"
+    power = min(int(math.log10(max(count, 1)) // 3), len(units) - 1)
+    value = count / 1000**power
+    return f"{value:.3g} {units[power]}"
+
+
+# ---- A run's saved settings (workdir/config.json) ----------------------------------------------------------------
+
+
+def from_json(saved, where):
+    """A Config from the JSON a run saved, checked like flags; ConfigError `<where>: ...` for anything a flag could
+    not hold. Settings this engine no longer has are dropped (a model they changed fails to restore, loudly);
+    settings the file lacks take their defaults."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{where}: must be a JSON object of settings, not {type(saved).__name__}")
+    kinds = {f.name: f.type for f in dataclasses.fields(Config)}
+    values = {}
+    for name, value in saved.items():
+        if name not in kinds:
+            continue
+        if not holds(value, kinds[name]):
+            raise ConfigError(f"{where}: {name}={json.dumps(value)}: must be {KINDS[kinds[name]]}")
+        values[name] = tuple(value) if kinds[name] is tuple else float(value) if kinds[name] is float else value
+    run = Config(**values)
+    if not run.dataset and run.task in tasks.available():
+        run = dataclasses.replace(run, dataset=tasks.default_dataset(run.task))
+    for name in REFUSED_UNLESS_READ:  # an older engine ignored it there: the run is what it was without it
+        if not applies(name, run):
+            values.pop(name, None)
+    try:
+        return validate(Config(**values))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_run_config(workdir):
+    """The Config a train run saved in workdir/config.json (checked like flags), or None when there is none."""
+    import tensorflow as tf  # deferred: this module is read before TensorFlow starts
+
+    path = os.path.join(workdir, "config.json")
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            saved = json.loads(f.read())
+    except (tf.errors.OpError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it ({first_line(e)})") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return from_json(saved, path)
+
+
+def for_evaluation(config, saved, where):
+    """The Config that evaluates or exports the run `saved`: its settings; the command line's execution settings,
+    split and eval batch; the command line's non-default EVALUATION_SETTINGS. A non-default identity setting that
+    differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
+    trained."""
+    # validate() gave an empty --dataset and --model the command line's task's own: that is none given either.
+    default = dataclasses.replace(
+        Config(), dataset=tasks.default_dataset(config.task), model=tasks.default_model(config.task)
+    )
+    values = {}
+    for field in dataclasses.fields(Config):
+        name = field.name
+        given, theirs = getattr(config, name), getattr(saved, name)
+        if name in ("eval_split", "eval_batch_size"):
+            values[name] = given
+        elif name == "seed" and config.mode == "sample":  # the draws' seed; the weights come from the checkpoint
+            values[name] = given
+        elif name in EVALUATION_SETTINGS:
+            values[name] = given if given != getattr(default, name) else theirs
+        elif name in IDENTITY_SETTINGS:
+            if given != getattr(default, name) and given != theirs and applies(name, saved):
+                raise ConfigError(
+                    f"--{name}={show(given)}: {where} was trained with --{name}={show(theirs)}; drop the flag "
+                    "(the run is rebuilt from its config.json)"
+                )
+            values[name] = theirs
+        else:
+            values[name] = given
+    return validate(Config(**values))

@@ -1,0 +1,403 @@
+"""Save, restore, resume and preemption. A checkpoint holds `State`, below. The input pipeline is a pure function of
+the data position (engine/pipeline.py), so a restored run reads exactly the batches an uninterrupted one would have:
+tf.distribute's iterators are not checkpointable, the position is. On preemption (engine/preemption.py) every
+worker stops after the same step, and the loop saves here and exits.
+"""
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+
+import tensorflow as tf
+from google.protobuf import text_format
+
+from engine.numerics import updates
+from engine.settings.config import first_line
+from engine.settings.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
+
+
+def model_state(models):
+    """{model name: {variable path: variable}} of every model: weights, batch-norm statistics and dropout
+    seed-generator states, keyed by their Keras paths (mlp/dense_1/kernel), never by position: a fork that
+    reorders its layers gets a clear mismatch, not another layer's weights. (Keras 3 layers held in Python lists
+    are invisible to tf.train.Checkpoint's object graph, so the engine checkpoints the variables themselves.)"""
+    state = {}
+    for name, model in models.items():
+        variables = {v.path: v.value for v in model.variables}
+        if len(variables) != len(model.variables):
+            raise ConfigError(f"--model={model.name}: two of its variables have one path; name its layers apart")
+        state[name] = variables
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """What a run checkpoints, one field per key of the checkpoint: the keys every checkpoint of this engine has
+    (tests/data/before_updates, from older code, restores into it)."""
+
+    models: dict  # {name: Keras model}: weights, batch-norm statistics, seed-generator states (model_state)
+    plans: list  # each update's optimizer (slots, update count) and loss scale (engine/updates.py checkpointed)
+    step: tf.Variable  # steps run, skipped ones too
+    batches: tf.Variable  # the data position: global batches consumed
+    skipped: tf.Variable  # steps skipped for a non-finite loss or gradient
+    input_pipelines: tf.Variable  # the input pipelines that read the training stream up to the data position
+    ema: dict  # --ema_decay: {model name: {variable path: moving average}}; {} without it
+
+    def tracked(self):
+        """{checkpoint key: what is saved under it}."""
+        return dict(
+            models=model_state(self.models),
+            **updates.checkpointed(self.plans),
+            step=self.step,
+            batches=self.batches,
+            skipped=self.skipped,
+            input_pipelines=self.input_pipelines,
+            **({"ema": self.ema} if self.ema else {}),
+        )
+
+    def evaluated(self):
+        """What evaluation, export and ensembles restore (partial=True): the models, their averages and the step."""
+        return tf.train.Checkpoint(**{k: v for k, v in self.tracked().items() if k in ("models", "step", "ema")})
+
+
+def tracked_state(trainer):
+    """The trainer's checkpoint: its State's keys, so training, evaluation and export restore the same names."""
+    return trainer.state.tracked()
+
+
+def describe_key(key):
+    """A checkpoint key as a person reads it: models/model/mlp/dense/kernel."""
+    name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+    return name.replace(".S", "/").replace("..", ".")
+
+
+def _step_of(path):
+    return int(re.search(r"ckpt-(\d+)$", path).group(1))
+
+
+def list_checkpoints(directory):
+    """Checkpoint prefixes in `directory`, newest first, found by their files (so a damaged `checkpoint`
+    state file hides nothing, and a checkpoint missing its index is still found and reported)."""
+    found = tf.io.gfile.glob(os.path.join(directory, "ckpt-*"))
+    prefixes = {re.sub(r"\.(index|data-\d+-of-\d+)$", "", p) for p in found}
+    return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=_step_of, reverse=True)
+
+
+def latest(directory):
+    """The newest checkpoint prefix in `directory`, or None."""
+    return next(iter(list_checkpoints(directory)), None)
+
+
+def latest_step(directory):
+    """The step of the newest checkpoint in `directory` by its name (nothing read), or None."""
+    path = latest(directory)
+    return _step_of(path) if path else None
+
+
+class Checkpoints:
+    """The run's checkpoints in workdir/checkpoints; on a multi-worker job every worker saves (the save
+    is collective) and only the chief's copy is kept."""
+
+    def __init__(self, trainer, workdir, keep, chief=True, task_id=0):
+        self.trainer = trainer
+        self.directory = os.path.join(workdir, "checkpoints")
+        self.checkpoint = tf.train.Checkpoint(**trainer.state.tracked())
+        self.chief = chief
+        # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
+        # to be readable, unlike whatever is newest on disk.
+        self.saved_path = None
+        write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
+        if _local(self.directory) and os.path.islink(self.directory):
+            # Rotation deletes the old ckpt-N files in it: through a link, another run's.
+            raise ConfigError(
+                f"{self.directory} is a symbolic link (to {os.readlink(self.directory)}); checkpoints rotate inside "
+                "the workdir only: make it a directory, or link the whole --workdir instead"
+            )
+        try:
+            if chief:  # the only writer of this directory (it holds the workdir's lock)
+                self._tidy()
+            self.manager = tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=keep)
+        except (tf.errors.OpError, OSError) as e:
+            raise CheckpointError(f"cannot use checkpoint directory {write_dir}: {first_line(e)}") from None
+
+    def _tidy(self):
+        """Removes what saves killed midway left (ckpt-N_temp/ directories), and rebuilds the `checkpoint` state
+        file from the checkpoints' own files when it is damaged or missing: the manager reads it to know which
+        old checkpoints to delete."""
+        for temp in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp")):
+            _remove_tree(temp)
+        found = list_checkpoints(self.directory)
+        state_file = os.path.join(self.directory, "checkpoint")
+        try:
+            state = tf.train.get_checkpoint_state(self.directory)
+            readable = state is not None or not found
+        except (ValueError, text_format.ParseError, tf.errors.OpError) as e:  # ValueError: undecodable bytes
+            print(f"warning: {state_file} is unreadable ({first_line(e)}); rebuilt from the files")
+            state, readable = None, False
+        # The manager deletes what the state file lists: a path outside this directory (absolute, or through
+        # ..) would make it delete another run's files.
+        strays = [p for p in _listed(state) if not _inside(p, self.directory)]
+        if strays:
+            where = f"{state_file} names checkpoints outside {self.directory} ({strays[0]})"
+            print(f"warning: {where}; rebuilt from the files")
+            readable = False
+        if not readable and not found:
+            tf.io.gfile.remove(state_file)
+        elif not readable:
+            # The manager deletes only checkpoints listed with a timestamp: their files' times stand in.
+            times = [
+                tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 if tf.io.gfile.exists(p + ".index") else 0.0
+                for p in found[::-1]
+            ]
+            lines = [f'model_checkpoint_path: "{os.path.basename(found[0])}"']
+            lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
+            lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
+            lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
+            from engine.state.workdir import replace_text  # deferred: engine/workdir.py imports this module
+
+            replace_text(state_file, "\n".join(lines) + "\n")
+
+    def save(self):
+        """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
+        step = int(self.trainer.state.step.numpy())
+        if self.saved_path and _step_of(self.saved_path) == step:  # e.g. a run resumed at its last step
+            return self.saved_path
+        # Every floating-point variable: weights and the statistics a forward pass updates alike.
+        bad = [
+            v.path
+            for model in self.trainer.state.models.values()
+            for v in model.variables
+            if v.dtype.startswith("float") and not bool(tf.reduce_all(tf.math.is_finite(v)))
+        ]
+        if bad:  # never let a diverged model replace a good checkpoint
+            raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]}")
+        temp = os.path.join(self.manager.directory, f"ckpt-{step}_temp")
+        if _local(temp) and os.path.islink(temp):  # TensorFlow would write the shards there, then empty it
+            os.remove(temp)
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as e:
+            raise CheckpointError(
+                f"cannot write checkpoint for step {step} to {self.manager.directory}: {first_line(e)}"
+            ) from None
+        if not self.chief:
+            with contextlib.suppress(OSError, tf.errors.OpError):
+                _remove_tree(self.manager.directory)
+        self.saved_path = os.path.join(self.directory, os.path.basename(path))  # a worker's own copy is gone
+        return self.saved_path
+
+    def restore_latest(self, log=print):
+        """Restores the newest readable checkpoint; returns its path, or None when there is none.
+
+        A damaged checkpoint is reported and the previous one used; when every one is damaged the run stops
+        (ConfigError naming them) rather than start again from step 0 and save over them. One of another model
+        or other shapes is refused (ConfigError naming the variable and both shapes); a storage error is not
+        damage (CheckpointError).
+        """
+        damaged = []
+        for path in list_checkpoints(self.directory):
+            try:
+                restore(self.checkpoint, path)
+                self.saved_path = path
+                return path
+            except Unreadable as e:
+                log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")
+                damaged.append(f"{path} ({e})")
+        if damaged:
+            raise ConfigError(
+                f"every checkpoint in {self.directory} is unreadable: {', '.join(damaged)}; nothing was changed. To "
+                f"start this run over from step 0 on purpose, move {self.directory} away"
+            )
+        return None
+
+
+def _local(path):
+    return "://" not in path
+
+
+def _remove_tree(path):
+    """Removes a directory of this run's; a link there is removed itself, never what it points to (TensorFlow's
+    rmtree follows it and empties its target)."""
+    if not _local(path):
+        tf.io.gfile.rmtree(path)
+        return
+    path = os.path.normpath(path)  # as TensorFlow reads it: a/../b is b even where a does not exist
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path)  # never follows the links inside
+
+
+def _listed(state):
+    """The checkpoint paths a `checkpoint` state file lists (TensorFlow has made the relative ones absolute)."""
+    if state is None:
+        return []
+    return [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
+
+
+def _inside(path, directory):
+    """Whether the checkpoint prefix `path` is in `directory` itself (not beside it, not below it)."""
+    if not _local(path):
+        return os.path.dirname(path) == directory.rstrip("/") and ".." not in path.split("/")
+    return os.path.dirname(os.path.abspath(path)) == os.path.abspath(directory)
+
+
+def _escaped(path):
+    """A variable path as tf.train.Checkpoint writes it inside a key."""
+    return path.replace(".", "..").replace("/", ".S")
+
+
+def find(source, flag):
+    """The checkpoint `source` names: a checkpoint prefix, or a workdir (its newest checkpoint). ConfigError naming
+    `flag` when there is none."""
+    if tf.io.gfile.exists(source + ".index"):
+        return source
+    found = list_checkpoints(os.path.join(source, "checkpoints"))
+    if found:
+        return found[0]
+    raise ConfigError(f"--{flag}={source}: neither a checkpoint (no {source}.index) nor a workdir with checkpoints")
+
+
+def warm_start(models, source, flag="init_checkpoint", log=print):
+    """Assigns each variable of `models` the value saved under the same Keras path in the checkpoint `source` (a
+    prefix or a workdir), under the same model name where the checkpoint has one, else another's: the moving average
+    where the run kept one (what it evaluated), else the weights. Variables it lacks, or holds in another shape,
+    keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
+    prefix = find(source, flag)
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        shapes = reader.get_variable_to_shape_map()
+    except (tf.errors.OpError, IndexError) as e:
+        if not is_damage(e):
+            raise _storage_error(prefix, e) from None
+        raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+    saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
+    for key in shapes:
+        parts = key.split("/")
+        if key.endswith(suffix) and parts[0] in ("models", "ema") and len(parts) == 5:
+            (saved if parts[0] == "models" else averaged)[parts[1], describe_key(parts[2])] = key
+    paths = {path for _, path in saved}
+    if not saved:
+        raise ConfigError(
+            f"--{flag}={source}: {prefix} holds no model variables keyed by path (a checkpoint of another engine, "
+            "or of this one before variables were keyed by path)"
+        )
+    result = {"matched": [], "missing": [], "reshaped": [], "unused": []}
+    used = set()
+    for name, model in models.items():
+        # This model's own variables first (a distillation run holds its student and its teacher under the same
+        # paths), then another model's, in name order.
+        owners = sorted({owner for owner, _ in saved}, key=lambda owner: (owner != name, owner))
+        for v in model.variables:
+            key = next((t[o, v.path] for o in owners for t in (averaged, saved) if (o, v.path) in t), None)
+            if key is None:
+                result["missing"].append(v.path)
+            elif shapes[key] != list(v.shape):
+                result["reshaped"].append(f"{v.path} {shapes[key]} -> {list(v.shape)}")
+                used.add(v.path)
+            else:
+                v.assign(reader.get_tensor(key))
+                result["matched"].append(v.path)
+                used.add(v.path)
+    result["unused"] = sorted(paths - used)
+    if not result["matched"]:
+        raise ConfigError(
+            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {', '.join(sorted(paths)[:4])}"
+            f"{', ...' if len(paths) > 4 else ''}; this run has {', '.join(result['missing'][:4])}, ...)"
+        )
+    line = f"{flag}: {len(result['matched'])} variables from {prefix}"
+    for what, why in (
+        ("missing", "not in it (kept as initialized)"),
+        ("reshaped", "other shapes (kept as initialized)"),
+        ("unused", "in it but not in this run"),
+    ):
+        if result[what]:
+            line += f"; {why}: {', '.join(result[what])}"
+    log(line)
+    return result
+
+
+class Unreadable(Exception):
+    """A checkpoint's files are missing or damaged."""
+
+
+# What a missing, truncated or overwritten checkpoint raises (measured on TF 2.21: truncated, garbage and
+# bit-flipped index and data files, each one missing, a directory in a file's place). The checkpoint reader
+# reports most of them as UNKNOWN with the file system's text, so for UNKNOWN the text decides.
+_DAMAGE_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError)
+_DAMAGE_TEXTS = (
+    "sstable",
+    "Unable to read file",
+    "checksum does not match",
+    "corrupt",
+    "No such file or directory",
+    "Is a directory",
+    "Read less bytes than requested",
+)
+
+
+def is_damage(error):
+    """Whether a restore's error says the checkpoint's files are damaged or missing, not that the storage failed
+    to answer (UnavailableError, DeadlineExceededError, PermissionDeniedError... of a gs:// blip)."""
+    if isinstance(error, IndexError):  # the reader's for a truncated data file
+        return True
+    if isinstance(error, _DAMAGE_ERRORS):
+        return True
+    text = str(error).lower()
+    return error.error_code == tf.errors.UNKNOWN and any(t.lower() in text for t in _DAMAGE_TEXTS)
+
+
+def _storage_error(path, error):
+    return CheckpointError(
+        f"cannot read checkpoint {path}: {type(error).__name__}: {first_line(error)}; nothing was changed: run the "
+        "same command again once the storage answers"
+    )
+
+
+def restore(checkpoint, path, partial=False):
+    """Restores `checkpoint` from `path`: all of it, or (`partial`) what exists in this program.
+
+    Raises Unreadable for missing or damaged files, CheckpointError when the storage failed (nothing is known
+    about the files then), ConfigError for a checkpoint that does not fit.
+    """
+    try:
+        status = checkpoint.restore(path)
+        status.expect_partial()  # no warnings at garbage collection: the checks below speak instead
+        status.assert_existing_objects_matched()
+        if not partial:
+            status.assert_consumed()
+    except (tf.errors.OpError, IndexError) as e:
+        if not is_damage(e):
+            raise _storage_error(path, e) from None
+        raise Unreadable(first_line(e)) from None
+    except (AssertionError, ValueError):
+        why = _mismatch(checkpoint, path, partial)
+        if "keyed variables by path" not in why:
+            why += " (a run with other settings saved it)"
+        raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
+
+
+def _mismatch(checkpoint, path, partial):
+    """Names the first variable whose presence or shape differs between this run and a checkpoint."""
+    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()
+    if any(k.startswith("model/") for k in saved) and not any(k.startswith("models/") for k in saved):
+        return (
+            "it was saved before this engine keyed variables by path (its keys are model/0, model/1, ...); "
+            "finish that run with the engine version that wrote it"
+        )
+    ignore = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
+    name = describe_key
+    for key in sorted((ours.keys() | saved.keys()) - ignore):
+        if key not in saved:
+            return f"this run has {name(key)} {ours[key]} that the checkpoint lacks"
+        if key not in ours and not partial:
+            return f"the checkpoint has {name(key)} {saved[key]} that this run lacks"
+        if key in ours and ours[key] != saved[key]:
+            return f"{name(key)} has shape {saved[key]} in the checkpoint and {ours[key]} in this run"
+    return "its objects differ from this run's (another model?)"

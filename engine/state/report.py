@@ -1,0 +1,274 @@
+"""What a run tells: console lines, metrics.jsonl, eval.jsonl, TensorBoard events, summary.json.
+
+Only the chief writes files; every task may print. The files stay consistent through a kill at any moment:
+records logged after the checkpoint a run resumes from are dropped (so none is written twice), a file is
+replaced atomically, and a write that fails (a full disk) raises CheckpointError naming the path (exit 4).
+"""
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+import uuid
+
+import tensorflow as tf
+from tensorflow.core.util import event_pb2
+
+from engine.settings.config import first_line
+from engine.settings.errors import CheckpointError
+from engine.state.workdir import append_text, make_workdir, replace_text
+
+
+def _train_fields(metrics):
+    """The console line's numbers: loss, then each update's rates, gradient norm and loss scale ("-" unless
+    float16), as name=value."""
+    fields = [f"loss={metrics['loss']:.5g}"]
+    prefixes = dict.fromkeys(k[: -len("grad_norm")] for k in metrics if k.endswith("grad_norm"))
+    for prefix in prefixes:
+        if prefix:
+            fields.append(f"{prefix}loss={metrics[prefix + 'loss']:.5g}")
+        rates = [k for k in metrics if k.startswith(prefix) and k[len(prefix) :].split("/")[0] == "learning_rate"]
+        fields += [f"{k}={metrics[k]:.4g}" for k in rates]
+        scale = metrics[prefix + "loss_scale"]
+        fields.append(f"{prefix}grad_norm={metrics[prefix + 'grad_norm']:.4g}")
+        fields.append(f"{prefix}loss_scale={'-' if scale is None else f'{scale:g}'}")
+    return " ".join(fields)
+
+
+def _number(value):
+    """JSON has no inf or NaN: write them as null."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _step_of(line):
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a torn last line from a crash: dropped
+
+
+@contextlib.contextmanager
+def _writing(path):
+    """Turns a failed write into CheckpointError naming `path` (launch.py: exit 4)."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
+    except tf.errors.OpError as e:
+        why = re.sub(r"^\{\{.*?\}\}\s*", "", first_line(e))  # TensorFlow's "{{function_node ...}} file; why"
+        named = re.fullmatch(r"(\S+); (.+)", why)
+        raise CheckpointError(
+            f"cannot write {named[1]}: {named[2]}" if named else f"cannot write {path}: {why}"
+        ) from None
+
+
+def _read_lines(path):
+    if not tf.io.gfile.exists(path):
+        return []
+    with tf.io.gfile.GFile(path) as f:
+        return f.read().splitlines(keepends=True)
+
+
+def _replace(path, text):
+    """Writes `text` to a temporary file and renames it over `path`: a reader or a kill never sees half a file, and
+    a link planted at either name is never written through (engine/workdir.py)."""
+    with _writing(path):
+        replace_text(path, text)
+
+
+def write_json(path, obj):
+    """Writes atomically: a reader never sees half a file, a crash never leaves one."""
+    _replace(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _rewind_events(path, last):
+    """Drops a TensorBoard events file's summaries after step `last`, as rewind does for the jsonl files:
+    TensorBoard would draw both the killed process's values and the redone ones."""
+    kept, dropped = [], False
+    try:
+        for record in tf.data.TFRecordDataset(path):
+            event = event_pb2.Event.FromString(record.numpy())
+            if event.HasField("summary") and event.step > last:
+                dropped = True
+            else:
+                kept.append(record.numpy())
+    except tf.errors.DataLossError:
+        dropped = True  # a record torn by the kill
+    if dropped:
+        tmp = os.path.join(os.path.dirname(path), f".rewind-{uuid.uuid4().hex}.tmp")  # a name no link waits at
+        with _writing(path):
+            with tf.io.TFRecordWriter(tmp) as writer:
+                for record in kept:
+                    writer.write(record)
+            tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def format_metrics(results):
+    """name=value pairs of a task's results, for one line of output."""
+    return " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items())
+
+
+class Report:
+    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=None, redo_eval=False):
+        """`redo_eval`: the run evaluates `resume_step` again (an evaluation step it may have stopped at unevaluated),
+        so that step's evaluation is dropped too."""
+        self.workdir, self.chief, self.total_steps = workdir, chief, total_steps
+        self.stream = stream or sys.stdout
+        self.live = chief and self.stream.isatty()
+        self._progress_shown = False
+        self._start, self._start_step = time.perf_counter(), resume_step
+        self._writers = {}
+        # The lines of the last logging window (count_losses): the step the first of them counts from (its previous
+        # line's), and (step, mean loss, skipped steps) of each line since.
+        self._last_window, self._window_from, self._window = 0, 0, []
+        if chief:
+            make_workdir(workdir)
+            self.rewind(resume_step, redo_eval)
+
+    def rewind(self, step, redo_eval=False):
+        """Drops records after `step` (logged before a crash or a rollback): no step is logged twice. A run at
+        its last step evaluates it again, so that step's final evaluation goes too, and so does the evaluation of
+        `step` with `redo_eval`."""
+        self._window = [line for line in self._window if line[0] <= step]
+        if not self.chief:
+            return
+        evaluated = step - 1 if step >= self.total_steps or redo_eval else step
+        for name, last in (("metrics.jsonl", step), ("eval.jsonl", evaluated)):
+            path = os.path.join(self.workdir, name)
+            lines = _read_lines(path)
+            kept = [line for line in lines if line.strip() and line.endswith("\n") and _step_of(line) <= last]
+            if len(kept) != len(lines):
+                _replace(path, "".join(kept))
+        for writer in self._writers.values():
+            writer.close()  # its file is rewound too; a new one continues it
+        for name, last in (("train", step), ("eval", evaluated)):
+            for path in tf.io.gfile.glob(os.path.join(self.workdir, name, "events.out.tfevents.*")):
+                _rewind_events(path, last)
+            with _writing(os.path.join(self.workdir, name)):
+                self._writers[name] = tf.summary.create_file_writer(os.path.join(self.workdir, name))
+
+    def line(self, text):
+        """A plain console line, clearing the live progress line first."""
+        if self._progress_shown:
+            self.stream.write("\r\033[K")
+            self._progress_shown = False
+        print(text, file=self.stream, flush=True)
+
+    def train(self, step, metrics):
+        """metrics: loss (the mean over the finite steps since the last line), learning_rate (or a task's optimizer
+        groups' learning_rate/<regex>), grad_norm, loss_scale (None unless float16), examples_per_sec, skipped_steps
+        (since the last line); a run of several updates: each one's under <update>/, with its loss."""
+        record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
+        record["skipped_steps"] = int(metrics["skipped_steps"])
+        self._count_loss(record)
+        self.line(f"train step={step} {_train_fields(metrics)} examples_per_sec={metrics['examples_per_sec']:.1f}")
+        if not self.chief:
+            return
+        self._append("metrics.jsonl", record)
+        self._scalars("train", step, metrics)
+        if self.live:
+            elapsed = time.perf_counter() - self._start
+            eta = elapsed / max(1, step - self._start_step) * (self.total_steps - step)
+            self.stream.write(
+                f"\r\033[K[{100 * step // self.total_steps:3d}%] step {step}/{self.total_steps} "
+                f"loss {metrics['loss']:.4f} {metrics['examples_per_sec']:,.0f} ex/s "
+                f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+            )
+            self.stream.flush()
+            self._progress_shown = True
+
+    def eval(self, step, results):
+        """results: the task's reported metrics and the example count."""
+        self.line(f"eval step={step} {format_metrics(results)}")
+        if self.chief:
+            self._append("eval.jsonl", {"step": step, **results})
+            self._scalars("eval", step, {k: v for k, v in results.items() if k != "examples"})
+
+    def pictures(self, step, images):
+        """A task's pictures at an evaluation ({name: uint8 array [height, width, channels]}): each as
+        workdir/<name>.png (the latest) and as a TensorBoard image of the eval run, on the chief."""
+        if not self.chief:
+            return
+        for name, image in images.items():
+            path = os.path.join(self.workdir, f"{name}.png")
+            try:
+                replace_text(path, tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy())
+            except (OSError, tf.errors.OpError) as e:
+                raise CheckpointError(f"cannot write {path}: {first_line(e)}") from None
+            with _writing(os.path.join(self.workdir, "eval")), self._writers["eval"].as_default(step=step):
+                tf.summary.image(name, tf.convert_to_tensor(image, tf.uint8)[None], step=step)
+
+    def summary(self, summary):
+        """Writes summary.json. A process that resumed at the last step trained nothing itself: the throughput it
+        could not measure comes from the records the run logged, and is filled into `summary` too."""
+        if not self.chief:
+            return
+        for key, value in self._logged(summary["step"]).items():
+            if summary.get(key) is None or (isinstance(summary[key], float) and math.isnan(summary[key])):
+                summary[key] = value
+        clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
+        write_json(os.path.join(self.workdir, "summary.json"), clean)
+        for name, writer in self._writers.items():
+            with _writing(os.path.join(self.workdir, name)):
+                writer.flush()
+
+    def count_losses(self, after, step):
+        """From now on counts the lines after step `after` (where the last logging window of an uninterrupted run
+        begins) toward train_loss, starting with those the run logged up to `step`, where this process starts: a run
+        resumed inside the window counts the lines its earlier processes logged there. Every worker reads them."""
+        self._last_window, self._window_from, self._window = after, 0, []
+        for record in self._records(step):
+            self._count_loss(record)
+
+    def _count_loss(self, record):
+        if record["step"] <= self._last_window:
+            self._window_from, self._window = record["step"], []
+        else:
+            self._window.append((record["step"], record["loss"], record.get("skipped_steps", 0)))
+
+    def train_loss(self):
+        """The mean loss over the finite steps of the last logging window (count_losses): one number whether the run
+        went through in one process or was stopped and resumed inside the window. A line holds the mean over its
+        finite steps; the lines' sums add up in float64, as the rounds summed their steps. None before the window's
+        first line."""
+        total, finite, counted_from = 0.0, 0, self._window_from
+        for step, loss, skipped in self._window:
+            steps, counted_from = step - counted_from - skipped, step
+            if steps and loss is not None:
+                total, finite = total + loss * steps, finite + steps
+        if len(self._window) == 1:  # the window in one line: its own mean, not the mean remade from its sum
+            return self._window[0][1]
+        return total / finite if finite else None
+
+    def _records(self, step):
+        """metrics.jsonl's records up to `step`, in order ([] when there is none yet; a torn last line is left out,
+        as rewind drops it)."""
+        lines = _read_lines(os.path.join(self.workdir, "metrics.jsonl"))
+        return [json.loads(line) for line in lines if line.endswith("\n") and _step_of(line) <= step]
+
+    def _logged(self, step):
+        """The throughput after the first round, from metrics.jsonl."""
+        records = self._records(step)
+        if not records or records[-1]["step"] != step:
+            return {}
+        # examples/s over the rounds after the first (which includes tracing), as the loop measures it.
+        rounds = [(b["step"] - a["step"], b["examples_per_sec"]) for a, b in zip(records, records[1:])]
+        rounds = [(steps, rate) for steps, rate in rounds if rate] or [(1, records[0]["examples_per_sec"])]
+        seconds = sum(steps / rate for steps, rate in rounds if rate)
+        speed = sum(steps for steps, _ in rounds) / seconds if seconds else None
+        return {"examples_per_sec": speed}
+
+    def _append(self, name, record):
+        path = os.path.join(self.workdir, name)
+        with _writing(path):
+            append_text(path, json.dumps(record) + "\n")
+
+    def _scalars(self, writer, step, values):
+        with _writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):
+            for name, value in values.items():
+                if value is not None:
+                    tf.summary.scalar(name, value)
