@@ -29,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags, logging  # noqa: E402
 
-from engine.cluster.signals import PREEMPTION  # noqa: E402  (imports no TensorFlow)
+from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
@@ -37,7 +37,7 @@ from engine.settings.fields import BUNDLED_DATASETS, Config, Switch
 from engine.settings.identity import CLUSTER  # noqa: E402
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
-NON_FINITE = 3  # training stopped (loop.TrainingError): a non-finite loss, or float16 stuck at its scale floor
+NON_FINITE = 3  # training stopped (TrainingError): a non-finite loss, or float16 stuck at its scale floor
 CANNOT_WRITE = 4  # the workdir cannot be written (at the start too), or its storage failed a read
 LOST_PEER = 5  # a multi-worker peer stopped answering
 
@@ -127,6 +127,7 @@ HELP_GROUPS = {
         "deterministic",
         "run_eagerly",
         "profile_steps",
+        "actions",
     ),
     "Data": (
         "dataset",
@@ -187,7 +188,12 @@ HELP_GROUPS = {
         "ensemble_mean",
     ),
 }
-_DECLARED_GROUP = {"model": "Model", "task": "Task", "dataset": "Data"}  # by the setting that selects the file
+_DECLARED_GROUP = {
+    "model": "Model",
+    "task": "Task",
+    "dataset": "Data",
+    "actions": "The run",
+}  # by the setting that selects the file
 
 
 def _group(field):
@@ -271,13 +277,12 @@ def main(argv):
             compile_cache.use(config.compile_cache)
     except ConfigError as e:
         _exit(str(e))
-    PREEMPTION.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
+    SIGNALS.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
     with _quiet_native_stderr():
         # Deferred: TensorFlow starts here, after the flags are known good.
         from engine.cluster import distribute
         from engine.cluster.resolvers import PeerLost
-        from engine.run.actions import Preempted, TrainingError
-        from engine.settings.errors import CheckpointError
+        from engine.settings.errors import CheckpointError, Preempted, TrainingError
 
         run = _mode(config.mode)
     try:

@@ -116,13 +116,20 @@ def attempt(what, measure, timeout):
             result = measure(timeout)
         except subprocess.TimeoutExpired:
             result = {"error": f"did not finish in {timeout:.0f} s"}
-        except (RuntimeError, OSError, ValueError, KeyError) as e:  # a failed run: its output's last line says why
+        except Exception as e:  # a failed run costs its row, not the table; its output's last line says why
             print(f"{what}: {e}", file=sys.stderr, flush=True)
             result = {"error": "failed: " + (str(e).strip().splitlines() or ["?"])[-1][:200]}
     numbers = {**result, **result.get("tflops", {})}
     shown = result.get("error") or ", ".join(f"{k} {v:.4g}" for k, v in numbers.items() if isinstance(v, float))
     print(f"progress: {what}: {shown}", file=sys.stderr, flush=True)
     return result
+
+
+def version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def last_json(proc):
@@ -133,6 +140,12 @@ HEADER = (
     "| engine | PyTorch | engine ms/step | PyTorch ms/step | step ratio | engine val. loss | PyTorch val. loss | "
     "engine process s | PyTorch process s | process ratio | skipped steps (engine, PyTorch) | engine jit_compile | "
     "notes |\n" + "|---" * 13 + "|"
+)
+COLUMNS = (
+    "ms/step: the engine's from its summary (its first round, with tracing and XLA's compile, left out), PyTorch's "
+    "the median step after its first 20 (CUDA events on a GPU); val. loss: after the last step, on the same "
+    "windows; process s: start to exit, timed from outside (imports, start-up, training, evaluation, and the "
+    "engine's checkpoint)."
 )
 
 
@@ -207,7 +220,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup_steps", type=int, help="default: the recipe's (fewer than --steps)")
     parser.add_argument("--matmul_size", type=int, default=8192)
-    parser.add_argument("--budget", type=float, default=450, help="seconds for every process this starts")
+    parser.add_argument("--budget", type=float, default=460, help="seconds for every process this starts")
     parser.add_argument("--engine_flags", default="", help="more launch.py flags for the engine's runs")
     parser.add_argument("--torch_venv", default=os.path.join(run.ROOT, ".venv-torch"))
     parser.add_argument("--results", default=run.RESULTS, help="the file --record appends to")
@@ -236,6 +249,7 @@ def main(argv=None):
         print("error: TensorFlow sees no GPU (CUDA_VISIBLE_DEVICES? its CUDA libraries?)", file=sys.stderr)
         return 2
     python = pytorch.torch_python(args.torch_venv)
+    print(f"PyTorch's python: {python}", file=sys.stderr, flush=True)
     command = pytorch.torch_command(python, *matmul, "--matmul=torch")
     torch_matmul = attempt(
         "PyTorch matmul", lambda t: last_json(pytorch.timed(command, t, env=pytorch.torch_env())[1]), budget.share()
@@ -247,27 +261,22 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as data:
         prepare = [sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *flags]
         prepared = attempt("prepare", lambda t: {"wall": pytorch.timed(prepare, t)[0]}, budget.share())
-        unprepared = {"error": f"not run: the weights and batches they share {prepared.get('error')}"}
-        for precision in precisions:
-            theirs[precision] = (
-                unprepared
-                if "error" in prepared
-                else attempt(
+        if "error" in prepared:  # nothing to start from: every row says why
+            unprepared = {"error": f"not run: preparing what both sides share {prepared['error']}"}
+            engine = theirs = dict.fromkeys(precisions, unprepared)
+        else:
+            for precision in precisions:
+                theirs[precision] = attempt(
                     f"PyTorch {pytorch.PRECISIONS[precision]}",
                     lambda t: pytorch.torch_run(python, data, pytorch.PRECISIONS[precision], torch_device, t),
                     budget.share(),
                 )
-            )
-        for precision in precisions:
-            engine[precision] = (
-                unprepared
-                if "error" in prepared
-                else attempt(
+            for precision in precisions:
+                engine[precision] = attempt(
                     f"engine {precision}", lambda t: pytorch.engine_run(flags, precision, extra, t), budget.share()
                 )
-            )
 
-    tf_version = importlib.metadata.version("tensorflow")
+    tf_version = tf_matmul.get("version") or version("tensorflow")
     torch_version = torch_matmul.get("version") or next(
         (r["details"]["torch"] for r in theirs.values() if "details" in r), "?"
     )
@@ -282,7 +291,7 @@ def main(argv=None):
     )
     table = "\n".join([HEADER, *(row(p, engine[p], theirs[p]) for p in precisions)])
     sides = {f"TensorFlow {tf_version}": tf_matmul, f"PyTorch {torch_version}": torch_matmul}
-    text = f"{header}\n\n{table}\n\n{matmul_rows(args.matmul_size, sides)}\n"
+    text = f"{header}\n\n{table}\n\n{COLUMNS}\n\n{matmul_rows(args.matmul_size, sides)}\n"
     print(text)
     if args.record:
         command = "python -m bench.gpu_table " + " ".join(argv if argv is not None else sys.argv[1:])

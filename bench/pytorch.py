@@ -8,6 +8,9 @@
 PyTorch is not a requirement of the engine: the first run makes a virtual environment of its own (.venv-torch, or
 --torch_venv) and installs BENCH_TORCH (default `torch==2.13.0`; on a machine without the CPU wheel at hand,
 `BENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"` avoids the CUDA build) and NumPy.
+BENCH_TORCH_PYTHON names a python with PyTorch to use instead, and a system python3 whose PyTorch sees a GPU is
+used as it is. PyTorch's processes run without LD_LIBRARY_PATH and PYTHONPATH (and behind $TORCH_ENV where set),
+which may put another build's CUDA libraries before PyTorch's own.
 
 For each recipe, one engine process first writes what both sides share (bench/torch_gpt.py names it): the
 initial weights of the engine's model, built as a run builds it, every training batch in the engine's order,
@@ -19,9 +22,13 @@ range of the paired ratios engine / PyTorch: a busy neighbour moves the range mo
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,8 +51,32 @@ RECIPES = {
         "--train_steps=500",
     ],
 }
-# The engine's --precision and what PyTorch runs for it (bfloat16: autocast, weights and AdamW in float32).
-PRECISIONS = {"float32": "float32", "mixed_bfloat16": "bfloat16"}
+# The engine's --precision and what PyTorch runs for it (bfloat16, float16: autocast, weights and AdamW in float32;
+# float16 with GradScaler). The default compares the first two: mixed_float16 is slower than float32 on a CPU.
+PRECISIONS = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+DEFAULT_PRECISIONS = "float32,mixed_bfloat16"
+
+
+def torch_python(venv):
+    """A python that imports PyTorch: $BENCH_TORCH_PYTHON, else the system python3 if its PyTorch sees a GPU (a
+    GPU machine's), else the virtual environment `venv` (made on first use)."""
+    if os.environ.get("BENCH_TORCH_PYTHON"):
+        return os.environ["BENCH_TORCH_PYTHON"]
+    python3 = shutil.which("python3")
+    cuda = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+    found = python3 and subprocess.run(torch_command(python3, "-c", cuda), env=torch_env(), capture_output=True)
+    return python3 if found and found.returncode == 0 else ensure_torch(venv)
+
+
+def torch_command(python, *args):
+    """A PyTorch process's command line: $TORCH_ENV first where it is set (`env -u LD_LIBRARY_PATH -u PYTHONPATH` on
+    a machine whose TensorFlow is put on those paths: their stub CUDA libraries are not for PyTorch)."""
+    return [*shlex.split(os.environ.get("TORCH_ENV", "")), python, *args]
+
+
+def torch_env():
+    """This environment without what puts another TensorFlow's libraries before PyTorch's own."""
+    return {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
 
 
 def ensure_torch(venv):
@@ -66,19 +97,22 @@ def prepare(argv, out):
     import tensorflow as tf
 
     import launch
-    from engine import distribute
-    from engine.trainer import Trainer
+    from engine.cluster import distribute
+    from engine.run import build
 
     launch._parse_flags(["launch.py", *argv])
     config = launch._config_from_flags()
-    trainer = Trainer(config, distribute.create_strategy(config))
+    trainer = build.run(config, distribute.create_strategy(config), training=False)
     np.savez(os.path.join(out, "weights.npz"), **torch_names(trainer.models["model"]))
     train = iter(trainer.data.train_fn(tf.distribute.InputContext()))
     np.save(os.path.join(out, "batches.npy"), np.stack([next(train)["tokens"] for _ in range(config.train_steps)]))
     evals = list(trainer.data.eval_fn(tf.distribute.InputContext()).take(trainer.data.eval_steps))
     np.save(os.path.join(out, "eval_tokens.npy"), np.concatenate([b["tokens"] for b in evals]))
     np.save(os.path.join(out, "eval_weights.npy"), np.concatenate([b["weight"] for b in evals]).astype(np.float32))
-    names = "seed learning_rate beta_1 beta_2 epsilon weight_decay warmup_steps lr_schedule train_steps clip_norm"
+    names = (
+        "seed learning_rate beta_1 beta_2 epsilon weight_decay warmup_steps lr_schedule train_steps clip_norm "
+        "initial_loss_scale loss_scale_growth_interval"
+    )
     recipe = {name: getattr(config, name) for name in names.split()}
     recipe.update(
         vocabulary=len(trainer.task.info["vocabulary"]),
@@ -111,11 +145,22 @@ def _layer(prefix, layer):
     return {f"{prefix}.weight": layer.kernel, f"{prefix}.bias": layer.bias}
 
 
-def timed(command, **kwargs):
-    """(seconds, the process) of a command run to its end; a failure raises with its output's tail."""
+def timed(command, timeout=None, **kwargs):
+    """(seconds, the process) of a command run to its end; a failure raises with its output's tail. After `timeout`
+    seconds the command and every process it started are killed and subprocess.TimeoutExpired raised."""
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, **kwargs)
+    popen = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True, **kwargs
+    )
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except BaseException:  # the timeout, or an interrupt: nothing it started (a compiler) may run on
+        with contextlib.suppress(ProcessLookupError):  # its session: it and its children, ended or not
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.communicate()
+        raise
     seconds = time.perf_counter() - start
+    proc = subprocess.CompletedProcess(command, popen.returncode, stdout, stderr)
     if proc.returncode:
         raise RuntimeError(
             f"{' '.join(command)} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
@@ -123,21 +168,34 @@ def timed(command, **kwargs):
     return seconds, proc
 
 
-def engine_run(argv, precision, extra=()):
+def engine_run(argv, precision, extra=(), timeout=None):
     with tempfile.TemporaryDirectory() as workdir:
         command = [sys.executable, "launch.py", *argv, f"--precision={precision}", *extra, f"--workdir={workdir}"]
-        seconds, proc = timed(command, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        seconds, proc = timed(command, timeout, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
         with open(os.path.join(workdir, "summary.json")) as f:
             summary = json.load(f)
     choice = next((w for w in proc.stdout.split() if w.startswith("jit_compile=")), "jit_compile=?")
     step_ms = 1000 * summary["global_batch_size"] / summary["examples_per_sec"]
-    return dict(wall=seconds, step_ms=step_ms, loss=summary["eval"]["loss"], jit=choice.split("=", 1)[1])
+    return dict(
+        wall=seconds,
+        step_ms=step_ms,
+        loss=summary["eval"]["loss"],
+        jit=choice.split("=", 1)[1],
+        skipped=summary["skipped_steps"],
+    )
 
 
-def torch_run(python, data, precision):
-    seconds, proc = timed([python, TORCH_SCRIPT, f"--data={data}", f"--precision={precision}"])
+def torch_run(python, data, precision, device="auto", timeout=None):
+    command = torch_command(python, TORCH_SCRIPT, f"--data={data}", f"--precision={precision}", f"--device={device}")
+    seconds, proc = timed(command, timeout, env=torch_env())
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return dict(wall=seconds, step_ms=result["step_ms"], loss=result["validation_loss"], details=result)
+    return dict(
+        wall=seconds,
+        step_ms=result["step_ms"],
+        loss=result["validation_loss"],
+        skipped=result["skipped_steps"],
+        details=result,
+    )
 
 
 def measure(recipe, precision, python, data, repeats, extra=()):
@@ -193,7 +251,7 @@ HEADER = (
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default="shakespeare_char", help=f"comma-separated of {','.join(RECIPES)}")
-    parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated of {','.join(PRECISIONS)}")
+    parser.add_argument("--precisions", default=DEFAULT_PRECISIONS, help=f"comma-separated of {','.join(PRECISIONS)}")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of processes per row")
     parser.add_argument(
         "--engine_flags", default="", help="more launch.py flags for the engine's runs, e.g. '--jit_compile=true'"
@@ -209,7 +267,7 @@ def main(argv=None):
         if set(given) - set(known):
             parser.error(f"--{name}={','.join(given)}: choose from {','.join(known)}")
     extra = args.engine_flags.split()
-    python = ensure_torch(args.torch_venv)
+    python = torch_python(args.torch_venv)
     started, load_before, lines = datetime.datetime.now(), os.getloadavg()[0], []
     for recipe in recipes:
         with tempfile.TemporaryDirectory() as data:

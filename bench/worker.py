@@ -71,15 +71,15 @@ class EngineRunner:
     """The engine as a user runs it: Trainer.run_steps(iterator, n), one call per window."""
 
     def __init__(self, config, strategy):
-        from engine.run.loop import Trainer
+        from engine.run import build
 
         self.config = config
-        self.trainer = Trainer(config, strategy)
-        self.iterator = self.trainer.train_iterator()
+        self.trainer = build.run(config, strategy)
+        self.iterator = self.trainer.program.train_iterator()
 
     def window(self, steps):
         tic = time.perf_counter()
-        self.trainer.run_steps(self.iterator, steps)  # returns Python floats: the device is done
+        self.trainer.program.run_steps(self.iterator, steps)  # returns Python floats: the device is done
         return time.perf_counter() - tic
 
     def parameters(self):
@@ -284,7 +284,7 @@ def model_speed(task, spec, strategy):
         runners["matmuls"] = MatmulRunner(spec, "float16" if task["precision"] == "mixed_float16" else "float32")
     for precision in task["precisions"]:
         if precision != task["precision"]:
-            config = make_config(spec, precision=precision, jit_compile=engine.settings.config.jit_compile)
+            config = make_config(spec, precision=precision, jit_compile=engine.config.jit_compile)
             runners[precision] = EngineRunner(config, strategy)
     for name, runner in runners.items():
         if name == "input":
@@ -353,7 +353,7 @@ class _NoInput:
 
     def window(self, steps):
         tic = time.perf_counter()
-        self.runner.trainer.run_steps(self.fixed, steps)
+        self.runner.trainer.program.run_steps(self.fixed, steps)
         return time.perf_counter() - tic
 
 
@@ -396,7 +396,7 @@ class _Calls:
         del steps
         tic = time.perf_counter()
         for _ in range(self.calls):
-            self.runner.trainer.run_steps(self.runner.iterator, self.steps_per_call)
+            self.runner.trainer.program.run_steps(self.runner.iterator, self.steps_per_call)
         return time.perf_counter() - tic
 
 

@@ -20,7 +20,8 @@ For a data source (sources/<name>.py):
     sharded         a split streamed from counted TFRecord files
     tfds_source     the Source of a tensorflow-datasets dataset (prepared into --data_dir on first use)
     image_decoder   the per-example decode of photos of any size (random-resized crop and flip, centre crop)
-For an action (engine/run/actions/<name>.py): Action, Round (engine/run/actions/base.py)
+For an action (engine/run/actions/<name>.py): Action (the interface: due, needs, around, __call__, close),
+    Round (what a round hands it), ROLLED_BACK and Stop (what it may answer)
 Errors: ConfigError (bad input: the message names the flag or file and the value), TaskError (a task's code that
 cannot run: the message names the task's file, the update or primitive, and what was wrong), first_line.
 """
@@ -30,18 +31,24 @@ from engine.data.records import Source, Split, in_memory, sharded
 from engine.data.tfds_source import load as tfds_source
 from engine.numerics.replica import Gradients, ReplicaStep
 from engine.numerics.updates import DEFAULT, Update
+from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
 from engine.settings.config import first_line
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TaskError
 from tasks.base import Task, bits
 
 __all__ = [
     "DEFAULT",
+    "ROLLED_BACK",
+    "Action",
+    "Round",
+    "Stop",
     "ConfigError",
     "Gradients",
     "ReplicaStep",
     "Source",
     "Split",
     "Task",
+    "TaskError",
     "Update",
     "bits",
     "first_line",

@@ -32,7 +32,8 @@ import tasks
 from engine.cluster import distribute
 from engine.data import datasets as data_lib
 from engine.numerics import precision
-from engine.run import inputs, loop
+from engine.run import build
+from engine.run.inputs import batches
 from engine.settings import checks
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
@@ -212,37 +213,37 @@ def _load_run(workdir, member_config, splits, reference):
     where = f"--members: {workdir} ({_data_name(member_config)})"
     # One device; the run's own evaluation data is the first split (one data load fewer).
     run_config = dataclasses.replace(member_config, strategy="one_device", num_cpu_devices=1, eval_split=splits[0])
-    try:  # Trainer sets the member's precision: its layers take the policy they are created under
-        trainer = loop.Trainer(run_config, distribute.create_strategy(run_config))
+    try:  # building the run sets the member's precision: its layers take the policy they are created under
+        run = build.run(run_config, distribute.create_strategy(run_config), training=False)
         if reference is not None:
             described = f"{reference.name} ({_data_name(reference.config)})"
-            for feature in sorted(reference.spec.keys() | trainer.data.spec.keys()):
-                theirs, ours = reference.spec.get(feature), trainer.data.spec.get(feature)
+            for feature in sorted(reference.spec.keys() | run.data.spec.keys()):
+                theirs, ours = reference.spec.get(feature), run.data.spec.get(feature)
                 if theirs != ours:
                     raise ConfigError(
                         f"{where} takes {feature} {_spec_text(ours)} but {described} takes {feature} "
                         f"{_spec_text(theirs)}: an ensemble's members must share one input space"
                     )
-        checkpoint = trainer.state.evaluated()
+        checkpoint = run.state.evaluated()
         try:
             checkpoint_lib.restore(checkpoint, found, partial=True)
         except checkpoint_lib.Unreadable as e:
             raise ConfigError(f"--members: {found} is unreadable ({e})") from None
-        task = trainer.task
-        predict = tf.function(lambda batch: task.predictions(task.forward(trainer.models, batch, False)))
+        task = run.task
+        predict = tf.function(lambda batch: task.predictions(task.forward(run.models, batch, False)))
         predictions, examples = {}, {}
-        with trainer.averaged_weights():
+        with run.evaluator.averaged_weights():
             for split in splits:
                 own = split == splits[0]
                 ctx = tf.distribute.InputContext()
-                batches = inputs.batches(trainer.data.eval_fn(ctx)) if own else trainer.examples(split)
-                predictions[split], examples[split] = _predict(predict, batches)
+                read = batches(run.data.eval_fn(ctx)) if own else run.evaluator.examples(split)
+                predictions[split], examples[split] = _predict(predict, read)
     finally:
         precision.set_policy("float32")
-    member = Member(workdir, member_config.model, int(trainer.step.numpy()), predictions)
+    member = Member(workdir, member_config.model, int(run.state.step.numpy()), predictions)
     if reference is None:
         shapes = {split: p.shape[1:] for split, p in predictions.items()}
-        return member, Reference(workdir, member_config, task, trainer.data.spec, examples, shapes)
+        return member, Reference(workdir, member_config, task, run.data.spec, examples, shapes)
     described = f"{reference.name} ({_data_name(reference.config)})"
     for split in splits:
         if predictions[split].shape[1:] != reference.shapes[split]:

@@ -31,9 +31,9 @@ import tensorflow as tf
 
 from engine.cluster import distribute
 from engine.data import datasets as data_lib
-from engine.run import loop
+from engine.run import build, loop
 from engine.settings.config import first_line
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, Preempted, TrainingError
 from engine.settings.fields import SEED_LIMIT, Config, show
 from engine.state import workdir as workdir_lib
 from engine.state.report import write_json
@@ -118,11 +118,11 @@ def objective_of(config):
 def _check_reported(config, name, strategy):
     """Refuses, before any trial, an objective that an evaluation of this task does not report: the task's metrics
     as its report() names them, then what its probe() adds."""
-    trainer = loop.Trainer(with_values(config, {}), strategy)
+    run = build.run(with_values(config, {}), strategy, training=False)
     # Ones, not zeros: a report may take a logarithm or divide.
-    reported = set(trainer.task.report({metric: 1.0 for metric in trainer.metric_names}))
+    reported = set(run.task.report({metric: 1.0 for metric in run.evaluator.metric_names}))
     if name not in reported:
-        reported |= set(trainer.task.probe(trainer.models, trainer.examples))
+        reported |= set(run.task.probe(run.models, run.evaluator.examples))
     if name not in reported:
         raise ConfigError(
             f"--tune_objective={name}: --task={config.task} reports no such metric "
@@ -304,10 +304,10 @@ def _objective(config, space, strategy, name):
 
         try:
             summary = loop.train(run_config, strategy, on_eval)
-        except loop.TrainingError as e:  # a diverging draw is an outcome of the search, not a failure of it
+        except TrainingError as e:  # a diverging draw is an outcome of the search, not a failure of it
             trial.set_user_attr("diverged", str(e))
             raise optuna.TrialPruned("diverged") from None
-        except loop.Preempted:
+        except Preempted:
             _requeue(trial.study, trial)  # it saved a checkpoint; the next tuner continues from it
             raise
         except Unreported:

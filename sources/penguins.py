@@ -1,6 +1,6 @@
 """Palmer penguins: body mass from a penguin's measurements, species, island and sex (a regression source).
 
-The data (engine/sources/data/README.md: CC0, bundled) has 344 rows; the 11 with a missing value (2 without
+The data (sources/data/README.md: CC0, bundled) has 344 rows; the 11 with a missing value (2 without
 any measurement, 9 without a sex) are dropped, leaving 333. `features` is a float32 vector of the three bill and
 flipper measurements (mm) and one-hot species, island and sex; `target` the body mass in grams. The study year
 is left out: it says when a bird was measured, not what it is.

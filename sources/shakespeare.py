@@ -1,4 +1,4 @@
-"""Tiny Shakespeare, character by character (engine/sources/data/README.md: public domain, bundled).
+"""Tiny Shakespeare, character by character (sources/data/README.md: public domain, bundled).
 
 The vocabulary is the sorted set of the whole text's characters (65); a token is a character's index in it.
 The first 90% of the text trains and the last 10% validates, as nanoGPT's `shakespeare_char` splits it. The

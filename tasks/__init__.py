@@ -41,3 +41,8 @@ def default_model(name):
 def default_dataset(name):
     """The dataset `--task=name` trains on when --dataset is empty: its file's `DATASET`, else digits."""
     return _declared(name, "DATASET", "digits")
+
+
+def declared_actions(name):
+    """The actions (engine/run/actions/<name>.py) tasks/<name>.py asks for beside the engine's own: its `ACTIONS`."""
+    return tuple(_declared(name, "ACTIONS", ()))

@@ -40,7 +40,7 @@ PRELOAD = (
     "tensorflow",
     "keras",
     "tensorflow_datasets",
-    "engine.run.trainer",
+    "engine.run.build",
     "engine.cluster.launcher",
     "research.tune",
 )

@@ -83,10 +83,12 @@ def all_variables(trainer):
     """{name: variable}: model weights as weight/i, the model's other state (batch-norm statistics) as
     state/i, optimizer slots as slot/i, the update counter, and the loss-scale state in float16."""
     named = {f"{'weight' if v.trainable else 'state'}/{i}": v.value for i, v in enumerate(trainer.model.variables)}
-    named.update({f"slot/{i}": s for i, s in enumerate(s for per_param in trainer.optimizer.slots for s in per_param)})
-    named["iterations"] = trainer.optimizer.iterations
-    if trainer.float16:
-        named.update(scale=trainer.loss_scale.scale, good_steps=trainer.loss_scale.good_steps)
+    named.update(
+        {f"slot/{i}": s for i, s in enumerate(s for per_param in trainer.plans[0].optimizer.slots for s in per_param)}
+    )
+    named["iterations"] = trainer.plans[0].optimizer.iterations
+    if trainer.program.float16:
+        named.update(scale=trainer.plans[0].loss_scale.scale, good_steps=trainer.plans[0].loss_scale.good_steps)
     return named
 
 
@@ -96,10 +98,10 @@ def snapshot(trainer):
 
 
 def train_and_snapshot(config, strategy):
-    from engine.run.loop import Trainer
+    from engine.run import build
 
-    trainer = Trainer(config, strategy)
-    out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
+    trainer = build.run(config, strategy)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
     return snapshot(trainer), out
 
 
@@ -111,7 +113,7 @@ def step_function(trainer):
 
     @tf.function
     def run(batch):
-        out = strategy.run(trainer.train_step, args=(batch,))
+        out = strategy.run(trainer.program.train_step, args=(batch,))
         return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
 
     return run
@@ -129,9 +131,9 @@ def nonfinite_scenario(config, strategy, bad_replica):
     """
     import tensorflow as tf
 
-    from engine.run.loop import Trainer
+    from engine.run import build
 
-    trainer = Trainer(config, strategy)
+    trainer = build.run(config, strategy)
     whole = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
 
     def batch(poison):

@@ -1,13 +1,17 @@
-"""The outer loop's actions (engine/actions.py), each on its own: at which steps they fire, what they write, what
-they restore. Host logic on stand-ins for the trainer and the report; the rollback restores a real checkpoint."""
+"""The outer loop's actions (engine/run/actions/), each on its own: at which steps they fire, what they write, what
+they restore. Host logic on stand-ins for the run and the report; the rollback restores a real checkpoint."""
 
 import types
 
 import pytest
 import tensorflow as tf
 
-from engine.cluster.signals import PREEMPTION
-from engine.run import actions, loop
+from engine.cluster.signals import SIGNALS
+from engine.run import controller
+from engine.run.actions import builtin
+from engine.run.actions.base import ROLLED_BACK, Round, Stop
+from engine.run.controller import Timing
+from engine.settings.errors import Preempted, TrainingError
 
 
 class Lines:
@@ -32,6 +36,11 @@ class Lines:
         self.rewinds.append(step)
 
 
+def _context(run=None, report=None, checkpoints=None, timing=None):
+    """What the controller hands an action beside its round (engine/run/controller.py Context)."""
+    return types.SimpleNamespace(run=run, report=report or Lines(), checkpoints=checkpoints, timing=timing, chief=True)
+
+
 def _cadence(**settings):
     return types.SimpleNamespace(
         **{"steps_per_loop": 10, "eval_every": 0, "checkpoint_every": 0, "profile_steps": (), **settings}
@@ -39,19 +48,21 @@ def _cadence(**settings):
 
 
 def _round(start, end, seconds=1.0, **out):
-    return actions.Round(start, end, seconds, {"skipped": 0.0, "floor_skipped": 0.0, "stop": 0.0, **out})
+    return Round(start, end, seconds, {"skipped": 0.0, "floor_skipped": 0.0, "stop": 0.0, **out})
 
 
 def _fired(config, stopping_at=None):
     """(round ends, evaluation steps, checkpoint steps) of a run from step 0, as the loop cuts and checks them."""
     ends, evaluated, saved, current = [], [], [], 0
+    evaluate = builtin.Evaluate(config.eval_every, config.train_steps)
+    checkpoint = builtin.Checkpoint(config.checkpoint_every, config.train_steps)
     while current < config.train_steps:
-        current = loop._next_boundary(config, current)
+        current = controller.next_boundary(config, current)
         ends.append(current)
         stopping = current == stopping_at
-        if actions.evaluation_due(config, current, stopping):
+        if evaluate.due(current, stopping):
             evaluated.append(current)
-        if actions.checkpoint_due(config, current, stopping):
+        if checkpoint.due(current, stopping):
             saved.append(current)
     return ends, evaluated, saved
 
@@ -75,17 +86,17 @@ def test_a_stopping_run_saves_and_skips_the_evaluation_due_there():
 
 
 def test_the_input_bound_warning_fires_once_after_its_window_of_timed_steps():
-    timing, report = actions.Timing(), Lines()
-    warn = actions.InputBoundWarning(timing, report)
+    timing, report = Timing(), Lines()
+    warn, context = builtin.InputBoundWarning(), _context(report=report, timing=timing)
     rounds = [_round(0, 10, 5.0, input_wait=5.0)]  # the first round (tracing): outside the window
     rounds += [_round(10 * k, 10 * k + 10, 1.0, input_wait=0.2) for k in range(1, 7)]
     warned_at = []
     for done in rounds:
         timing.add(done)
         before = len(report.lines)
-        warn(done)
+        warn(done, context)
         warned_at += [done.end] * (len(report.lines) - before)
-    assert actions.INPUT_WINDOW_STEPS == 50 and warned_at == [60]  # 50 timed steps: steps 11-60
+    assert builtin.INPUT_WINDOW_STEPS == 50 and warned_at == [60]  # 50 timed steps: steps 11-60
     assert report.lines == [
         "warning: input-bound: the steps waited for input 20% of the time over steps 11-60; the input pipeline does "
         "not keep up (more workers, --tf_data_service, a smaller --image_size or data held in memory would)"
@@ -94,54 +105,59 @@ def test_the_input_bound_warning_fires_once_after_its_window_of_timed_steps():
 
 
 def test_waiting_exactly_the_bound_does_not_warn():
-    timing, report = actions.Timing(), Lines()
-    warn = actions.InputBoundWarning(timing, report, window=10)
+    timing, report = Timing(), Lines()
+    warn, context = builtin.InputBoundWarning(window=10), _context(report=report, timing=timing)
     for done in [_round(0, 10, input_wait=0.0), _round(10, 20, 2.0, input_wait=0.2)]:
         timing.add(done)
-        warn(done)
+        warn(done, context)
     assert report.lines == []
 
 
 def test_a_run_of_one_round_reports_that_rounds_throughput():
-    timing = actions.Timing()
+    timing = Timing()
     timing.add(_round(0, 20, 4.0, input_wait=1.0))
     assert timing.summary(8, waits_timed=True) == (40.0, 0.0)  # its wait is not timed: tracing is in it
     assert timing.summary(8, waits_timed=False) == (40.0, None)
-    assert actions.Timing().summary(8, waits_timed=True) == (None, None)
+    assert Timing().summary(8, waits_timed=True) == (None, None)
 
 
-def _float16_trainer(scale=4.0):
+def _float16_run(scale=4.0):
     return types.SimpleNamespace(
-        float16=True,
-        loss_scale=types.SimpleNamespace(scale=tf.constant(scale)),
+        program=types.SimpleNamespace(float16=True),
+        plans=[types.SimpleNamespace(loss_scale=types.SimpleNamespace(scale=tf.constant(scale)))],
         config=types.SimpleNamespace(initial_loss_scale=1024.0, precision="mixed_float16"),
     )
 
 
 def test_the_skip_warning_needs_more_than_half_of_the_rounds_steps_skipped():
-    report, trainer = Lines(), _float16_trainer()
-    actions.warn_skipped(trainer, report, _round(10, 20, skipped=5.0))
+    report, warn = Lines(), builtin.SkippedWarning()
+    context = _context(_float16_run(), report)
+    warn(_round(10, 20, skipped=5.0), context)
     assert report.lines == []
-    actions.warn_skipped(trainer, report, _round(10, 20, skipped=6.0))
+    warn(_round(10, 20, skipped=6.0), context)
     assert report.lines == [
         "warning: mixed_float16: 6 of the 10 steps 11-20 were skipped (non-finite gradients: nothing trained); the "
         "loss scale halves at each skipped step and is now 4 (--initial_loss_scale=1024)"
     ]
-    actions.warn_skipped(types.SimpleNamespace(float16=False), report, _round(10, 20, skipped=10.0))
+    float32 = types.SimpleNamespace(program=types.SimpleNamespace(float16=False))
+    warn(_round(10, 20, skipped=10.0), _context(float32, report))
     assert len(report.lines) == 1  # float32: a skipped step is divergence, the NaN policy's
 
 
 def test_the_log_counts_skipped_steps_and_writes_the_train_line():
     trainer = types.SimpleNamespace(
-        skipped=tf.Variable(2, dtype=tf.int64),
-        step_metrics=["learning_rate", "grad_norm", "loss_scale"],
-        float16=False,
+        state=types.SimpleNamespace(skipped=tf.Variable(2, dtype=tf.int64)),
+        program=types.SimpleNamespace(metric_names=["learning_rate", "grad_norm", "loss_scale"], float16=False),
         config=types.SimpleNamespace(global_batch_size=16),
+        actions=[builtin.Log()],
     )
     report = Lines()
     out = dict(loss=0.5, learning_rate=0.1, grad_norm=2.0, loss_scale=1.0, skipped=3.0)
-    actions.log(trainer, report, _round(10, 20, 2.0, **out))
-    assert int(trainer.skipped.numpy()) == 5
+    # The controller counts the round's skipped steps, then its due actions act: the log writes the line.
+    looping = controller.Controller.__new__(controller.Controller)
+    looping.run, looping.context = trainer, _context(trainer, report, timing=Timing())
+    looping._act(_round(10, 20, 2.0, **out))
+    assert int(trainer.state.skipped.numpy()) == 5
     assert report.trains == [
         (
             20,
@@ -156,12 +172,18 @@ class _Run:
     def __init__(self, tmp_path, on_nan="rollback"):
         self.step = tf.Variable(20, dtype=tf.int64)
         self.batches = tf.Variable(20, dtype=tf.int64)
-        self.float16 = False
+        self.state = types.SimpleNamespace(step=self.step, batches=self.batches)
+        self.program = types.SimpleNamespace(float16=False)
         self.config = types.SimpleNamespace(on_nan=on_nan, precision="float32")
         checkpoint = tf.train.Checkpoint(step=self.step, batches=self.batches)
         self.checkpoints = types.SimpleNamespace(
             checkpoint=checkpoint, saved_path=checkpoint.save(str(tmp_path / "ckpt"))
         )
+
+    def policy(self, report):
+        """The NaN policy of this run's --on_nan, acting on `report`: policy(round) -> its outcome."""
+        nan_policy, context = builtin.NanPolicy(self.config.on_nan), _context(self, report, self.checkpoints)
+        return lambda done: nan_policy(done, context)
 
     def diverge(self, steps=10):
         """A round of `steps` whose last 3 were non-finite."""
@@ -173,11 +195,11 @@ class _Run:
 
 def test_the_rollback_restores_the_checkpoint_and_reads_on_from_the_rounds_data_position(tmp_path):
     run, report = _Run(tmp_path), Lines()
-    policy = actions.NanPolicy(run, run.checkpoints, report)
-    assert policy(_round(20, 30)) is False  # a round that trained: nothing to do
+    policy = run.policy(report)
+    assert policy(_round(20, 30)) is None  # a round that trained: nothing to do
     run.step.assign(30)
     run.batches.assign(30)
-    assert policy(_round(20, 30, skipped=3.0)) is True
+    assert policy(_round(20, 30, skipped=3.0)) == ROLLED_BACK
     assert (int(run.step.numpy()), int(run.batches.numpy())) == (20, 30)
     assert report.rewinds == [20]
     assert report.lines == [
@@ -189,11 +211,11 @@ def test_the_rollback_restores_the_checkpoint_and_reads_on_from_the_rounds_data_
 
 def test_the_rollback_gives_up_after_max_rollbacks_without_a_save(tmp_path):
     run, report = _Run(tmp_path), Lines()
-    policy = actions.NanPolicy(run, run.checkpoints, report)
-    for _ in range(actions.MAX_ROLLBACKS):
-        assert policy(run.diverge()) is True
-    assert int(run.batches.numpy()) == 20 + 10 * actions.MAX_ROLLBACKS
-    with pytest.raises(actions.TrainingError) as stopped:
+    policy = run.policy(report)
+    for _ in range(builtin.MAX_ROLLBACKS):
+        assert policy(run.diverge()) == ROLLED_BACK
+    assert int(run.batches.numpy()) == 20 + 10 * builtin.MAX_ROLLBACKS
+    with pytest.raises(TrainingError) as stopped:
         policy(run.diverge())
     assert str(stopped.value) == (
         "non-finite loss or gradient between steps 21 and 30 (3 of 10 steps, float32) (--on_nan=rollback: 3 "
@@ -204,20 +226,20 @@ def test_the_rollback_gives_up_after_max_rollbacks_without_a_save(tmp_path):
 
 def test_a_save_between_rollbacks_starts_the_count_again(tmp_path):
     run, report = _Run(tmp_path), Lines()
-    policy = actions.NanPolicy(run, run.checkpoints, report)
-    for _ in range(actions.MAX_ROLLBACKS):
+    policy = run.policy(report)
+    for _ in range(builtin.MAX_ROLLBACKS):
         policy(run.diverge())
     run.step.assign(25)
     run.checkpoints.saved_path = run.checkpoints.checkpoint.save(str(tmp_path / "ckpt"))
-    for _ in range(actions.MAX_ROLLBACKS):
-        assert policy(run.diverge()) is True
-    assert int(run.step.numpy()) == 25 and len(report.rewinds) == 2 * actions.MAX_ROLLBACKS
+    for _ in range(builtin.MAX_ROLLBACKS):
+        assert policy(run.diverge()) == ROLLED_BACK
+    assert int(run.step.numpy()) == 25 and len(report.rewinds) == 2 * builtin.MAX_ROLLBACKS
 
 
 def test_the_stop_policy_names_the_steps_and_the_last_good_checkpoint(tmp_path):
     run = _Run(tmp_path, on_nan="stop")
-    with pytest.raises(actions.TrainingError) as stopped:
-        actions.NanPolicy(run, run.checkpoints, Lines())(run.diverge())
+    with pytest.raises(TrainingError) as stopped:
+        run.policy(Lines())(run.diverge())
     assert str(stopped.value) == (
         "non-finite loss or gradient between steps 21 and 30 (3 of 10 steps, float32); last good checkpoint: "
         f"{run.checkpoints.saved_path}; lower --learning_rate or set --clip_norm"
@@ -226,9 +248,11 @@ def test_the_stop_policy_names_the_steps_and_the_last_good_checkpoint(tmp_path):
 
 
 def test_float16_diverges_only_on_skips_with_the_scale_at_its_floor():
-    trainer = _float16_trainer(scale=1.0)
-    assert actions.divergence(trainer, _round(0, 10, skipped=9.0)) is None  # the scale was still finding its level
-    assert actions.divergence(trainer, _round(0, 10, skipped=9.0, floor_skipped=2.0)) == (
+    def divergence(done):
+        return builtin.divergence(done, float16=True, scale=1.0, precision="mixed_float16")
+
+    assert divergence(_round(0, 10, skipped=9.0)) is None  # the scale was still finding its level
+    assert divergence(_round(0, 10, skipped=9.0, floor_skipped=2.0)) == (
         "2 of the 10 steps 1-10 had non-finite gradients with the loss scale at its floor (1), which no loss scale "
         "can fix (mixed_float16)"
     )
@@ -238,24 +262,28 @@ def test_preemption_reads_the_flag_of_the_round_or_of_now_and_raises_with_its_ex
     asked = []
     trainer = types.SimpleNamespace(stops_each_step=True, stopping_anywhere=lambda: asked.append(1) or True)
     checkpoints, report = types.SimpleNamespace(saved_path="/w/checkpoints/ckpt-7"), Lines()
-    preemption = actions.Preemption(trainer, checkpoints, report)
-    assert preemption.stopping(_round(0, 7, stop=1.0)) and not preemption.stopping(_round(0, 7))
+    stops = lambda done: controller.stopping(done.out, trainer)  # noqa: E731
+    assert stops(_round(0, 7, stop=1.0)) and not stops(_round(0, 7))
     assert asked == []  # a round that stops at a step carries the flag
     trainer.stops_each_step = False
-    assert preemption.stopping(_round(0, 7)) and asked == [1]
-    with pytest.raises(actions.Preempted) as stopped:
-        preemption(7)
+    assert stops(_round(0, 7)) and asked == [1]
+    stop_on_signal = builtin.StopOnSignal()
+    assert stop_on_signal.due(7, stopping=True) and not stop_on_signal.due(7, stopping=False)
+    with pytest.raises(Preempted) as stopped:
+        stop_on_signal(_round(0, 7), _context(report=report, checkpoints=checkpoints))
     # The cause and exit code as the signal handler knows them (no signal here: a peer worker's).
-    message = f"{PREEMPTION.cause} at step 7; checkpoint /w/checkpoints/ckpt-7; run the same command to resume"
-    assert (str(stopped.value), stopped.value.exit_code, report.lines) == (message, PREEMPTION.exit_code, [message])
+    message = f"{SIGNALS.cause} at step 7; checkpoint /w/checkpoints/ckpt-7; run the same command to resume"
+    assert (str(stopped.value), stopped.value.exit_code, report.lines) == (message, SIGNALS.exit_code, [message])
 
 
 @pytest.mark.parametrize("prune", [False, True])
 def test_an_evaluation_reports_and_tells_whether_the_tuner_stops_there(prune):
-    trainer = types.SimpleNamespace(evaluate=lambda: {"accuracy": 0.5, "examples": 4}, pictures=lambda: {"p": 1})
+    evaluator = types.SimpleNamespace(evaluate=lambda: {"accuracy": 0.5, "examples": 4}, pictures=lambda: {"p": 1})
+    trainer = types.SimpleNamespace(evaluator=evaluator)
     seen, report = [], Lines()
-    evaluate = actions.Evaluate(trainer, report, lambda step, results: seen.append((step, results)) or prune)
-    assert evaluate(10) is prune
+    evaluate = builtin.Evaluate(10, 100, lambda step, results: seen.append((step, results)) or prune)
+    outcome = evaluate(_round(0, 10), _context(trainer, report))
+    assert isinstance(outcome, Stop) is prune
     assert seen == report.evals == [(10, {"accuracy": 0.5, "examples": 4})] and report.drawn == [(10, {"p": 1})]
-    assert evaluate.results == {"accuracy": 0.5, "examples": 4}
-    assert actions.Evaluate(trainer, Lines())(10) is False  # no tuner: never stops
+    assert outcome is None or outcome.results == {"accuracy": 0.5, "examples": 4}
+    assert builtin.Evaluate(10, 100)(_round(0, 10), _context(trainer)) is None  # no tuner: never stops

@@ -163,7 +163,7 @@ def test_memory_estimate_names_its_size(monkeypatch):
 def test_parameter_count_is_what_keras_builds(overrides, input_shape):
     import tensorflow as tf
 
-    from engine.run.loop import create_model
+    from engine.run.create import create_model
 
     config = Config(**overrides)
     with tf.device("/cpu:0"):

@@ -75,14 +75,14 @@ def _language_model(model):
 
 
 def test_a_model_file_sizes_its_embedding_from_the_sources_vocabulary(model_file, one_device):
-    trainer = loop.Trainer(_language_model(model_file("tagger", TAGGER)), one_device)
+    trainer = build.run(_language_model(model_file("tagger", TAGGER)), one_device)
     vocabulary = trainer.task.info["vocabulary"]
     assert len(vocabulary) == 65
     embed = trainer.model.get_layer("embed")
     assert tuple(embed.embeddings.shape) == (65, 8)  # from info, not from the task: it hands the model outputs only
     before = embed.embeddings.numpy()
-    first = trainer.run_steps(trainer.train_iterator(), 1)
-    later = trainer.run_steps(trainer.train_iterator(), 20)
+    first = trainer.program.run_steps(trainer.program.train_iterator(), 1)
+    later = trainer.program.run_steps(trainer.program.train_iterator(), 20)
     assert first["loss"] == pytest.approx(np.log(65), abs=0.05)  # a fresh head guesses every character alike
     assert later["loss"] < first["loss"] - 0.1  # it trains
     assert not np.array_equal(before, embed.embeddings.numpy())
@@ -90,9 +90,9 @@ def test_a_model_file_sizes_its_embedding_from_the_sources_vocabulary(model_file
 
 def test_a_factory_of_the_older_form_gets_the_shape_as_a_tuple(model_file, data_dir, one_device):
     config = dataclasses.replace(helpers.make_config(data_dir), model=model_file("old", OLD_FORM))
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     assert sys.modules["models.old"].received == [(8, 8, 1)]
-    assert trainer.model.name == "old" and trainer.run_steps(trainer.train_iterator(), 1)["steps"] == 1
+    assert trainer.model.name == "old" and trainer.program.run_steps(trainer.program.train_iterator(), 1)["steps"] == 1
 
 
 def test_the_data_receives_the_task_built_before_it(data_dir):
@@ -148,12 +148,16 @@ class TwoUpdates(classification.Task):
 def test_a_checkpoint_holds_the_runs_state(data_dir, tmp_path, one_device, monkeypatch, task, overrides, keys):
     if task is not None:
         monkeypatch.setattr(data, "task_class", lambda config: task)
-    trainer = loop.Trainer(helpers.make_config(data_dir, str(tmp_path), hidden_sizes=(8,), **overrides), one_device)
+    trainer = build.run(helpers.make_config(data_dir, str(tmp_path), hidden_sizes=(8,), **overrides), one_device)
     state = trainer.state
     assert sorted(state.tracked()) == keys
-    assert (state.step, state.batches, state.skipped) == (trainer.step, trainer.batches, trainer.skipped)
-    checkpoints = checkpoint_lib.Checkpoints(trainer, str(tmp_path), keep=1)
-    trainer.step.assign(7)
+    assert (state.step, state.batches, state.skipped) == (
+        trainer.state.step,
+        trainer.state.batches,
+        trainer.state.skipped,
+    )
+    checkpoints = checkpoint_lib.Checkpoints(trainer.state, str(tmp_path), keep=1)
+    trainer.state.step.assign(7)
     saved = tf.train.load_checkpoint(checkpoints.save()).get_variable_to_shape_map()
     assert sorted({key.split("/")[0] for key in saved} - {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter"}) == sorted(
         state.tracked()

@@ -358,15 +358,15 @@ def test_tpu_start_up_sequence(monkeypatch):
 def test_every_step_function_compiles_with_xla(data_dir, one_device, model):
     """What a TPU runs: the whole replica step (all-reduce and update included) and the eval step, each one XLA
     computation with static shapes and no Python side effects."""
-    trainer = loop.Trainer(helpers.make_config(data_dir, model=model, clip_norm=1.0), one_device)
+    trainer = build.run(helpers.make_config(data_dir, model=model, clip_norm=1.0), one_device)
     batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
-    train = tf.function(trainer.train_step, jit_compile=True)
+    train = tf.function(trainer.program.train_step, jit_compile=True)
     assert "HloModule" in train.experimental_get_compiler_ir(batch)(stage="hlo")
-    evaluate = tf.function(trainer.eval_step, jit_compile=True)
+    evaluate = tf.function(trainer.evaluator.eval_step, jit_compile=True)
     weighted = {**batch, "weight": tf.ones([batch["image"].shape[0]])}
     assert "HloModule" in evaluate.experimental_get_compiler_ir(weighted)(stage="hlo")
     out = one_device.run(tf.function(train), args=(batch,))
-    assert bool(out["finite"]) and int(trainer.optimizer.iterations.numpy()) == 1
+    assert bool(out["finite"]) and int(trainer.plans[0].optimizer.iterations.numpy()) == 1
 
 
 def test_tf_data_service_serves_the_same_batches(data_dir):

@@ -195,13 +195,13 @@ def test_empty_tf_config_counts_as_unset(monkeypatch):
 _UNREACHABLE_FLAG = """
 import os, signal, sys, time
 sys.path.insert(0, os.getcwd())
-from engine.cluster.signals import Preemption
+from engine.cluster.signals import Signals
 
 class Flag:
     def assign(self, value):
         raise RuntimeError("Unavailable: failed to connect to all addresses\\nmore detail")
 
-watcher = Preemption()
+watcher = Signals()
 watcher.install()
 with watcher.watch(Flag()):
     os.kill(os.getpid(), signal.SIGTERM)

@@ -24,18 +24,20 @@ CASE = dict(task="contrastive", optimizer="adamw", learning_rate=3e-3, weight_de
 def snapshot(trainer):
     """{name: [replica copies]}: every model's variables by path, the optimizer's slots and update count."""
     named = {v.path: v.value for model in trainer.models.values() for v in model.variables}
-    named.update({f"slot/{i}": s for i, s in enumerate(s for per_param in trainer.optimizer.slots for s in per_param)})
-    named["iterations"] = trainer.optimizer.iterations
+    named.update(
+        {f"slot/{i}": s for i, s in enumerate(s for per_param in trainer.plans[0].optimizer.slots for s in per_param)}
+    )
+    named["iterations"] = trainer.plans[0].optimizer.iterations
     return {name: helpers.local_values(trainer.strategy, v) for name, v in named.items()}
 
 
 def train_and_evaluate(config, strategy):
     """(snapshot, the round's outputs, the evaluation) after config.train_steps steps."""
-    from engine.run.loop import Trainer
+    from engine.run import build
 
-    trainer = Trainer(config, strategy)
-    out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
-    return snapshot(trainer), out, trainer.evaluate()
+    trainer = build.run(config, strategy)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
+    return snapshot(trainer), out, trainer.evaluator.evaluate()
 
 
 def max_difference(a, b):
@@ -64,7 +66,7 @@ def multi_worker_run(data_dir, tmp_path_factory):
 def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirrored):
     import tensorflow as tf
 
-    from engine.run.loop import Trainer
+    from engine.run import build
     from tasks.contrastive import augment, uniforms, view_keys
 
     config = helpers.make_config(data_dir, task="contrastive")
@@ -72,10 +74,10 @@ def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirro
 
     def views(strategy, start):
         """Both views of global batch `start` as the replicas see them, in global order: [2, batch, ...]."""
-        trainer = Trainer(config, strategy)
-        trainer.batches.assign(start)
-        trainer.in_step = False  # the pipeline's batches (a step that gathers its own takes the same ones)
-        batch = next(trainer.train_iterator())
+        trainer = build.run(config, strategy)
+        trainer.state.batches.assign(start)
+        trainer.program.feed_from_pipeline()  # the pipeline's batches (a step that gathers its own takes the same ones)
+        batch = next(trainer.program.train_iterator())
 
         def per_replica(batch):
             return tf.stack([view(batch["image"], batch["index"], v) for v in (1, 2)])
@@ -90,9 +92,9 @@ def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirro
     np.testing.assert_array_equal(split, single)  # the same example, the same views, on one replica or two
     assert split[0].shape == (64, 8, 8, 1)
     # The resumed position draws the views an uninterrupted run draws at that step.
-    trainer = Trainer(config, one_device)
-    trainer.in_step = False
-    iterator = trainer.train_iterator()
+    trainer = build.run(config, one_device)
+    trainer.program.feed_from_pipeline()
+    iterator = trainer.program.train_iterator()
     fourth = [next(iterator) for _ in range(4)][3]
     np.testing.assert_array_equal(fourth["index"].numpy(), indices)
     again = view(fourth["image"], fourth["index"], 1).numpy()
@@ -161,13 +163,13 @@ def test_run_eagerly_gathers_like_the_graph(data_dir, one_device, mirrored):
     # Eager mode has no all_gather under MirroredStrategy: the task gathers with an all-reduce there.
     import tensorflow as tf
 
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     runs = []
     try:
         for strategy, eager in ((one_device, False), (mirrored, True)):
-            trainer = Trainer(helpers.make_config(data_dir, **CASE, train_steps=3, run_eagerly=eager), strategy)
-            out = trainer.run_steps(trainer.train_iterator(), 3)
+            trainer = build.run(helpers.make_config(data_dir, **CASE, train_steps=3, run_eagerly=eager), strategy)
+            out = trainer.program.run_steps(trainer.program.train_iterator(), 3)
             runs.append((first_copies(snapshot(trainer)), out))
     finally:
         tf.config.run_functions_eagerly(False)  # a process-wide switch: the tests after this one run graphs
@@ -190,7 +192,7 @@ def test_settings_that_would_break_the_global_negatives_are_refused(data_dir):
 def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
     import tensorflow as tf
 
-    from engine.run.loop import Trainer
+    from engine.run import build
     from tasks.contrastive import linear_probe
 
     # Measured (test split, 360 examples): raw pixels 0.9528; this encoder untrained 0.9611 (random features of a
@@ -205,8 +207,6 @@ def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
         steps_per_loop=600,
     )
 
-    from engine.run import build
-
     def pixels(split):
         batches = list(build.inputs(config, split).eval_fn(tf.distribute.InputContext()))
         real = np.concatenate([b["weight"].numpy() > 0 for b in batches])
@@ -214,10 +214,10 @@ def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
         return images.astype(np.float64), np.concatenate([b["label"].numpy() for b in batches])[real]
 
     raw = linear_probe(*pixels("train"), *pixels("test"), 10)
-    trainer = Trainer(config, one_device)
-    before = trainer.evaluate()
-    trainer.run_steps(trainer.train_iterator(), config.train_steps)
-    after = trainer.evaluate()
+    trainer = build.run(config, one_device)
+    before = trainer.evaluator.evaluate()
+    trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
+    after = trainer.evaluator.evaluate()
     print(
         f"probe accuracy: raw pixels {raw:.4f}, untrained encoder {before['probe_accuracy']:.4f}, trained "
         f"{after['probe_accuracy']:.4f}; eval loss {before['loss']:.3f} -> {after['loss']:.3f}"

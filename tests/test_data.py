@@ -175,25 +175,25 @@ def test_steps_gather_their_batches_on_one_cpu_replica_and_train_as_the_pipeline
 ):
     """One CPU replica per worker and a split held in memory: each step gathers its own batch (no pipeline to wait
     on). Rounds that do match rounds fed by the pipeline, and a run resumed at another batch reads on from it."""
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     config = helpers.make_config(data_dir, train_steps=30)
-    gathering = Trainer(config, one_device)
-    assert gathering.in_step and gathering.train_iterator() is None
-    fed = Trainer(config, one_device)
-    fed.in_step = False
+    gathering = build.run(config, one_device)
+    assert gathering.program.in_step and gathering.program.train_iterator() is None
+    fed = build.run(config, one_device)
+    fed.program.feed_from_pipeline()
     for steps in (7, 13):  # rounds of uneven length: each starts at the data position the last one left
-        out = gathering.run_steps(gathering.train_iterator(), steps)
-        reference = fed.run_steps(fed.train_iterator(), steps)
+        out = gathering.program.run_steps(gathering.program.train_iterator(), steps)
+        reference = fed.program.run_steps(fed.program.train_iterator(), steps)
         assert out["input_wait"] == 0.0 and out["steps"] == reference["steps"] == steps
         assert out["loss"] == pytest.approx(reference["loss"], rel=1e-6)
-    assert int(gathering.batches.numpy()) == int(fed.batches.numpy()) == 20
-    for a, b in zip(gathering.params, fed.params):
+    assert int(gathering.state.batches.numpy()) == int(fed.state.batches.numpy()) == 20
+    for a, b in zip(gathering.weights.variables, fed.weights.variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
     # Several replicas in one process (mirrored), a split streamed from its files: the pipeline.
-    assert not Trainer(config, mirrored).in_step
+    assert not build.run(config, mirrored).program.in_step
     _store("streamed", monkeypatch)
-    assert not Trainer(config, one_device).in_step
+    assert not build.run(config, one_device).program.in_step
 
 
 def test_a_replayed_tfds_stream_reshuffles_each_epoch_reproducibly_from_the_seed(data_dir, tmp_path, monkeypatch):

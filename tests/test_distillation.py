@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint
@@ -46,9 +46,9 @@ def log_softmax(z):
 
 def test_the_loss_is_hintons_soft_and_hard_targets(data_dir, teacher, one_device):
     config = student_config(data_dir, "unused", teacher, distill_temperature=2.5, distill_weight=0.7)
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     assert list(trainer.models) == ["model", "teacher"] and not trainer.models["teacher"].trainable_variables
-    assert [v.path for v in trainer.params] == [v.path for v in trainer.models["model"].trainable_variables]
+    assert [v.path for v in trainer.weights.variables] == [v.path for v in trainer.models["model"].trainable_variables]
     batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
     student = trainer.models["model"](batch["image"]).numpy().astype(np.float64)
     taught = trainer.models["teacher"](batch["image"]).numpy().astype(np.float64)
@@ -58,7 +58,9 @@ def test_the_loss_is_hintons_soft_and_hard_targets(data_dir, teacher, one_device
     hard = -log_softmax(student)[np.arange(len(labels)), labels]
     expected = np.mean(0.7 * 2.5**2 * kl + 0.3 * hard)
     assert abs(expected - hard.mean()) > 0.1  # the soft term counts
-    out = trainer.run_steps(trainer.train_iterator(), 1)  # the first step's loss, at the weights read above
+    out = trainer.program.run_steps(
+        trainer.program.train_iterator(), 1
+    )  # the first step's loss, at the weights read above
     assert out["loss"] == pytest.approx(expected, rel=1e-5)
 
 
@@ -155,7 +157,7 @@ def test_init_checkpoint_from_a_distillation_run_takes_its_student(data_dir, dis
     """Its checkpoint holds two models with the same paths (mlp/dense/kernel, ...): a run warm-started from it
     gets the student's weights, whatever order the checkpoint lists them in."""
     workdir, _ = distilled
-    trainer = loop.Trainer(make_config(data_dir, hidden_sizes=(16,), init_checkpoint=workdir), one_device)
+    trainer = build.run(make_config(data_dir, hidden_sizes=(16,), init_checkpoint=workdir), one_device)
     found = checkpoint.warm_start(trainer.models, workdir)
     assert (found["matched"], found["missing"], found["reshaped"]) == (
         ["mlp/dense/kernel", "mlp/dense/bias", "mlp/dense_1/kernel", "mlp/dense_1/bias"],

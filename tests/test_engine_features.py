@@ -14,8 +14,9 @@ import tensorflow as tf
 
 from engine.data import datasets as data_lib
 from engine.numerics import replica as step
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
+from engine.run.controller import Controller
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import report as report_lib
@@ -101,7 +102,7 @@ def test_grad_accumulation_parity_catches_mutants(data_dir, one_device, accumula
 
 def test_grad_accumulation_refuses_an_indivisible_replica_batch(data_dir, mirrored, tmp_path):
     with pytest.raises(ConfigError) as raised:
-        loop.Trainer(helpers.make_config(data_dir, grad_accum_steps=3), mirrored)
+        build.run(helpers.make_config(data_dir, grad_accum_steps=3), mirrored)
     assert str(raised.value) == (
         "--grad_accum_steps=3: must divide each replica's batch (32 = --global_batch_size=64 over 2 replicas)"
     )
@@ -124,33 +125,33 @@ def test_ema_is_the_numpy_moving_average_and_skips_what_the_step_skips(data_dir,
     strategy = request.getfixturevalue(strategy)
     # float16, where a non-finite step is skipped (in float32 the loop stops or rolls back at the round's end).
     config = helpers.make_config(data_dir, ema_decay=decay, **SGD, **helpers.NONFINITE_CASE)
-    trainer = loop.Trainer(config, strategy)
-    average = [v.numpy().astype(np.float64) for v in trainer.params]  # starts at the initial weights
+    trainer = build.run(config, strategy)
+    average = [v.numpy().astype(np.float64) for v in trainer.weights.variables]  # starts at the initial weights
     lagging = list(average)  # the average of the weights BEFORE each step: a defect the check must tell apart
     fixed = list(average)  # the average with the fixed decay from the first update: biased toward the start
-    iterator = trainer.train_iterator()
+    iterator = trainer.program.train_iterator()
     for t in range(1, 5):
-        before = [v.numpy() for v in trainer.params]
-        trainer.run_steps(iterator, 1)
-        after = [v.numpy() for v in trainer.params]
+        before = [v.numpy() for v in trainer.weights.variables]
+        trainer.program.run_steps(iterator, 1)
+        after = [v.numpy() for v in trainer.weights.variables]
         warmed = min(decay, (1 + t) / (10 + t))  # after t updates, as TensorFlow's ExponentialMovingAverage
         average = [warmed * a + (1 - warmed) * w for a, w in zip(average, after)]
         lagging = [warmed * a + (1 - warmed) * w for a, w in zip(lagging, before)]
         fixed = [decay * a + (1 - decay) * w for a, w in zip(fixed, after)]
-    got = [e.numpy() for e in trainer.ema]
+    got = [e.numpy() for e in trainer.weights.averages]
     assert max(float(np.max(np.abs(g - a))) for g, a in zip(got, average)) < 1e-6
     assert max(float(np.max(np.abs(g - a))) for g, a in zip(got, lagging)) > 1e-3
     assert max(float(np.max(np.abs(g - a))) for g, a in zip(got, fixed)) > 1e-3
     assert max(float(np.max(np.abs(g - w))) for g, w in zip(got, after)) > 1e-3  # not simply the weights
-    for e in trainer.ema:
+    for e in trainer.weights.averages:
         copies = helpers.local_values(strategy, e)
         assert all(np.array_equal(c, copies[0]) for c in copies)  # every replica holds the same average
 
     out = helpers.one_step(trainer, _poisoned(trainer))
     assert not out["finite"]
-    for e, g in zip(trainer.ema, got):
+    for e, g in zip(trainer.weights.averages, got):
         np.testing.assert_array_equal(e.numpy(), g)
-    for v, w in zip(trainer.params, after):
+    for v, w in zip(trainer.weights.variables, after):
         np.testing.assert_array_equal(v.numpy(), w)
 
 
@@ -206,8 +207,8 @@ def test_the_average_forgets_the_initial_weights(data_dir, one_device, tmp_path,
 
 def _averaged_model(data_dir, one_device, tensors):
     """A trainer without --ema_decay whose weights are the moving averages in checkpoint `tensors`."""
-    trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
-    for v in trainer.params:
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    for v in trainer.weights.variables:
         v.assign(tensors[f"ema/model/{checkpoint_lib._escaped(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
     return trainer
 
@@ -216,12 +217,14 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run):
     config, summary = ema_run
     _, tensors = helpers.checkpoint_tensors(config.workdir)
     trainer = _averaged_model(data_dir, one_device, tensors)
-    averaged = trainer.evaluate()
+    averaged = trainer.evaluator.evaluate()
     assert summary["eval"]["accuracy"] == averaged["accuracy"]
     assert summary["eval"]["loss"] == pytest.approx(averaged["loss"], rel=1e-6)
-    for v in trainer.params:  # the weights themselves evaluate to another loss, reported beside the average's
+    for (
+        v
+    ) in trainer.weights.variables:  # the weights themselves evaluate to another loss, reported beside the average's
         v.assign(tensors[f"models/model/{checkpoint_lib._escaped(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
-    raw = trainer.evaluate()
+    raw = trainer.evaluator.evaluate()
     assert abs(raw["loss"] - averaged["loss"]) > 1e-4
     assert summary["eval"]["raw_loss"] == pytest.approx(raw["loss"], rel=1e-6)
     assert summary["eval"]["raw_accuracy"] == raw["accuracy"]
@@ -247,16 +250,16 @@ class PrintingTask(classification.Task):
 
 def _printed_steps(capsys, trainer, steps):
     capsys.readouterr()
-    out = trainer.run_steps(trainer.train_iterator(), steps)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), steps)
     return out, capsys.readouterr().out.count("printing-task loss over 64 examples")
 
 
 def test_run_eagerly_gives_the_graph_numbers_and_prints(data_dir, one_device, monkeypatch, capsys):
     _with_task(monkeypatch, PrintingTask)
     try:
-        graph = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
+        graph = build.run(helpers.make_config(data_dir, **SGD), one_device)
         graph_out, graph_prints = _printed_steps(capsys, graph, 3)
-        eager = loop.Trainer(helpers.make_config(data_dir, run_eagerly=True, **SGD), one_device)
+        eager = build.run(helpers.make_config(data_dir, run_eagerly=True, **SGD), one_device)
         eager_out, eager_prints = _printed_steps(capsys, eager, 3)
     finally:
         tf.config.run_functions_eagerly(False)
@@ -269,13 +272,13 @@ def test_run_eagerly_runs_mirrored(data_dir, mirrored, tmp_path):
     # The whole run: two steps, a checkpoint and the evaluation, without graphs on two replicas.
     config = helpers.make_config(data_dir, str(tmp_path), run_eagerly=True, **{**SGD, "train_steps": 2})
     try:
-        trainer = loop.Trainer(config, mirrored)
-        checkpoints = checkpoint_lib.Checkpoints(trainer, config.workdir, keep=1)
-        summary = loop.run(trainer, Report(config.workdir, True, config.train_steps), checkpoints, started=0.0)
+        trainer = build.run(config, mirrored)
+        checkpoints = checkpoint_lib.Checkpoints(trainer.state, config.workdir, keep=1)
+        summary = Controller(trainer, Report(config.workdir, True, config.train_steps), checkpoints, 0.0).train()
     finally:
         tf.config.run_functions_eagerly(False)
     assert summary["step"] == 2 and summary["skipped_steps"] == 0 and np.isfinite(summary["train_loss"])
-    assert summary["eval"]["examples"] == 360 and int(trainer.optimizer.iterations.numpy()) == 2
+    assert summary["eval"]["examples"] == 360 and int(trainer.plans[0].optimizer.iterations.numpy()) == 2
     for name, copies in helpers.snapshot(trainer).items():
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
 
@@ -305,14 +308,15 @@ RETRACE = re.compile(r"^warning: (\w+) was traced (\d+) times", re.MULTILINE)
 @pytest.mark.slow
 def test_a_retraced_round_is_named_once(data_dir, one_device, monkeypatch, capsys):
     _with_task(monkeypatch, CroppingTask)
-    trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
-    trainer.in_step = False  # batches of a new shape come from the pipeline (a step that gathers traces once)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    # batches of a new shape come from the pipeline (a step that gathers traces once)
+    trainer.program.feed_from_pipeline()
     capsys.readouterr()
     for rows in (8, 6, 4):
         trainer.task.rows = rows
-        trainer.run_steps(trainer.train_iterator(), 1)
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
     assert RETRACE.findall(capsys.readouterr().out) == [("train_loop", "2")]
-    assert trainer.train_loop.experimental_get_tracing_count() == 3
+    assert trainer.program.train_loop.experimental_get_tracing_count() == 3
 
 
 def test_a_normal_run_warns_of_no_retrace(data_dir, one_device, tmp_path, capsys):
@@ -336,18 +340,18 @@ class GroupedTask(classification.Task):
 
 def test_optimizer_groups_hold_per_path(data_dir, one_device, monkeypatch, tmp_path):
     _with_task(monkeypatch, GroupedTask)
-    trainer = loop.Trainer(helpers.make_config(data_dir, optimizer="adamw", learning_rate=1e-2), one_device)
-    before = {v.path: v.numpy() for v in trainer.params}
-    out = trainer.run_steps(trainer.train_iterator(), 3)
+    trainer = build.run(helpers.make_config(data_dir, optimizer="adamw", learning_rate=1e-2), one_device)
+    before = {v.path: v.numpy() for v in trainer.weights.variables}
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 3)
     assert out["learning_rate"] == pytest.approx(1e-2)  # the run's own rate, not a group's
-    for v in trainer.params:
+    for v in trainer.weights.variables:
         moved = float(np.max(np.abs(v.numpy() - before[v.path])))
         if v.path.startswith("mlp/dense/"):
             assert moved == 0.0, v.path
         else:
             assert moved > 1e-4, v.path
 
-    path = checkpoint_lib.Checkpoints(trainer, str(tmp_path), keep=1).save()
+    path = checkpoint_lib.Checkpoints(trainer.state, str(tmp_path), keep=1).save()
     slots = {k for k in tf.train.load_checkpoint(path).get_variable_to_shape_map() if k.startswith("optimizer/slots")}
     expected = {
         f"optimizer/slots_by_path/model.S{layer}.S{name}/{k}/.ATTRIBUTES/VARIABLE_VALUE"
@@ -373,17 +377,20 @@ class TwinTask(classification.Task):
 
 def test_models_of_one_family_keep_their_own_slots_and_averages(data_dir, one_device, monkeypatch, tmp_path):
     _with_task(monkeypatch, TwinTask)
-    trainer = loop.Trainer(helpers.make_config(data_dir, optimizer="adamw", ema_decay=0.5), one_device)
-    assert len(trainer.params) == 12 and trainer.params[0].path == trainer.params[6].path == "mlp/dense/kernel"
-    slots = [s for per_param in trainer.optimizer.slots for s in per_param]
+    trainer = build.run(helpers.make_config(data_dir, optimizer="adamw", ema_decay=0.5), one_device)
+    assert (
+        len(trainer.weights.variables) == 12
+        and trainer.weights.variables[0].path == trainer.weights.variables[6].path == "mlp/dense/kernel"
+    )
+    slots = [s for per_param in trainer.plans[0].optimizer.slots for s in per_param]
     assert len({id(s) for s in slots}) == 24  # two per variable, none shared
-    before = [v.numpy() for v in trainer.params]
-    trainer.run_steps(trainer.train_iterator(), 3)
-    for k, (v, old) in enumerate(zip(trainer.params, before)):
+    before = [v.numpy() for v in trainer.weights.variables]
+    trainer.program.run_steps(trainer.program.train_iterator(), 3)
+    for k, (v, old) in enumerate(zip(trainer.weights.variables, before)):
         moved = float(np.max(np.abs(v.numpy() - old)))
         assert (moved == 0.0) if k >= 6 else (moved > 1e-4), (k, v.path)  # the group names the model
 
-    keys = tf.train.load_checkpoint(checkpoint_lib.Checkpoints(trainer, str(tmp_path), keep=1).save())
+    keys = tf.train.load_checkpoint(checkpoint_lib.Checkpoints(trainer.state, str(tmp_path), keep=1).save())
     keys = keys.get_variable_to_shape_map()
     assert len([k for k in keys if k.startswith("optimizer/slots")]) == 24
     assert len([k for k in keys if k.startswith("ema/")]) == 12

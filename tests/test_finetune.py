@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
+from engine.run.controller import Controller
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint
 from tests.helpers import checkpoint_tensors, launch, make_config
@@ -43,17 +44,18 @@ def at_start(monkeypatch):
     """What the new run holds when its first step is about to run (after any warm start): its trainer, weights
     {path: value}, optimizer update count and slots, and moving averages."""
     seen = {}
-    original = loop.run
+    original = Controller.train
 
-    def run(trainer, *args, **kwargs):
+    def run(controller):
+        trainer = controller.run
         seen["trainer"] = trainer
         seen["weights"] = {v.path: v.numpy() for v in trainer.model.variables}
-        seen["iterations"] = int(trainer.optimizer.iterations.numpy())
-        seen["slots"] = [s.numpy() for slots in trainer.optimizer.slots for s in slots]
-        seen["ema"] = {v.path: a.numpy() for v, a in zip(trainer.params, trainer.ema)}
-        return original(trainer, *args, **kwargs)
+        seen["iterations"] = int(trainer.plans[0].optimizer.iterations.numpy())
+        seen["slots"] = [s.numpy() for slots in trainer.plans[0].optimizer.slots for s in slots]
+        seen["ema"] = {v.path: a.numpy() for v, a in zip(trainer.weights.variables, trainer.weights.averages)}
+        return original(controller)
 
-    monkeypatch.setattr(loop, "run", run)
+    monkeypatch.setattr(Controller, "train", run)
     return seen
 
 
@@ -96,7 +98,7 @@ def test_fine_tuning_another_head_names_what_did_not_match_and_freeze_keeps_the_
         "mlp/dense_2/kernel [32, 10] -> [32, 4], mlp/dense_2/bias [10] -> [4]\n"
     ) in out
     trainer, saved = at_start["trainer"], saved_weights(source)
-    assert [v.path for v in trainer.params] == ["mlp/dense_2/kernel", "mlp/dense_2/bias"]
+    assert [v.path for v in trainer.weights.variables] == ["mlp/dense_2/kernel", "mlp/dense_2/bias"]
     after = {v.path: v.numpy() for v in trainer.model.variables}
     for path in ("mlp/dense/kernel", "mlp/dense/bias", "mlp/dense_1/kernel", "mlp/dense_1/bias"):
         np.testing.assert_array_equal(at_start["weights"][path], saved[path], err_msg=path)
@@ -180,24 +182,24 @@ def test_freeze_keeps_the_batch_norm_statistics_it_matches(data_dir, tmp_path, o
     config = make_config(
         data_dir, str(tmp_path), model="resnet", train_steps=3, steps_per_loop=3, freeze=r"^model/resnet/(?!dense)"
     )
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     statistics = {v.path: v.numpy() for v in trainer.model.non_trainable_variables if "moving" in v.path}
     assert statistics
-    trainer.run_steps(trainer.train_iterator(), 3)
+    trainer.program.run_steps(trainer.program.train_iterator(), 3)
     for v in trainer.model.non_trainable_variables:
         if v.path in statistics:
             np.testing.assert_array_equal(v.numpy(), statistics[v.path], err_msg=v.path)
-    unfrozen = loop.Trainer(config.__class__(**{**config.__dict__, "freeze": r"^model/resnet/dense"}), one_device)
-    unfrozen.run_steps(unfrozen.train_iterator(), 3)
+    unfrozen = build.run(config.__class__(**{**config.__dict__, "freeze": r"^model/resnet/dense"}), one_device)
+    unfrozen.program.run_steps(unfrozen.program.train_iterator(), 3)
     moved = [v for v in unfrozen.model.non_trainable_variables if "moving" in v.path]
     assert any(not np.array_equal(v.numpy(), statistics[v.path]) for v in moved)  # the test can tell
 
 
 def test_a_workdir_saved_before_variables_were_keyed_by_path_is_named_so(data_dir, tmp_path, one_device):
     config = make_config(data_dir, str(tmp_path), train_steps=2)
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     # The layout this engine wrote before: the model's variables by position.
-    old = tf.train.Checkpoint(model=[v.value for v in trainer.model.variables], step=trainer.step)
+    old = tf.train.Checkpoint(model=[v.value for v in trainer.model.variables], step=trainer.state.step)
     old.write(str(tmp_path / "checkpoints" / "ckpt-1"))
     with pytest.raises(ConfigError, match="saved before this engine keyed variables by path"):
         loop.train(config, one_device)

@@ -37,8 +37,8 @@ def fork(tmp_path_factory):
                 shutil.copy(source, target)
                 added.append(relative)
     assert sorted(added) == [
-        "engine/sources/spirals.py",
         "models/fourier.py",
+        "sources/spirals.py",
         "tasks/binary.py",
         "tasks/binary_mixup.py",
     ]

@@ -47,10 +47,10 @@ def snapshot(trainer):
 
 def train(config, strategy):
     """(snapshot, the round's outputs, the trainer) after config.train_steps steps."""
-    from engine.run.loop import Trainer
+    from engine.run import build
 
-    trainer = Trainer(config, strategy)
-    out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
+    trainer = build.run(config, strategy)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
     return snapshot(trainer), out, trainer
 
 
@@ -67,14 +67,14 @@ def max_difference(a, b):
 def one_device_run(data_dir, one_device):
     """(snapshot, outputs, trainer) after 20 steps, and what the reference needs: ({model: initial weights}, the
     20 batches the steps gathered)."""
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     config = helpers.make_config(data_dir, **CASE)
-    trainer = Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     initial = {name: [v.numpy() for v in model.trainable_variables] for name, model in trainer.models.items()}
     iterator = iter(trainer.data.train_fn(tf.distribute.InputContext()))  # the batches the steps gather
     batches = [next(iterator) for _ in range(config.train_steps)]
-    out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
     return snapshot(trainer), out, trainer, initial, batches
 
 
@@ -172,7 +172,7 @@ def test_mirrored_matches_one_device(data_dir, mirrored, one_device_run):
     for name, copies in snap.items():  # the two replicas hold identical values
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
     reference, reference_out, reference_trainer, *_ = one_device_run
-    results, reference_results = trainer.evaluate(), reference_trainer.evaluate()
+    results, reference_results = trainer.evaluator.evaluate(), reference_trainer.evaluator.evaluate()
     assert results["examples"] == reference_results["examples"] == 360
     for name in ("frechet_distance", "discriminator_loss", "generator_loss"):  # evaluation's z: the example's too
         assert results[name] == pytest.approx(reference_results[name], rel=TOLERANCE), name
@@ -262,7 +262,7 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_training_beats_one_step_and_reports_each_update(data_dir, one_device, tmp_path):
-    from engine.run import loop
+    from engine.run import build, loop
     from engine.run import modes as evaluate
     from engine.state import checkpoint
     from tasks import gan
@@ -309,7 +309,7 @@ def test_training_beats_one_step_and_reports_each_update(data_dir, one_device, t
 
     export_dir = evaluate.export(dataclasses.replace(config, mode="export"))
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     checkpoint.restore(
         tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
         checkpoint.latest(str(workdir / "checkpoints")),

@@ -8,7 +8,7 @@ import pytest
 from absl import flags
 
 import launch
-from engine.run import loop, xla
+from engine.run import build, loop, xla
 from engine.settings.config import from_json, validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
@@ -208,8 +208,8 @@ def test_header_says_what_was_chosen_and_why(
     )
     loop.train(config, one_device)
     assert _header(capsys.readouterr().out).endswith(f" global_batch_size=64 input=in-step {expected}")
-    trainer = loop.Trainer(config, one_device)  # and the step is built as the line says
-    assert getattr(trainer.train_step, "_jit_compile", False) == ("=true" in expected)
+    trainer = build.run(config, one_device)  # and the step is built as the line says
+    assert getattr(trainer.program.train_step, "_jit_compile", False) == ("=true" in expected)
 
 
 def test_an_older_runs_config_json_with_a_bool_resumes(data_dir, one_device, tmp_path, capsys):
@@ -225,10 +225,10 @@ def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data
     # On a GPU auto compiles the ResNet; with two replicas its synchronized batch norm cannot be compiled.
     monkeypatch.setattr(xla, "device_kind", lambda strategy: "GPU")
     config = helpers.make_config(data_dir, model="resnet", precision="mixed_float16", **helpers.XLA_CASE)
-    trainer = loop.Trainer(config, mirrored)
-    assert trainer.jit_compile
-    out = trainer.run_steps(trainer.train_iterator(), 3)
-    assert out["steps"] == 3 and not trainer.jit_compile and int(trainer.step.numpy()) == 3
+    trainer = build.run(config, mirrored)
+    assert trainer.program.jit_compile
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 3)
+    assert out["steps"] == 3 and not trainer.program.jit_compile and int(trainer.state.step.numpy()) == 3
     assert capsys.readouterr().out == (
         "jit_compile=false (auto: the model or task synchronizes replicas inside its forward pass, which XLA "
         "cannot): the step is traced again without XLA\n"
@@ -240,7 +240,7 @@ def test_the_evaluation_traced_before_the_first_step_follows_it_off_xla(data_dir
     finds an op XLA has no kernel for and runs without XLA, the evaluation follows it, with no fallback of its own."""
     import tensorflow as tf
 
-    from engine.run.trainer import Recompiled
+    from engine.run.program import Recompiled
     from tasks import classification
 
     forward = classification.Task.forward
@@ -250,13 +250,13 @@ def test_the_evaluation_traced_before_the_first_step_follows_it_off_xla(data_dir
         return weight * forward(self, models, batch, training)
 
     monkeypatch.setattr(classification.Task, "forward", drawn)
-    trainer = loop.Trainer(helpers.make_config(data_dir, jit_compile="auto"), one_device)
-    trainer.trace()
-    assert trainer.jit_compile and trainer.eval_jit
+    trainer = build.run(helpers.make_config(data_dir, jit_compile="auto"), one_device)
+    loop.trace(trainer)
+    assert trainer.program.jit_compile and trainer.evaluator.jit
     with pytest.raises(Recompiled):
-        trainer.run_steps(trainer.train_iterator(), 2)
-    results = trainer.evaluate()
-    assert not trainer.jit_compile and trainer.eval_jit is False
+        trainer.program.run_steps(trainer.program.train_iterator(), 2)
+    results = trainer.evaluator.evaluate()
+    assert not trainer.program.jit_compile and trainer.evaluator.jit is False
     assert "evaluation without XLA" not in capsys.readouterr().out
     assert results["examples"] == 360 and 0.0 <= results["accuracy"] <= 1.0
 
@@ -312,11 +312,11 @@ def test_evaluation_compiles_with_xla_where_the_step_does_and_gives_the_same_num
     the all-reduce outside it), traced once: the trace that named the metrics is the one evaluated."""
     results = {}
     for setting in ("auto", "false"):
-        trainer = loop.Trainer(helpers.make_config(data_dir, jit_compile=setting), request.getfixturevalue(strategy))
-        results[setting] = trainer.evaluate()
-        assert trainer.eval_jit == (setting == "auto") == trainer.jit_compile
+        trainer = build.run(helpers.make_config(data_dir, jit_compile=setting), request.getfixturevalue(strategy))
+        results[setting] = trainer.evaluator.evaluate()
+        assert trainer.evaluator.jit == (setting == "auto") == trainer.program.jit_compile
         if strategy == "one_device" and setting == "auto":
-            assert trainer.eval_sums.experimental_get_tracing_count() == 1
+            assert trainer.evaluator.sums.experimental_get_tracing_count() == 1
     assert results["auto"]["examples"] == results["false"]["examples"] == 360
     assert results["auto"] == pytest.approx(results["false"], rel=1e-5)
 
@@ -338,15 +338,15 @@ def test_evaluation_runs_without_xla_when_its_metrics_hold_an_op_xla_cannot_comp
         return {**metrics(self, outputs, batch), "gamma": gamma}
 
     monkeypatch.setattr(classification.Task, "metrics", with_gamma)
-    compiled = loop.Trainer(helpers.make_config(data_dir, jit_compile=setting), one_device)
-    plain = loop.Trainer(helpers.make_config(data_dir, jit_compile="false"), one_device)
-    assert compiled.jit_compile and not plain.jit_compile
-    results = [compiled.evaluate(), compiled.evaluate(), plain.evaluate()]
+    compiled = build.run(helpers.make_config(data_dir, jit_compile=setting), one_device)
+    plain = build.run(helpers.make_config(data_dir, jit_compile="false"), one_device)
+    assert compiled.program.jit_compile and not plain.program.jit_compile
+    results = [compiled.evaluator.evaluate(), compiled.evaluator.evaluate(), plain.evaluator.evaluate()]
     assert capsys.readouterr().out == (
         "evaluation without XLA (the task's forward pass or metrics use StatelessRandomGammaV3, which XLA cannot "
         "compile): traced again\n"
     )
-    assert compiled.eval_jit is False and compiled.jit_compile  # training keeps XLA
+    assert compiled.evaluator.jit is False and compiled.program.jit_compile  # training keeps XLA
     assert results[0] == results[1] == results[2] and 0.9 < results[0]["gamma"] < 1.1
 
 
@@ -377,10 +377,10 @@ def test_evaluation_runs_without_xla_when_xla_refuses_its_metrics(
         return {**metrics(self, outputs, batch), metric: value}
 
     monkeypatch.setattr(classification.Task, "metrics", with_metric)
-    compiled = loop.Trainer(helpers.make_config(data_dir, jit_compile="auto"), request.getfixturevalue(strategy))
-    plain = loop.Trainer(helpers.make_config(data_dir, jit_compile="false"), request.getfixturevalue(strategy))
-    results = [compiled.evaluate(), plain.evaluate()]
+    compiled = build.run(helpers.make_config(data_dir, jit_compile="auto"), request.getfixturevalue(strategy))
+    plain = build.run(helpers.make_config(data_dir, jit_compile="false"), request.getfixturevalue(strategy))
+    results = [compiled.evaluator.evaluate(), plain.evaluator.evaluate()]
     out = capsys.readouterr().out
     assert out.startswith(f"evaluation without XLA ({reason}") and out.endswith("): traced again\n")
-    assert out.count("\n") == 1 and compiled.eval_jit is False and compiled.jit_compile
+    assert out.count("\n") == 1 and compiled.evaluator.jit is False and compiled.program.jit_compile
     assert results[0] == results[1] and results[0][metric] == (2.0 if metric == "synchronized" else 1.0)

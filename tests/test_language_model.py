@@ -118,7 +118,7 @@ def test_test_split_is_the_validation_text_and_other_splits_are_refused():
 
 
 def test_heads_that_do_not_divide_the_width_are_refused_by_name():
-    from engine.run.loop import create_model
+    from engine.run.create import create_model
 
     with pytest.raises(ConfigError, match=r"^--gpt_heads=3: must divide --gpt_dim=32$"):
         create_model(_config(gpt_heads=3), "gpt", tf.TensorSpec([32], tf.int32), 65)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine.run import compile_cache, loop
+from engine.run import build, compile_cache
 from engine.settings.errors import ConfigError
 from tests import helpers
 from tests.helpers import launch
@@ -185,7 +185,7 @@ def test_bad_input_one_clear_line(data_dir, tmp_path):
 def test_bad_input_found_with_tensorflow_running(data_dir, mirrored, overrides, message):
     """What only a running TensorFlow can check (replica counts, dataset splits) fails before any training."""
     with pytest.raises(ConfigError, match=re.escape(message)):
-        loop.Trainer(helpers.make_config(data_dir, **overrides), mirrored)
+        build.run(helpers.make_config(data_dir, **overrides), mirrored)
 
 
 def exit_code_tables(readme):

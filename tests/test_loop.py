@@ -10,17 +10,20 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from engine.run import inputs, loop
-from engine.settings.errors import ConfigError
+from engine.run import build, inputs, loop, program
+from engine.run.controller import Controller
+from engine.run.evaluator import Evaluator
+from engine.run.program import TrainProgram
+from engine.settings.errors import ConfigError, Preempted
 from engine.state.checkpoint import Checkpoints
 from engine.state.report import Report
 from tests import helpers
 
 
 def _run(config, strategy):
-    trainer = loop.Trainer(config, strategy)
-    checkpoints = Checkpoints(trainer, config.workdir, config.keep_checkpoints)
-    summary = loop.run(trainer, Report(config.workdir, True, config.train_steps), checkpoints, started=0.0)
+    trainer = build.run(config, strategy)
+    checkpoints = Checkpoints(trainer.state, config.workdir, config.keep_checkpoints)
+    summary = Controller(trainer, Report(config.workdir, True, config.train_steps), checkpoints, 0.0).train()
     return trainer, summary
 
 
@@ -32,9 +35,9 @@ def test_inner_loop_traced_once_with_exact_step_counts(data_dir, one_device, tmp
     # so a resumed run cuts its rounds where an uninterrupted one does.
     assert logged == [3, 5, 6, 9, 10]
     assert [json.loads(line)["step"] for line in open(tmp_path / "eval.jsonl")] == [5, 10]
-    assert trainer.train_loop.experimental_get_tracing_count() == 1
-    assert trainer.eval_loop.experimental_get_tracing_count() == 1
-    assert int(trainer.step.numpy()) == 10 and int(trainer.optimizer.iterations.numpy()) == 10
+    assert trainer.program.train_loop.experimental_get_tracing_count() == 1
+    assert trainer.evaluator.eval_loop.experimental_get_tracing_count() == 1
+    assert int(trainer.state.step.numpy()) == 10 and int(trainer.plans[0].optimizer.iterations.numpy()) == 10
     assert summary["step"] == 10 and summary["skipped_steps"] == 0
 
 
@@ -55,9 +58,9 @@ def test_finished_iterators_are_deleted_off_the_loops_thread(data_dir, mirrored,
         def __iter__(self):
             return watched(iter(self.dataset), "eval")
 
-    train_iterator, eval_dataset = loop.Trainer.train_iterator, loop.Trainer.__dict__["eval_dataset"].func
-    monkeypatch.setattr(loop.Trainer, "train_iterator", lambda self: watched(train_iterator(self), "train"))
-    monkeypatch.setattr(loop.Trainer, "eval_dataset", property(lambda self: Watched(eval_dataset(self))))
+    train_iterator, eval_dataset = TrainProgram.train_iterator, Evaluator.__dict__["dataset"].func
+    monkeypatch.setattr(TrainProgram, "train_iterator", lambda self: watched(train_iterator(self), "train"))
+    monkeypatch.setattr(Evaluator, "dataset", property(lambda self: Watched(eval_dataset(self))))
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=4, steps_per_loop=2, eval_every=2)
     summary = loop.train(config, mirrored)
     for thread in threading.enumerate():
@@ -74,11 +77,11 @@ def test_one_cpu_device_evaluates_from_the_datasets_own_iterator(data_dir, one_d
     read = []
     releasing = inputs.releasing
     monkeypatch.setattr(inputs, "releasing", lambda held: releasing(read.extend(map(type, held)) or held))
-    trainer = loop.Trainer(helpers.make_config(data_dir), one_device)
-    own = trainer.evaluate()
+    trainer = build.run(helpers.make_config(data_dir), one_device)
+    own = trainer.evaluator.evaluate()
     assert [kind.__name__ for kind in read] == ["OwnedIterator"]
     monkeypatch.setattr(inputs, "one_cpu_device", lambda strategy: False)
-    distributed = loop.Trainer(helpers.make_config(data_dir), one_device).evaluate()
+    distributed = build.run(helpers.make_config(data_dir), one_device).evaluator.evaluate()
     assert [kind.__name__ for kind in read[1:]] == ["DistributedIterator"]
     assert own["examples"] == distributed["examples"] == 360
     assert own == pytest.approx(distributed, rel=1e-6)
@@ -108,35 +111,35 @@ def test_a_stop_ends_the_round_at_its_step_on_cpu_and_at_its_end_on_accelerators
     data_dir, one_device, tmp_path, monkeypatch, device
 ):
     if device == "GPU":  # forced through the predicate: the loop no longer reads the flag at every step
-        monkeypatch.setattr(loop, "stops_each_step", lambda strategy: False)
-    assert loop.stops_each_step(one_device) == (device == "CPU")
+        monkeypatch.setattr(program, "stops_each_step", lambda strategy: False)
+    assert program.stops_each_step(one_device) == (device == "CPU")
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, steps_per_loop=5, checkpoint_every=0)
-    trainer = loop.Trainer(config, one_device)
-    checkpoints = Checkpoints(trainer, config.workdir, config.keep_checkpoints)
-    trainer.stop.assign(True)  # as a signal during the first step sets it
-    with pytest.raises(loop.Preempted) as stopped:
-        loop.run(trainer, Report(config.workdir, True, config.train_steps), checkpoints, started=0.0)
+    trainer = build.run(config, one_device)
+    checkpoints = Checkpoints(trainer.state, config.workdir, config.keep_checkpoints)
+    trainer.program.stop.assign(True)  # as a signal during the first step sets it
+    with pytest.raises(Preempted) as stopped:
+        Controller(trainer, Report(config.workdir, True, config.train_steps), checkpoints, 0.0).train()
     step = 1 if device == "CPU" else 5  # the signalled step, or the end of its round
     assert str(stopped.value).startswith(f"preempted: stopped by a peer worker's signal at step {step}; checkpoint ")
-    assert checkpoints.saved_path.endswith(f"ckpt-{step}") and int(trainer.step.numpy()) == step
+    assert checkpoints.saved_path.endswith(f"ckpt-{step}") and int(trainer.state.step.numpy()) == step
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [step]
 
 
 def test_whole_replica_step_compiles_with_xla(data_dir, one_device):
     """The TPU path: all of the replica step, all-reduce and update included, in one XLA computation."""
     config = helpers.make_config(data_dir, optimizer="lamb", clip_norm=0.2, jit_compile=False)
-    compiled, plain = loop.Trainer(config, one_device), loop.Trainer(config, one_device)
+    compiled, plain = build.run(config, one_device), build.run(config, one_device)
     batch = _batch(compiled)
-    xla_step = tf.function(compiled.train_step, jit_compile=True)
+    xla_step = tf.function(compiled.program.train_step, jit_compile=True)
     assert "HloModule" in xla_step.experimental_get_compiler_ir(batch)(stage="hlo")
-    for fn in (xla_step, plain.train_step):
+    for fn in (xla_step, plain.program.train_step):
         step = tf.function(lambda b, fn=fn: one_device.run(fn, args=(b,)))
         for _ in range(3):
             out = step(batch)
         assert bool(out["finite"])
     for a, b in zip(helpers.all_variables(compiled).values(), helpers.all_variables(plain).values()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
-    assert int(compiled.optimizer.iterations.numpy()) == 3
+    assert int(compiled.plans[0].optimizer.iterations.numpy()) == 3
 
 
 @pytest.mark.slow
@@ -155,9 +158,9 @@ def test_eval_counts_every_example_once(data_dir, strategy_fixture, request):
     strategy = request.getfixturevalue(strategy_fixture)
     # 360 test examples: 5 full batches of 64 and one of 40, split over the replicas.
     config = helpers.make_config(data_dir, eval_batch_size=64)
-    trainer = loop.Trainer(config, strategy)
-    trainer.run_steps(trainer.train_iterator(), 5)
-    results = trainer.evaluate()
+    trainer = build.run(config, strategy)
+    trainer.program.run_steps(trainer.program.train_iterator(), 5)
+    results = trainer.evaluator.evaluate()
     assert results["examples"] == 360
     images, labels = tfds.as_numpy(
         tfds.load("digits", split="test", data_dir=data_dir, as_supervised=True, batch_size=-1)

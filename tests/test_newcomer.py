@@ -177,7 +177,7 @@ def test_help_starts_with_flagfiles_resuming_datasets_and_gpus(help_text):
     assert "CUDA_VISIBLE_DEVICES=0,1" in preamble and "--strategy=one_device" in preamble
     for kind in ("folder:PATH", "tfrecord:GLOB", "npz:PATH", "tensorflow-datasets name"):
         assert kind in preamble, kind
-    for name in BUNDLED_DATASETS:  # a source added to engine/sources/ must be listed too
+    for name in BUNDLED_DATASETS:  # a source added to sources/ must be listed too
         assert re.search(rf"\b{name}\b", preamble), name
     assert "--helpfull" in preamble
     # -h and --helpshort print the same page.

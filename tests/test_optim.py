@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from engine.data import datasets as data_lib
 from engine.numerics import optim
-from engine.run import loop
+from engine.run import build, loop
 from engine.settings.fields import Config
 from tasks import classification
 from tests import helpers
@@ -138,8 +138,8 @@ class EveryVariableGrouped(classification.Task):
 def test_the_step_reports_the_rate_its_groups_used(data_dir, one_device, monkeypatch):
     monkeypatch.setattr(data_lib, "task_class", lambda config: EveryVariableGrouped)
     config = helpers.make_config(data_dir, optimizer="sgd", momentum=0.0, learning_rate=1e-3, jit_compile="false")
-    trainer = loop.Trainer(config, one_device)
-    assert trainer.optimizer.rate_names == ["learning_rate/^model/"]
+    trainer = build.run(config, one_device)
+    assert trainer.plans[0].optimizer.rate_names == ["learning_rate/^model/"]
     batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
     out = helpers.one_step(trainer, batch)
     assert sorted(out) == ["finite", "grad_norm", "learning_rate/^model/", "loss", "loss_scale", "stop"]

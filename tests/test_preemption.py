@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from engine.cluster.signals import PREEMPTED_EXIT_CODE
-from engine.run import loop
+from engine.run import loop, program
+from engine.run.program import TrainProgram
+from engine.settings.errors import Preempted
 from engine.state import checkpoint
 from tests import forkserver, helpers
 from tests.helpers import checkpoint_tensors, logged_steps
@@ -190,14 +192,14 @@ WINDOWS = dict(
 
 def _stop_at_round(monkeypatch, first_step):
     """The round that starts at `first_step` runs with the stop flag set, as a signal during its first step sets it."""
-    real = loop.Trainer.run_steps
+    real = TrainProgram.run_round
 
-    def run_steps(self, iterator, steps):
-        if int(self.step.numpy()) == first_step:
+    def run_round(self, iterator, steps, extras=frozenset()):
+        if int(self.state.step.numpy()) == first_step:
             self.stop.assign(True)
-        return real(self, iterator, steps)
+        return real(self, iterator, steps, extras)
 
-    monkeypatch.setattr(loop.Trainer, "run_steps", run_steps)
+    monkeypatch.setattr(TrainProgram, "run_round", run_round)
 
 
 def _jsonl(workdir, name):
@@ -217,14 +219,14 @@ def test_a_resumed_run_evaluates_the_step_it_stopped_at_and_keeps_the_train_loss
     config = helpers.make_config(data_dir, str(tmp_path), **WINDOWS)
     # On an accelerator a stop comes at the round's end: here step 5, where an evaluation is due, skipped as the
     # run stops. The resumed run evaluates it.
-    monkeypatch.setattr(loop, "stops_each_step", lambda strategy: False)
+    monkeypatch.setattr(program, "stops_each_step", lambda strategy: False)
     _stop_at_round(monkeypatch, 0)
-    with pytest.raises(loop.Preempted, match="at step 5;"):
+    with pytest.raises(Preempted, match="at step 5;"):
         loop.train(config, one_device)
     assert logged_steps(tmp_path, "eval.jsonl") == []
     monkeypatch.undo()
     _stop_at_round(monkeypatch, 5)  # on a CPU at the step: after step 6, inside the last window (steps 6-10)
-    with pytest.raises(loop.Preempted, match="at step 6;"):
+    with pytest.raises(Preempted, match="at step 6;"):
         loop.train(config, one_device)
     monkeypatch.undo()
     summary = loop.train(config, one_device)

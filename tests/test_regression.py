@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.state import checkpoint
 from sources import penguins
@@ -95,7 +95,7 @@ def test_export_serves_raw_features_to_grams(trained, one_device):
     predictions = served(features=tf.constant(test_x, tf.float32))["predictions"].numpy()
     assert predictions.shape == (67,)
 
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     checkpoint.restore(
         tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
         checkpoint.latest(f"{config.workdir}/checkpoints"),
@@ -111,9 +111,9 @@ def test_export_serves_raw_features_to_grams(trained, one_device):
 
 
 def _train(config, strategy):
-    trainer = loop.Trainer(config, strategy)
-    out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
-    return helpers.snapshot(trainer), out, trainer.evaluate()
+    trainer = build.run(config, strategy)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
+    return helpers.snapshot(trainer), out, trainer.evaluator.evaluate()
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from engine.data import datasets as data_lib
-from engine.run import loop
+from engine.run import build
 from tasks import classification
 from tests import helpers
 
@@ -102,8 +102,8 @@ def one_step(data_dir, monkeypatch, strategy, **settings):
     plain SGD step of the regularized model with `settings`, on the first training batch."""
     monkeypatch.setattr(data_lib, "task_class", lambda config: RegularizedTask)
     config = helpers.make_config(data_dir, optimizer="sgd", momentum=0.0, learning_rate=LEARNING_RATE, **settings)
-    trainer = loop.Trainer(config, strategy)
-    assert trainer.jit_compile == (config.jit_compile == "true")
+    trainer = build.run(config, strategy)
+    assert trainer.program.jit_compile == (config.jit_compile == "true")
     batch = next(iter(trainer.data.train_fn(tf.distribute.InputContext())))
     assert len(batch["label"]) == config.global_batch_size
     variables = trainer.model.trainable_variables

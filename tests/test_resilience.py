@@ -17,9 +17,9 @@ import tensorflow as tf
 
 from engine.cluster import signals as preemption
 from engine.data import datasets as data
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TrainingError
 from engine.state import checkpoint
 from tests import forkserver, helpers
 from tests.helpers import checkpoint_tensors, logged_steps
@@ -183,7 +183,7 @@ def _poison(monkeypatch, bad_batches):
 def test_nan_stops_naming_the_steps_and_the_last_good_checkpoint(data_dir, one_device, tmp_path, monkeypatch):
     _poison(monkeypatch, [23, 24])
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=40, steps_per_loop=5, checkpoint_every=10)
-    with pytest.raises(loop.TrainingError, match=r"between steps 21 and 25 .*ckpt-20"):
+    with pytest.raises(TrainingError, match=r"between steps 21 and 25 .*ckpt-20"):
         loop.train(config, one_device)
     path, tensors = checkpoint_tensors(tmp_path)
     assert path.endswith("ckpt-20")  # the NaN overwrote nothing
@@ -304,7 +304,7 @@ def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):
 
     export_dir = evaluate.export(dataclasses.replace(config, mode="export"))
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     checkpoint.restore(
         tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
         checkpoint.list_checkpoints(tmp_path / "checkpoints")[0],

@@ -86,17 +86,19 @@ def weights_of(snap):
 @pytest.fixture(scope="module")
 def one_device_runs(data_dir, one_device):
     """{case: (snapshot, round outputs, initial weights, the 20 batches trained on)} of SAM on one device."""
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     runs = {}
     for name, case in CASES.items():
         config = sam_config(data_dir, **case)
-        trainer = Trainer(config, one_device)
-        assert trainer.in_step  # each step gathers batch k with data.gather(k, 0, 1): the reference reads the same
-        assert [n.rsplit("/", 1)[1] for n in trainer.param_names] == ["kernel", "bias"] * 3
-        initial = [v.numpy() for v in trainer.params]
+        trainer = build.run(config, one_device)
+        assert (
+            trainer.program.in_step
+        )  # each step gathers batch k with data.gather(k, 0, 1): the reference reads the same
+        assert [n.rsplit("/", 1)[1] for n in trainer.weights.names] == ["kernel", "bias"] * 3
+        initial = [v.numpy() for v in trainer.weights.variables]
         batches = [trainer.data.gather(tf.constant(k, tf.int64), 0, 1) for k in range(config.train_steps)]
-        out = trainer.run_steps(trainer.train_iterator(), config.train_steps)
+        out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
         runs[name] = (helpers.snapshot(trainer), out, initial, batches)
     return runs
 
@@ -119,7 +121,7 @@ def test_sam_matches_a_plain_tensorflow_loop_of_its_math(one_device_runs, case):
 
 def test_a_sam_step_is_two_evaluations_of_one_all_reduce_each(data_dir, one_device, monkeypatch):
     from engine.numerics import replica as step_lib
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     calls = []
 
@@ -130,10 +132,10 @@ def test_a_sam_step_is_two_evaluations_of_one_all_reduce_each(data_dir, one_devi
     counted(step_lib.ReplicaStep, "gradients")
     counted(tf.distribute.ReplicaContext, "all_reduce")
     counted(step_lib.ReplicaStep, "apply")
-    trainer = Trainer(sam_config(data_dir), one_device)
+    trainer = build.run(sam_config(data_dir), one_device)
     out = helpers.one_step(trainer, trainer.data.gather(tf.constant(0, tf.int64), 0, 1))
     assert calls == ["gradients", "all_reduce", "gradients", "all_reduce", "apply"]
-    assert int(trainer.optimizer.iterations.numpy()) == 1 and bool(out["finite"])
+    assert int(trainer.plans[0].optimizer.iterations.numpy()) == 1 and bool(out["finite"])
 
 
 def assert_matches_one_device(snap, out, reference):
@@ -230,16 +232,16 @@ def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, 
 
 def trace_error(data_dir, one_device, monkeypatch, replica_step, updates=None):
     """The message of the error the first round raises with `replica_step` (and `updates`) in tasks/sam.py."""
-    from engine.run.loop import Trainer
+    from engine.run import build
     from tasks import sam
 
     monkeypatch.setattr(sam.Task, "replica_step", replica_step)
     if updates is not None:
         monkeypatch.setattr(sam.Task, "updates", lambda self: updates)
-    trainer = Trainer(sam_config(data_dir, train_steps=1), one_device)
+    trainer = build.run(sam_config(data_dir, train_steps=1), one_device)
     with pytest.raises(ValueError) as raised:
-        trainer.run_steps(trainer.train_iterator(), 1)
-    assert int(trainer.optimizer.iterations.numpy()) == 0
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
+    assert int(trainer.plans[0].optimizer.iterations.numpy()) == 0
     # Raised while the round is traced: TensorFlow puts the traceback of the user's code above the message.
     return re.sub(r"^ValueError: ", "", str(raised.value).strip().splitlines()[-1].strip())
 
@@ -275,7 +277,7 @@ def test_a_step_that_never_applies_its_update_is_refused(data_dir, one_device, m
 def test_float16_a_non_finite_evaluation_masks_the_whole_update(data_dir, one_device, monkeypatch):
     """SAM's step with its first or its second evaluation made non-finite on demand: nothing of the update changes
     (weights, slots, update count) and the scale halves; a finite step applies."""
-    from engine.run.loop import Trainer
+    from engine.run import build
     from tasks import sam
 
     poisoned = tf.Variable(0)  # 0: neither evaluation, 1: the first, 2: the second
@@ -291,7 +293,7 @@ def test_float16_a_non_finite_evaluation_masks_the_whole_update(data_dir, one_de
         step.apply("train", step.gradients("train", batch, shift=shift))
 
     monkeypatch.setattr(sam.Task, "replica_step", replica_step)
-    trainer = Trainer(sam_config(data_dir, **helpers.NONFINITE_CASE), one_device)
+    trainer = build.run(sam_config(data_dir, **helpers.NONFINITE_CASE), one_device)
     batch = trainer.data.gather(tf.constant(0, tf.int64), 0, 1)
     run = helpers.step_function(trainer)
 

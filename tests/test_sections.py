@@ -14,7 +14,8 @@ import tensorflow as tf
 from engine.data import datasets as data
 from engine.data.pipeline import Pipelines
 from engine.numerics import optim
-from engine.run import actions, loop, xla
+from engine.run import loop, xla
+from engine.run.actions.builtin import Checkpoint, Evaluate
 from engine.settings import sections
 from engine.settings.config import load_run_config
 from engine.settings.declared import declared_settings
@@ -186,10 +187,9 @@ def test_an_optimizer_built_from_its_section_updates_as_one_built_from_every_set
 
 def test_the_loop_and_numerics_sections_decide_as_the_whole_config_did():
     config = Config(train_steps=50, eval_every=20, checkpoint_every=15)
-    due = [
-        (actions.evaluation_due(config.loop, s, False), actions.checkpoint_due(config.loop, s, False))
-        for s in (15, 20, 30, 40, 45, 50)
-    ]
+    loop = config.loop
+    evaluate, save = Evaluate(loop.eval_every, loop.train_steps), Checkpoint(loop.checkpoint_every, loop.train_steps)
+    due = [(evaluate.due(s, False), save.due(s, False)) for s in (15, 20, 30, 40, 45, 50)]
     assert due == [(False, True), (True, False), (False, True), (True, False), (False, True), (False, True)]
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     for switch in ("true", "false"):

@@ -122,13 +122,13 @@ def test_two_files_declaring_one_setting_are_one_error_naming_both(tmp_path):
     packages = [
         ("model", *_package(tmp_path, "models", {"wide": 'SETTINGS = {"width": (8, "units")}'})),
         ("task", *_package(tmp_path, "tasks", {"clash": 'SETTINGS = {"width": (4, "units")}', "reader": ""})),
-        ("dataset", *_package(tmp_path, "engine/sources", {"odd": 'READS = ("no_such",)'})),
+        ("dataset", *_package(tmp_path, "sources", {"odd": 'READS = ("no_such",)'})),
     ]
     fields, readers, errors = declared_settings(packages, str(tmp_path), {"dropout"})
     assert [name for name, _, _ in fields] == ["width"] and readers == {}
     assert errors == [
         "tasks/clash.py: declares the setting width, which models/wide.py declares already: rename one of them",
-        "engine/sources/odd.py: READS no_such, which no file declares",
+        "sources/odd.py: READS no_such, which no file declares",
     ]
 
 

@@ -32,14 +32,14 @@ def test_skipped_step_keeps_batch_norm_statistics(data_dir, mirrored):
 
 
 def test_checkpoint_refuses_non_finite_statistics(data_dir, one_device, tmp_path):
-    from engine.run.loop import Trainer
+    from engine.run import build
     from engine.state.checkpoint import CheckpointError, Checkpoints
 
-    trainer = Trainer(helpers.make_config(data_dir, model="resnet"), one_device)
+    trainer = build.run(helpers.make_config(data_dir, model="resnet"), one_device)
     moving = [v for v in trainer.model.non_trainable_variables if "moving_variance" in v.path][0]
     moving.assign(tf.fill(moving.shape, float("nan")))
     with pytest.raises(CheckpointError, match="moving_variance"):
-        Checkpoints(trainer, str(tmp_path), keep=1).save()
+        Checkpoints(trainer.state, str(tmp_path), keep=1).save()
 
 
 def _process(grads, scale=None, **config):
@@ -76,14 +76,14 @@ def test_finite_gradients_whose_squares_overflow_are_finite():
 
 
 def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device):
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     # Inputs of 1e20 give gradient elements near 1e20: each squares to about 1e40, and their float32 sum
     # overflows although every element is finite.
     config = helpers.make_config(
         data_dir, optimizer="sgd", momentum=0.0, learning_rate=0.1, clip_norm=1.0, **helpers.XLA_CASE
     )
-    trainer = Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     batch = _batch(trainer, scale=1e20)
     images, labels = batch["image"], batch["label"]
     params = [v.value for v in trainer.model.trainable_variables]
@@ -98,15 +98,15 @@ def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device
     out = helpers.one_step(trainer, batch)
     assert out["finite"]
     np.testing.assert_allclose(out["grad_norm"], expected, rtol=1e-5)
-    assert trainer.optimizer.iterations.numpy() == 1
+    assert trainer.plans[0].optimizer.iterations.numpy() == 1
     assert any(not np.array_equal(p.numpy(), b) for p, b in zip(params, before))
 
 
 def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
     from engine.numerics import replica as step
-    from engine.run.loop import Trainer
+    from engine.run import build
 
-    trainer = Trainer(helpers.make_config(data_dir, model="transformer", dropout=0.5), mirrored)
+    trainer = build.run(helpers.make_config(data_dir, model="transformer", dropout=0.5), mirrored)
     state, seeds = step.split_state(trainer.models)
     assert seeds and not state
     images = _batch(trainer)["image"][:8]  # the same batch on both replicas
@@ -133,11 +133,11 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_step_draws_each_replicas_dropout_from_its_id(data_dir, mirrored, accumulate):
     from engine.numerics import replica as step
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     settings = dict(model="mlp", dropout=0.5, grad_accum_steps=accumulate, jit_compile="false")
-    trainer = Trainer(helpers.make_config(data_dir, **settings), mirrored)
-    trainer.step.assign(7)
+    trainer = build.run(helpers.make_config(data_dir, **settings), mirrored)
+    trainer.state.step.assign(7)
     state, seeds = step.split_state(trainer.models)
     assert seeds and not state
     batch = _batch(trainer)
@@ -150,7 +150,9 @@ def test_the_step_draws_each_replicas_dropout_from_its_id(data_dir, mirrored, ac
             start = (replica * accumulate + k) * size
             part = {name: t[start : start + size] for name, t in batch.items()}
             seed = tf.constant(draws_as * accumulate + k, tf.int64)
-            outputs = step.stateless_forward(trainer.task, trainer.models, part, state, [], seeds, trainer.step, seed)
+            outputs = step.stateless_forward(
+                trainer.task, trainer.models, part, state, [], seeds, trainer.state.step, seed
+            )
             total += float(tf.reduce_sum(trainer.task.loss(outputs[0], part))) / len(batch["label"])
         return total
 
@@ -189,11 +191,11 @@ class NormalizedTask(classification.Task):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_grad_accumulation_is_ghost_batch_norm(data_dir, one_device, monkeypatch, capsys, accumulate):
     from engine.data import datasets as data_lib
-    from engine.run.loop import Trainer
+    from engine.run import build
 
     monkeypatch.setattr(data_lib, "task_class", lambda config: NormalizedTask)
     capsys.readouterr()
-    trainer = Trainer(helpers.make_config(data_dir, grad_accum_steps=accumulate, jit_compile="false"), one_device)
+    trainer = build.run(helpers.make_config(data_dir, grad_accum_steps=accumulate, jit_compile="false"), one_device)
     warning = (
         "warning: --grad_accum_steps=2: each of the 2 microbatches runs its own forward pass, which updates "
         "model/normalized/norm/moving_mean and 1 more: batch norm normalizes each microbatch with its own statistics "
@@ -204,9 +206,9 @@ def test_grad_accumulation_is_ghost_batch_norm(data_dir, one_device, monkeypatch
     batch = _batch(trainer)
     model = trainer.model
     kernel, bias, head_kernel, head_bias = [
-        v.numpy().astype(np.float64) for v in trainer.params[:2] + trainer.params[4:]
+        v.numpy().astype(np.float64) for v in trainer.weights.variables[:2] + trainer.weights.variables[4:]
     ]
-    assert [v.path for v in trainer.params] == [
+    assert [v.path for v in trainer.weights.variables] == [
         "normalized/hidden/kernel",
         "normalized/hidden/bias",
         "normalized/norm/gamma",

@@ -16,9 +16,8 @@ from engine.data import datasets as data
 from engine.data.pipeline import Pipelines
 from engine.data.records import Source, in_memory, sharded
 from engine.run import build
-from engine.run.loop import Trainer
+from engine.run.actions.builtin import INPUT_WINDOW_STEPS
 from engine.settings.errors import ConfigError
-from engine.state import checkpoint as checkpoint_lib
 from tests import helpers
 
 # Twelve files of 5 to 27 records: uneven, as real shards are. A record's image holds its id, file * 1000 + record.
@@ -130,11 +129,11 @@ def test_stream_positions_match_the_random_access_convention(records):
 
 
 def _train(config, strategy, steps, workdir=None, resume_from=None):
-    trainer = Trainer(config, strategy)
-    checkpoint = tf.train.Checkpoint(**checkpoint_lib.tracked_state(trainer))
+    trainer = build.run(config, strategy)
+    checkpoint = tf.train.Checkpoint(**trainer.state.tracked())
     if resume_from:
         checkpoint.restore(resume_from).assert_existing_objects_matched()
-    trainer.run_steps(trainer.train_iterator(), steps)
+    trainer.program.run_steps(trainer.program.train_iterator(), steps)
     path = checkpoint.save(os.path.join(workdir, "ckpt")) if workdir else None
     return helpers.snapshot(trainer), path, trainer
 
@@ -147,27 +146,27 @@ def test_a_resumed_streamed_run_ends_bit_identical(records, tmp_path, strategy_n
     straight, _, _ = _train(config, strategy, 14)
     _, saved, _ = _train(config, strategy, 6, workdir=str(tmp_path))
     resumed, _, trainer = _train(config, strategy, 8, resume_from=saved)
-    assert int(trainer.batches.numpy()) == 14
+    assert int(trainer.state.batches.numpy()) == 14
     for name in straight:
         for a, b in zip(straight[name], resumed[name], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_a_changed_worker_count_is_refused_for_files_and_exact_in_memory(records, one_device, data_dir, monkeypatch):
-    trainer = Trainer(_config(), one_device)
-    trainer.input_pipelines.assign(2)  # as a run of 2 workers saved it
+    trainer = build.run(_config(), one_device)
+    trainer.state.input_pipelines.assign(2)  # as a run of 2 workers saved it
     with pytest.raises(ConfigError, match=r"with 2 input pipelines \(workers\).*now has 1.*resume it with 2 workers"):
-        trainer.train_iterator()
+        trainer.program.train_iterator()
     monkeypatch.undo()  # the digits, held in memory: one global stream, whatever reads it
-    trainer = Trainer(helpers.make_config(data_dir), one_device)
-    trainer.input_pipelines.assign(2)
-    trainer.batches.assign(5)
-    assert trainer.train_iterator() is None  # not refused; each step gathers its batch from the data position
-    batch = trainer.data.gather(tf.constant(5, tf.int64), tf.constant(0, tf.int64), trainer.pipelines)
+    trainer = build.run(helpers.make_config(data_dir), one_device)
+    trainer.state.input_pipelines.assign(2)
+    trainer.state.batches.assign(5)
+    assert trainer.program.train_iterator() is None  # not refused; each step gathers its batch from the data position
+    batch = trainer.data.gather(tf.constant(5, tf.int64), tf.constant(0, tf.int64), trainer.program.pipelines)
     loaded = build.inputs(helpers.make_config(data_dir))
     halves = [next(iter(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 5))) for i in range(2)]
     assert sorted(batch["index"].numpy()) == sorted(np.concatenate([h["index"] for h in halves]))
-    assert int(trainer.input_pipelines.numpy()) == 1  # what the next checkpoint says
+    assert int(trainer.state.input_pipelines.numpy()) == 1  # what the next checkpoint says
 
 
 def test_a_truncated_record_file_stops_the_run_naming_it(records, one_device):
@@ -176,9 +175,9 @@ def test_a_truncated_record_file_stops_the_run_naming_it(records, one_device):
         content = f.read()
     with open(path, "wb") as f:
         f.write(content[: len(content) // 2])
-    trainer = Trainer(_config(steps_per_loop=50), one_device)
+    trainer = build.run(_config(steps_per_loop=50), one_device)
     with pytest.raises(data.DecodeError) as raised:
-        trainer.run_steps(trainer.train_iterator(), 50)  # 800 examples: every file is read
+        trainer.program.run_steps(trainer.program.train_iterator(), 50)  # 800 examples: every file is read
     message = str(raised.value)
     assert path in message and f"of its {count} records could be read" in message, message
 
@@ -212,7 +211,7 @@ def test_an_input_bound_run_warns_once_and_reports_its_wait(
     # Fewer timed steps than the window: the wait is reported, never warned about (the first round, with its
     # tracing, is not timed).
     short = _config(
-        workdir=str(tmp_path / "short"), train_steps=loop.INPUT_WINDOW_STEPS, steps_per_loop=10, global_batch_size=4
+        workdir=str(tmp_path / "short"), train_steps=INPUT_WINDOW_STEPS, steps_per_loop=10, global_batch_size=4
     )
     summary = loop.train(short, one_device)
     assert "input-bound" not in capsys.readouterr().out

@@ -12,15 +12,15 @@ import tensorflow as tf
 if __name__ == "__main__":  # run as a script: the parameter-server probe below
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.run import build, loop
+from engine.run import build
 from tests import forkserver, helpers  # noqa: E402
 
 
 def _one_step(config, strategy):
     """(the first step's weight update, the round's outputs)."""
-    trainer = loop.Trainer(config, strategy)
+    trainer = build.run(config, strategy)
     before = [v.numpy() for v in trainer.model.trainable_variables]
-    out = trainer.run_steps(trainer.train_iterator(), 1)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 1)
     return [v.numpy() - b for v, b in zip(trainer.model.trainable_variables, before)], out
 
 
@@ -50,14 +50,14 @@ def test_float16_with_clipping_takes_the_float32_step(data_dir, one_device, clip
 def test_round_loss_is_the_mean_of_its_finite_steps(data_dir, one_device):
     """A float16 round with one non-finite step (a NaN input) reports the mean loss of the other steps."""
     config = helpers.make_config(data_dir, **helpers.NONFINITE_CASE)
-    whole = loop.Trainer(config, one_device)
+    whole = build.run(config, one_device)
     taken = list(whole.data.train_fn(tf.distribute.InputContext()).take(4))
     taken[1] = {**taken[1], "image": tf.tensor_scatter_nd_update(taken[1]["image"], [[0, 0, 0, 0]], [float("nan")])}
     batches = tf.data.Dataset.from_tensor_slices({k: tf.stack([b[k] for b in taken]) for k in taken[0]})
-    out = whole.run_steps(iter(batches), 4)
+    out = whole.program.run_steps(iter(batches), 4)
     # The same steps one round each: their losses and which of them were skipped.
-    stepwise, iterator = loop.Trainer(config, one_device), iter(batches)
-    steps = [stepwise.run_steps(iterator, 1) for _ in range(4)]
+    stepwise, iterator = build.run(config, one_device), iter(batches)
+    steps = [stepwise.program.run_steps(iterator, 1) for _ in range(4)]
     assert [s["skipped"] for s in steps] == [0, 1, 0, 0]
     assert (out["steps"], out["skipped"]) == (4, 1)
     assert out["loss"] == pytest.approx(np.mean([s["loss"] for s in steps if not s["skipped"]]), rel=1e-6)
@@ -101,8 +101,8 @@ def _parameter_server_first_batches(data_dir):
         spec, task_type="chief", task_id=0, rpc_layer="grpc"
     )
     strategy = tf.distribute.ParameterServerStrategy(resolver)
-    trainer = loop.Trainer(helpers.make_config(data_dir, strategy="parameter_server"), strategy)
-    iterator = trainer.train_iterator()
+    trainer = build.run(helpers.make_config(data_dir, strategy="parameter_server"), strategy)
+    iterator = trainer.program.train_iterator()
     with strategy.scope():
         arrived = tf.Variable(0)
 
@@ -113,8 +113,8 @@ def _parameter_server_first_batches(data_dir):
         tf.while_loop(lambda: arrived < 2, lambda: [], [])
         return next(iterator)
 
-    remote = [trainer.coordinator.schedule(first_batch, args=(iterator,)) for _ in range(2)]
-    trainer.coordinator.join()
+    remote = [trainer.program.coordinator.schedule(first_batch, args=(iterator,)) for _ in range(2)]
+    trainer.program.coordinator.join()
     return [r.fetch()["image"].tolist() for r in remote]
 
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from engine.data import datasets as data_lib
 from engine.numerics.updates import Update
-from engine.run import loop
+from engine.run import build, loop
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError
 from tasks import classification
@@ -112,13 +112,13 @@ def _halves(strategy, batch):
 def test_updates_apply_in_order_each_with_its_own_optimizer(data_dir, monkeypatch, request, strategy, frequency):
     monkeypatch.setattr(data_lib, "task_class", lambda config: _split_task(**frequency))
     chosen = request.getfixturevalue(strategy)
-    trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), chosen)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), chosen)
     initial = _weights(trainer)
     batches = _batches(trainer, 5)
     for t, batch in enumerate(batches):
-        trainer.step.assign(t)
+        trainer.state.step.assign(t)
         out = helpers.one_step(trainer, batch if strategy == "one_device" else _halves(chosen, batch))
-        trainer.step.assign_add(1)
+        trainer.state.step.assign_add(1)
     want = _reference(
         initial, batches, frequency.get("body", {}).get("every", 1), frequency.get("head", {}).get("repeat", 1)
     )
@@ -148,7 +148,7 @@ def test_a_skipped_float16_update_changes_nothing_of_itself_and_halves_only_its_
 
     monkeypatch.setattr(data_lib, "task_class", lambda config: Poisoned)
     config = helpers.make_config(data_dir, precision="mixed_float16", initial_loss_scale=1024.0, **SGD)
-    trainer = loop.Trainer(config, one_device)
+    trainer = build.run(config, one_device)
     body, head = trainer.plans
     before = _weights(trainer)
     for batch in _batches(trainer, 3):
@@ -240,7 +240,7 @@ def test_a_wrong_update_is_one_clear_error(data_dir, one_device, monkeypatch, up
 
     monkeypatch.setattr(data_lib, "task_class", lambda config: Wrong)
     with pytest.raises(ConfigError) as raised:
-        loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
+        build.run(helpers.make_config(data_dir, **SGD), one_device)
     assert str(raised.value) == f"tasks/classification.py: {message}"
 
 
@@ -251,7 +251,7 @@ class Fixed(classification.Task):
 
 def test_a_setting_an_update_fixes_over_a_given_flag_is_said(data_dir, one_device, monkeypatch, capsys):
     monkeypatch.setattr(data_lib, "task_class", lambda config: Fixed)
-    loop.Trainer(helpers.make_config(data_dir, optimizer="sgd", beta_1=0.5, jit_compile="false"), one_device)
+    build.run(helpers.make_config(data_dir, optimizer="sgd", beta_1=0.5, jit_compile="false"), one_device)
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     # beta_1 was given as the update's own value, and the default settings are not "given": one line.
     assert warnings == [
@@ -283,7 +283,7 @@ class AppliedStale(classification.Task):
 @pytest.mark.parametrize("task", [AppliedTwice, AppliedStale], ids=["twice", "stale"])
 def test_gradients_apply_once_and_only_before_their_update_moves(data_dir, one_device, monkeypatch, task):
     monkeypatch.setattr(data_lib, "task_class", lambda config: task)
-    trainer = loop.Trainer(helpers.make_config(data_dir, **SGD), one_device)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
     with pytest.raises(ValueError) as raised:
         helpers.one_step(trainer, _batches(trainer, 1)[0])
     assert (
@@ -292,18 +292,18 @@ def test_gradients_apply_once_and_only_before_their_update_moves(data_dir, one_d
         .splitlines()[-1]
         .endswith("apply('train', ...): these gradients were applied already; take new gradients('train', ...)")
     )
-    assert int(trainer.optimizer.iterations.numpy()) == 0
+    assert int(trainer.plans[0].optimizer.iterations.numpy()) == 0
 
 
 def test_a_forks_if_on_tensors_is_converted_in_its_loss_and_replica_step(data_dir, one_device, monkeypatch):
     """The engine converts none of its own pure functions (engine/step.py), but every path to a task's code stays
     converted: a fork's loss and replica step branching on tensors train as the plain task does, to the weight."""
     config = helpers.make_config(data_dir, train_steps=3, **SGD)
-    plain = loop.Trainer(config, one_device)
-    plain.run_steps(None if plain.in_step else plain.train_iterator(), 3)
+    plain = build.run(config, one_device)
+    plain.program.run_steps(None if plain.program.in_step else plain.program.train_iterator(), 3)
     monkeypatch.setattr(data_lib, "task_class", lambda config: Branching)
-    branching = loop.Trainer(config, one_device)
-    branching.run_steps(None if branching.in_step else branching.train_iterator(), 3)
-    assert int(branching.step.numpy()) == 3
+    branching = build.run(config, one_device)
+    branching.program.run_steps(None if branching.program.in_step else branching.program.train_iterator(), 3)
+    assert int(branching.state.step.numpy()) == 3
     for a, b in zip(_weights(plain), _weights(branching)):
         np.testing.assert_array_equal(a, b)

@@ -22,6 +22,8 @@ from tensorflow.core.util import event_pb2
 
 from engine.run import loop
 from engine.run import modes as evaluate
+from engine.run.controller import Controller
+from engine.run.program import TrainProgram
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
@@ -95,8 +97,8 @@ def test_with_a_compile_cache_a_run_with_nothing_left_to_train_traces_nothing(
     """--compile_cache traces the step before restoring (loop.train); a rerun of a finished run, and one refused for
     fewer --train_steps, are told by the newest checkpoint's name and trace nothing before they end."""
     traced = []
-    trace = loop.Trainer.trace
-    monkeypatch.setattr(loop.Trainer, "trace", lambda self: traced.append(1) or trace(self))
+    trace = TrainProgram.trace
+    monkeypatch.setattr(TrainProgram, "trace", lambda self: traced.append(1) or trace(self))
     workdir = tmp_path / "run"
     config = helpers.make_config(
         data_dir, str(workdir), train_steps=4, steps_per_loop=2, jit_compile="true", compile_cache=str(tmp_path / "c")
@@ -261,14 +263,7 @@ def test_a_kill_after_the_final_save_leaves_the_files_of_an_uninterrupted_run(
     if killed_in == "summary":  # after the final eval line
         monkeypatch.setattr(report.Report, "summary", lambda self, summary: (_ for _ in ()).throw(Killed()))
     else:  # after the final checkpoint, before its evaluation
-        real = loop.Trainer.evaluate
-
-        def evaluate_or_die(self):
-            if int(self.step.numpy()) == 20:
-                raise Killed()
-            return real(self)
-
-        monkeypatch.setattr(loop.Trainer, "evaluate", evaluate_or_die)
+        monkeypatch.setattr(Controller, "_final_evaluation", lambda self, step: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         loop.train(config, one_device)
     assert checkpoint.latest(tmp_path / "checkpoints").endswith("ckpt-20") and not (tmp_path / "summary.json").exists()

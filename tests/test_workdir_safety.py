@@ -12,7 +12,7 @@ import signal
 import pytest
 import tensorflow as tf
 
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
@@ -252,7 +252,7 @@ def test_a_leftover_temp_link_is_removed_without_touching_its_target(trained, tm
     elsewhere.mkdir()
     (elsewhere / "precious").write_text("keep me\n")
     os.symlink(elsewhere, os.path.join(config.workdir, "checkpoints", "ckpt-30_temp"))
-    checkpoint.Checkpoints(loop.Trainer(config, one_device), config.workdir, keep=2)
+    checkpoint.Checkpoints(build.run(config, one_device).state, config.workdir, keep=2)
     assert (elsewhere / "precious").read_text() == "keep me\n"
     assert not os.path.lexists(os.path.join(config.workdir, "checkpoints", "ckpt-30_temp"))
 

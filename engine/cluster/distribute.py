@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from engine.cluster import resolvers as cluster
 from engine.cluster.launcher import tf_config
-from engine.cluster.signals import PREEMPTION
+from engine.cluster.signals import SIGNALS
 from engine.settings.checks import planned_strategy
 from engine.settings.errors import ConfigError
 
@@ -70,7 +70,7 @@ def create_strategy(config):
             implementation=implementation.NCCL if gpus else implementation.RING
         )
         # Waits for every peer in native code that holds Python's lock (engine/preemption.py says what a signal does).
-        return PREEMPTION.interruptible(
+        return SIGNALS.interruptible(
             tf.distribute.MultiWorkerMirroredStrategy, cluster_resolver=resolver, communication_options=options
         )
 

@@ -11,7 +11,7 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", as a scheduler's res
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for Ctrl-C
 
 
-class Preemption:
+class Signals:
     """Turns SIGTERM/SIGINT into a graceful stop.
 
     Inside the training loop (`watch`), a signal sets a flag that the replica step all-reduces with the
@@ -135,4 +135,4 @@ class Preemption:
         return INTERRUPTED_EXIT_CODE if self.signal == signal.SIGINT else PREEMPTED_EXIT_CODE
 
 
-PREEMPTION = Preemption()
+SIGNALS = Signals()

@@ -1,4 +1,4 @@
-"""Input pipelines: the bundled sources (engine/sources/), your own files and any tensorflow-datasets name.
+"""Input pipelines: the bundled sources (sources/), your own files and any tensorflow-datasets name.
 
 Every pipeline is a function of `tf.distribute.InputContext`, for
 `strategy.distribute_datasets_from_function`. Training reads one stream of examples per run, a pure
@@ -165,7 +165,7 @@ def load_source(config, features, split=None):
     """The Source `config.dataset` names, keeping `features` (all when empty); its eval split is `split`, else
     --eval_split."""
     name = config.dataset or tasks.default_dataset(config.task)
-    kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is engine/sources/KIND.py's to read
+    kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is sources/KIND.py's to read
     if kind in sources.available():
         source = importlib.import_module(f"sources.{kind}").load(config, split or config.eval_split)
     else:

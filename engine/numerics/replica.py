@@ -304,19 +304,21 @@ class ReplicaStep:
 
         self._ctx.merge_call(assign_all, args=(values,))
         self._state = None  # the next forward pass reads the statistics as assigned
-        self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates))
+        self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads))
 
     @tf.autograph.experimental.do_not_convert
-    def outputs(self):
+    def outputs(self, extras=frozenset()):
         """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale,
-        rates (a one-update run's under the plain names)."""
-        out, losses, finites = {}, [], []
+        rates (a one-update run's under the plain names). `extras` {"gradients"}: each update's gradients of its last
+        apply, by <model>/<path>, under "gradients"."""
+        out, losses, finites, grads = {}, [], [], {}
         for name, applied in self._applied.items():
             plan = self._built.plans[name]
             if not applied:
                 raise ValueError(f"the replica step never applies update {name!r} (apply it with when=False to skip)")
             loss = applied[0][0] if len(applied) == 1 else tf.add_n([a[0] for a in applied]) / len(applied)
-            *_, norm, finite, scale, rates = applied[-1]
+            *_, norm, finite, scale, rates, applied_grads = applied[-1]
+            grads.update(zip(plan.names, applied_grads))
             finite = tf.reduce_all([a[2] for a in applied]) if len(applied) > 1 else finite
             if plan.prefix:
                 out.update({f"{plan.prefix}loss": loss, f"{plan.prefix}finite": finite})
@@ -328,7 +330,8 @@ class ReplicaStep:
         evaluated = [g.finite for pending in self._pending.values() for g in pending]
         finite = finites[0] if len(finites) == 1 and not evaluated else tf.reduce_all([*finites, *evaluated])
         loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
-        return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out}
+        extra = {"gradients": grads} if "gradients" in extras else {}
+        return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out, **extra}
 
 
 def engine_step(step, batch):
@@ -340,7 +343,17 @@ def engine_step(step, batch):
 
 
 def make_train_step(
-    task, models, plans, config, num_replicas, stop_flag, step, float16, asynchronous=False, jit_compile=False
+    task,
+    models,
+    plans,
+    config,
+    num_replicas,
+    stop_flag,
+    step,
+    float16,
+    asynchronous=False,
+    jit_compile=False,
+    extras=frozenset(),
 ):
     """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
     the engine's, over `plans` (engine/updates.py).
@@ -349,7 +362,8 @@ def make_train_step(
     worker learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout
     masks. `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
     applies atomically, so concurrent workers never lose each other's updates or update counts. `jit_compile`:
-    compile it with XLA (engine/xla.py decides).
+    compile it with XLA (engine/run/xla.py decides). `extras`: {"gradients"} adds the gradients each update last
+    applied, {<model>/<path>: gradient} under "gradients" (an action asked for them).
     """
     # One replica (and no parameter server): the whole step, all-reduces and assignments included, is one XLA
     # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
@@ -366,7 +380,7 @@ def make_train_step(
         replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
         replica_step = ReplicaStep(built, tf.convert_to_tensor(step), replica)
         body(replica_step, batch)
-        return replica_step.outputs()
+        return replica_step.outputs(extras)
 
     return tf.function(train_step, jit_compile=True) if whole else train_step
 

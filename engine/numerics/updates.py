@@ -143,7 +143,7 @@ class Plan:
 
 def _check(update, task_file):
     if not isinstance(update, Update):
-        raise ConfigError(f"{task_file}: updates() returned {update!r}, not an engine.numerics.updates.Update")
+        raise ConfigError(f"{task_file}: updates() returned {update!r}, not an engine.api.Update")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", update.name or ""):
         raise ConfigError(f"{task_file}: update name {update.name!r}: use letters, digits, '_', '.' or '-'")
     for field in ("every", "repeat"):
@@ -175,9 +175,10 @@ def _selected(update, names):
     return [i for i, name in enumerate(names) if not models or name.split("/", 1)[0] in models]
 
 
-def build_plans(task, params, names, averages, config):
-    """The task's updates built for the run: [Plan], in the order they apply. `params`, `names`: the run's trained
-    variables and their <model>/<path>; `averages`: their moving averages (--ema_decay), or []."""
+def build_plans(task, weights, config):
+    """The task's updates built for the run: [Plan], in the order they apply. `weights`: the run's trained variables,
+    their <model>/<path> names and their moving averages (--ema_decay, else [])."""
+    params, names, averages = weights.variables, weights.names, weights.averages
     task_file = f"tasks/{config.task}.py"
     updates = tuple(task.updates()) or (Update(DEFAULT, groups=task.optimizer_groups),)
     for update in updates:

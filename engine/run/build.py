@@ -1,30 +1,97 @@
-"""The pieces a run is built from, in the order engine/trainer.py's Trainer builds them: the source (its
-examples' spec and what it knows of them), the task from those, the task's data, the seed, the models (a task
-asks for them through `Create`), the variables they train and their moving averages, then the state a
-checkpoint holds. Nothing here builds what is upstream of it: the data receives its task, a model factory
-receives its input's spec and the source's info."""
+"""One place builds a run, top to bottom (`run`): the source and its task, the task's data, the seed, the
+models, the variables they train with their moving averages, the updates with their optimizers and loss scales,
+the state a checkpoint holds, the train program (the step and its loop), the evaluator and the actions. Every mode
+takes what it needs from it: training all of it, evaluation, export, sampling and research the models, the state
+to restore and the evaluator, without optimizers or a train program. Nothing here builds what is upstream of it:
+the data receives its task, a model factory receives its input's spec and the source's info."""
 
 import collections
-import importlib
-import inspect
+import dataclasses
 import re
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common import global_state
 
-from engine.data import datasets as data_lib
-from engine.numerics import precision
-from engine.settings.config import load_run_config
+from engine.cluster import distribute
+from engine.data import datasets
+from engine.numerics import precision, updates
+from engine.run import actions, xla
+from engine.run.actions.builtin import engine_actions
+from engine.run.create import Create
+from engine.run.evaluator import Evaluator
+from engine.run.inputs import batches
+from engine.run.program import TrainProgram
+from engine.settings.checks import check_batch
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The variables the step trains (every model's trainable ones that --freeze does not match), each one's
+    <model name>/<path>, and their moving averages (--ema_decay; [] without it)."""
+
+    variables: list
+    names: list
+    averages: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run as `run` built it. `plans`: the updates as built (engine/numerics/updates.py; [] outside training);
+    `state`: what a checkpoint holds (engine/state/checkpoint.py State); `program`: the step and its loop (None
+    outside training); `actions`: what the controller does after each round, in order."""
+
+    config: object
+    strategy: object
+    task: object
+    data: object
+    models: dict
+    weights: Weights
+    plans: list
+    state: checkpoint.State
+    program: TrainProgram
+    evaluator: Evaluator
+    actions: list
+
+    @property
+    def model(self):
+        """The run's model (a task with several: the first)."""
+        return next(iter(self.models.values()))
+
+
+def run(config, strategy, training=True, on_eval=None):
+    """The run `config` describes on `strategy`, built in order, every variable under the strategy's scope before
+    the first trace. `training`: with its updates, train program and actions (`on_eval`: the Evaluate action's
+    callback, a tuner's pruning); else what evaluation, export and research read."""
+    check_batch(config, strategy.num_replicas_in_sync)
+    tf.config.run_functions_eagerly(config.run_eagerly)
+    source, task = source_and_task(config)
+    data = datasets.prepare(config, source, task)
+    # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
+    # seeds its initializers from that generator, so seeding after it keeps the weights the same.
+    seed(config)
+    with strategy.scope():
+        models = task.models(Create(config, source.info))
+        weights = trained_weights(models, config.freeze, config.ema_decay)
+        plans = updates.build_plans(task, weights, config) if training else []
+        state = checkpointed_state(models, plans, weights)
+    # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
+    coordinator = (
+        tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
+    )
+    jit = xla.Choice(*xla.resolve(config.numerics, strategy, models))
+    program = TrainProgram(config, strategy, task, models, plans, data, state, jit, coordinator) if training else None
+    evaluator = Evaluator(config, strategy, task, models, data, weights, jit, examples(config), coordinator)
+    run_actions = [*engine_actions(config.loop, on_eval), *actions.load(config)] if training else []
+    return Run(config, strategy, task, data, models, weights, plans, state, program, evaluator, run_actions)
 
 
 def source_and_task(config, split=None):
     """The source `config.dataset` names, keeping the features its task reads (its evaluation split `split`, else
     --eval_split), and the task built from what the source gives: its examples' spec and its info."""
-    cls = data_lib.task_class(config)
-    source = data_lib.load_source(config, cls.features, split)
+    cls = datasets.task_class(config)
+    source = datasets.load_source(config, cls.features, split)
     return source, cls(config, source.spec, source.info)
 
 
@@ -32,7 +99,14 @@ def inputs(config, split=None):
     """The Data of the run `config` describes, its source and task built as a run builds them: what evaluation,
     research and tests read without building a run. Its `task` is the task it was prepared for."""
     source, task = source_and_task(config, split)
-    return data_lib.prepare(config, source, task, split)
+    return datasets.prepare(config, source, task, split)
+
+
+def examples(config):
+    """examples(split): the prepared batches of `split`, each example once (weight 0 marks padding), on this host:
+    one pass of a generator (its tf.data iterator deleted off this thread at the end, engine/run/inputs.py release).
+    What a task's probe reads (Task.probe)."""
+    return lambda split: batches(inputs(config, split).eval_fn(tf.distribute.InputContext()))
 
 
 def seed(config):
@@ -41,74 +115,6 @@ def seed(config):
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     precision.set_policy(config.precision)
-
-
-def create_model(config, family, spec, outputs, info=None):
-    """models/<family>.py's model for examples like `spec` (a tf.TensorSpec), `info` what the source knows of them
-    (a text's `vocabulary`, a label's `num_classes`), with every variable built (call under strategy.scope()). Its
-    layers are named afresh (dense, dense_1, ...), whatever was built before in this process: checkpoints key
-    variables by these paths."""
-    factory = importlib.import_module(f"models.{family}").create
-    uids = global_state.get_global_attribute("object_name_uids")
-    global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
-    try:
-        try:
-            model = _factory_call(factory, config, spec, outputs, {} if info is None else info)
-        except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
-            raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
-        model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
-    finally:
-        global_state.set_global_attribute("object_name_uids", uids)
-    return model
-
-
-def _factory_call(factory, config, spec, outputs, info):
-    # A fork's factory written before factories received the spec and the source's info keeps working:
-    # create(config, input_shape, outputs), the shape a tuple.
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    parameters = inspect.signature(factory).parameters.values()
-    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
-    if len(required) == 3:
-        return factory(config, tuple(spec.shape), outputs)
-    return factory(config, spec, outputs, info)
-
-
-class Create:
-    """The `create` a task's `models(create)` receives (tasks/base.py): `create(family, spec, outputs)` builds a
-    model of this run's settings (`config=`: of another run's), and `create.trained(...)` another run's trained
-    model, frozen (a distillation teacher). Every model it builds receives this run's source's info: another run's
-    model reads the same dataset (trained() refuses one of another)."""
-
-    def __init__(self, config, info):
-        self.config, self.info = config, info
-
-    def __call__(self, family, spec, outputs, config=None):
-        return create_model(config or self.config, family, spec, outputs, self.info)
-
-    def trained(self, workdir, spec, outputs, flag, task):
-        """The model the run in `workdir` trained, for examples like `spec` with `outputs`: built from its
-        config.json (its family and settings), restored from its newest checkpoint (the moving average where
-        that run kept one) and frozen. ConfigError naming --`flag` when `workdir` holds no config.json, a run of
-        another task than `task`, a run on another dataset than this run's, or a checkpoint that does not fit
-        its model."""
-        saved = load_run_config(workdir)
-        if saved is None:
-            raise ConfigError(f"--{flag}={workdir}: no config.json there; name the workdir of a trained run")
-        if saved.task != task:
-            raise ConfigError(f"--{flag}={workdir}: a --task={saved.task} run; the {flag} must be a {task} run")
-        if saved.dataset != self.config.dataset:
-            raise ConfigError(
-                f"--{flag}={workdir}: trained on --dataset={saved.dataset}, not this run's {self.config.dataset}"
-            )
-        model = self(saved.model, spec, outputs, config=saved)
-        found = checkpoint.warm_start({flag: model}, workdir, flag=flag)
-        if found["missing"] or found["reshaped"]:  # a partly restored model would teach noise
-            raise ConfigError(
-                f"--{flag}={workdir}: its checkpoint does not fit its config.json's model "
-                f"({', '.join(found['missing'] + found['reshaped'])})"
-            )
-        model.trainable = False
-        return model
 
 
 def trained_variables(models, freeze):
@@ -123,22 +129,18 @@ def trained_variables(models, freeze):
     ]
 
 
-def trained(models, freeze):
-    """(the trained variables, each one's name <model name>/<path>): two models of one family share their Keras
-    paths, and must not share optimizer slots or moving averages."""
-    params = trained_variables(models, freeze)
-    if not params:
+def trained_weights(models, freeze, ema_decay):
+    """The Weights the step trains: their names are <model name>/<path> (two models of one family share their Keras
+    paths, and must not share optimizer slots or moving averages); their averages start at their initial values."""
+    variables = trained_variables(models, freeze)
+    if not variables:
         raise ConfigError(f"--freeze={freeze}: matches every trainable variable; nothing to train")
     owner = {id(v): name for name, model in models.items() for v in model.trainable_variables}
-    return params, [f"{owner[id(v)]}/{v.path}" for v in params]
+    averages = [tf.Variable(v.value, trainable=False, name="ema") for v in variables if ema_decay]
+    return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages)
 
 
-def averages(params, ema_decay):
-    """--ema_decay: the moving average of every trained variable, starting at its initial value; [] without it."""
-    return [tf.Variable(v.value, trainable=False, name="ema") for v in params if ema_decay]
-
-
-def state(models, plans, names, ema):
+def checkpointed_state(models, plans, weights):
     """The run's checkpoint.State: its models, its updates' optimizers and loss scales, its counters (at 0 until a
     checkpoint is restored) and its moving averages keyed like the models."""
 
@@ -146,7 +148,7 @@ def state(models, plans, names, ema):
         return tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
 
     by_path = collections.defaultdict(dict)
-    for name, average in zip(names, ema):
+    for name, average in zip(weights.names, weights.averages):
         model, path = name.split("/", 1)
         by_path[model][path] = average
     return checkpoint.State(

@@ -8,11 +8,15 @@ the workers in pieces (PerWorker, parameter servers).
 """
 
 import contextlib
+import re
 import threading
 
 import tensorflow as tf
 
 from engine.cluster import distribute
+from engine.data.datasets import DecodeError
+from engine.data.pipeline import UNDECODABLE
+from engine.data.records import unreadable
 from engine.run import xla
 from engine.settings import sections
 
@@ -65,13 +69,22 @@ def gathers_in_step(cluster, strategy, data, coordinator):
     )
 
 
-def train_input(trainer):
-    """The path `trainer`'s steps read their batches by: chosen when asked, from its `in_step` and strategy."""
-    if trainer.in_step:
-        return InStep(trainer)
-    if trainer.coordinator is not None:
-        return PerWorker(trainer)
-    return DatasetIterator(trainer) if one_cpu_device(trainer.strategy) else Distributed(trainer)
+def path(in_step, strategy, data, counter=None, coordinator=None, service=""):
+    """The path a run's steps read their batches by: gathered in the step (`in_step`, gathers_in_step), a parameter
+    server's per-worker datasets (`coordinator`), the dataset's own iterator on one CPU device, else the strategy's
+    distributed iterator. `counter`: an int64 variable counting the record bytes read; `service`: --tf_data_service."""
+    if in_step:
+        return InStep(strategy, data, counter)
+    if coordinator is not None:
+        return PerWorker(strategy, data, counter, coordinator, service)
+    cls = DatasetIterator if one_cpu_device(strategy) else Distributed
+    return cls(strategy, data, counter)
+
+
+@tf.autograph.experimental.do_not_convert
+def first_replica(strategy, values):
+    """The first local replica's copy of each of `values` (identical on every replica where the step all-reduced)."""
+    return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], values)
 
 
 def one_cpu_device(strategy):
@@ -82,34 +95,25 @@ def one_cpu_device(strategy):
     return isinstance(strategy, tf.distribute.OneDeviceStrategy) and "CPU" in strategy.extended.worker_devices[0]
 
 
-def eval_iterator(trainer):
-    """An iterator over `trainer`'s evaluation batches: the dataset's own on one CPU device, else the strategy's."""
-    if one_cpu_device(trainer.strategy):
-        return iter(trainer.data.eval_fn(tf.distribute.InputContext()))
-    return iter(trainer.eval_dataset)
-
-
 class Distributed:
-    """The strategy's distributed iterator over the training pipeline; the base of the other paths."""
+    """The strategy's distributed iterator over the training pipeline; the base of the other paths. `counter`: an
+    int64 variable the pipeline adds the record bytes it reads to, or None."""
 
     label = "tf.data"  # what the run's first line says of its input
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def counter(self):
-        # The byte count stays on this host: a tf.data service ships the pipeline's graph, without variables.
-        return None if self.trainer.config.tf_data_service else self.trainer.bytes_read
+    def __init__(self, strategy, data, counter=None):
+        self.strategy, self.data, self.counter = strategy, data, counter
 
     def open(self, start):
-        t, counter = self.trainer, self.counter()
         return iter(
-            t.strategy.distribute_datasets_from_function(lambda ctx: t.data.train_fn(ctx, start, counter=counter))
+            self.strategy.distribute_datasets_from_function(
+                lambda ctx: self.data.train_fn(ctx, start, counter=self.counter)
+            )
         )
 
-    def step(self, iterator, first_batch, i, timed):
-        """One replica step on the iterator's next batch; "waited": seconds spent waiting for it (when `timed`)."""
-        t = self.trainer
+    def step(self, train_step, iterator, first_batch, i, timed):
+        """`train_step` on every replica with the iterator's next batch; its first replica's outputs and "waited":
+        seconds spent waiting for the batch (when `timed`)."""
         # The timestamps are ordered around the wait by hand: automatic control dependencies leave a timestamp
         # free to run anywhere.
         asked = tf.timestamp() if timed else tf.constant(0.0, tf.float64)
@@ -119,22 +123,19 @@ class Distributed:
         if timed:
             with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
                 waited = tf.timestamp() - asked
-        out = t.first_replica(t.strategy.run(t.train_step, args=(batch,)))
+        out = first_replica(self.strategy, self.strategy.run(train_step, args=(batch,)))
         return {**out, "waited": waited}
 
-    def run(self, iterator, steps, first_batch):
-        """A round of `steps` in one call of the traced inner loop."""
-        t = self.trainer
-        out = t.train_loop(iterator, tf.constant(steps), tf.constant(first_batch, tf.int64))
-        t.check_retrace("train_loop", t.train_loop)
-        return out
+    def run(self, loop, iterator, steps, first_batch):
+        """A round of `steps` in one call of the traced inner loop `loop(iterator, steps, first_batch)`."""
+        return loop(iterator, tf.constant(steps), tf.constant(first_batch, tf.int64))
 
 
 class DatasetIterator(Distributed):
     """One CPU device: the dataset's own iterator (one_cpu_device)."""
 
     def open(self, start):
-        return iter(self.trainer.data.train_fn(tf.distribute.InputContext(), start, counter=self.counter()))
+        return iter(self.data.train_fn(tf.distribute.InputContext(), start, counter=self.counter))
 
 
 class InStep(Distributed):
@@ -145,29 +146,33 @@ class InStep(Distributed):
     def open(self, start):
         return None
 
-    def step(self, iterator, first_batch, i, timed):
+    def step(self, train_step, iterator, first_batch, i, timed):
         if iterator is not None:  # batches handed over anyway (a test's, a benchmark's): read them
-            return super().step(iterator, first_batch, i, timed)
-        t = self.trainer
+            return super().step(train_step, iterator, first_batch, i, timed)
         # The batch's index from the loop counter, not from the `batches` variable: nothing orders the gather
         # after the previous step, so it may run ahead of it.
         batch_index = first_batch + tf.cast(i, tf.int64)
-        out = t.first_replica(t.strategy.run(self._gathered_step, args=(batch_index,)))
-        return {**out, "waited": tf.constant(0.0, tf.float64)}
+        pipelines = distribute.num_workers(self.strategy)
 
-    def _gathered_step(self, batch_index):
-        t = self.trainer
-        # One replica per worker (gathers_in_step): the replica's id is its worker's input pipeline.
-        replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-        return t.train_step(t.data.gather(batch_index, replica, t.pipelines))
+        def gathered_step(batch_index):
+            # One replica per worker (gathers_in_step): the replica's id is its worker's input pipeline.
+            replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
+            return train_step(self.data.gather(batch_index, replica, pipelines))
+
+        out = first_replica(self.strategy, self.strategy.run(gathered_step, args=(batch_index,)))
+        return {**out, "waited": tf.constant(0.0, tf.float64)}
 
 
 class PerWorker(Distributed):
     """Parameter servers: each worker reads its own stream; the chief schedules a round's steps on the workers."""
 
+    def __init__(self, strategy, data, counter, coordinator, service=""):
+        super().__init__(strategy, data, counter)
+        self.coordinator, self.service = coordinator, service
+
     def open(self, start):
-        t = self.trainer
-        with t.strategy.scope():  # on a parameter server, shared by the workers
+        strategy, data = self.strategy, self.data
+        with strategy.scope():  # on a parameter server, shared by the workers
             streams = tf.Variable(0, dtype=tf.int64, trainable=False, name="streams")
             lock = tf.CriticalSection(name="streams")
 
@@ -175,25 +180,25 @@ class PerWorker(Distributed):
             # Traced once, then run by each worker as it builds its dataset: the server's counter, incremented
             # under a lock, gives each worker (and a restarted one) its own stream 1, 2, ... With the tf.data
             # service all workers consume one shared job instead, which hands each batch to one of them.
-            stream = 1 if t.config.tf_data_service else lock.execute(lambda: tf.identity(streams.assign_add(1)))
-            return t.strategy.distribute_datasets_from_function(
-                lambda ctx: t.data.train_fn(ctx, start // distribute.num_workers(t.strategy), stream)
+            stream = 1 if self.service else lock.execute(lambda: tf.identity(streams.assign_add(1)))
+            return strategy.distribute_datasets_from_function(
+                lambda ctx: data.train_fn(ctx, start // distribute.num_workers(strategy), stream)
             )
 
-        return iter(t.coordinator.create_per_worker_dataset(per_worker))
+        return iter(self.coordinator.create_per_worker_dataset(per_worker))
 
-    def run(self, iterator, steps, first_batch):
+    def run(self, loop, iterator, steps, first_batch):
         """The round's steps as functions of a few steps each, scheduled on whichever worker is free (the
         coordinator reschedules a dead worker's share); the chief waits for all."""
-        t = self.trainer
-        chunk = max(1, steps // (4 * distribute.num_workers(t.strategy)))
+        chunk = max(1, steps // (4 * distribute.num_workers(self.strategy)))
         sizes = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
         remote = [
-            t.coordinator.schedule(t.train_loop, args=(iterator, tf.constant(n), tf.constant(0, tf.int64)))
-            for n in sizes
+            self.coordinator.schedule(loop, args=(iterator, tf.constant(n), tf.constant(0, tf.int64))) for n in sizes
         ]
-        t.coordinator.join()
-        outs = [{k: float(v) for k, v in r.fetch().items()} for r in remote]
+        self.coordinator.join()
+        fetched = [r.fetch() for r in remote]
+        extras = {k: v for k, v in fetched[-1].items() if isinstance(v, dict)}  # the last step's, an action asked for
+        outs = [{k: float(v) for k, v in f.items() if not isinstance(v, dict)} for f in fetched]
         done = sum(o["steps"] for o in outs)
         finite = done - sum(o["skipped"] for o in outs)
         sums = {k: sum(o[k] for o in outs) for k in outs[0] if k.endswith("loss_sum")}
@@ -206,4 +211,24 @@ class PerWorker(Distributed):
             "floor_skipped": sum(o["floor_skipped"] for o in outs),
             "stop": max(o["stop"] for o in outs),  # any function that saw the flag: they ran in no set order
             "input_wait": sum(o["input_wait"] for o in outs),
+            **extras,
         }
+
+
+def explain(error, config, strategy, data, training, pipelines):
+    """An example the pipeline could not decode becomes DecodeError naming its file; a lost peer, PeerLost; any
+    other error comes back as it is."""
+    found = re.search(rf"{UNDECODABLE}\] \[(\d+)\] \[of stream\] \[(\d+)", error.message or "")
+    if found:
+        position, stream = int(found.group(1)), int(found.group(2))
+        return DecodeError(
+            f"{data.origin(position, stream, training, pipelines)}; fix or remove it and run the same "
+            "command: the run resumes from its last checkpoint"
+        )
+    damaged = unreadable(error)
+    if damaged:
+        return DecodeError(
+            f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: the run "
+            "resumes from its last checkpoint"
+        )
+    return distribute.explain_failure(strategy, config, error)

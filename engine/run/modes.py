@@ -8,7 +8,7 @@ import time
 import tensorflow as tf
 
 from engine.cluster import distribute
-from engine.run.loop import Trainer
+from engine.run import build
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
@@ -29,9 +29,10 @@ def run_config(config):
     return config
 
 
-def _trainer(config, strategy):
-    trainer = Trainer(config, strategy or distribute.create_strategy(config))
-    return trainer, trainer.state.evaluated()
+def _evaluated(config, strategy):
+    """The run `config` rebuilds for evaluation (no optimizers, no train program), and what it restores."""
+    run = build.run(config, strategy or distribute.create_strategy(config), training=False)
+    return run, run.state.evaluated()
 
 
 def _checkpoint_paths(config):
@@ -48,7 +49,7 @@ def _checkpoint_paths(config):
     return found
 
 
-def _restore(trainer, checkpoint, config, paths):
+def _restore(checkpoint, config, paths):
     """Restores the first readable of `paths`; a damaged one in the workdir is reported and the previous one
     used, as training does. Returns the path restored."""
     for path in paths:
@@ -67,13 +68,13 @@ def evaluate(config, strategy=None):
     rebuilt from its config.json."""
     config = run_config(config)
     paths = _checkpoint_paths(config)
-    trainer, checkpoint = _trainer(config, strategy)
-    path = _restore(trainer, checkpoint, config, paths)
-    step = int(trainer.step.numpy())
-    results = trainer.evaluate()
+    run, checkpoint = _evaluated(config, strategy)
+    path = _restore(checkpoint, config, paths)
+    step = int(run.state.step.numpy())
+    results = run.evaluator.evaluate()
     print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
     summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
-    if distribute.is_chief(trainer.strategy):
+    if distribute.is_chief(run.strategy):
         write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
     return summary
 
@@ -91,7 +92,7 @@ def follow(config, strategy=None, poll_seconds=2.0):
     print(f"continuous_eval: following {directory}", flush=True)
     _wait_for_run(config, directory, poll_seconds)
     config = run_config(config)
-    trainer, checkpoint = _trainer(config, strategy)
+    run, checkpoint = _evaluated(config, strategy)
     writer, done, results, waited_since = None, set(), [], time.monotonic()
     while time.monotonic() - waited_since < config.eval_timeout:
         latest = checkpoint_lib.latest(directory)
@@ -108,8 +109,8 @@ def follow(config, strategy=None, poll_seconds=2.0):
             time.sleep(poll_seconds)
             continue
         done.add(latest)
-        step = int(trainer.step.numpy())
-        result = {"step": step, "checkpoint": latest, **trainer.evaluate()}
+        step = int(run.state.step.numpy())
+        result = {"step": step, "checkpoint": latest, **run.evaluator.evaluate()}
         results.append(result)
         print(f"continuous_eval step={step} {format_metrics(trainer_results(result))}", flush=True)
         append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
@@ -162,22 +163,22 @@ def export(config):
     TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
     config = run_config(config)
     paths = _checkpoint_paths(config)
-    trainer, checkpoint = _trainer(
+    run, checkpoint = _evaluated(
         dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
     )
-    path = _restore(trainer, checkpoint, config, paths)
-    step = int(trainer.step.numpy())
+    path = _restore(checkpoint, config, paths)
+    step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
         raise ConfigError(f"--export_dir={export_dir}: exists and is not empty; refusing to overwrite it")
     module = tf.Module()
-    module.variables_by_path = checkpoint_lib.model_state(trainer.models)  # tracked: the SavedModel holds them
-    module.serve = trainer.task.serve(trainer.models)
-    names = trainer.task.class_names if hasattr(trainer.task, "class_names") else None
+    module.variables_by_path = checkpoint_lib.model_state(run.models)  # tracked: the SavedModel holds them
+    module.serve = run.task.serve(run.models)
+    names = run.task.class_names if hasattr(run.task, "class_names") else None
     if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
         with tf.device("/cpu:0"):  # strings have no GPU kernels
             module.class_names = tf.Variable(names, trainable=False, name="class_names")
-    with trainer.averaged_weights():  # --ema_decay: the moving averages are what the run evaluated
+    with run.evaluator.averaged_weights():  # --ema_decay: the moving averages are what the run evaluated
         try:
             tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve})
         except (tf.errors.OpError, OSError) as e:
@@ -197,14 +198,14 @@ def sample(config):
     --sample_prompt, for tasks that generate (language_model)."""
     config = run_config(config)
     paths = _checkpoint_paths(config)
-    trainer, checkpoint = _trainer(
+    run, checkpoint = _evaluated(
         dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
     )
-    if trainer.task.sample is None:
+    if run.task.sample is None:
         raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
-    path = _restore(trainer, checkpoint, config, paths)
-    with trainer.averaged_weights():
-        text = trainer.task.sample(trainer.models, config)
+    path = _restore(checkpoint, config, paths)
+    with run.evaluator.averaged_weights():
+        text = run.task.sample(run.models, config)
     print(text, flush=True)
-    print(f"(sampled {config.sample_length} tokens from step {int(trainer.step.numpy())}, {path})", flush=True)
+    print(f"(sampled {config.sample_length} tokens from step {int(run.state.step.numpy())}, {path})", flush=True)
     return text

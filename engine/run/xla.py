@@ -7,6 +7,8 @@ slower than oneDNN's. `choose` holds every rule and takes its facts as arguments
 without the hardware; `resolve` reads them from the running process.
 """
 
+import dataclasses
+
 import keras
 import tensorflow as tf
 
@@ -95,6 +97,16 @@ def _on_cpu(precision, cpu_flags, convolutions, largest_matrix):
         return False, f"auto: mixed_bfloat16 on a CPU with {units[0]}: oneDNN's bfloat16 matmuls beat XLA's"
     # Dense layers: XLA's fusion ties or beats oneDNN's kernels (measured: "Dense layers").
     return True, f"auto: {precision} dense layers on a CPU: XLA fuses the step"
+
+
+@dataclasses.dataclass
+class Choice:
+    """Whether a run's step compiles with XLA (`compile`) and why (`reason`, in words for the run's first line). The
+    train program changes it when the step turns out unable to compile with XLA; the evaluation, which compiles where
+    the step does, reads it until its first run."""
+
+    compile: bool
+    reason: str
 
 
 def resolve(numerics, strategy, models, synchronizes=False, unsupported=""):

@@ -9,6 +9,7 @@ import re
 
 import models
 import tasks
+from engine.settings.declared import available_actions
 from engine.settings.errors import ConfigError
 from engine.settings.fields import (
     BUNDLED_DATASETS,
@@ -78,6 +79,13 @@ def check_choices(config):
     _choice(config, "lr_schedule", LR_SCHEDULES)
     _choice(config, "lr_scaling", LR_SCALINGS)
     _choice(config, "on_nan", ON_NAN)
+    for name in (n for n in config.actions.split(",") if n):
+        if name not in available_actions():
+            fail(
+                "actions",
+                config.actions,
+                f"{name} is not a file of engine/run/actions/ ({', '.join(available_actions())})",
+            )
 
 
 def check_types(config):

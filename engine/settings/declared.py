@@ -1,5 +1,5 @@
 """The settings a model family, task or bundled source declares in its own file (SETTINGS), and the settings
-it reads that another file declares (READS): found by convention in models/, tasks/ and engine/sources/,
+it reads that another file declares (READS): found by convention in models/, tasks/ and sources/,
 read without importing those files.
 """
 
@@ -76,9 +76,27 @@ def declared_settings(packages, root, engine_names, reserved=()):
     return fields, reads, errors
 
 
+# The actions a fork adds (--actions): files of engine/run/actions/, found by path (this wing imports nothing of the
+# run's); the interface and the engine's own actions there declare nothing.
+ACTIONS_DIR = os.path.join(ROOT, "engine", "run", "actions")
+ENGINE_ACTIONS = ("base", "builtin")
+
+
+def available_actions():
+    """The action names --actions accepts: the files of engine/run/actions/ but the interface and the engine's own."""
+    return sorted(
+        name[:-3]
+        for name in os.listdir(ACTIONS_DIR)
+        if name.endswith(".py") and name[:-3].isidentifier() and name[0] != "_" and name[:-3] not in ENGINE_ACTIONS
+    )
+
+
 def packages():
     """((selecting setting, directory, module names), ...) of the packages whose files declare settings."""
     return [
-        (flag, os.path.dirname(os.path.abspath(package.__file__)), package.available())
-        for flag, package in (("model", models), ("task", tasks), ("dataset", sources))
+        *(
+            (flag, os.path.dirname(os.path.abspath(package.__file__)), package.available())
+            for flag, package in (("model", models), ("task", tasks), ("dataset", sources))
+        ),
+        ("actions", ACTIONS_DIR, available_actions()),
     ]

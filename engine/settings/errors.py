@@ -9,3 +9,21 @@ class ConfigError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A file of the run (a checkpoint, a log, the summary) could not be written; the message names the path."""
+
+
+class TaskError(ConfigError):
+    """A task's code that cannot run (a custom step's misuse of the primitives, an update's bad setting): the
+    message names the task's file, the update or primitive, and what was wrong. A ConfigError: nothing was written."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss in float32 or bfloat16; float16 steps skipped with the loss scale at
+    its floor); the message says where."""
+
+
+class Preempted(Exception):
+    """A signal stopped the run after a checkpoint; `exit_code` tells a scheduler to restart it."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 
 import sources
+import tasks
 from engine.settings import sections
 from engine.settings.declared import ROOT, declared_settings, packages
 
@@ -44,7 +45,7 @@ class Switch(str):
 
 TFDS_NAMES = "tensorflow-datasets"  # the --dataset kind of every name that is not a bundled source
 # The settings that select what a run reads: a setting's readers are values of these (applies() below).
-SELECTORS = ("model", "task", "dataset", "optimizer", "precision", "mode")
+SELECTORS = ("model", "task", "dataset", "optimizer", "precision", "mode")  # and each of a run's actions
 
 
 def _setting(section, default, help_text, readers=None, shared=()):
@@ -155,6 +156,11 @@ class _RunSettings(sections.Sectioned):
     keep_checkpoints: int = _loop(3, "how many recent checkpoints to keep")
     profile_steps: tuple = _loop(
         (), "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off"
+    )
+    actions: str = _loop(
+        "",
+        "comma-separated actions after each round beside the engine's own, each engine/run/actions/<name>.py "
+        "(histograms: the weights' and gradients' histograms in TensorBoard); a task may name its own in ACTIONS",
     )
     on_nan: str = _loop(
         "stop",
@@ -328,7 +334,16 @@ def applies(name, config):
         return True
     selected = {(selector, getattr(config, selector)) for selector in SELECTORS}
     selected.add(("dataset", dataset_kind(config.dataset)))
+    selected.update(("actions", name) for name in named_actions(config))
     return bool(who & selected)
+
+
+def named_actions(config):
+    """The actions a run of `config` adds to the engine's own, in order: --actions, then its task's file's
+    `ACTIONS` (each once)."""
+    given = [name for name in config.actions.split(",") if name]
+    own = tasks.declared_actions(config.task) if config.task in tasks.available() else ()
+    return list(dict.fromkeys([*given, *own]))
 
 
 # The engine's settings a data source reads: refused, naming the source, on a dataset that does not read them.

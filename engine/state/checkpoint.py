@@ -50,7 +50,7 @@ class State:
         """{checkpoint key: what is saved under it}."""
         return dict(
             models=model_state(self.models),
-            **updates.checkpointed(self.plans),
+            **(updates.checkpointed(self.plans) if self.plans else {}),  # none where a run only evaluates
             step=self.step,
             batches=self.batches,
             skipped=self.skipped,
@@ -61,11 +61,6 @@ class State:
     def evaluated(self):
         """What evaluation, export and ensembles restore (partial=True): the models, their averages and the step."""
         return tf.train.Checkpoint(**{k: v for k, v in self.tracked().items() if k in ("models", "step", "ema")})
-
-
-def tracked_state(trainer):
-    """The trainer's checkpoint: its State's keys, so training, evaluation and export restore the same names."""
-    return trainer.state.tracked()
 
 
 def describe_key(key):
@@ -101,10 +96,10 @@ class Checkpoints:
     """The run's checkpoints in workdir/checkpoints; on a multi-worker job every worker saves (the save
     is collective) and only the chief's copy is kept."""
 
-    def __init__(self, trainer, workdir, keep, chief=True, task_id=0):
-        self.trainer = trainer
+    def __init__(self, state, workdir, keep, chief=True, task_id=0):
+        self.state = state
         self.directory = os.path.join(workdir, "checkpoints")
-        self.checkpoint = tf.train.Checkpoint(**trainer.state.tracked())
+        self.checkpoint = tf.train.Checkpoint(**state.tracked())
         self.chief = chief
         # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
         # to be readable, unlike whatever is newest on disk.
@@ -162,13 +157,13 @@ class Checkpoints:
 
     def save(self):
         """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
-        step = int(self.trainer.state.step.numpy())
+        step = int(self.state.step.numpy())
         if self.saved_path and _step_of(self.saved_path) == step:  # e.g. a run resumed at its last step
             return self.saved_path
         # Every floating-point variable: weights and the statistics a forward pass updates alike.
         bad = [
             v.path
-            for model in self.trainer.state.models.values()
+            for model in self.state.models.values()
             for v in model.variables
             if v.dtype.startswith("float") and not bool(tf.reduce_all(tf.math.is_finite(v)))
         ]

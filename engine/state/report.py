@@ -202,6 +202,15 @@ class Report:
             with _writing(os.path.join(self.workdir, "eval")), self._writers["eval"].as_default(step=step):
                 tf.summary.image(name, tf.convert_to_tensor(image, tf.uint8)[None], step=step)
 
+    def histograms(self, step, values):
+        """{name: numpy array} as TensorBoard histograms of the train run at `step` (an action's: the weights and
+        their gradients), on the chief; rewound with the run's other records."""
+        if not self.chief:
+            return
+        with _writing(os.path.join(self.workdir, "train")), self._writers["train"].as_default(step=step):
+            for name, value in values.items():
+                tf.summary.histogram(name, value)
+
     def summary(self, summary):
         """Writes summary.json. A process that resumed at the last step trained nothing itself: the throughput it
         could not measure comes from the records the run logged, and is filled into `summary` too."""

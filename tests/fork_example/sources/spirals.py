@@ -1,7 +1,7 @@
 """Two interleaved spirals, one per class: a small problem a linear model cannot solve. Generated with NumPy
 from fixed seeds, one per split, so every run and every worker sees the same points.
 
-A data source is one file, engine/sources/<name>.py, with `load(config, eval_split) -> engine.data.datasets.Source`:
+A data source is one file, sources/<name>.py, with `load(config, eval_split) -> engine.api.Source`:
 --dataset=spirals finds it (or a task's DATASET = "spirals")."""
 
 import numpy as np

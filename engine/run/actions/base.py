@@ -1,0 +1,66 @@
+"""The interface of the controller's actions: what the outer loop does after a round of steps.
+
+The controller (engine/run/loop.py) runs a round, then hands it to each action in turn. An action says when it is
+due (`due`: a function of the step the round ended at, and whether the run is stopping there), what it needs from
+the step besides its scalars (`needs`: "gradients" asks the round's last step to return its all-reduced, clipped
+gradients; the step returns them only on the rounds where an action that needs them is due), and what it does
+(`__call__`). The engine's own duties (log, warnings, the NaN policy, evaluate, checkpoint, stop on a signal,
+profile) are actions (engine/run/actions/builtin.py); a fork's is one file beside them, named by --actions or by its
+task's `actions`.
+"""
+
+import contextlib
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """A round of steps that ran: steps start+1..end, in `seconds`. `out`: the inner loop's numbers (the mean loss,
+    each update's last rates, gradient norm and loss scale, the skipped steps); `extras`: what the due actions
+    needed from the round's last step ({"gradients": {<model>/<path>: numpy array}}); `stopping`: a signal stops
+    the run after this round (every worker alike)."""
+
+    start: int
+    end: int
+    seconds: float
+    out: dict
+    extras: dict = dataclasses.field(default_factory=dict)
+    stopping: bool = False
+
+    @property
+    def steps(self):
+        return self.end - self.start
+
+
+ROLLED_BACK = "rolled back"  # an outcome: the round was undone; the controller reads on from the restored step
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """An outcome: the run stops here (a tuner pruned it at an evaluation); `results` are the run's."""
+
+    results: dict
+
+
+class Action:
+    """One duty of the controller after a round. `context` (engine/run/loop.py Context): the run (its models,
+    weights, evaluator, program), its report (console, metrics, TensorBoard), its checkpoints and the rounds'
+    timing. A fork's action subclasses this as `class Action(base.Action)` in engine/run/actions/<name>.py, built as
+    `Action(config)`; its settings are declared in its file (`SETTINGS`) like a model's."""
+
+    needs = frozenset()  # what it reads from the step on the rounds it is due at: {"gradients"}
+
+    def due(self, step, stopping):
+        """Whether it acts after a round that ended at `step` (`stopping`: the run stops there on a signal; asked as
+        False before the round runs, when the controller asks what the step must return)."""
+        return True
+
+    def around(self, start, end, context):
+        """A context manager around the round from `start` to `end` (a profiler's trace); none by default."""
+        return contextlib.nullcontext()
+
+    def __call__(self, round, context):
+        """Acts on the round; returns None to go on, ROLLED_BACK or Stop(results)."""
+
+    def close(self, context):
+        """The run ends (an error or a signal included): finish what is open."""

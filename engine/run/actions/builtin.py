@@ -1,0 +1,240 @@
+"""The engine's own actions after a round, in the order the controller calls them: warn when the steps waited for
+input, apply the NaN policy (stop, or roll back), warn when float16 skipped most steps, log, profile, evaluate,
+checkpoint, stop on a signal. Each is an engine/run/actions/base.py Action; `engine_actions` builds them."""
+
+import os
+
+import tensorflow as tf
+
+from engine.cluster.signals import SIGNALS
+from engine.run.actions.base import ROLLED_BACK, Action, Stop
+from engine.settings.errors import Preempted, TrainingError
+from engine.state import checkpoint as checkpoint_lib
+
+MAX_ROLLBACKS = 3  # --on_nan=rollback gives up after this many rollbacks without a save in between
+# A run warns once when its steps waited for input more than this share of the time, measured (as bench.run does)
+# over a window of at least this many steps after the first round, which includes tracing.
+INPUT_BOUND = 0.10
+INPUT_WINDOW_STEPS = 50
+
+
+def engine_actions(loop, on_eval=None):
+    """The engine's actions for a run of `loop` (its config.loop), in order; `on_eval(step, results)` returning True
+    stops the run at that evaluation (a tuner's pruning)."""
+    return [
+        InputBoundWarning(),
+        NanPolicy(loop.on_nan),
+        SkippedWarning(),
+        Log(),
+        Profile(loop.profile_steps),
+        Evaluate(loop.eval_every, loop.train_steps, on_eval),
+        Checkpoint(loop.checkpoint_every, loop.train_steps),
+        StopOnSignal(),
+    ]
+
+
+class InputBoundWarning(Action):
+    """Warns once when, over at least `window` timed steps, the steps waited for input more than `bound` of the
+    time: the input pipeline does not keep up."""
+
+    def __init__(self, window=INPUT_WINDOW_STEPS, bound=INPUT_BOUND):
+        self.window, self.bound, self.warned = window, bound, False
+
+    def __call__(self, round, context):
+        t = context.timing
+        if self.warned or not t.steps or t.steps < self.window or t.waited <= self.bound * t.seconds:
+            return
+        self.warned = True
+        context.report.line(
+            f"warning: input-bound: the steps waited for input {t.waited / t.seconds:.0%} of the time over steps "
+            f"{t.first[0] + 1}-{round.end}; the input pipeline does not keep up (more workers, --tf_data_service, a "
+            "smaller --image_size or data held in memory would)"
+        )
+
+
+def divergence(round, float16, scale, precision):
+    """What went wrong in the round, as the error or rollback line says it; None when it trained. In float32 and
+    bfloat16: any non-finite step. In float16 a skipped step is how the loss scale finds a scale that fits, except
+    one skipped with the scale at its floor (a skip that could not lower it): no scale fits, and the run can make
+    no more progress. `scale`: the first update's loss scale now."""
+    out, steps, first = round.out, round.steps, round.start + 1
+    if not float16:
+        if not out["skipped"]:
+            return None
+        return (
+            f"non-finite loss or gradient between steps {first} and {round.end} "
+            f"({int(out['skipped'])} of {steps} steps, {precision})"
+        )
+    if not out["floor_skipped"]:
+        return None
+    return (
+        f"{int(out['floor_skipped'])} of the {steps} steps {first}-{round.end} had non-finite gradients with the "
+        f"loss scale at its floor ({scale:g}), which no loss scale can fix (mixed_float16)"
+    )
+
+
+class NanPolicy(Action):
+    """--on_nan: a round that diverged stops the run (TrainingError naming the steps and the last good checkpoint),
+    or with rollback restores that checkpoint and reads on from the data position the round reached."""
+
+    def __init__(self, on_nan):
+        self.rollback = on_nan == "rollback"
+        self.rollbacks, self.target = 0, None  # rollbacks in a row to checkpoint `target`
+
+    def __call__(self, round, context):
+        run = context.run
+        float16 = run.program.float16
+        diverged = divergence(round, float16, _first_scale(run) if float16 else None, run.config.precision)
+        if not diverged:
+            return None
+        last_good = context.checkpoints.saved_path
+        if last_good != self.target:  # saved since the last rollback: a new count
+            self.rollbacks, self.target = 0, last_good
+        if not self.rollback or self.rollbacks >= MAX_ROLLBACKS or not last_good:
+            gave_up = f" (--on_nan=rollback: {self.rollbacks} rollbacks without a save between them)"
+            raise TrainingError(
+                f"{diverged}{gave_up if self.rollback and last_good else ''}; last good checkpoint: "
+                f"{last_good or 'none'}; lower --learning_rate or set --clip_norm"
+            )
+        self._roll_back(context, diverged, round.end, last_good)
+        return ROLLED_BACK
+
+    def _roll_back(self, context, diverged, reached, last_good):
+        state = context.run.state
+        position = int(state.batches.numpy())
+        checkpoint_lib.restore(context.checkpoints.checkpoint, last_good)
+        state.batches.assign(position)  # read on from here: the discarded steps' batches are not redone
+        current, self.rollbacks = int(state.step.numpy()), self.rollbacks + 1
+        context.report.rewind(current)
+        discarded = reached - current
+        context.report.line(
+            f"{diverged}: rolled back to step {current} ({last_good}), discarding the {discarded} steps "
+            f"{current + 1}-{reached} since that checkpoint; the {discarded} batches they read are not trained on "
+            "(--on_nan=rollback)"
+        )
+
+
+def _first_scale(run):
+    return float(run.plans[0].loss_scale.scale.numpy())
+
+
+class SkippedWarning(Action):
+    """mixed_float16: a warning when more than half of the round's steps were skipped (non-finite gradients)."""
+
+    def __call__(self, round, context):
+        run = context.run
+        if not run.program.float16 or 2 * round.out["skipped"] <= round.steps:
+            return
+        context.report.line(
+            f"warning: mixed_float16: {int(round.out['skipped'])} of the {round.steps} steps {round.start + 1}-"
+            f"{round.end} were skipped (non-finite gradients: nothing trained); the loss scale halves at each skipped "
+            f"step and is now {_first_scale(run):g} (--initial_loss_scale={run.config.initial_loss_scale:g})"
+        )
+
+
+class Log(Action):
+    """The round's train line and metrics (console, metrics.jsonl, TensorBoard)."""
+
+    def __call__(self, round, context):
+        run, out = context.run, round.out
+        names = run.program.metric_names
+        scales = [name for name in names if name.endswith("loss_scale")]
+        metrics = {
+            "loss": out["loss"],
+            # Each update's rates (`learning_rate` where a variable trains with its settings, `learning_rate/<regex>`
+            # for each group), gradient norm and loss scale; prefixed <update>/ and with its loss in a run of several.
+            **{name: out[name] for name in names if name not in scales},
+            **{name: out[name] if run.program.float16 else None for name in scales},
+            "examples_per_sec": round.steps * run.config.global_batch_size / round.seconds,
+            "skipped_steps": out["skipped"],
+        }
+        context.report.train(round.end, metrics)
+
+
+class Profile(Action):
+    """--profile_steps=A,B: the chief traces steps A+1..B into workdir/profile for TensorBoard's Profile tab."""
+
+    def __init__(self, steps):
+        self.steps, self.running = steps, False
+
+    def _logdir(self, context):
+        return os.path.join(context.run.config.workdir, "profile")
+
+    def around(self, start, end, context):
+        """Starts the trace at the first round inside A..B (on the chief) and marks the round: the Profile tab's
+        step-time views need a marker (one per round: its steps run in one call of the traced loop)."""
+        if self.steps and context.chief and not self.running and self.steps[0] <= start < self.steps[1]:
+            tf.profiler.experimental.start(self._logdir(context))
+            self.running = True
+        if not self.running:
+            return super().around(start, end, context)
+        return tf.profiler.experimental.Trace("train", step_num=start + 1, _r=1)
+
+    def __call__(self, round, context):
+        if self.running and round.end >= self.steps[1]:
+            self.close(context)
+            context.report.line(
+                f"profile of steps {self.steps[0] + 1}..{round.end} in {self._logdir(context)} (tensorboard --logdir)"
+            )
+
+    def close(self, context):
+        if self.running:  # a trace cut short by an error or a signal is still written
+            tf.profiler.experimental.stop()
+            self.running = False
+
+
+class Evaluate(Action):
+    """Evaluates and reports every --eval_every steps short of the end (the end's evaluation comes after the loop),
+    unless the run is stopping (a preemption's grace period has no time for it: the resumed run evaluates it).
+    `on_eval(step, results)` returning True stops the run there (a tuner's pruning), whose results are then the
+    run's."""
+
+    def __init__(self, every, train_steps, on_eval=None):
+        self.every, self.train_steps, self.on_eval = every, train_steps, on_eval
+
+    def due(self, step, stopping):
+        return bool(self.every) and step % self.every == 0 and step < self.train_steps and not stopping
+
+    def __call__(self, round, context):
+        return self.at(round.end, context)
+
+    def at(self, step, context):
+        """Evaluates at `step`; Stop(results) when `on_eval` stops the run there."""
+        evaluator = context.run.evaluator
+        results = evaluator.evaluate()
+        context.report.eval(step, results)
+        context.report.pictures(step, evaluator.pictures())
+        return Stop(results) if self.on_eval and self.on_eval(step, results) else None
+
+
+class Checkpoint(Action):
+    """Saves every --checkpoint_every steps, at the end, and when the run stops on a signal."""
+
+    def __init__(self, every, train_steps):
+        self.every, self.train_steps = every, train_steps
+
+    def due(self, step, stopping):
+        return stopping or step == self.train_steps or bool(self.every and step % self.every == 0)
+
+    def __call__(self, round, context):
+        context.checkpoints.save()
+
+
+class StopOnSignal(Action):
+    """A signal (engine/cluster/signals.py) stops the run after the checkpoint of its round, raising Preempted with
+    its exit code."""
+
+    def due(self, step, stopping):
+        return stopping
+
+    def __call__(self, round, context):
+        stop(round.end, context)
+
+
+def stop(step, context):
+    """Ends the run at `step`, saved: Preempted, said on the console."""
+    message = (
+        f"{SIGNALS.cause} at step {step}; checkpoint {context.checkpoints.saved_path}; run the same command to resume"
+    )
+    context.report.line(message)
+    raise Preempted(message, SIGNALS.exit_code)

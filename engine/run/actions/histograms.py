@@ -1,0 +1,31 @@
+"""A worked example of an action a fork adds in one file: histograms of every trained variable and of its
+gradient, every --histogram_every steps, in TensorBoard (the train run's Histograms and Distributions tabs).
+
+    python launch.py --actions=histograms --histogram_every=100
+
+It needs the step's gradients (`needs`), which the step returns only on the rounds it is due at: the last step's
+all-reduced, unscaled and clipped gradients, identical on every replica. The weights are read from the variables
+after the round. Only the chief writes.
+"""
+
+import numpy as np
+
+from engine import api
+
+SETTINGS = {"histogram_every": (100, "histograms: write the weights' and gradients' histograms every this many steps")}
+
+
+class Action(api.Action):
+    needs = frozenset({"gradients"})
+
+    def __init__(self, config):
+        self.every = config.histogram_every
+
+    def due(self, step, stopping):
+        return step % self.every == 0
+
+    def __call__(self, round, context):
+        run = context.run
+        values = {f"weights/{name}": np.asarray(v.value) for name, v in zip(run.weights.names, run.weights.variables)}
+        values.update({f"gradients/{name}": g for name, g in round.extras["gradients"].items()})
+        context.report.histograms(round.end, values)

@@ -1,0 +1,240 @@
+"""The outer loop: rounds of steps, each handed to the run's actions, then the final evaluation and the summary.
+
+Inner loop in graph: one tf.function runs a round of replica steps (engine/run/program.py). Outer loop in Python:
+after each round the actions that are due act on it, in order (engine/run/actions/: log, warnings, the NaN policy,
+evaluation, checkpoints, a signal's stop, profiling, and any a fork adds). Round boundaries are multiples of
+--steps_per_loop, --eval_every and --checkpoint_every, so a resumed run cuts its rounds exactly where an
+uninterrupted one does (and at --profile_steps, so a trace covers exactly those steps).
+"""
+
+import dataclasses
+import time
+
+import tensorflow as tf
+
+from engine.cluster import distribute
+from engine.cluster.signals import SIGNALS
+from engine.run import inputs
+from engine.run.actions.base import ROLLED_BACK, Round, Stop
+from engine.run.actions.builtin import Evaluate, stop
+from engine.run.program import Recompiled
+from engine.settings.config import show
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What an action reads besides its round: the run, its report, its checkpoints, the rounds' timing, and whether
+    this task is the chief (the one that writes files)."""
+
+    run: object
+    report: object
+    checkpoints: object
+    timing: object
+    chief: bool
+
+
+class Timing:
+    """The rounds' steps, seconds and input wait, the first round left out: it includes tracing and compilation."""
+
+    def __init__(self):
+        self.first = None  # (steps, seconds) of the first round
+        self.steps, self.seconds, self.waited = 0, 0.0, 0.0
+
+    def add(self, round):
+        if self.first is None:
+            self.first = (round.steps, round.seconds)
+            return
+        self.steps, self.seconds = self.steps + round.steps, self.seconds + round.seconds
+        self.waited += round.out["input_wait"]
+
+    def summary(self, global_batch_size, waits_timed):
+        """(examples_per_sec, input_wait_fraction) for the summary: of the first round when it was the only one."""
+        steps, seconds = (self.steps, self.seconds) if self.steps or not self.first else self.first
+        examples_per_sec = steps * global_batch_size / seconds if steps else None
+        return examples_per_sec, self.waited / seconds if seconds and waits_timed else None
+
+
+class Controller:
+    """Runs the rounds of `run` (engine/run/build.py Run) from its current step to --train_steps, each followed by
+    its actions, then the final evaluation; returns the summary."""
+
+    def __init__(self, run, report, checkpoints, started):
+        self.run, self.started = run, started
+        chief = distribute.is_chief(run.strategy)
+        self.context = Context(run, report, checkpoints, Timing(), chief)
+
+    def train(self):
+        try:
+            return self._rounds()
+        finally:
+            for action in self.run.actions:
+                action.close(self.context)
+
+    def _rounds(self):
+        run, report, config = self.run, self.context.report, self.run.config
+        report.line(header(run))
+        # The training iterator, held alone in a list: a finished one is deleted off the loop's thread (inputs.release).
+        held, current, last, outcome = [run.program.train_iterator()], int(run.state.step.numpy()), None, None
+        report.count_losses(last_round_start(config.loop), current)
+        # From here on a signal stops the loop at a step, saved; the training iterator is released when the loop ends
+        # (a signal or an error included): the final evaluation and the exit do not wait for its deletion.
+        with SIGNALS.watch(run.program.stop), inputs.releasing(held):
+            # A run stopped at an evaluation step saved it unevaluated: the resumed run evaluates it, once (Report
+            # dropped any evaluation of it logged before).
+            if evaluates_on_resume(config.loop, current):
+                outcome = _evaluation(run).at(current, self.context)
+            while current < config.train_steps and not isinstance(outcome, Stop):
+                done = self._round(held[0], current)
+                if done is None:  # recompiled: from the data position again, as the failed step took a batch
+                    _renew(held, run)
+                    continue
+                last, outcome = done.out, self._act(done)
+                if outcome == ROLLED_BACK:  # on from the checkpoint's step, reading on from the round's batches
+                    current = int(run.state.step.numpy())
+                    _renew(held, run)
+                    continue
+                current = done.end
+            self.context.checkpoints.save()  # nothing to do when this step is saved already
+            if run.program.stopping_anywhere():  # a signal during the last round: every worker stops here alike
+                stop(current, self.context)
+        # A tuner that stopped the run at an evaluation: its results are the run's, not evaluated again.
+        results = outcome.results if isinstance(outcome, Stop) else self._final_evaluation(current)
+        return self._summary(current, results, last)
+
+    def _round(self, iterator, current):
+        """The round of steps from `current` to the next boundary; None when it must run again (Recompiled)."""
+        run, end = self.run, next_boundary(self.run.config.loop, current)
+        extras = frozenset().union(*(a.needs for a in run.actions if a.needs and a.due(end, False)))
+        around = _around(run.actions, current, end, self.context)
+        tic = time.perf_counter()
+        try:
+            with around:
+                out, extra = run.program.run_round(iterator, end - current, extras)
+        except Recompiled as e:
+            self.context.report.line(str(e))
+            return None
+        seconds = time.perf_counter() - tic
+        return Round(current, current + int(out["steps"]), seconds, out, extra, stopping(out, run.program))
+
+    def _act(self, done):
+        """The round's bookkeeping, then each due action in turn: ROLLED_BACK or Stop ends the round's actions."""
+        self.context.timing.add(done)
+        self.run.state.skipped.assign_add(int(done.out["skipped"]))
+        for action in self.run.actions:
+            if action.due(done.end, done.stopping):
+                outcome = action(done, self.context)
+                if outcome is not None:
+                    return outcome
+        return None
+
+    def _final_evaluation(self, step):
+        evaluator, report = self.run.evaluator, self.context.report
+        results = evaluator.evaluate()
+        report.eval(step, results)
+        report.pictures(step, evaluator.pictures())
+        return results
+
+    def _summary(self, current, results, last):
+        run, report = self.run, self.context.report
+        config, program = run.config, run.program
+        examples_per_sec, input_wait = self.context.timing.summary(config.global_batch_size, program.waits_timed)
+        summary = {
+            "step": current,
+            "train_loss": report.train_loss(),
+            "eval": results,
+            "examples_per_sec": examples_per_sec,
+            # The share of the timed rounds' time the steps waited for their batches.
+            "input_wait_fraction": input_wait,
+            "input_bytes_read": int(program.bytes_read.numpy()) if run.data.sharded else None,
+            # A run of several updates: each one's loss over the last round, and its last rates and gradient norm.
+            **(_update_metrics(program, last) if len(run.plans) > 1 and last else {}),
+            "skipped_steps": int(run.state.skipped.numpy()),
+            "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
+            "wall_seconds": time.time() - self.started,
+            "strategy": distribute.strategy_name(config),
+            "num_replicas": run.strategy.num_replicas_in_sync,
+            "precision": config.precision,
+            "global_batch_size": config.global_batch_size,
+            "class_names": list(run.task.class_names) if hasattr(run.task, "class_names") else None,
+        }
+        report.summary(summary)
+        return summary
+
+
+def stopping(out, program):
+    """Whether the run stops after the round whose numbers are `out`. All-reduced: every worker stops there, whichever
+    one was signalled. A round that does not stop at a step (on an accelerator) also reads the flag as it is now: a
+    signal after its last step stops the run there, not a round on."""
+    return bool(out["stop"]) or (not program.stops_each_step and program.stopping_anywhere())
+
+
+def _evaluation(run):
+    return next(action for action in run.actions if isinstance(action, Evaluate))
+
+
+class _around:
+    """Every action's context around a round (a profiler's trace), entered in order, left in reverse."""
+
+    def __init__(self, actions, start, end, context):
+        self.managers = [action.around(start, end, context) for action in actions]
+
+    def __enter__(self):
+        for manager in self.managers:
+            manager.__enter__()
+
+    def __exit__(self, *exc):
+        for manager in reversed(self.managers):
+            manager.__exit__(*exc)
+
+
+def _renew(held, run):
+    """Replaces the training iterator in `held` by one from the data position on, the old one released."""
+    inputs.release([held.pop()])
+    held.append(run.program.train_iterator())
+
+
+def header(run):
+    """The run's first line: what trains, where, in what precision, how the steps get their batches and whether
+    they compile with XLA (and why)."""
+    config, strategy, program = run.config, run.strategy, run.program
+    params = sum(int(tf.size(v)) for v in run.weights.variables)
+    return (
+        f"task={config.task} model={config.model} parameters={params} dataset={config.dataset} "
+        f"strategy={distribute.strategy_name(config)} replicas={strategy.num_replicas_in_sync} "
+        f"precision={config.precision} global_batch_size={config.global_batch_size} "
+        f"input={program.input.label} jit_compile={show(program.jit_compile)} ({program.jit_reason})"
+    )
+
+
+def _update_metrics(program, last):
+    """Each update's numbers of the last round, for the summary; its loss scale only in float16, as in the log."""
+    return {
+        name: last[name] if program.float16 or not name.endswith("loss_scale") else None
+        for name in program.metric_names
+    }
+
+
+def evaluates_on_resume(loop, step):
+    """Whether a run that starts training at `step` evaluates it first: an --eval_every step short of the end
+    (the end's evaluation comes after the loop), which a run stopped there may have saved unevaluated. `loop`: the
+    run's config.loop."""
+    return bool(loop.eval_every) and 0 < step < loop.train_steps and step % loop.eval_every == 0
+
+
+def last_round_start(loop):
+    """The step after which the last round of an uninterrupted run begins: the steps whose mean loss is the
+    summary's train_loss. Rounds end at the boundaries of next_boundary."""
+    last = loop.train_steps - 1
+    starts = [0, *((last // every) * every for every in _periods(loop))]
+    return max([*starts, *(step for step in loop.profile_steps if step <= last)])
+
+
+def _periods(loop):
+    """The periods whose multiples end a round: the round's length, and every evaluation and checkpoint."""
+    return [every for every in (loop.steps_per_loop, loop.eval_every, loop.checkpoint_every) if every]
+
+
+def next_boundary(loop, current):
+    """Where the round that starts at `current` ends: a function of the absolute step only."""
+    ends = [loop.train_steps, *((current // every + 1) * every for every in _periods(loop))]
+    return min([*ends, *(step for step in loop.profile_steps if step > current)])

@@ -1,0 +1,82 @@
+"""The models of a run: models/<family>.py's factory called for a task (`Create`, what `Task.models(create)`
+receives), every variable built before the first trace, layers named afresh so that checkpoints key them by
+path; and another run's trained model, frozen (a distillation teacher)."""
+
+import collections
+import importlib
+import inspect
+
+import tensorflow as tf
+from keras.src.backend.common import global_state
+
+from engine.settings.config import load_run_config
+from engine.settings.errors import ConfigError
+from engine.state import checkpoint
+
+
+def create_model(config, family, spec, outputs, info=None):
+    """models/<family>.py's model for examples like `spec` (a tf.TensorSpec), `info` what the source knows of them
+    (a text's `vocabulary`, a label's `num_classes`), with every variable built (call under strategy.scope()). Its
+    layers are named afresh (dense, dense_1, ...), whatever was built before in this process: checkpoints key
+    variables by these paths."""
+    factory = importlib.import_module(f"models.{family}").create
+    uids = global_state.get_global_attribute("object_name_uids")
+    global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
+    try:
+        try:
+            model = _factory_call(factory, config, spec, outputs, {} if info is None else info)
+        except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
+            raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
+        model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
+    finally:
+        global_state.set_global_attribute("object_name_uids", uids)
+    return model
+
+
+def _factory_call(factory, config, spec, outputs, info):
+    # A fork's factory written before factories received the spec and the source's info keeps working:
+    # create(config, input_shape, outputs), the shape a tuple.
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = inspect.signature(factory).parameters.values()
+    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    if len(required) == 3:
+        return factory(config, tuple(spec.shape), outputs)
+    return factory(config, spec, outputs, info)
+
+
+class Create:
+    """The `create` a task's `models(create)` receives (tasks/base.py): `create(family, spec, outputs)` builds a
+    model of this run's settings (`config=`: of another run's), and `create.trained(...)` another run's trained
+    model, frozen (a distillation teacher). Every model it builds receives this run's source's info: another run's
+    model reads the same dataset (trained() refuses one of another)."""
+
+    def __init__(self, config, info):
+        self.config, self.info = config, info
+
+    def __call__(self, family, spec, outputs, config=None):
+        return create_model(config or self.config, family, spec, outputs, self.info)
+
+    def trained(self, workdir, spec, outputs, flag, task):
+        """The model the run in `workdir` trained, for examples like `spec` with `outputs`: built from its
+        config.json (its family and settings), restored from its newest checkpoint (the moving average where
+        that run kept one) and frozen. ConfigError naming --`flag` when `workdir` holds no config.json, a run of
+        another task than `task`, a run on another dataset than this run's, or a checkpoint that does not fit
+        its model."""
+        saved = load_run_config(workdir)
+        if saved is None:
+            raise ConfigError(f"--{flag}={workdir}: no config.json there; name the workdir of a trained run")
+        if saved.task != task:
+            raise ConfigError(f"--{flag}={workdir}: a --task={saved.task} run; the {flag} must be a {task} run")
+        if saved.dataset != self.config.dataset:
+            raise ConfigError(
+                f"--{flag}={workdir}: trained on --dataset={saved.dataset}, not this run's {self.config.dataset}"
+            )
+        model = self(saved.model, spec, outputs, config=saved)
+        found = checkpoint.warm_start({flag: model}, workdir, flag=flag)
+        if found["missing"] or found["reshaped"]:  # a partly restored model would teach noise
+            raise ConfigError(
+                f"--{flag}={workdir}: its checkpoint does not fit its config.json's model "
+                f"({', '.join(found['missing'] + found['reshaped'])})"
+            )
+        model.trainable = False
+        return model

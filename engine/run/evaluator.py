@@ -1,0 +1,199 @@
+"""Evaluation: the task's metrics as sums over the evaluation split (every example once, padding weighted 0),
+summed over replicas and workers, then reported as the task says; with --ema_decay, of the moving averages of the
+weights, beside the trained weights' own. The forward pass and metrics compile with XLA where the train step does;
+metrics XLA cannot compile are evaluated without it, saying so."""
+
+import contextlib
+import functools
+
+import tensorflow as tf
+
+from engine.numerics import replica
+from engine.run import inputs
+from engine.run.program import unsupported_ops
+
+
+class Evaluator:
+    """Evaluates the run's models on its evaluation split. `weights`: the run's trained variables with their moving
+    averages (--ema_decay); `jit`: the run's engine/run/xla.py Choice, whether the train step compiles with XLA (the
+    evaluation follows it until it first runs); `examples(split)`: a split's batches for the task's probe;
+    `coordinator`: a parameter server's (the chief evaluates, reading the servers)."""
+
+    def __init__(self, config, strategy, task, models, data, weights, jit, examples, coordinator=None):
+        self.config, self.strategy, self.task, self.models, self.data = config, strategy, task, models, data
+        self.weights, self.coordinator = weights, coordinator
+        # examples(split): the prepared batches of a split, each example once, for Task.probe (build.examples).
+        self.examples = examples
+        self.step_jit = jit  # what the step chose; `self.jit`: what the evaluation was built with
+        self.followed = jit.compile  # the step's choice the evaluation was last built for
+        self.ran = False  # an evaluation has run to its end (a later failure is not XLA's compile)
+        self.retraced = set()
+        self._reset()
+
+    def _follow_step(self):
+        """The train step fell back from XLA (engine/run/program.py): an evaluation that has not run yet follows it."""
+        if self.step_jit.compile != self.followed and not self.ran:
+            self.followed = self.step_jit.compile
+            self._reset()
+
+    def _reset(self, jit=None):
+        """The evaluation built afresh at its next use: with XLA where the step has it (`jit` None), or not."""
+        self.jit = jit
+        for built in ("sums", "eval_step"):
+            self.__dict__.pop(built, None)
+        self.eval_loop = tf.function(self._eval_loop)
+
+    @functools.cached_property
+    def sums(self):
+        """One replica's evaluation sums (engine/numerics/replica.py make_eval_sums), compiled with XLA where the
+        train step is when first built (`jit` records it), and without after XLA could not compile them: a metric
+        that synchronizes replicas, an op without an XLA kernel."""
+        if self.jit is None:  # not on a parameter server's chief: XLA reads no remote variable
+            self.jit = bool(self.step_jit.compile) and self.coordinator is None
+        return replica.make_eval_sums(self.task, self.models, self.jit)
+
+    @functools.cached_property
+    def metric_names(self):
+        """The task's metric names, in the order of the evaluation sums: found by tracing them for a replica's
+        batch (compiled with XLA on one device per process, the trace the evaluation then calls)."""
+        replicas = self.strategy.num_replicas_in_sync
+        spec = self.data.eval_fn(tf.distribute.InputContext(num_replicas_in_sync=replicas)).element_spec
+        sums = self.sums  # built first: it decides jit
+        traced = sums if self.jit else tf.function(sums)
+        return sorted(traced.get_concrete_function(spec).structured_outputs[0])
+
+    @functools.cached_property
+    def eval_step(self):
+        return replica.make_eval_step(self.sums, self.metric_names)
+
+    @functools.cached_property
+    def dataset(self):
+        """Built at the first evaluation: a parameter-server chief never needs it."""
+        return self.strategy.distribute_datasets_from_function(self.data.eval_fn)
+
+    def iterator(self):
+        """An iterator over the evaluation batches: the dataset's own on one CPU device, else the strategy's."""
+        if inputs.one_cpu_device(self.strategy):
+            return iter(self.data.eval_fn(tf.distribute.InputContext()))
+        return iter(self.dataset)
+
+    def _eval_loop(self, iterator, steps):
+        totals = tf.zeros([len(self.metric_names) + 1])
+        for _ in tf.range(steps):
+            totals += inputs.first_replica(self.strategy, self.strategy.run(self.eval_step, args=(next(iterator),)))
+        return totals
+
+    def trace(self):
+        """Traces the evaluation now (engine/run/loop.py trace: before a checkpoint is restored, so that XLA's
+        persistent cache names it as the first run did)."""
+        self._follow_step()
+        try:
+            with inputs.releasing([self.iterator()]) as held:
+                self.eval_loop.get_concrete_function(held[0], tf.TensorSpec([], tf.int32))
+        except RuntimeError as e:  # metrics XLA cannot compile: the evaluation is rebuilt without it (no entry)
+            if not self._without_xla(e):
+                raise
+
+    def evaluate(self):
+        """The task's reported metrics over the evaluation split. With --ema_decay, of the averaged weights (what
+        export serves), and beside them, as raw_<metric>, of the trained weights themselves."""
+        if not self.weights.averages:
+            return self._evaluate()
+        raw = self._evaluate()
+        with self.averaged_weights():
+            averaged = self._evaluate()
+        examples = averaged.pop("examples")
+        return {**averaged, **{f"raw_{k}": v for k, v in raw.items() if k != "examples"}, "examples": examples}
+
+    def pictures(self):
+        """The task's pictures (Task.pictures), drawn with the weights evaluation reads (the averages, --ema_decay)."""
+        with self.averaged_weights():
+            return self.task.pictures(self.models)
+
+    def _evaluate(self):
+        self._follow_step()
+        if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
+            return self._results(self._on_chief(self.data.eval_fn(tf.distribute.InputContext())))
+        # The iterator's only reference: deleted off this thread (inputs.release).
+        with inputs.releasing([self.iterator()]) as held:
+            try:
+                totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
+                self.check_retrace()
+            except (tf.errors.OpError, RuntimeError) as e:
+                if self._without_xla(e):
+                    return self._evaluate()
+                if isinstance(e, RuntimeError):
+                    raise
+                pipelines = 1  # the evaluation's stream is read whole on every worker
+                raise inputs.explain(e, self.config, self.strategy, self.data, False, pipelines) from None
+        self.ran = True
+        return self._results(totals)
+
+    def check_retrace(self):
+        """Warns once when the evaluation's loop was traced again (a batch of another shape or structure)."""
+        count = self.eval_loop.experimental_get_tracing_count()
+        if count > 1 and not self.retraced:
+            self.retraced.add("eval_loop")
+            print(
+                f"warning: eval_loop was traced {count} times: its inputs changed shape or structure between calls "
+                "(a task's batch or outputs?); every retrace recompiles the step",
+                flush=True,
+            )
+
+    def _without_xla(self, error):
+        """Rebuilds the evaluation without XLA, saying why in one line, when `error` is XLA's failing to compile it
+        (the task's metrics, which training never ran, whatever --jit_compile says); False for any other error."""
+        why = self._uncompilable(error)
+        if not why:
+            return False
+        print(f"evaluation without XLA ({why}): traced again", flush=True)
+        self._reset(jit=False)
+        return True
+
+    def _uncompilable(self, error):
+        """Why XLA could not compile the evaluation sums, from the first evaluation's failure (training never runs
+        the task's metrics); "" for sums not compiled, a later failure, or one that names the data."""
+        if not self.jit or self.ran:
+            return ""
+        if isinstance(error, RuntimeError):
+            return "the task's metrics synchronize replicas" if "merge_call" in str(error) else ""
+        ops = unsupported_ops(error)
+        if ops:
+            return f"the task's forward pass or metrics use {ops}, which XLA cannot compile"
+        if "xla" in (error.message or "").lower():  # its compile's own failure (tf2xla, an XLA pass)
+            return f"XLA could not compile the task's forward pass or metrics: {error.message.splitlines()[0]}"
+        return ""
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """With --ema_decay: the trained variables hold their moving averages inside the block."""
+        variables, averages = self.weights.variables, self.weights.averages
+        if not averages:
+            yield
+            return
+        saved = [tf.identity(v.value) for v in variables]
+        for v, average in zip(variables, averages):
+            v.assign(average)
+        try:
+            yield
+        finally:
+            for v, value in zip(variables, saved):
+                v.assign(value)
+
+    def reset_averages(self):
+        """Starts the moving averages at the current weights (after a warm start)."""
+        for v, average in zip(self.weights.variables, self.weights.averages):
+            average.assign(v.value)
+
+    @tf.function
+    def _on_chief(self, dataset):
+        totals = tf.zeros([len(self.metric_names) + 1])
+        for batch in dataset:
+            totals += self.eval_step(batch)
+        return totals
+
+    def _results(self, totals):
+        *sums, examples = totals.numpy()
+        results = self.task.report({name: float(total / examples) for name, total in zip(self.metric_names, sums)})
+        results.update(self.task.probe(self.models, self.examples))
+        return {**results, "examples": int(examples)}

@@ -1,0 +1,291 @@
+"""The train program: the traced inner loop that runs a round of replica steps, with `tf.range(n)` and `n` a tensor,
+so it is traced once whatever the round's length; and the XLA fallback of --jit_compile=auto when the step turns out
+unable to compile. The steps read their batches by one of the paths of engine/run/inputs.py."""
+
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
+
+from engine.cluster import distribute
+from engine.numerics import replica
+from engine.run import inputs, xla
+from engine.settings.errors import ConfigError
+
+
+class Recompiled(Exception):
+    """--jit_compile=auto chose XLA and the first step could not compile: the step was rebuilt without it, and the
+    round runs again from the same data position (the message says why)."""
+
+
+def stops_each_step(strategy):
+    """Whether the inner loop ends a round at the first step that all-reduced a set stop flag (on CPUs), or runs
+    the round to its end and leaves the flag to the host between rounds (on GPUs and TPUs).
+
+    At a step, a signal stops the run one step after it lands. But the loop's condition then depends on a value
+    each step computes, which on an accelerator must come back to the host before the next step can be queued:
+    the device idles between steps. On a GPU or TPU a signal therefore stops the run at the end of the round it
+    lands in, at most --steps_per_loop steps later; a round's time (steps_per_loop times a step's) plus a
+    checkpoint's save must fit in the scheduler's grace period (30 s by default on Kubernetes and for a GCE spot
+    VM).
+    """
+    return xla.device_kind(strategy) == "CPU"
+
+
+class TrainProgram:
+    """A round of steps on the host's call: the replica step (engine/numerics/replica.py) over the run's updates,
+    inside one traced loop; the counters it moves (the run's State: steps run, batches read); the stop flag a
+    signal sets. `jit`: the run's engine/run/xla.py Choice (the program changes it when the step cannot compile with
+    XLA); `coordinator`: a parameter server's."""
+
+    def __init__(self, config, strategy, task, models, plans, data, state, jit, coordinator=None):
+        self.config, self.strategy, self.task, self.models, self.plans = config, strategy, task, models, plans
+        self.data, self.state, self.coordinator, self.jit = data, state, coordinator, jit
+        self.float16 = config.precision == "mixed_float16"
+        with strategy.scope():
+            self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
+        # Bytes of record files this process read (a streamed split): the read-amplification count.
+        self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
+        self.stops_each_step = stops_each_step(strategy)
+        in_step = inputs.gathers_in_step(config.cluster, strategy, data, coordinator)
+        self.input = self._path(in_step)
+        self.retraced = set()
+        self._build()
+
+    def _path(self, in_step):
+        counter = None if self.config.tf_data_service else self.bytes_read
+        return inputs.path(in_step, self.strategy, self.data, counter, self.coordinator, self.config.tf_data_service)
+
+    def feed_from_pipeline(self):
+        """Reads the batches from the tf.data pipeline even where the steps would gather their own (a test's, a
+        benchmark's batches of another shape)."""
+        self.input = self._path(False)
+
+    @property
+    def in_step(self):
+        """Whether each replica gathers its own batch inside the step (engine/run/inputs.py gathers_in_step)."""
+        return isinstance(self.input, inputs.InStep)
+
+    @property
+    def jit_compile(self):
+        return self.jit.compile
+
+    @property
+    def jit_reason(self):
+        return self.jit.reason
+
+    def _fall_back(self, synchronizes=False, unsupported=""):
+        """The step rebuilt as --jit_compile=auto decides knowing what XLA could not compile."""
+        numerics = self.config.numerics
+        self.jit.compile, self.jit.reason = xla.resolve(numerics, self.strategy, self.models, synchronizes, unsupported)
+        self._build()
+
+    def _build(self):
+        """The step and its round's loop, with XLA or not as chosen now; a variant that also returns the step's
+        `extras` is built when a round first asks for them."""
+        self._loops = {}
+        self.train_step, self.train_loop = self._loop(frozenset())
+
+    def _loop(self, extras):
+        if extras not in self._loops:
+            step = replica.make_train_step(
+                self.task,
+                self.models,
+                self.plans,
+                self.config,
+                self.strategy.num_replicas_in_sync,
+                self.stop,
+                self.state.step,
+                self.float16,
+                asynchronous=self.coordinator is not None,
+                jit_compile=self.jit_compile,
+                extras=extras,
+            )
+
+            def train_loop(iterator, steps, first_batch):
+                return self._train_loop(step, extras, iterator, steps, first_batch)
+
+            self._loops[extras] = step, tf.function(train_loop)
+        return self._loops[extras]
+
+    @property
+    def metric_names(self):
+        """What each logged line carries from the step beside the loss: every update's rates, gradient norm and
+        loss scale (and loss, in a run of several)."""
+        return [name for plan in self.plans for name in plan.metric_names if not name.endswith("finite")]
+
+    @property
+    def waits_timed(self):
+        """Whether the rounds time each step's wait for its batch: on CPUs only, as the per-step stop (on an
+        accelerator the wait's end would wait for the batch to reach the device, a sync each step), and not under
+        op determinism, which refuses tf.timestamp."""
+        return self.stops_each_step and not tf_config.is_op_determinism_enabled()
+
+    @property
+    def pipelines(self):
+        """Input pipelines reading the training stream: one per worker (a parameter server's read their own)."""
+        return 1 if self.coordinator is not None else distribute.num_workers(self.strategy)
+
+    def check_pipelines(self):
+        """Refuses to resume a streamed split with another number of input pipelines than read it so far."""
+        saved = int(self.state.input_pipelines.numpy())
+        if self.data.sharded and saved and saved != self.pipelines:
+            raise ConfigError(
+                f"--dataset={self.config.dataset}: this run read its streamed training files with {saved} input "
+                f"pipelines (workers) up to its data position, and now has {self.pipelines}: each pipeline reads its "
+                f"own files, so the position means nothing to {self.pipelines}; resume it with {saved} workers, or "
+                "train in a new --workdir"
+            )
+
+    def train_iterator(self):
+        """An iterator over the training batches from the current data position on; None when the steps gather their
+        own (`in_step`)."""
+        start = int(self.state.batches.numpy())
+        self.check_pipelines()
+        self.state.input_pipelines.assign(self.pipelines)
+        return self.input.open(start)
+
+    def stopping_anywhere(self):
+        """Whether any worker has been signalled. A signal that came during a round's last step is not in that
+        step's all-reduce: on several workers the flag is all-reduced once more, so all of them answer alike."""
+        if self.coordinator is not None or not distribute.is_multi_worker(self.strategy):
+            return bool(self.stop.numpy())
+        return bool(self._any_stop())
+
+    @tf.function
+    def _any_stop(self):
+        def replica_stop():
+            return tf.distribute.get_replica_context().all_reduce(replica.SUM, tf.cast(self.stop, tf.float32))
+
+        return inputs.first_replica(self.strategy, self.strategy.run(replica_stop)) > 0
+
+    def _train_loop(self, train_step, extras, iterator, steps, first_batch):
+        # The loss summed in float64: the sums of two parts of a logging window (a run preempted inside it, then
+        # resumed) then add up to the whole window's, exactly.
+        summed = [plan.prefix + "loss" for plan in self.plans if plan.prefix]  # each update's, in a run of several
+        sums = {name: tf.constant(0.0, tf.float64) for name in ["loss", *summed]}
+        finite_steps, done = tf.constant(0.0), tf.constant(0)
+        floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale
+        waited = tf.constant(0.0, tf.float64)
+        last = {"stop": False, **{name: 0.0 for name in self.metric_names if name not in summed}}
+        timed, feed, state = self.waits_timed, self.input, self.state
+        # The last step's extras (its gradients, for an action that asked for them), carried through the loop.
+        carried = {name: _zeros(self.plans) for name in extras}
+        for i in tf.range(steps):
+            out = feed.step(train_step, iterator, first_batch, i, timed)
+            waited += out.pop("waited")
+            carried = {name: out.pop(name) for name in extras}
+            sums = {k: v + tf.where(out["finite"], tf.cast(out[k], tf.float64), 0.0) for k, v in sums.items()}
+            finite_steps += tf.cast(out["finite"], tf.float32)
+            if self.float16:  # each update's scale against its scale after the step: a skip at the floor leaves it
+                at_floor = [
+                    ~out[p.prefix + "finite"] & (p.loss_scale.scale == out[p.prefix + "loss_scale"]) for p in self.plans
+                ]
+                floor_skipped += tf.cast(tf.reduce_any(at_floor), tf.float32)
+            last = {k: out[k] for k in last}
+            done += 1
+            state.step.assign_add(1)
+            state.batches.assign_add(1)
+            if self.stops_each_step and out["stop"]:
+                break
+        skipped = tf.cast(done, tf.float32) - finite_steps
+        # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
+        means = {k: v / tf.cast(finite_steps, tf.float64) for k, v in sums.items()}
+        return {
+            **means,
+            **{f"{k}_sum": v for k, v in sums.items()},
+            "skipped": skipped,
+            "floor_skipped": floor_skipped,
+            "steps": done,
+            "input_wait": waited,
+            **last,
+            **carried,
+        }
+
+    def trace(self):
+        """Traces the round's loop (with the replica step) now, as a run's first function. XLA's persistent cache
+        (--compile_cache) keys a compiled function by its traced name, which counts the functions traced before it
+        in the process: traced before a checkpoint is restored, a resumed run's step is named as the first run's,
+        and read back. False where nothing is traced ahead: a parameter server's rounds (scheduled functions) and a
+        tf.data service's (opening an iterator there registers a job with the dispatcher)."""
+        if self.coordinator is not None or self.config.tf_data_service:
+            return False
+        spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))  # as run_steps passes the steps and position
+        try:
+            with inputs.releasing([self.input.open(0)]) as held:  # its spec: the data position is not read yet
+                self.train_loop.get_concrete_function(held[0], *spec)
+        except RuntimeError as e:
+            self._untraceable(e)
+            return self.trace()
+        return True
+
+    def run_steps(self, iterator, steps):
+        """Runs up to `steps` train steps in one call of the traced inner loop; returns host numbers. `iterator`: the
+        batches, or None (train_iterator() when in_step): each step gathers its own from the data position on.
+        Recompiled when --jit_compile=auto's XLA could not compile the step: rebuilt without, the round runs again."""
+        return self.run_round(iterator, steps)[0]
+
+    def run_round(self, iterator, steps, extras=frozenset()):
+        """run_steps, and the round's last step's `extras` ({"gradients": {<model>/<path>: numpy array}}: the
+        gradients it applied, all-reduced, unscaled and clipped), as an action asked for them."""
+        position = (int(self.state.step.numpy()), int(self.state.batches.numpy()))
+        try:
+            loop = self._loop(frozenset(extras))[1]
+            out = self.input.run(loop, iterator, steps, position[1])
+            if self.coordinator is None:  # a parameter server's workers trace their own
+                self.check_retrace("train_loop", loop)
+        except RuntimeError as e:
+            self._untraceable(e)
+            return self.run_round(iterator, steps, extras)
+        except tf.errors.OpError as e:
+            ops = unsupported_ops(e)
+            if ops and self.jit_compile and self.config.jit_compile == "auto":
+                # Found only when the first step runs, after its batch was taken: the caller reads it again.
+                self._fall_back(unsupported=ops)
+                # The counters are not ordered after the failed step (they touch other variables): put them back.
+                self.state.step.assign(position[0])
+                self.state.batches.assign(position[1])
+                raise Recompiled(f"jit_compile=false ({self.jit_reason}): the first round runs again") from None
+            raise inputs.explain(e, self.config, self.strategy, self.data, True, self.pipelines) from None
+        found = {name: tf.nest.map_structure(np.asarray, out.pop(name)) for name in extras}
+        return {k: float(v) for k, v in out.items()}, found
+
+    def _untraceable(self, error):
+        """A RuntimeError tracing the round: a replica step that synchronizes replicas (merge_call), which XLA cannot
+        compile, is rebuilt without XLA where auto chose it (what auto cannot know before the step is traced),
+        refused where --jit_compile=true asked for it; any other is raised."""
+        if "merge_call" in str(error) and self.jit_compile and self.config.jit_compile == "auto":
+            self._fall_back(synchronizes=True)
+            print(f"jit_compile=false ({self.jit_reason}): the step is traced again without XLA", flush=True)
+            return
+        if "merge_call" in str(error) and self.jit_compile:
+            raise ConfigError(
+                f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
+                "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
+                f"which XLA cannot compile with "
+                f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
+            ) from None
+        raise error
+
+    def check_retrace(self, name, function):
+        """Warns once, naming the function, when a round's function was traced again: a shape or structure that
+        changes between rounds (a task's, a data source's) recompiles the step every time, silently slow."""
+        if function.experimental_get_tracing_count() > 1 and name not in self.retraced:
+            self.retraced.add(name)
+            print(
+                f"warning: {name} was traced {function.experimental_get_tracing_count()} times: its inputs changed "
+                "shape or structure between calls (a task's batch or outputs?); every retrace recompiles the step",
+                flush=True,
+            )
+
+
+def _zeros(plans):
+    """{<model>/<path>: zeros like the variable} of every update's variables: the gradients before the first step."""
+    return {name: tf.zeros(v.shape, v.dtype) for plan in plans for name, v in zip(plan.names, plan.variables)}
+
+
+def unsupported_ops(error):
+    """The ops XLA named as without a kernel in `error` (an OpError from compiling a function), or ""."""
+    found = re.search(r"unsupported operations when trying to compile.*?: ([\w, ]+) \(No registered", str(error))
+    return found.group(1) if found else ""
