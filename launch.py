@@ -20,7 +20,6 @@ import dataclasses
 import importlib
 import os
 import sys
-import textwrap
 import traceback
 
 # TensorFlow's C++ start-up chatter (CUDA probing on a CPU machine) would bury our output; errors
@@ -32,9 +31,10 @@ from absl import app, flags, logging  # noqa: E402
 from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
 from engine.settings.config import validate
+from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
-from engine.settings.fields import BUNDLED_DATASETS, Config, Switch
-from engine.settings.identity import CLUSTER  # noqa: E402
+from engine.settings.fields import Config, Switch
+from engine.settings.help import usage
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
 NON_FINITE = 3  # training stopped (TrainingError): a non-finite loss, or float16 stuck at its scale floor
@@ -83,162 +83,6 @@ for _field in dataclasses.fields(Config):
 
 FLAGS = flags.FLAGS
 
-# ---- --help: what a newcomer asks first, then every flag in the group of what it is about -------------------
-
-USAGE = (
-    "usage: python launch.py [--flag=value ...]",
-    "Trains, evaluates, exports, tunes or ensembles a model (--mode). With no flags it trains an MLP on the bundled "
-    "digits on one device (no network) and prints the test accuracy.",
-    "Flag files: --flagfile=experiments/digits_resnet.flags reads flags from a file, one --flag=value a line (# "
-    "starts a comment); flags after it override it: --flagfile=experiments/digits_resnet.flags --train_steps=200.",
-    "Resuming: a run resumes from the latest checkpoint in its --workdir without being asked: after a crash, Ctrl-C "
-    "or a preemption, run the same command again. A workdir holds one run: other model settings there are refused "
-    "(start them in a new --workdir); a finished run says so and does nothing.",
-    "Datasets (--dataset): {bundled} (bundled, no network; digits is the default), folder:PATH (a sub-folder of "
-    "JPEG/PNG files per class), tfrecord:GLOB (tf.train.Example files, {{split}} in the glob), npz:PATH (a NumPy "
-    ".npz of <split>/<feature> arrays), or any tensorflow-datasets name (mnist, cifar10, ...: downloaded into "
-    "--data_dir on first use).",
-    "GPUs: with no --strategy a run mirrors over every visible GPU (else one device); choose them with "
-    "CUDA_VISIBLE_DEVICES=0,1 python launch.py ..., or one with --strategy=one_device. Several workers, TPUs: "
-    "BUILD.md.",
-    "--helpfull also lists absl's own flags.",
-)
-_PATH_SOURCES = ("folder", "tfrecord", "npz")  # the bundled sources that read your files: USAGE says how
-
-# Every engine setting by what it is about; the settings a model, task or data source declares in its own file
-# join the group of what declares them (_group). tests/test_newcomer.py checks each flag is shown exactly once.
-HELP_GROUPS = {
-    "The run": (
-        "mode",
-        "workdir",
-        "task",
-        "train_steps",
-        "global_batch_size",
-        "eval_batch_size",
-        "steps_per_loop",
-        "eval_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "grad_accum_steps",
-        "init_checkpoint",
-        "freeze",
-        "on_nan",
-        "seed",
-        "deterministic",
-        "run_eagerly",
-        "profile_steps",
-        "actions",
-    ),
-    "Data": (
-        "dataset",
-        "data_dir",
-        "train_split",
-        "eval_split",
-        "shuffle_buffer",
-        "interleave_files",
-        "image_size",
-        "tf_data_service",
-    ),
-    "Model": ("model", "dropout"),
-    "Task": (),
-    "Optimizer": (
-        "optimizer",
-        "learning_rate",
-        "momentum",
-        "nesterov",
-        "beta_1",
-        "beta_2",
-        "epsilon",
-        "first_moment_dtype",
-        "weight_decay",
-        "warmup_steps",
-        "lr_schedule",
-        "lr_scaling",
-        "base_batch_size",
-        "clip_norm",
-        "clip_value",
-        "ema_decay",
-    ),
-    "Precision and compilation": (
-        "precision",
-        "initial_loss_scale",
-        "loss_scale_growth_interval",
-        "jit_compile",
-        "compile_cache",
-    ),
-    "Devices and clusters": CLUSTER,
-    "Modes": (
-        "checkpoint",
-        "export_dir",
-        "eval_timeout",
-        "tune_space",
-        "tune_trials",
-        "tune_objective",
-        "tune_direction",
-        "tune_sampler",
-        "tune_pruner",
-        "tune_startup_trials",
-        "tune_timeout",
-        "tune_storage",
-        "tune_study",
-        "validation_split",
-        "members",
-        "ensemble_search",
-        "ensemble_samples",
-        "ensemble_mean",
-    ),
-}
-_DECLARED_GROUP = {
-    "model": "Model",
-    "task": "Task",
-    "dataset": "Data",
-    "actions": "The run",
-}  # by the setting that selects the file
-
-
-def _group(field):
-    if "owner" in field.metadata:
-        return _DECLARED_GROUP[field.metadata["owner"][0]]
-    found = [title for title, names in HELP_GROUPS.items() if field.name in names]
-    return found[0] if found else "The run"  # an engine setting added without a group still shows
-
-
-def _flag_line(field):
-    """The flag as it is typed, with its default; a bool as --[no]name."""
-    if field.type is bool:
-        return f"--[no]{field.name}", f"default: {str(field.default).lower()}"
-    if field.type is Switch:
-        return f"--{field.name}={'|'.join(Switch.VALUES)}", f"default: {field.default}"
-    default = ",".join(str(v) for v in field.default) if field.type is tuple else str(field.default)
-    if not default:
-        return f"--{field.name}=", "default: empty"
-    if default.strip() != default:  # a newline or a space: shown as Python writes it
-        return f"--{field.name}", f"default: {default!r}"
-    return f"--{field.name}={default}", ""
-
-
-def usage(width=110, column=34):
-    """The text of --help: USAGE, then each group's flags with their defaults and help."""
-    bundled = ", ".join(name for name in BUNDLED_DATASETS if name not in _PATH_SOURCES)
-    lines = []
-    for paragraph in USAGE:
-        lines += [*textwrap.wrap(paragraph.format(bundled=bundled), width, subsequent_indent="  "), ""]
-    fields = dataclasses.fields(Config)
-    for title, names in HELP_GROUPS.items():
-        lines.append(f"{title}:")
-        grouped = [f for f in fields if _group(f) == title]
-        for field in sorted(grouped, key=lambda f: names.index(f.name) if f.name in names else len(names)):
-            flag, default = _flag_line(field)
-            text = field.metadata["help"] + (f" ({default})" if default else "")
-            wrapped = textwrap.wrap(text, width - column)
-            if len(flag) + 2 >= column - 1:
-                lines.append(f"  {flag}")
-            else:
-                lines.append(f"  {flag.ljust(column - 3)} {wrapped.pop(0)}")
-            lines.extend(" " * column + rest for rest in wrapped)
-        lines.append("")
-    return "\n".join(lines)
-
 
 def _config_from_flags():
     values = {}
@@ -259,10 +103,12 @@ def main(argv):
         _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     try:
         config = _config_from_flags()
-        if config.mode == "tune":  # each searched value is tried in this config, which must be good already
-            from research import space
+        if config.mode in ("tune", "ensemble"):  # research's own checks, before anything starts
+            from research import checks, space
 
-            space.parse_space(config.tune_space, config)
+            checks.check(config)
+            if config.mode == "tune":  # each searched value is tried in this config, which must be good already
+                space.parse_space(config.tune_space, config)
     except ConfigError as e:
         _exit(str(e))
     from engine.cluster import launcher
@@ -272,7 +118,7 @@ def main(argv):
         network = config.local_cluster_network
         sys.exit(launcher.run(config.strategy, config.local_workers, config.num_ps, command, network=network))
     try:
-        launcher.tf_config()  # a bad TF_CONFIG fails before TensorFlow starts; an empty one is dropped
+        tf_config()  # a bad TF_CONFIG fails before TensorFlow starts; an empty one is dropped
         if config.compile_cache:  # TensorFlow reads where at its first op
             compile_cache.use(config.compile_cache)
     except ConfigError as e:

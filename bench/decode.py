@@ -304,14 +304,15 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small images, short windows: a smoke test")
     parser.add_argument("--json", help="also write the measurements here")
     args = parser.parse_args(argv)
-    from bench import run
+    from bench import common
 
     started, load_before = datetime.datetime.now(), os.getloadavg()[0]
     results = measure(args.quick)
-    print(run.format_table(rows(results)))
+    print(common.format_table(rows(results)))
     minutes = (datetime.datetime.now() - started).total_seconds() / 60
     print(
-        f"{started:%Y-%m-%d}, {run.machine()}, {results['cores']} cores this process may use, engine {run.revision()}, "
+        f"{started:%Y-%m-%d}, {common.machine()}, {results['cores']} cores this process may use, "
+        f"engine {common.revision()}, "
         f"{minutes:.1f} min, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     if args.json:

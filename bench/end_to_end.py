@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench import run
+from bench import common
 
 STEPS = {"mlp_1024": 600, "mlp_256": 2000, "resnet": 60, "transformer": 300}
 STEPS_PER_LOOP = {"mlp_1024": 50, "mlp_256": 50, "resnet": 10, "transformer": 50}
@@ -56,7 +56,7 @@ def engine_run(spec, precision, steps, steps_per_loop):
         args = engine_flags(spec, precision, steps, steps_per_loop, os.path.join(tmp, "run"))
         proc = subprocess.run(
             [sys.executable, "launch.py", *args],
-            cwd=run.ROOT,
+            cwd=common.ROOT,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
             capture_output=True,
             text=True,
@@ -82,7 +82,7 @@ def measure(name, spec, precision, repeats, steps, steps_per_loop, fit_jit=(Fals
                 out["input_wait"].append(wait)
                 continue
             task = dict(kind="fit", spec=spec, precision=precision, jit=side, steps_per_execution=50, steps=steps)
-            result = run.run_worker(task, f"fit {name} {precision} jit={int(side)}")
+            result = common.run_worker(task, f"fit {name} {precision} jit={int(side)}")
             out["fit"][int(side)].append(result["examples_per_sec"])
         fits = ", ".join(f"fit jit={j} {v[r]:,.0f}" for j, v in out["fit"].items())
         print(
@@ -95,7 +95,7 @@ def measure(name, spec, precision, repeats, steps, steps_per_loop, fit_jit=(Fals
             "bfloat16" if precision == "mixed_bfloat16" else "float16" if precision == "mixed_float16" else "float32"
         )
         task = dict(kind="matmuls", spec=spec, dtype=dtype, steps=min(steps, 200), windows=5)
-        out["matmuls"] = run.run_worker(task, f"matmuls {name} {dtype}")
+        out["matmuls"] = common.run_worker(task, f"matmuls {name} {dtype}")
     return out
 
 
@@ -128,7 +128,7 @@ def rows(results, models):
 
     for name, by_precision in results.items():
         for precision, r in by_precision.items():
-            what = f"{run.label(models[name])}, {precision}"
+            what = f"{common.label(models[name])}, {precision}"
             if "error" in r:  # the row stays in the table, with the last line of what failed
                 lines = r["error"].strip().splitlines()
                 add(
@@ -180,22 +180,22 @@ def rows(results, models):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(run.MODELS), help=f"comma-separated: {','.join(run.MODELS)}")
-    parser.add_argument("--precisions", default=",".join(run.PRECISIONS))
+    parser.add_argument("--models", default=",".join(common.MODELS), help=f"comma-separated: {','.join(common.MODELS)}")
+    parser.add_argument("--precisions", default=",".join(common.PRECISIONS))
     parser.add_argument("--repeats", type=int, default=REPEATS, help="alternations of engine and fit per row")
     parser.add_argument("--quick", action="store_true", help="a tiny MLP, float32, once: a smoke test")
     parser.add_argument("--steps", type=int, help="training steps of every run (default: per model, STEPS)")
     parser.add_argument("--json", help="also write the raw measurements here")
     args = parser.parse_args(argv)
     names = args.models.split(",")
-    unknown = [n for n in names if n not in run.MODELS]
+    unknown = [n for n in names if n not in common.MODELS]
     if unknown:
-        parser.error(f"--models: unknown {','.join(unknown)}; choose from {','.join(run.MODELS)}")
-    models = {"mlp_1024": QUICK} if args.quick else {n: run.MODELS[n] for n in names}
+        parser.error(f"--models: unknown {','.join(unknown)}; choose from {','.join(common.MODELS)}")
+    models = {"mlp_1024": QUICK} if args.quick else {n: common.MODELS[n] for n in names}
     results = measure_all(models, args.precisions.split(","), args.repeats, args.quick, args.steps)
     table = rows(results, models)
-    print(run.format_table(table))
-    print(run.machine())
+    print(common.format_table(table))
+    print(common.machine())
     if args.json:
         import json
 

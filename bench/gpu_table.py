@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench import pytorch, run  # the standard library only: --matmul=torch runs this file in PyTorch's python
+from bench import common, pytorch  # the standard library only: --matmul=torch runs this file in PyTorch's python
 
 MATMUL_DTYPES = ("float32", "float16", "bfloat16")
 MATMUL_REPEATS = 50  # matmuls in a timed run; the best of three runs counts
@@ -222,8 +222,8 @@ def main(argv=None):
     parser.add_argument("--matmul_size", type=int, default=8192)
     parser.add_argument("--budget", type=float, default=460, help="seconds for every process this starts")
     parser.add_argument("--engine_flags", default="", help="more launch.py flags for the engine's runs")
-    parser.add_argument("--torch_venv", default=os.path.join(run.ROOT, ".venv-torch"))
-    parser.add_argument("--results", default=run.RESULTS, help="the file --record appends to")
+    parser.add_argument("--torch_venv", default=os.path.join(common.ROOT, ".venv-torch"))
+    parser.add_argument("--results", default=common.RESULTS, help="the file --record appends to")
     parser.add_argument("--record", action="store_true", help="append the table to --results")
     parser.add_argument("--matmul", choices=("tensorflow", "torch"), help=argparse.SUPPRESS)  # internal: one side
     args = parser.parse_args(argv)
@@ -285,7 +285,7 @@ def main(argv=None):
     header = (
         f"{started:%Y-%m-%d}, GPU: {gpu}; CPU: {cpu_description()}; TensorFlow {tf_version}, PyTorch "
         f"{torch_version} (CUDA {torch_matmul.get('cuda') or '-'}), Python {platform.python_version()}; engine "
-        f"{run.revision() or 'unknown'}; {minutes:.1f} min in all (budget {args.budget:.0f} s). The decoder: "
+        f"{common.revision() or 'unknown'}; {minutes:.1f} min in all (budget {args.budget:.0f} s). The decoder: "
         f"{args.layers} layers, {args.dim} wide, {args.heads} heads, context {args.sequence_length}, batch "
         f"{args.batch}, AdamW, {args.steps} steps: `launch.py {' '.join(flags + extra)}`."
     )

@@ -35,9 +35,9 @@ import sys
 import tempfile
 import time
 
-from bench import run
+from bench import common
 
-ROOT = run.ROOT
+ROOT = common.ROOT
 TORCH_SCRIPT = os.path.join(ROOT, "bench", "torch_gpt.py")
 # The recipes: launch.py flags. gpt_6x256 is the larger decoder of the issue that asked for this comparison.
 RECIPES = {
@@ -276,8 +276,8 @@ def main(argv=None):
                 pairs = measure(recipe, precision, python, data, args.repeats, extra)
                 lines.append(row(recipe, precision, pairs, extra))
     header = (
-        f"{started:%Y-%m-%d}, {run.machine()}, PyTorch {pairs[-1]['torch']['details']['torch']}, "
-        f"engine {run.revision()}, "
+        f"{started:%Y-%m-%d}, {common.machine()}, PyTorch {pairs[-1]['torch']['details']['torch']}, "
+        f"engine {common.revision()}, "
         f"{(datetime.datetime.now() - started).total_seconds() / 60:.1f} min, load average {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after"
     )
@@ -285,7 +285,7 @@ def main(argv=None):
     print(f"{table}\n{header}")
     if args.record:
         command = "python -m bench.pytorch " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(run.RESULTS, "a") as f:
+        with open(common.RESULTS, "a") as f:
             f.write(f"\n## {started:%Y-%m-%d}: `{command.strip()}`\n\n{header}\n\n{table}\n")
     return 0
 

@@ -4,16 +4,12 @@ Files move inside engine/ as the engine grows; these names stay here. A fork imp
 `from engine.api import Update, ConfigError, ...`, and the bundled tasks and sources import the engine only
 through this module, so they show what a fork may rely on. Models import nothing of the engine.
 
-For a task (tasks/<name>.py, the protocol in tasks/base.py):
-    Task            the protocol with its defaults, to subclass
+For a task (tasks/<name>.py, a subclass of tasks/base.py's Task, the protocol with its defaults; base.py also holds
+the helpers tasks share: per-example random numbers, bits):
     Update          one update of the step: its loss, the variables it trains, its optimizer, clipping, frequency
     DEFAULT         the name of a task's one default update ("train")
     ReplicaStep     the primitives a task's `replica_step(step, batch)` is written from (gradients, apply, ...)
     Gradients       what ReplicaStep.gradients returns (.loss, .grads, .norm, .finite)
-    example_keys, example_uniforms, example_normals
-                    per-example random numbers from (seed, example index, role, repetition): the same numbers on
-                    one device, on several replicas or workers, and in a resumed run
-    bits            nats to bits
 For a data source (sources/<name>.py):
     Source, Split   what `load(config, eval_split)` returns, and one split of it
     in_memory       a split held in memory, from {feature: tensor of examples x ...}
@@ -34,7 +30,6 @@ from engine.numerics.updates import DEFAULT, Update
 from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
 from engine.settings.config import first_line
 from engine.settings.errors import ConfigError, TaskError
-from tasks.base import Task, bits
 
 __all__ = [
     "DEFAULT",
@@ -47,10 +42,8 @@ __all__ = [
     "ReplicaStep",
     "Source",
     "Split",
-    "Task",
     "TaskError",
     "Update",
-    "bits",
     "first_line",
     "image_decoder",
     "in_memory",

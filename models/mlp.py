@@ -1,5 +1,7 @@
 """A multilayer perceptron over flattened inputs."""
 
+import math
+
 import tensorflow as tf
 
 keras = tf.keras
@@ -27,3 +29,11 @@ class MLP(keras.Model):
 def create(config, spec, num_classes, info):
     del spec, info  # Dense layers infer the input width on the first call
     return MLP(config.hidden_sizes, num_classes, config.dropout, name="mlp")
+
+
+def size(config, input_shape, num_classes):
+    """(parameters, activation floats per example) before the model exists: parameters exact (Keras's
+    count_params), activations each layer's output, kept for the backward pass."""
+    widths = [math.prod(input_shape), *config.hidden_sizes, num_classes]
+    parameters = sum(a * b + b for a, b in zip(widths, widths[1:]))
+    return parameters, sum(widths)

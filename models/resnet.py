@@ -4,6 +4,8 @@ Batch norm is synchronized across replicas: statistics come from the global batc
 replica computes the same normalization as one device and the moving averages never drift.
 """
 
+import math
+
 import tensorflow as tf
 
 keras = tf.keras
@@ -142,3 +144,25 @@ def create(config, spec, num_classes, info):
     if (config.resnet_depth - 2) % 6 or config.resnet_depth < 8:
         raise ValueError(f"--resnet_depth={config.resnet_depth}: must be 6n+2 with n >= 1 (8, 14, 20, 32, 44, 56, 110)")
     return ResNet(config.resnet_depth, config.resnet_width, num_classes, name="resnet")
+
+
+def size(config, input_shape, num_classes):
+    """(parameters, activation floats per example) before the model exists: parameters exact (Keras's
+    count_params), activations what a forward pass keeps for the backward one, roughly."""
+    height, width, channels = (list(input_shape) + [1, 1, 1])[:3]
+    norm = lambda c: 4 * c  # noqa: E731  (gamma, beta and the two moving statistics)
+    stem = config.resnet_width
+    parameters = 9 * channels * stem + norm(stem)
+    activations = 2 * height * width * stem  # the stem's convolution and norm
+    previous = stem
+    for stage in range(3):
+        filters = config.resnet_width * 2**stage
+        if stage:
+            height, width = math.ceil(height / 2), math.ceil(width / 2)
+        for block in range((config.resnet_depth - 2) // 6):
+            parameters += 9 * previous * filters + 9 * filters * filters + 2 * norm(filters)
+            if previous != filters or (stage and block == 0):
+                parameters += previous * filters + norm(filters)
+            activations += 5 * height * width * filters  # two convolutions, two norms, the sum
+            previous = filters
+    return parameters + previous * num_classes + num_classes, activations + previous + num_classes

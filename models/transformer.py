@@ -5,6 +5,8 @@ the bundled digits become 8 tokens of 8 pixels, MNIST 28 of 28. Inputs of shape 
 already sequences.
 """
 
+import math
+
 import tensorflow as tf
 
 keras = tf.keras
@@ -75,3 +77,18 @@ def create(config, spec, num_classes, info):
         config.dropout,
         name="transformer",
     )
+
+
+def size(config, input_shape, num_classes):
+    """(parameters, activation floats per example) before the model exists: parameters exact (Keras's
+    count_params), activations what a forward pass keeps for the backward one, roughly."""
+    tokens, features = input_shape[0], math.prod(input_shape[1:])
+    dim, heads, mlp = config.transformer_dim, config.transformer_heads, config.transformer_mlp_dim
+    attention = 4 * dim * dim + 3 * dim + dim  # query, key, value, output kernels and their biases
+    block = 2 * 2 * dim + attention + dim * mlp + mlp + mlp * dim + dim
+    parameters = features * dim + dim + tokens * dim + config.transformer_layers * block
+    parameters += 2 * dim + dim * num_classes + num_classes
+    # Per block: the norms, query/key/value, attention output, residuals (about 8 x dim per token), the MLP's
+    # hidden layer before and after its activation, and every head's token-by-token scores and softmax.
+    activations = tokens * features + config.transformer_layers * (tokens * (8 * dim + 2 * mlp) + 2 * heads * tokens**2)
+    return parameters, activations + num_classes

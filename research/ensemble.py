@@ -28,19 +28,36 @@ import zipfile
 import numpy as np
 import tensorflow as tf
 
-import tasks
 from engine.cluster import distribute
 from engine.data import datasets as data_lib
 from engine.numerics import precision
 from engine.run import build
 from engine.run.inputs import batches
-from engine.settings import checks
 from engine.settings import config as config_lib
+from engine.settings import plugins
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir as workdir_lib
 from engine.state.report import write_json
+from research import checks
+
+SETTINGS = {
+    "members": ("", "comma-separated workdirs of trained runs and .npz files of other models' predictions"),
+    "ensemble_search": (
+        "nelder_mead",
+        "how weights on the simplex are fitted on validation: nelder_mead|random",
+        ("nelder_mead", "random"),
+    ),
+    "ensemble_samples": (2000, "with --ensemble_search=random, weight vectors drawn uniformly from the simplex"),
+    "ensemble_mean": (
+        "arithmetic",
+        "how members' probabilities combine: arithmetic|geometric (normalized)",
+        ("arithmetic", "geometric"),
+    ),
+}
+READS = ("validation_split",)  # research/tune.py's: the split that fits the weights
+
 
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
 MEANS = ("arithmetic", "geometric")
@@ -84,6 +101,7 @@ def ensemble(config, strategy=None):
     also written to workdir/summary.json with ensemble_report.png and predictions.npz beside it."""
     del strategy  # members predict in the main process, batch by batch: nothing to distribute
     started = time.time()
+    checks.check(config)
     _check_own_workdir(config)  # before the slow part
     splits = (config.validation_split, config.eval_split)
     members, reference, kind = _members(config, splits)
@@ -372,7 +390,7 @@ def _outputs_text(shape, task):
 
 
 def _data_name(config):
-    name = config.dataset or tasks.default_dataset(config.task)
+    name = config.dataset or plugins.default_dataset(config.task)
     if name == "synthetic":
         shape = ",".join(str(d) for d in config.synthetic_shape)
         return f"synthetic {shape} with {config.synthetic_classes} classes"

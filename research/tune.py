@@ -37,7 +37,42 @@ from engine.settings.errors import ConfigError, Preempted, TrainingError
 from engine.settings.fields import SEED_LIMIT, Config, show
 from engine.state import workdir as workdir_lib
 from engine.state.report import write_json
+from research import checks
 from research.space import parse_space, with_values
+
+SETTINGS = {
+    "tune_space": ("", "search-space file, one 'flag type range' line per flag (experiments/*.space)"),
+    "tune_trials": (20, "complete or pruned trials the study runs to; a resumed study runs the rest"),
+    "tune_objective": ("", "metric the task reports on --validation_split to optimize; empty: the task's objective"),
+    "tune_direction": (
+        "",
+        "max|min the objective; empty: the task's direction (another --tune_objective must say it)",
+        ("", "max", "min"),
+    ),
+    "tune_sampler": (
+        "tpe",
+        "random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)",
+        ("random", "tpe", "gp"),
+    ),
+    "tune_pruner": (
+        "hyperband",
+        "stops bad trials from their --eval_every evaluations: none|median|successive_halving|hyperband",
+        ("none", "median", "successive_halving", "hyperband"),
+    ),
+    "tune_startup_trials": (
+        5,
+        "trials drawn at random (and never pruned by median) before the search learns",
+        (0, None),
+    ),
+    "tune_timeout": (0.0, "seconds after which no new trial starts (a running one ends); 0 = none", (0, None)),
+    "tune_storage": ("", "SQLAlchemy URL of the study, to share one across machines; empty: sqlite <workdir>/study.db"),
+    "tune_study": ("tune", "name of the study in --tune_storage"),
+    "validation_split": (
+        "validation",
+        "the split that scores trials (and, for --mode=ensemble, fits its weights); never the test split",
+    ),
+}
+
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
@@ -53,6 +88,7 @@ def tune(config, strategy=None):
     """Runs (or resumes) the study until --tune_trials trials finished or --tune_timeout passed; returns the
     summary, also written to workdir/summary.json, with best.flags and tune_report.png beside it."""
     started = time.time()
+    checks.check(config)
     space = parse_space(config.tune_space, config)
     objective, direction = objective_of(config)
     name = distribute.strategy_name(config)

@@ -1,4 +1,6 @@
-"""Your own photos, no builder: `--dataset=folder:PATH`, a folder with a sub-folder per class of JPEG or PNG files
+"""Your own photos (--dataset=folder:PATH): a sub-folder of JPEG or PNG files per class.
+
+Your own photos, no builder: `--dataset=folder:PATH`, a folder with a sub-folder per class of JPEG or PNG files
 (by extension, in any case: .jpg, .jpeg, .png; other files, hidden ones and deeper folders are ignored):
 
     PATH/cat/0001.jpg  PATH/cat/0002.PNG  PATH/dog/0001.jpeg  ...

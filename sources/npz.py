@@ -1,4 +1,6 @@
-"""Your own arrays, no builder: `--dataset=npz:PATH`, a NumPy .npz file (np.savez) holding one array per split and
+"""Your own arrays (--dataset=npz:PATH): a NumPy .npz of <split>/<feature> arrays.
+
+Your own arrays, no builder: `--dataset=npz:PATH`, a NumPy .npz file (np.savez) holding one array per split and
 feature, named `<split>/<feature>`:
 
     np.savez("digits.npz", **{"train/image": x_train, "train/label": y_train,

@@ -1,5 +1,9 @@
-"""A learnable random classification problem, generated once with stateless ops: the label is the argmax of a
+"""A learnable random classification problem of any shape, generated with stateless ops.
+
+A learnable random classification problem, generated once with stateless ops: the label is the argmax of a
 fixed random projection of the input. --synthetic_shape, --synthetic_classes and --synthetic_examples size it."""
+
+import math
 
 import numpy as np
 import tensorflow as tf
@@ -12,6 +16,14 @@ SETTINGS = {
     "synthetic_classes": (10, "number of classes, at least 2", (2, 2_147_483_647)),
     "synthetic_examples": (4096, "examples in the training pool (the eval pool is a quarter)"),
 }
+
+
+def memory(config):
+    """Bytes its data holds, for the memory check before it is generated: the training pool and an evaluation pool
+    (float32 examples, int64 labels) and the labelling projection."""
+    features = math.prod(config.synthetic_shape)
+    examples = config.synthetic_examples + max(1, config.synthetic_examples // 4)
+    return examples * (4 * features + 8) + 4 * features * config.synthetic_classes
 
 
 def load(config, eval_split):

@@ -1,4 +1,6 @@
-"""Your own TFRecord files, no builder: `--dataset=tfrecord:GLOB`, files of tf.train.Example records (what TPU jobs
+"""Your own TFRecord files (--dataset=tfrecord:GLOB) of tf.train.Example records, streamed.
+
+Your own TFRecord files, no builder: `--dataset=tfrecord:GLOB`, files of tf.train.Example records (what TPU jobs
 read from cloud storage: gs:// works), one glob for every split with `{split}` where a split's name goes:
 
     --dataset='tfrecord:/data/imagenet/{split}-*.tfrecord' --tfrecord_features=image:jpeg,label:int64

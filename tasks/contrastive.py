@@ -1,4 +1,6 @@
-"""Contrastive learning, SimCLR-style: two random views of each image; an encoder and a projection head learn
+"""Contrastive learning, SimCLR-style, with a linear probe of the frozen encoder.
+
+Contrastive learning, SimCLR-style: two random views of each image; an encoder and a projection head learn
 to tell an image's other view from every other view of the GLOBAL batch (NT-Xent). Reports the loss and the
 linear-probe accuracy of the frozen encoder (a logistic regression on its embeddings, fitted on the training
 split, scored on the evaluation split).

@@ -6,12 +6,12 @@ nor reachable fails as the data loads, still before the workdir exists.
 
 import concurrent.futures
 import dataclasses
+import importlib
 
 import pytest
 
-import models
 from engine.run import build
-from engine.settings import config as config_lib
+from engine.settings import plugins
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
@@ -88,8 +88,11 @@ def test_help_exits_zero():
         (dict(seed=2**32), "--seed=4294967296: must be in [0, 2**32)"),
         (dict(seed=2**32 - 1), None),
         (dict(model="transformer"), None),
-        (dict(model="_private"), f"--model=_private: must name a file in models/ ({', '.join(models.available())})"),
-        (dict(model="os"), f"--model=os: must name a file in models/ ({', '.join(models.available())})"),
+        (
+            dict(model="_private"),
+            f"--model=_private: must name a file in models/ ({', '.join(plugins.names('model'))})",
+        ),
+        (dict(model="os"), f"--model=os: must name a file in models/ ({', '.join(plugins.names('model'))})"),
         (dict(num_cpu_devices=64), None),
         (dict(num_cpu_devices=65), "--num_cpu_devices=65: must be at most 64"),
         (dict(train_steps=2**63 // 128 - 1), None),
@@ -135,12 +138,15 @@ def test_bounds(overrides, message):
         assert str(error.value).startswith(message), str(error.value)
 
 
-def test_memory_estimate_names_its_size(monkeypatch):
-    monkeypatch.setattr(config_lib, "memory_bytes", lambda: 16 * 2**30)
-    config = dataclasses.replace(Config(), dataset="synthetic", synthetic_shape=(8, 8, 4))
-    validate(config)
+def test_memory_estimate_names_its_size():
+    from engine.run import memory
+
+    config = validate(dataclasses.replace(Config(), dataset="synthetic", synthetic_shape=(8, 8, 4)))
+    memory.judge(config, (8, 8, 4), 10, 16 * 2**30, "this machine's")
     with pytest.raises(ConfigError) as error:
-        validate(dataclasses.replace(config, hidden_sizes=(300_000, 300_000)))
+        memory.judge(
+            dataclasses.replace(config, hidden_sizes=(300_000, 300_000)), (8, 8, 4), 10, 16 * 2**30, "this machine's"
+        )
     # 90,080,400,010 parameters (256 x 300k + 300k x 300k + 300k x 10 and biases) in float32, each with its gradient
     # and AdamW's two slots; batches of 128 with 256 input and 600,266 activation floats each, kept for the backward
     # pass in training; 5,120 synthetic examples of 256 floats and a label, and the 256 x 10 labelling projection.
@@ -168,7 +174,7 @@ def test_parameter_count_is_what_keras_builds(overrides, input_shape):
     config = Config(**overrides)
     with tf.device("/cpu:0"):
         model = create_model(config, config.model, tf.TensorSpec(input_shape, tf.float32), 10)
-    assert models.size(config, input_shape, 10)[0] == model.count_params()
+    assert importlib.import_module(f"models.{config.model}").size(config, input_shape, 10)[0] == model.count_params()
 
 
 def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
@@ -189,10 +195,14 @@ def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
 
 def test_memory_is_checked_again_with_the_datasets_own_shape(data_dir, monkeypatch):
 
+    import tensorflow as tf
+
+    from engine.run import memory
+
     config = helpers.make_config(data_dir)  # validated without the digits' shape: one value, two classes
-    monkeypatch.setattr(config_lib, "memory_bytes", lambda: 100_000)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 100_000)
     with pytest.raises(ConfigError) as error:
-        build.inputs(config)
+        build.run(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
     # 8 x 8 inputs, 10 classes: 3,466 parameters (64 x 32 + 32 x 32 + 32 x 10 and biases) with their gradients and
     # AdamW's slots; batches of 64 with 64 input and 138 activation floats each, kept for the backward pass in
     # training. Every size setting is at or below its default, so the model itself is named.

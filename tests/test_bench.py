@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench import end_to_end, run
+from bench import common, end_to_end, run
 from tests import forkserver
 
 QUICK_ROWS = [
@@ -85,7 +85,7 @@ def _results(engine_vs_fit, peak_rss_engine):
 
 
 def test_rows_judge_each_number_against_its_target():
-    models = {"mlp_1024": run.MODELS["mlp_1024"]}
+    models = {"mlp_1024": common.MODELS["mlp_1024"]}
     table = {row["id"]: row for row in run.rows(_results(engine_vs_fit=1.41, peak_rss_engine=105), models)}
     assert table["speed/mlp_1024"]["result"] == "PASS" and table["speed/mlp_1024"]["shown"] == "1.41x"
     # 6 x 1000 parameters x 25,600 examples/s = 0.1536 GFLOP/s of a 0.16 GFLOP/s peak.
@@ -105,7 +105,7 @@ def test_rows_judge_each_number_against_its_target():
 
 
 def test_end_to_end_rows_take_the_median_ratio_against_the_better_fit_configuration():
-    models = {name: run.MODELS[name] for name in ("mlp_256", "mlp_1024")}
+    models = {name: common.MODELS[name] for name in ("mlp_256", "mlp_1024")}
     # Per repeat: engine 100, 130, 90 examples/s against fit jit=1 (median 100, the faster configuration): 100, 90, 120.
     row = {
         "engine": [100.0, 130.0, 90.0],
@@ -140,7 +140,9 @@ def test_end_to_end_pairs_the_engine_with_one_fit_configuration_not_each_repeats
         "jit_choice": "false (auto: ...)",
     }
     assert end_to_end.paired_ratios(row) == (0, [100 / 95, 100 / 120, 100 / 95])
-    table = {r["id"]: r for r in end_to_end.rows({"mlp_1024": {"float32": row}}, {"mlp_1024": run.MODELS["mlp_1024"]})}
+    table = {
+        r["id"]: r for r in end_to_end.rows({"mlp_1024": {"float32": row}}, {"mlp_1024": common.MODELS["mlp_1024"]})
+    }
     # Each repeat's faster fit (120, 120, 95) would have given a median of 0.83x and a verdict of FALL SHORT.
     assert table["end_to_end/mlp_1024/float32"]["value"] == pytest.approx(100 / 95)
     assert table["end_to_end/mlp_1024/float32"]["result"] == "PASS"
@@ -157,7 +159,7 @@ def test_a_fit_window_is_its_steps_not_fits_teardown(monkeypatch):
 
     from bench import worker
 
-    config = worker.make_config(run.QUICK_MODELS["mlp_256"], precision="float32")
+    config = worker.make_config(common.QUICK_MODELS["mlp_256"], precision="float32")
     runner = worker.FitRunner(config, steps_per_execution=5, jit_compile=False)
     runner.window(10)  # traced: the window below is ten tiny steps
     fit = runner.model.fit

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from bench import gpu_table, pytorch, run
+from bench import common, gpu_table, pytorch
 
 TINY = [
     "--device=cpu",
@@ -34,7 +34,7 @@ PRECISIONS = ["float32", "mixed_bfloat16", "mixed_float16"]
 @pytest.fixture(scope="module")
 def torch_python():
     try:
-        return pytorch.ensure_torch(os.path.join(run.ROOT, ".venv-torch"))
+        return pytorch.ensure_torch(os.path.join(common.ROOT, ".venv-torch"))
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"PyTorch could not be installed: {e}")
 
@@ -56,7 +56,7 @@ def test_gpu_sh_appends_every_precisions_row_and_the_matmuls(tmp_path, torch_pyt
     # What a wrapper puts on PYTHONPATH for TensorFlow is not for PyTorch's processes: here, a torch that fails.
     (tmp_path / "tf_site" / "torch").mkdir(parents=True)
     (tmp_path / "tf_site" / "torch" / "__init__.py").write_text("raise ImportError('PYTHONPATH reached PyTorch')\n")
-    with open(run.RESULTS, "rb") as f:
+    with open(common.RESULTS, "rb") as f:
         recorded = f.read()
     env = {
         **os.environ,
@@ -64,12 +64,12 @@ def test_gpu_sh_appends_every_precisions_row_and_the_matmuls(tmp_path, torch_pyt
         "BENCH_TORCH_PYTHON": torch_python,
         "PYTHONPATH": str(tmp_path / "tf_site"),
     }
-    command = ["bash", os.path.join(run.ROOT, "bench", "gpu.sh"), *TINY, f"--results={results}"]
+    command = ["bash", os.path.join(common.ROOT, "bench", "gpu.sh"), *TINY, f"--results={results}"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "installed in" not in proc.stderr  # TensorFlow's python3 used as it is
     assert re.search(r"bench/gpu\.sh: \d+ s in all", proc.stderr)
-    with open(run.RESULTS, "rb") as f:
+    with open(common.RESULTS, "rb") as f:
         assert f.read() == recorded  # the real results are not touched
 
     text = results.read_text()
@@ -158,7 +158,7 @@ for fused in (False, True):
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [torch_python, "-c", script], cwd=run.ROOT, env=env, capture_output=True, text=True, timeout=300
+        [torch_python, "-c", script], cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain, fused = [json.loads(line) for line in proc.stdout.strip().splitlines()[-2:]]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engine.cluster import distribute
-from engine.cluster.launcher import parse_tf_config
+from engine.settings.environment import parse_tf_config
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 

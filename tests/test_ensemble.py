@@ -14,7 +14,7 @@ import tensorflow as tf
 from engine.run import build, loop
 from engine.settings.errors import ConfigError
 from engine.state import workdir as workdir_lib
-from research import ensemble
+from research import checks, ensemble
 from tasks import classification
 from tests import helpers
 
@@ -47,7 +47,9 @@ def members(data_dir, one_device, tmp_path_factory):
 
 
 def ensemble_config(data_dir, workdir, members, **overrides):
-    return helpers.make_config(data_dir, str(workdir), mode="ensemble", members=",".join(members), **overrides)
+    config = helpers.make_config(data_dir, str(workdir), mode="ensemble", members=",".join(members), **overrides)
+    checks.check(config)  # research's own checks, as launch.py and ensemble() run them
+    return config
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench import common
 from bench import run as bench_run
 from engine.settings.fields import Config
 from tests import helpers
@@ -58,7 +59,7 @@ def _measured(engine_vs_fit=1.41):
 
 
 def test_quick_rows_carry_no_verdict():
-    models = {"mlp_1024": bench_run.QUICK_MODELS["mlp_1024"]}
+    models = {"mlp_1024": common.QUICK_MODELS["mlp_1024"]}
     table = bench_run.rows(_measured(), models, quick=True)
     results = {row["id"]: row["result"] for row in table}
     assert not {"PASS", "FALL SHORT"} & set(results.values()), results
@@ -83,7 +84,7 @@ def test_quick_mode_prints_what_it_is(monkeypatch, capsys):
 
 
 def test_detail_lists_its_figures_in_the_order_of_the_ratio():
-    models = {"mlp_1024": bench_run.MODELS["mlp_1024"]}
+    models = {"mlp_1024": common.MODELS["mlp_1024"]}
     table = {row["id"]: row for row in bench_run.rows(_measured(), models)}
     # "mixed_bfloat16 / float32" (a ratio of speeds): the numerator's figure first, each named.
     assert table["precision/mlp_1024/mixed_bfloat16"]["detail"] == ("mixed_bfloat16 8 ms/step vs float32 10 ms/step")
@@ -180,6 +181,13 @@ def test_help_starts_with_flagfiles_resuming_datasets_and_gpus(help_text):
     for name in BUNDLED_DATASETS:  # a source added to sources/ must be listed too
         assert re.search(rf"\b{name}\b", preamble), name
     assert "--helpfull" in preamble
+    # Every plugin of the checkout, named by its file, with its docstring's summary line.
+    from engine.settings import plugins
+    from engine.settings.help import summary
+
+    for kind in ("model", "task", "dataset", "actions"):
+        for name in plugins.names(kind):
+            assert re.search(rf"^  {name} +{re.escape(summary(plugins.path(kind, name))[:40])}", preamble, re.M), name
     # -h and --helpshort print the same page.
     short = subprocess.run([sys.executable, "launch.py", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert short.returncode == 0 and short.stdout == help_text

@@ -68,7 +68,11 @@ def test_a_few_settings_sit_where_a_reader_looks_for_them():
     assert [where[n] for n in ("precision", "jit_compile", "initial_loss_scale")] == ["numerics"] * 3
     assert [where[n] for n in ("strategy", "tf_data_service", "connect_timeout")] == ["cluster"] * 3
     assert [where[n] for n in ("dataset", "shuffle_buffer", "global_batch_size")] == ["data"] * 3
-    assert [where[n] for n in ("tune_trials", "members", "validation_split")] == ["research"] * 3
+    assert [where[n] for n in ("tune_trials", "members", "validation_split")] == [
+        ("mode", "tune"),
+        ("mode", "ensemble"),
+        ("mode", "tune"),
+    ]
     assert where["resnet_depth"] == ("model", "resnet") and where["sequence_length"] == ("task", "language_model")
 
 

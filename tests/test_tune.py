@@ -20,7 +20,7 @@ from engine.run import loop
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint
 from engine.state import workdir as workdir_lib
-from research import tune
+from research import checks, tune
 from research.space import parse_space
 from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
@@ -39,7 +39,9 @@ def write_space(tmp_path, text):
 
 
 def tune_config(data_dir, workdir, space, **overrides):
-    return helpers.make_config(data_dir, str(workdir), tune_space=space, **{**TUNE_DEFAULTS, **overrides})
+    config = helpers.make_config(data_dir, str(workdir), tune_space=space, **{**TUNE_DEFAULTS, **overrides})
+    checks.check(config)  # research's own checks, as launch.py and tune() run them
+    return config
 
 
 def enqueue(config, *learning_rates):

@@ -24,6 +24,7 @@ from engine.run import loop
 from engine.run import modes as evaluate
 from engine.run.controller import Controller
 from engine.run.program import TrainProgram
+from engine.settings import plugins
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
@@ -132,7 +133,6 @@ def test_readme_commands_pasted_in_order_never_meet_another_run(monkeypatch):
     from absl import flags
 
     import launch  # defines the flags
-    import tasks
     from engine.settings.config import for_evaluation
     from engine.settings.identity import identity_changes
 
@@ -140,7 +140,7 @@ def test_readme_commands_pasted_in_order_never_meet_another_run(monkeypatch):
     for args in _readme_commands():
         if "--help" in args or any(a.startswith("--flagfile=runs/") for a in args):
             continue  # a file a previous command writes (tune's best.flags)
-        if any(a.startswith("--task=") and a[7:] not in tasks.available() for a in args):
+        if any(a.startswith("--task=") and a[7:] not in plugins.names("task") for a in args):
             continue  # "Fork it": tests/test_fork.py runs these in a copy that holds the fork's files
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["launch.py", *args])

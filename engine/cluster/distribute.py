@@ -8,9 +8,9 @@ before the runtime starts. Who a cluster's tasks are is engine/cluster.py's.
 import tensorflow as tf
 
 from engine.cluster import resolvers as cluster
-from engine.cluster.launcher import tf_config
 from engine.cluster.signals import SIGNALS
 from engine.settings.checks import planned_strategy
+from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
 
 

@@ -24,54 +24,8 @@ import threading
 import time
 
 from engine.cluster.signals import PREEMPTED_EXIT_CODE
-from engine.settings.errors import ConfigError
 
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
-
-
-def tf_config():
-    """TF_CONFIG as a dict, checked; None when it is not set. Set but empty counts as not set (job scripts
-    often leave it so) and is removed: TensorFlow's own resolvers, which read it too, fail on it with a
-    JSON traceback, even under a strategy that has no cluster."""
-    raw = os.environ.get("TF_CONFIG", "")
-    if not raw.strip():
-        os.environ.pop("TF_CONFIG", None)
-        return None
-    return parse_tf_config(raw)
-
-
-def parse_tf_config(raw):
-    """Checks a TF_CONFIG value; returns it as a dict or raises ConfigError naming the bad field."""
-
-    def bad(why):
-        raise ConfigError(f"TF_CONFIG={raw!r}: {why}")
-
-    try:
-        parsed = json.loads(raw)
-    except json.JSONDecodeError as e:
-        bad(f"not valid JSON ({e.msg} at character {e.pos})")
-    if not isinstance(parsed, dict):
-        bad("must be a JSON object with 'cluster' and 'task'")
-    cluster, task = parsed.get("cluster"), parsed.get("task")
-    if not isinstance(cluster, dict) or not cluster:
-        bad("'cluster' must be an object mapping a job name to a list of host:port addresses")
-    for job, addresses in cluster.items():
-        if not isinstance(addresses, list) or not addresses:
-            bad(f"cluster['{job}'] must be a non-empty list of host:port addresses")
-        for address in addresses:
-            host, _, port = str(address).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                bad(f"cluster['{job}'] address {address!r} is not host:port")
-    if "worker" not in cluster and "chief" not in cluster:
-        bad("'cluster' has no 'worker' or 'chief' job")
-    if not isinstance(task, dict):
-        bad("'task' must be an object with 'type' and 'index'")
-    task_type, index = task.get("type"), task.get("index")
-    if task_type not in cluster:
-        bad(f"task type {task_type!r} is not a job in 'cluster' ({', '.join(cluster)})")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task_type]):
-        bad(f"task index {index!r} is out of range for job '{task_type}' with {len(cluster[task_type])} tasks")
-    return parsed
 
 
 def free_ports(count):

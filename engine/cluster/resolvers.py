@@ -17,8 +17,8 @@ import time
 
 import tensorflow as tf
 
-from engine.cluster.launcher import tf_config
 from engine.settings.config import first_line
+from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
 
 

@@ -38,11 +38,9 @@ import math
 
 import tensorflow as tf
 
-import sources
-import tasks
 from engine.data import tfds_source
 from engine.data.pipeline import AUTOTUNE, Pipelines
-from engine.settings.config import check_memory
+from engine.settings import plugins
 from engine.settings.errors import ConfigError
 
 _Pipelines = Pipelines  # the name tests/test_streamed.py and bench/resume.py build one by
@@ -94,7 +92,6 @@ def prepare(config, source, task, split=None):
 
     one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
     task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepared).element_spec.items()}
-    _check_task_memory(config, task)
     pipelines = Pipelines(config.data, source)
 
     def train_fn(ctx, start_batch=0, stream=0, counter=None):
@@ -127,7 +124,7 @@ def prepare(config, source, task, split=None):
 def _check_sizes(config, train, evals, split):
     if not evals.examples:  # a mean over nothing: NaN, said as if it were a number
         raise ConfigError(
-            f"--dataset={config.dataset or tasks.default_dataset(config.task)}: the split "
+            f"--dataset={config.dataset or plugins.default_dataset(config.task)}: the split "
             f"{split or config.eval_split} it evaluates holds no examples"
         )
     if train.examples < config.global_batch_size:
@@ -135,16 +132,6 @@ def _check_sizes(config, train, evals, split):
             f"--global_batch_size={config.global_batch_size}: larger than the "
             f"{train.examples} examples of --train_split={config.train_split}"
         )
-
-
-def _check_task_memory(config, task):
-    """The memory check again, now with the task's prepared input shape and its outputs."""
-    input_spec = task.spec.get(task.input)
-    try:
-        outputs = task.outputs
-    except NotImplementedError:  # a task that builds its own models
-        outputs = None
-    check_memory(config, tuple(input_spec.shape) if input_spec else None, outputs)
 
 
 def _through_service(config, ds, ctx, stream, start_batch):
@@ -164,9 +151,9 @@ def _through_service(config, ds, ctx, stream, start_batch):
 def load_source(config, features, split=None):
     """The Source `config.dataset` names, keeping `features` (all when empty); its eval split is `split`, else
     --eval_split."""
-    name = config.dataset or tasks.default_dataset(config.task)
+    name = config.dataset or plugins.default_dataset(config.task)
     kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is sources/KIND.py's to read
-    if kind in sources.available():
+    if kind in plugins.names("dataset"):
         source = importlib.import_module(f"sources.{kind}").load(config, split or config.eval_split)
     else:
         source = tfds_source.load(config, name, features, split or config.eval_split)

@@ -15,7 +15,7 @@ import tensorflow as tf
 from engine.cluster import distribute
 from engine.data import datasets
 from engine.numerics import precision, updates
-from engine.run import actions, xla
+from engine.run import actions, memory, xla
 from engine.run.actions.builtin import engine_actions
 from engine.run.create import Create
 from engine.run.evaluator import Evaluator
@@ -66,8 +66,10 @@ def run(config, strategy, training=True, on_eval=None):
     callback, a tuner's pruning); else what evaluation, export and research read."""
     check_batch(config, strategy.num_replicas_in_sync)
     tf.config.run_functions_eagerly(config.run_eagerly)
+    memory.check_data(config)
     source, task = source_and_task(config)
     data = datasets.prepare(config, source, task)
+    memory.check(config, strategy, *shape_and_outputs(task))
     # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
     # seeds its initializers from that generator, so seeding after it keeps the weights the same.
     seed(config)
@@ -93,6 +95,17 @@ def source_and_task(config, split=None):
     cls = datasets.task_class(config)
     source = datasets.load_source(config, cls.features, split)
     return source, cls(config, source.spec, source.info)
+
+
+def shape_and_outputs(task):
+    """(the shape of one prepared example of the task's input, the width of its default model's outputs) for the
+    memory check; (1,) and 2 for a task without an input feature or one that builds its own models."""
+    spec = task.spec.get(task.input)
+    try:
+        outputs = task.outputs
+    except NotImplementedError:  # a task that builds its own models
+        outputs = None
+    return (tuple(spec.shape) if spec else (1,)), outputs or 2
 
 
 def inputs(config, split=None):

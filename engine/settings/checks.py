@@ -3,13 +3,11 @@ engine/config.py's validate runs them: each raises ConfigError naming the flag a
 """
 
 import dataclasses
-import importlib.util
 import math
 import re
 
-import models
-import tasks
-from engine.settings.declared import available_actions
+from engine.settings import plugins
+from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
 from engine.settings.fields import (
     BUNDLED_DATASETS,
@@ -80,11 +78,11 @@ def check_choices(config):
     _choice(config, "lr_scaling", LR_SCALINGS)
     _choice(config, "on_nan", ON_NAN)
     for name in (n for n in config.actions.split(",") if n):
-        if name not in available_actions():
+        if name not in plugins.names("actions"):
             fail(
                 "actions",
                 config.actions,
-                f"{name} is not a file of engine/run/actions/ ({', '.join(available_actions())})",
+                f"{name} is not a file of engine/run/actions/ ({', '.join(plugins.names('actions'))})",
             )
 
 
@@ -239,7 +237,6 @@ def _plan(config):
     """(strategy name or None, what chose it): see planned_strategy."""
     if config.strategy:
         return config.strategy, f"--strategy={config.strategy}"
-    from engine.cluster.launcher import tf_config  # deferred: the launcher imports engine.config, which imports this
 
     cluster = (tf_config() or {}).get("cluster")
     if cluster and "ps" in cluster:
@@ -288,19 +285,19 @@ def resolve_task(config):
     warmup and --freeze are known good; refuses a model that is not a file of models/."""
     if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
         fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
-    if config.task not in tasks.available():
-        fail("task", config.task, f"must name a file in tasks/ ({', '.join(tasks.available())})")
+    if config.task not in plugins.names("task"):
+        fail("task", config.task, f"must name a file in tasks/ ({', '.join(plugins.names('task'))})")
     if not config.dataset:
-        config = dataclasses.replace(config, dataset=tasks.default_dataset(config.task))
+        config = dataclasses.replace(config, dataset=plugins.default_dataset(config.task))
     if not config.model:
-        config = dataclasses.replace(config, model=tasks.default_model(config.task))
+        config = dataclasses.replace(config, model=plugins.default_model(config.task))
     if config.freeze:
         try:
             re.compile(config.freeze)
         except re.error as e:
             fail("freeze", config.freeze, f"not a regular expression ({e})")
-    if config.model not in models.available():
-        fail("model", config.model, f"must name a file in models/ ({', '.join(models.available())})")
+    if config.model not in plugins.names("model"):
+        fail("model", config.model, f"must name a file in models/ ({', '.join(plugins.names('model'))})")
     return config
 
 
@@ -330,9 +327,10 @@ def _check_dataset_name(name):
 
 
 def _check_declared(config):
-    """The declared settings of the chosen model, task and source: numbers positive (or in their declared range),
-    lists of positive integers, "required" strings given. What only the module can judge (a depth of 6n+2) it
-    raises when it builds."""
+    """The declared settings of the chosen model, task, source, action or mode: numbers positive (or in their declared
+    range: (low, high), or (low, None) for no upper bound), lists of positive integers, "required" strings given, a
+    string among its declared choices (a tuple of strings; "" among them: it may be empty). What only the module can
+    judge (a depth of 6n+2) it raises when it builds."""
     for field in DECLARED_FIELDS:
         if not applies(field.name, config):
             continue
@@ -342,7 +340,11 @@ def _check_declared(config):
         if field.type is str and bounds == "required" and not value:
             flag, module = field.metadata["owner"]
             fail(field.name, value, f"--{flag}={module} needs it ({field.metadata['help'].split(': ', 1)[1]})")
-        if field.type in (int, float) and bounds and not bounds[0] <= value <= bounds[1]:
+        if field.type is str and isinstance(bounds, tuple) and value not in bounds:
+            fail(field.name, value, "must be one of " + ", ".join(choice for choice in bounds if choice))
+        if field.type in (int, float) and bounds and bounds[1] is None and not (value >= bounds[0] >= 0):
+            fail(field.name, value, "must be zero or positive" if bounds[0] == 0 else f"must be at least {bounds[0]}")
+        if field.type in (int, float) and bounds and bounds[1] is not None and not bounds[0] <= value <= bounds[1]:
             fail(field.name, value, f"must be in [{bounds[0]}, {bounds[1]}]")
         if field.type in (int, float) and not bounds and not (value > 0 and math.isfinite(value)):
             fail(field.name, value, "must be a positive number")
@@ -354,46 +356,3 @@ def _read_by(name):
     if ("dataset", TFDS_NAMES) in readers(name):
         names.append("tensorflow-datasets names")
     return "read by " + (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0])
-
-
-# ---- Modes: tuning and ensembles ---------------------------------------------------------------------------------
-
-
-def check_modes(config):
-    """The settings of --mode=tune and --mode=ensemble."""
-    if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):
-        fail("tune_objective", config.tune_objective, "must name a metric the task reports (e.g. accuracy, loss)")
-    _choice(config, "tune_direction", ("max", "min"), allow_empty=True)
-    _choice(config, "tune_sampler", ("random", "tpe", "gp"))
-    _choice(config, "tune_pruner", ("none", "median", "successive_halving", "hyperband"))
-    _choice(config, "ensemble_search", ("nelder_mead", "random"))
-    _choice(config, "ensemble_mean", ("arithmetic", "geometric"))
-    _positive(config, "tune_trials", "ensemble_samples")
-    _non_negative(config, "tune_startup_trials", "tune_timeout")
-    if config.mode in ("tune", "ensemble") and config.validation_split.split("[")[0] == "test":
-        fail("validation_split", config.validation_split, "tuning and ensemble fitting never look at the test split")
-    if config.mode == "tune":
-        _check_tune(config)
-    if config.mode == "ensemble" and len(members(config)) < 2:
-        fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
-    if config.mode == "ensemble" and config.validation_split == config.eval_split:
-        fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
-
-
-def _check_tune(config):
-    if not config.tune_space:
-        fail("tune_space", "", "--mode=tune needs a search-space file, e.g. experiments/digits_mlp.space")
-    if config.tune_pruner != "none" and not 0 < config.eval_every < config.train_steps:
-        fail(
-            "eval_every",
-            config.eval_every,
-            f"--tune_pruner={config.tune_pruner} judges trials by evaluations "
-            f"before the end: must be in [1, --train_steps={config.train_steps})",
-        )
-    if config.tune_sampler == "gp" and importlib.util.find_spec("torch") is None:
-        fail("tune_sampler", "gp", "Optuna's Gaussian-process sampler needs PyTorch (pip install torch); or use tpe")
-
-
-def members(config):
-    """--members as a list of workdirs."""
-    return [m for m in config.members.split(",") if m]

@@ -1,30 +1,24 @@
 """A run's checked Config: validate() for one built from flags, from_json() and load_run_config() for the one a
 run saved, for_evaluation() for the one that evaluates a trained run; and the checks that need this machine.
 
-Every setting is declared in engine/settings.py (the engine's) or in the file of the model, task or source
-that owns it (engine/declared.py finds them); the checks that need neither TensorFlow nor this machine are
-engine/checks.py's, by section; engine/identity.py says which saved settings are a run's identity. The names
-they define are importable from here too, the one module the rest of the engine reads settings through.
+Every setting is declared in engine/settings/fields.py (the engine's) or in the file of the model, task, source or
+action that owns it (engine/settings/declared.py finds them); the checks that need neither TensorFlow nor this
+machine are engine/settings/checks.py's, by section; engine/settings/identity.py says which saved settings are a
+run's identity. Whether a run fits its device's memory is judged once its data is known (engine/run/memory.py).
 No TensorFlow on this module's import path: launch.py reads it before TensorFlow starts.
 """
 
 import dataclasses
 import json
-import math
 import os
 
-import models
-import tasks
-from engine.settings import checks
-from engine.settings.checks import (
-    fail,
-)
+from engine.settings import checks, plugins
+from engine.settings.checks import fail
 from engine.settings.errors import ConfigError
 from engine.settings.fields import (
     DECLARATION_ERRORS,
     LOCAL_TASK_BYTES,
     MAX_LOCAL_TASKS,
-    MEMORY_SETTINGS,
     REFUSED_UNLESS_READ,
     Config,
     applies,
@@ -36,6 +30,7 @@ from engine.settings.identity import (
     KINDS,
     holds,
 )
+from engine.settings.machine import host_memory_bytes, human_bytes
 
 
 def validate(config):
@@ -54,8 +49,6 @@ def validate(config):
     checks.check_strategy(config)
     config = checks.resolve_task(config)
     checks.check_data(config)
-    check_memory(config)
-    checks.check_modes(config)
     return config
 
 
@@ -70,11 +63,11 @@ def first_line(error):
 
 def _check_local_tasks(config):
     """--local_workers starts every task of its cluster here: no more than MAX_LOCAL_TASKS, nor than fit in memory."""
-    total = memory_bytes()
+    total = host_memory_bytes()
     limit = max(1, min(MAX_LOCAL_TASKS, total // LOCAL_TASK_BYTES))
     why = (
-        f"at most {limit} fit (each is a TensorFlow process of about {_bytes(LOCAL_TASK_BYTES)}, this machine has "
-        f"{_bytes(total)}; the launcher's cap is {MAX_LOCAL_TASKS})"
+        f"at most {limit} fit (each is a TensorFlow process of about {human_bytes(LOCAL_TASK_BYTES)}, this machine has "
+        f"{human_bytes(total)}; the launcher's cap is {MAX_LOCAL_TASKS})"
     )
     if config.local_workers > limit:
         fail("local_workers", config.local_workers, f"starts {config.local_workers} TensorFlow processes here; {why}")
@@ -86,81 +79,6 @@ def _check_local_tasks(config):
             f"with --local_workers={config.local_workers} starts {count} TensorFlow processes here (a chief, "
             f"{config.local_workers} workers, {config.num_ps} parameter servers); {why}",
         )
-
-
-def memory_estimate(config, input_shape=None, num_classes=None):
-    """{part: bytes} a run needs at least, from its settings: the model (models.size) with its gradients and
-    optimizer slots, the activations of a training batch and of an evaluation batch, synthetic data. A synthetic
-    dataset's shape is its settings'; another's unknown shape counts as one value and two classes."""
-    if config.dataset == "synthetic":
-        input_shape, num_classes = config.synthetic_shape, config.synthetic_classes
-    input_shape, num_classes = input_shape or (1, 1, 1), num_classes or 2
-    features = math.prod(input_shape)
-    parameters, activations = models.size(config, input_shape, num_classes)
-    slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
-    if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
-        slots -= 0.5  # its first moment in half the bytes
-    parts = {
-        "model, gradients and optimizer slots": int(4 * parameters * (2 + slots)),
-        # The forward pass's activations are kept for the backward pass, which adds their gradients.
-        "training batch": 4 * config.global_batch_size * (features + 2 * activations),
-        "evaluation batch": 4 * config.per_eval_batch_size * (features + activations),
-    }
-    if config.dataset == "synthetic":  # both pools, float32 images and int64 labels, and the labelling projection
-        examples = config.synthetic_examples + max(1, config.synthetic_examples // 4)
-        parts["synthetic data"] = examples * (4 * features + 8) + 4 * features * num_classes
-    return parts
-
-
-def check_memory(config, input_shape=None, num_classes=None):
-    """Refuses a run whose memory_estimate exceeds this machine's memory, naming the setting whose default would
-    shrink it most (--model when none would: the model does not fit even at its defaults). Host memory: an
-    accelerator's is smaller, so a run refused here could not run there either."""
-    total = memory_bytes()
-    parts = memory_estimate(config, input_shape, num_classes)
-    need = sum(parts.values())
-    if need <= total:
-        return
-    default = Config()
-
-    def with_default(name):
-        changed = dataclasses.replace(config, **{name: getattr(default, name)})
-        return sum(memory_estimate(changed, input_shape, num_classes).values())
-
-    culprit = min(MEMORY_SETTINGS, key=with_default)
-    if with_default(culprit) >= need:
-        culprit = "model"
-    details = ", ".join(f"{part} {_bytes(size)}" for part, size in parts.items() if size)
-    fail(
-        culprit,
-        getattr(config, culprit),
-        f"needs about {_bytes(need)} of memory ({details}), more than this machine's {_bytes(total)}",
-    )
-
-
-def memory_bytes():
-    """This machine's memory, or its container's limit where that is lower (a Kubernetes pod's, say)."""
-    import psutil  # deferred: only validation needs it
-
-    total = psutil.virtual_memory().total
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
-        try:
-            with open(path) as f:
-                limit = f.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit():  # v2 writes "max" for none
-            total = min(total, int(limit))
-    return total
-
-
-def _bytes(count):
-    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
-    if count >= 1000 ** len(units):
-        return f"over 1000 {units[-1]}"
-    power = min(int(math.log10(max(count, 1)) // 3), len(units) - 1)
-    value = count / 1000**power
-    return f"{value:.3g} {units[power]}"
 
 
 # ---- A run's saved settings (workdir/config.json) ----------------------------------------------------------------
@@ -181,8 +99,8 @@ def from_json(saved, where):
             raise ConfigError(f"{where}: {name}={json.dumps(value)}: must be {KINDS[kinds[name]]}")
         values[name] = tuple(value) if kinds[name] is tuple else float(value) if kinds[name] is float else value
     run = Config(**values)
-    if not run.dataset and run.task in tasks.available():
-        run = dataclasses.replace(run, dataset=tasks.default_dataset(run.task))
+    if not run.dataset and run.task in plugins.names("task"):
+        run = dataclasses.replace(run, dataset=plugins.default_dataset(run.task))
     for name in REFUSED_UNLESS_READ:  # an older engine ignored it there: the run is what it was without it
         if not applies(name, run):
             values.pop(name, None)
@@ -216,7 +134,7 @@ def for_evaluation(config, saved, where):
     trained."""
     # validate() gave an empty --dataset and --model the command line's task's own: that is none given either.
     default = dataclasses.replace(
-        Config(), dataset=tasks.default_dataset(config.task), model=tasks.default_model(config.task)
+        Config(), dataset=plugins.default_dataset(config.task), model=plugins.default_model(config.task)
     )
     values = {}
     for field in dataclasses.fields(Config):

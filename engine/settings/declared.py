@@ -1,18 +1,13 @@
-"""The settings a model family, task or bundled source declares in its own file (SETTINGS), and the settings
-it reads that another file declares (READS): found by convention in models/, tasks/ and sources/,
-read without importing those files.
+"""The settings a model family, task, data source, action or research mode declares in its own file (SETTINGS),
+and the settings it reads that another file declares (READS), read from the plugins' files without importing them
+(engine/settings/plugins.py).
 """
 
 import dataclasses
 import os
 
-import models
-import sources
-import tasks
-
-ROOT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # the checkout: error messages name files from it
+from engine.settings import plugins
+from engine.settings.plugins import read_constant
 
 _TYPES = {bool: bool, int: int, float: float, str: str, tuple: tuple}
 
@@ -41,7 +36,7 @@ def declared_settings(packages, root, engine_names, reserved=()):
     ]
     for flag, module, path in files:
         where = os.path.relpath(path, root)
-        declared = models.read_constant(path, "SETTINGS", {})
+        declared = read_constant(path, "SETTINGS", {})
         if not isinstance(declared, dict):
             errors.append(f"{where}: SETTINGS must be a dict of name: (default, help), not {type(declared).__name__}")
             continue
@@ -53,8 +48,8 @@ def declared_settings(packages, root, engine_names, reserved=()):
                 continue
             if not (isinstance(declaration, tuple) and 2 <= len(declaration) <= 3 and type(declaration[0]) in _TYPES):
                 errors.append(
-                    f'{where}: SETTINGS[{name!r}] must be (default, "help"[, range or "required"]) with a '
-                    "bool, int, float, str or tuple default"
+                    f'{where}: SETTINGS[{name!r}] must be (default, "help"[, range, choices or "required"]) with '
+                    "a bool, int, float, str or tuple default"
                 )
                 continue
             owners[name] = where
@@ -64,7 +59,7 @@ def declared_settings(packages, root, engine_names, reserved=()):
             fields.append((name, _TYPES[type(default)], dataclasses.field(default=default, metadata=metadata)))
     for flag, module, path in files:
         where = os.path.relpath(path, root)
-        named = models.read_constant(path, "READS", ())
+        named = read_constant(path, "READS", ())
         if not (isinstance(named, (tuple, list)) and all(isinstance(name, str) for name in named)):
             errors.append(f"{where}: READS must be a tuple of setting names, not {named!r}")
             continue
@@ -76,27 +71,7 @@ def declared_settings(packages, root, engine_names, reserved=()):
     return fields, reads, errors
 
 
-# The actions a fork adds (--actions): files of engine/run/actions/, found by path (this wing imports nothing of the
-# run's); the interface and the engine's own actions there declare nothing.
-ACTIONS_DIR = os.path.join(ROOT, "engine", "run", "actions")
-ENGINE_ACTIONS = ("base", "builtin")
-
-
-def available_actions():
-    """The action names --actions accepts: the files of engine/run/actions/ but the interface and the engine's own."""
-    return sorted(
-        name[:-3]
-        for name in os.listdir(ACTIONS_DIR)
-        if name.endswith(".py") and name[:-3].isidentifier() and name[0] != "_" and name[:-3] not in ENGINE_ACTIONS
-    )
-
-
 def packages():
-    """((selecting setting, directory, module names), ...) of the packages whose files declare settings."""
-    return [
-        *(
-            (flag, os.path.dirname(os.path.abspath(package.__file__)), package.available())
-            for flag, package in (("model", models), ("task", tasks), ("dataset", sources))
-        ),
-        ("actions", ACTIONS_DIR, available_actions()),
-    ]
+    """((selecting setting, directory, module names), ...) of the plugins whose files declare settings: model
+    families, tasks, data sources, actions and research's modes (engine/settings/plugins.py)."""
+    return [(kind, plugins.directory(kind), plugins.names(kind)) for kind in plugins.FOLDERS]

@@ -8,10 +8,9 @@ No TensorFlow here: launch.py reads this before TensorFlow starts, to turn each 
 import dataclasses
 import functools
 
-import sources
-import tasks
-from engine.settings import sections
-from engine.settings.declared import ROOT, declared_settings, packages
+from engine.settings import plugins, sections
+from engine.settings.declared import declared_settings, packages
+from engine.settings.plugins import ROOT
 
 STRATEGIES = ("one_device", "mirrored", "multi_worker", "parameter_server", "tpu")
 CLUSTER_RESOLVERS = ("tf_config", "slurm", "kubernetes", "tpu")
@@ -22,7 +21,7 @@ LR_SCHEDULES = ("constant", "cosine")
 LR_SCALINGS = ("none", "linear")
 MODES = ("train", "eval", "continuous_eval", "export", "sample", "tune", "ensemble")
 ON_NAN = ("stop", "rollback")
-BUNDLED_DATASETS = tuple(sources.available())  # digits, the default, among them
+BUNDLED_DATASETS = tuple(plugins.names("dataset"))  # digits, the default, among them
 INT64_LIMIT = 2**63  # every integer setting reaches TensorFlow as an int64
 SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy generator, which takes 32 bits
 # Logical CPU devices emulate replicas for testing: each adds a copy of every variable and a thread to every step,
@@ -59,11 +58,9 @@ def _setting(section, default, help_text, readers=None, shared=()):
 
 
 # A setting of each section, declared as `name: type = _<section>(default, help[, readers][, shared=...])`.
-_run, _loop, _data, _models, _optimization, _numerics, _cluster, _research = (
+_run, _loop, _data, _models, _optimization, _numerics, _cluster = (
     functools.partial(_setting, name) for name in sections.SECTIONS
 )
-_TUNE = {"mode": ("tune",)}
-_ENSEMBLE = {"mode": ("ensemble",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +120,8 @@ class _RunSettings(sections.Sectioned):
     # Data.
     dataset: str = _data(
         "",
-        "digits|synthetic|penguins|shakespeare (bundled), folder:PATH, tfrecord:GLOB, npz:PATH, or any "
-        "tensorflow-datasets name (the top of --help says more); empty: the task's own",
+        "a source of sources/ (--help lists them; those reading your files as folder:PATH, tfrecord:GLOB, "
+        "npz:PATH) or any tensorflow-datasets name; empty: the task's own",
     )
     data_dir: str = _data(
         "",
@@ -207,55 +204,6 @@ class _RunSettings(sections.Sectioned):
     clip_value: float = _optimization(0.0, "clip each all-reduced gradient element to [-v, v]; 0 = off")
     ema_decay: float = _optimization(
         0.0, "keep an exponential moving average of the weights with this decay per step, used to evaluate and export"
-    )
-
-    # Tuning and ensembles.
-    tune_space: str = _research(
-        "", "tune: search-space file, one 'flag type range' line per flag (experiments/*.space)", _TUNE
-    )
-    tune_trials: int = _research(
-        20, "tune: complete or pruned trials the study runs to; a resumed study runs the rest", _TUNE
-    )
-    tune_objective: str = _research(
-        "", "tune: metric the task reports on --validation_split to optimize; empty: the task's objective", _TUNE
-    )
-    tune_direction: str = _research(
-        "", "tune: max|min the objective; empty: the task's direction (another --tune_objective must say it)", _TUNE
-    )
-    tune_sampler: str = _research(
-        "tpe", "tune: random|tpe (Bayesian, tree-structured Parzen)|gp (needs PyTorch)", _TUNE
-    )
-    tune_pruner: str = _research(
-        "hyperband",
-        "tune: stops bad trials from their --eval_every evaluations: none|median|successive_halving|hyperband",
-        _TUNE,
-    )
-    tune_startup_trials: int = _research(
-        5, "tune: trials drawn at random (and never pruned by median) before the search learns", _TUNE
-    )
-    tune_timeout: float = _research(
-        0.0, "tune: seconds after which no new trial starts (a running one ends); 0 = none", _TUNE
-    )
-    tune_storage: str = _research(
-        "", "tune: SQLAlchemy URL of the study, to share one across machines; empty: sqlite <workdir>/study.db", _TUNE
-    )
-    tune_study: str = _research("tune", "tune: name of the study in --tune_storage", _TUNE)
-    validation_split: str = _research(
-        "validation",
-        "tune, ensemble: split that scores trials and fits ensemble weights; never the test split",
-        {"mode": ("tune", "ensemble")},
-    )
-    members: str = _research(
-        "", "ensemble: comma-separated workdirs of trained runs and .npz files of other models' predictions", _ENSEMBLE
-    )
-    ensemble_search: str = _research(
-        "nelder_mead", "ensemble: how weights on the simplex are fitted on validation: nelder_mead|random", _ENSEMBLE
-    )
-    ensemble_samples: int = _research(
-        2000, "ensemble, random: weight vectors drawn uniformly from the simplex", _ENSEMBLE
-    )
-    ensemble_mean: str = _research(
-        "arithmetic", "ensemble: how members' probabilities combine: arithmetic|geometric (normalized)", _ENSEMBLE
     )
 
     # Numerics.
@@ -342,7 +290,7 @@ def named_actions(config):
     """The actions a run of `config` adds to the engine's own, in order: --actions, then its task's file's
     `ACTIONS` (each once)."""
     given = [name for name in config.actions.split(",") if name]
-    own = tasks.declared_actions(config.task) if config.task in tasks.available() else ()
+    own = plugins.task_actions(config.task) if config.task in plugins.names("task") else ()
     return list(dict.fromkeys([*given, *own]))
 
 

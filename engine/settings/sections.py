@@ -21,7 +21,6 @@ SECTIONS = {
     "optimization": "the optimizer, its learning-rate schedule, clipping and the moving average of the weights",
     "numerics": "precision, the loss scale, XLA, determinism and eager execution",
     "cluster": "where the run executes: the strategy, devices, cluster resolvers, timeouts, tf.data service",
-    "research": "the applications of the engine: tuning (tune_*), ensembles and the split that scores them",
 }
 # Names no model, task or source may declare as a setting: Config's sections, and what a view answers itself.
 RESERVED = frozenset(SECTIONS) | {"own", "READ_BY", "names", "values", "replace", "fields"}
@@ -140,7 +139,6 @@ class Sectioned:
     optimization = property(lambda self: section(self, "optimization"))
     numerics = property(lambda self: section(self, "numerics"))
     cluster = property(lambda self: section(self, "cluster"))
-    research = property(lambda self: section(self, "research"))
 
     def own(self, kind, module):
         """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task") or the source <module>

@@ -1,4 +1,6 @@
-"""A worked example of an action a fork adds in one file: histograms of every trained variable and of its
+"""Histograms of the trained weights and their gradients in TensorBoard, every --histogram_every steps.
+
+A worked example of an action a fork adds in one file: histograms of every trained variable and of its
 gradient, every --histogram_every steps, in TensorBoard (the train run's Histograms and Distributions tabs).
 
     python launch.py --actions=histograms --histogram_every=100
@@ -10,12 +12,12 @@ after the round. Only the chief writes.
 
 import numpy as np
 
-from engine import api
+from engine.run.actions import base
 
 SETTINGS = {"histogram_every": (100, "histograms: write the weights' and gradients' histograms every this many steps")}
 
 
-class Action(api.Action):
+class Action(base.Action):
     needs = frozenset({"gradients"})
 
     def __init__(self, config):

@@ -1,0 +1,110 @@
+"""Whether a run fits the memory of the device it trains on, judged before its models are built and refused in one
+line naming the setting to change: on a GPU, each GPU holds a replica's model, gradients and optimizer slots and its
+share of the batch; on a CPU, this machine (or its container) holds every local replica's model and the batches.
+
+Each part comes from the file that knows it: a model family's `size(config, input_shape, outputs)` (models/), a data
+source's `memory(config)` (the data it generates, sources/synthetic.py). A family without `size` is not estimated,
+and the run says so. A TPU's memory is not known before its system starts: its runs are not judged here.
+"""
+
+import dataclasses
+import importlib
+import math
+
+from engine.cluster import distribute
+from engine.run import xla
+from engine.settings.checks import fail
+from engine.settings.fields import MEMORY_SETTINGS, Config, dataset_kind
+from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_bytes
+
+
+def model_size(config, input_shape, outputs):
+    """(parameters, activation floats per example) of models/<config.model>.py's `size`, or None without one."""
+    size = getattr(importlib.import_module(f"models.{config.model}"), "size", None)
+    return None if size is None else size(config, input_shape, outputs)
+
+
+def source_memory(config):
+    """Bytes the data source says its data takes (its `memory(config)`: data it generates), or 0."""
+    kind = dataset_kind(config.dataset)
+    module = importlib.import_module(f"sources.{kind}") if kind != "tensorflow-datasets" else None
+    memory = getattr(module, "memory", None)
+    return memory(config) if memory else 0
+
+
+def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
+    """{part: bytes} a device needs at least: `copies` of the model with its gradients and optimizer slots (the
+    replicas it holds), the activations of its share (1/`shares`) of a training and of an evaluation batch, and the
+    source's own data (`data`: on the host). Without a family's size, its parts are left out."""
+    features = math.prod(input_shape)
+    parameters, activations = model_size(config, input_shape, outputs) or (0, 0)
+    slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
+    if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
+        slots -= 0.5  # its first moment in half the bytes
+    parts = {
+        "model, gradients and optimizer slots": copies * int(4 * parameters * (2 + slots)),
+        # The forward pass's activations are kept for the backward pass, which adds their gradients.
+        "training batch": 4 * config.global_batch_size * (features + 2 * activations) // shares,
+        "evaluation batch": 4 * config.per_eval_batch_size * (features + activations) // shares,
+    }
+    if data and source_memory(config):
+        parts[f"{config.dataset} data"] = source_memory(config)
+    return parts
+
+
+def check_data(config):
+    """Refuses, before its source makes it, data that does not fit this machine's memory (a source's `memory`)."""
+    need, total = source_memory(config), host_memory_bytes()
+    if need > total:
+        default = Config()
+        smaller = [
+            n for n in MEMORY_SETTINGS if source_memory(dataclasses.replace(config, **{n: getattr(default, n)})) < need
+        ]
+        culprit = smaller[0] if smaller else "dataset"
+        fail(
+            culprit,
+            getattr(config, culprit),
+            f"its data needs about {human_bytes(need)} of memory, more than this machine's {human_bytes(total)}",
+        )
+
+
+def check(config, strategy, input_shape, outputs):
+    """Refuses the run when its estimate exceeds the memory of the device it trains on (naming the setting whose
+    default would shrink it most, or --model when none would); says so where the model family gives no size. A GPU
+    holds one replica and its share of the batch; this machine's memory, every local replica (mirrored logical
+    devices) and this worker's share."""
+    if model_size(config, input_shape, outputs) is None:
+        print(f"memory: models/{config.model}.py has no size(config, input_shape, outputs): not estimated", flush=True)
+    device, replicas = xla.device_kind(strategy), strategy.num_replicas_in_sync
+    if device == "TPU":
+        return
+    gpu = gpu_memory_bytes() if device == "GPU" else None
+    if gpu:
+        judge(config, input_shape, outputs, gpu, "a GPU's", copies=1, shares=replicas, data=False)
+        return
+    workers = distribute.num_workers(strategy) if distribute.is_multi_worker(strategy) else 1
+    local = max(1, replicas // workers)
+    judge(config, input_shape, outputs, host_memory_bytes(), "this machine's", copies=local, shares=workers)
+
+
+def judge(config, input_shape, outputs, total, where, copies=1, shares=1, data=True):
+    """ConfigError when estimate(...) exceeds `total` bytes (`where`: whose memory, in words)."""
+    parts = estimate(config, input_shape, outputs, copies, shares, data)
+    need = sum(parts.values())
+    if need <= total:
+        return
+    default = Config()
+
+    def with_default(name):
+        changed = dataclasses.replace(config, **{name: getattr(default, name)})
+        return sum(estimate(changed, input_shape, outputs, copies, shares, data).values())
+
+    culprit = min(MEMORY_SETTINGS, key=with_default)
+    if with_default(culprit) >= need:
+        culprit = "model"
+    details = ", ".join(f"{part} {human_bytes(size)}" for part, size in parts.items() if size)
+    fail(
+        culprit,
+        getattr(config, culprit),
+        f"needs about {human_bytes(need)} of memory ({details}), more than {where} {human_bytes(total)}",
+    )

@@ -1,0 +1,70 @@
+"""The plugins of this checkout, found by convention and read by path, never imported here: model families
+(models/NAME.py, --model), tasks (tasks/NAME.py, --task), data sources (sources/NAME.py, --dataset), actions
+(engine/run/actions/NAME.py, --actions) and research's modes (research/NAME.py, --mode). A file's module-level
+literals (its SETTINGS, READS, a task's DATASET, MODEL and ACTIONS) are read from its text, so flags are checked
+against the plugins before TensorFlow starts, and the engine imports a plugin only to run it."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+# Each kind: the folder of its files, and the files there that are not plugins of the kind (a protocol, the
+# engine's own actions).
+FOLDERS = {
+    "model": ("models", ()),
+    "task": ("tasks", ("base",)),
+    "dataset": ("sources", ()),
+    "actions": (os.path.join("engine", "run", "actions"), ("base", "builtin")),
+    "mode": ("research", ("checks", "space")),
+}
+
+
+def directory(kind):
+    """The folder of a kind's files: "model" -> <checkout>/models."""
+    return os.path.join(ROOT, FOLDERS[kind][0])
+
+
+def names(kind):
+    """The plugins of a kind in this checkout, sorted: the .py files of its folder named as identifiers, but
+    private ones (_name) and the kind's own files that are no plugin."""
+    folder, not_plugins = FOLDERS[kind]
+    return sorted(
+        name[:-3]
+        for name in os.listdir(os.path.join(ROOT, folder))
+        if name.endswith(".py") and name[:-3].isidentifier() and name[0] != "_" and name[:-3] not in not_plugins
+    )
+
+
+def path(kind, name):
+    return os.path.join(directory(kind), f"{name}.py")
+
+
+def read_constant(file, name, default):
+    """The literal value a module assigns to `name` at its top level, read from its file without importing it
+    (no TensorFlow starts), or `default`."""
+    with open(file) as f:
+        tree = ast.parse(f.read(), file)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    return default
+
+
+def constant(kind, name, literal, default):
+    """`literal` of the plugin `name` of `kind`, read from its file (read_constant)."""
+    return read_constant(path(kind, name), literal, default)
+
+
+def default_model(task):
+    """The model --task=task trains when --model is empty: its file's `MODEL`, else mlp."""
+    return constant("task", task, "MODEL", "mlp")
+
+
+def default_dataset(task):
+    """The dataset --task=task trains on when --dataset is empty: its file's `DATASET`, else digits."""
+    return constant("task", task, "DATASET", "digits")
+
+
+def task_actions(task):
+    """The actions tasks/<task>.py asks for beside the engine's own: its `ACTIONS`."""
+    return tuple(constant("task", task, "ACTIONS", ()))

@@ -1,0 +1,48 @@
+"""The checks of --mode=tune's and --mode=ensemble's settings (declared in research/tune.py and research/ensemble.py)
+that their declarations cannot say: each raises ConfigError naming the flag and its value. No TensorFlow here:
+launch.py runs them before TensorFlow starts, and tune() and ensemble() again before they write anything."""
+
+import importlib.util
+import re
+
+from engine.settings.checks import fail
+
+
+def check(config):
+    """The mode's own checks, for --mode=tune or --mode=ensemble; nothing for another mode."""
+    if config.mode not in ("tune", "ensemble"):
+        return
+    if config.validation_split.split("[")[0] == "test":
+        fail("validation_split", config.validation_split, "tuning and ensemble fitting never look at the test split")
+    if config.mode == "tune":
+        _check_tune(config)
+    if config.mode == "ensemble":
+        _check_ensemble(config)
+
+
+def _check_tune(config):
+    if not config.tune_space:
+        fail("tune_space", "", "--mode=tune needs a search-space file, e.g. experiments/digits_mlp.space")
+    if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):
+        fail("tune_objective", config.tune_objective, "must name a metric the task reports (e.g. accuracy, loss)")
+    if config.tune_pruner != "none" and not 0 < config.eval_every < config.train_steps:
+        fail(
+            "eval_every",
+            config.eval_every,
+            f"--tune_pruner={config.tune_pruner} judges trials by evaluations "
+            f"before the end: must be in [1, --train_steps={config.train_steps})",
+        )
+    if config.tune_sampler == "gp" and importlib.util.find_spec("torch") is None:
+        fail("tune_sampler", "gp", "Optuna's Gaussian-process sampler needs PyTorch (pip install torch); or use tpe")
+
+
+def _check_ensemble(config):
+    if len(members(config)) < 2:
+        fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
+    if config.validation_split == config.eval_split:
+        fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
+
+
+def members(config):
+    """--members as a list of workdirs."""
+    return [m for m in config.members.split(",") if m]

@@ -1,0 +1,94 @@
+"""The memory check (engine/run/memory.py): a GPU run is judged against a GPU's memory with one replica's share of
+the batch, a CPU run against this machine's; each part comes from the file that knows it."""
+
+import dataclasses
+import os
+import stat
+
+import pytest
+
+from engine.run import memory
+from engine.settings import machine
+from engine.settings.config import validate
+from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, mib):
+    """An nvidia-smi on PATH that lists GPUs of `mib` MiB each, as the driver's --query-gpu prints them."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo {m}\n" for m in mib))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_the_smallest_gpu_is_the_one_judged(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, [143771, 81559])
+    assert machine.gpu_memory_bytes() == 81559 * 2**20
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert machine.gpu_memory_bytes() is None  # no driver: no GPU to judge against
+
+
+class _Strategy:
+    def __init__(self, replicas):
+        self.num_replicas_in_sync = replicas
+
+
+def _decoder(**overrides):
+    """The 12-layer decoder of the GPU issue at batch 16, context 1024."""
+    settings = dict(task="language_model", gpt_layers=12, gpt_dim=768, gpt_heads=12, sequence_length=1024)
+    return validate(Config(**{**settings, "global_batch_size": 16, **overrides}))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_gpu_run_is_judged_against_a_gpus_memory_with_its_share_of_the_batch(tmp_path, monkeypatch, replicas):
+    _fake_nvidia_smi(tmp_path, monkeypatch, [4 * 1024])  # a 4 GiB GPU
+    monkeypatch.setattr(memory.xla, "device_kind", lambda strategy: "GPU")
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**15)  # the host is not what is judged
+    config = _decoder()
+    parts = memory.estimate(config, (1024,), 65, copies=1, shares=replicas, data=False)
+    with pytest.raises(ConfigError) as refused:
+        memory.check(config, _Strategy(replicas), (1024,), 65)
+    message = str(refused.value)
+    assert message.startswith("--gpt_layers=12: needs about ") and message.endswith("more than a GPU's 4.29 GB")
+    # Each GPU holds a whole model and its replica's share of the batch, so two GPUs halve the batch's part only.
+    single = memory.estimate(config, (1024,), 65, copies=1, shares=1, data=False)
+    assert parts["model, gradients and optimizer slots"] == single["model, gradients and optimizer slots"]
+    assert parts["training batch"] == single["training batch"] // replicas
+    # On a GPU of 141 GB (an H200) the same run fits.
+    _fake_nvidia_smi(tmp_path, monkeypatch, [143771])
+    memory.check(config, _Strategy(replicas), (1024,), 65)
+
+
+def test_a_cpu_run_is_judged_against_this_machines_memory(monkeypatch):
+    monkeypatch.setattr(memory.xla, "device_kind", lambda strategy: "CPU")
+    monkeypatch.setattr(memory, "gpu_memory_bytes", lambda: pytest.fail("a CPU run asked for a GPU's memory"))
+    config = _decoder(gpt_layers=2, gpt_dim=128, gpt_heads=2, sequence_length=256, global_batch_size=8)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**12)
+    memory.check(config, _Strategy(1), (256,), 65)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**6)
+    with pytest.raises(ConfigError, match="more than this machine's 1 MB$"):
+        memory.check(config, _Strategy(1), (256,), 65)
+    # Two logical CPU devices (mirrored): this machine holds both replicas' models, and the whole batch.
+    two = memory.estimate(config, (256,), 65, copies=2, shares=1)
+    one = memory.estimate(config, (256,), 65)
+    assert two["model, gradients and optimizer slots"] == 2 * one["model, gradients and optimizer slots"]
+    assert two["training batch"] == one["training batch"]
+
+
+def test_a_model_without_a_size_is_said_to_be_unestimated(monkeypatch, capsys):
+    monkeypatch.setattr(memory, "model_size", lambda config, shape, outputs: None)
+    monkeypatch.setattr(memory.xla, "device_kind", lambda strategy: "CPU")
+    memory.check(validate(Config()), _Strategy(1), (8, 8, 1), 10)
+    assert capsys.readouterr().out == "memory: models/mlp.py has no size(config, input_shape, outputs): not estimated\n"
+
+
+def test_a_sources_own_data_is_refused_before_it_is_made(monkeypatch):
+    config = validate(Config(dataset="synthetic", synthetic_examples=10**9))
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**9)
+    with pytest.raises(ConfigError) as refused:
+        memory.check_data(config)
+    assert str(refused.value) == (
+        "--synthetic_examples=1000000000: its data needs about 3.93 TB of memory, more than this machine's 1 GB"
+    )
+    memory.check_data(dataclasses.replace(config, synthetic_examples=4096))
