@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench import common, end_to_end, run
+from bench import common, end_to_end, rows
 from tests import forkserver
 
 QUICK_ROWS = [
@@ -86,7 +86,7 @@ def _results(engine_vs_fit, peak_rss_engine):
 
 def test_rows_judge_each_number_against_its_target():
     models = {"mlp_1024": common.MODELS["mlp_1024"]}
-    table = {row["id"]: row for row in run.rows(_results(engine_vs_fit=1.41, peak_rss_engine=105), models)}
+    table = {row["id"]: row for row in rows.rows(_results(engine_vs_fit=1.41, peak_rss_engine=105), models)}
     assert table["speed/mlp_1024"]["result"] == "PASS" and table["speed/mlp_1024"]["shown"] == "1.41x"
     # 6 x 1000 parameters x 25,600 examples/s = 0.1536 GFLOP/s of a 0.16 GFLOP/s peak.
     assert table["roofline/mlp_1024"]["value"] == pytest.approx(0.96)
@@ -99,7 +99,7 @@ def test_rows_judge_each_number_against_its_target():
     assert table["memory/mlp_1024"]["value"] == pytest.approx(1.05) and table["memory/mlp_1024"]["result"] == "PASS"
     assert table["mirrored/mlp_1024"]["result"] == "ERROR"  # not measured: shown, never hidden
 
-    table = {row["id"]: row for row in run.rows(_results(engine_vs_fit=1.39, peak_rss_engine=111), models)}
+    table = {row["id"]: row for row in rows.rows(_results(engine_vs_fit=1.39, peak_rss_engine=111), models)}
     assert table["speed/mlp_1024"]["result"] == "FALL SHORT"
     assert table["memory/mlp_1024"]["result"] == "FALL SHORT"
 
@@ -157,10 +157,10 @@ def test_a_fit_window_is_its_steps_not_fits_teardown(monkeypatch):
     iterator waited for seconds in some processes) is not its speed, and the engine's rounds leave theirs out too."""
     import time
 
-    from bench import worker
+    from bench import runners
 
-    config = worker.make_config(common.QUICK_MODELS["mlp_256"], precision="float32")
-    runner = worker.FitRunner(config, steps_per_execution=5, jit_compile=False)
+    config = runners.make_config(common.QUICK_MODELS["mlp_256"], precision="float32")
+    runner = runners.FitRunner(config, steps_per_execution=5, jit_compile=False)
     runner.window(10)  # traced: the window below is ten tiny steps
     fit = runner.model.fit
     calls = []

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from engine.data import datasets as data_lib
-from engine.numerics import replica as step
+from engine.numerics import forward, replica
 from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.run.controller import Controller
@@ -36,15 +36,15 @@ def _max_difference(a, b):
     return max(float(np.max(np.abs(copy - b[k][0]))) for k in a for copy in a[k])
 
 
-def _mutant_step(old, new):
-    """engine/step.py with `old` replaced by `new`, as a module: a defect the tests must catch."""
-    source = inspect.getsource(step)
-    assert source.count(old) == 1, f"engine/step.py no longer holds {old!r}: update this mutant"
+def _mutant_forward(old, new):
+    """engine/numerics/forward.py with `old` replaced by `new`, as a module: a defect the tests must catch."""
+    source = inspect.getsource(forward)
+    assert source.count(old) == 1, f"engine/numerics/forward.py no longer holds {old!r}: update this mutant"
     source = source.replace(old, new)
     # Under its own file name, in linecache: autograph reads a function's source again to convert it.
-    filename = f"{step.__file__}.mutant{len(linecache.cache)}"
+    filename = f"{forward.__file__}.mutant{len(linecache.cache)}"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    module = types.ModuleType("step_mutant")
+    module = types.ModuleType("forward_mutant")
     exec(compile(source, filename, "exec"), module.__dict__)
     return module
 
@@ -95,7 +95,7 @@ def test_grad_accumulation_gives_the_whole_batch_update(
 )
 def test_grad_accumulation_parity_catches_mutants(data_dir, one_device, accumulation_reference, monkeypatch, old, new):
     reference, _ = accumulation_reference
-    monkeypatch.setattr(step, "make_train_step", _mutant_step(old, new).make_train_step)
+    monkeypatch.setattr(replica, "forward_backward", _mutant_forward(old, new).forward_backward)
     snapshot, _ = helpers.train_and_snapshot(helpers.make_config(data_dir, grad_accum_steps=2, **SGD), one_device)
     assert _max_difference(snapshot, reference) > 100 * TOLERANCE
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from engine.run import build, loop
 from engine.settings.errors import ConfigError
-from engine.state import workdir as workdir_lib
+from engine.state import lock
 from research import checks, ensemble
 from tasks import classification
 from tests import helpers
@@ -173,7 +173,7 @@ def test_an_ensemble_refuses_a_workdir_that_holds_a_run_a_study_or_a_lock(data_d
     # A run that holds the lock and has written nothing yet: the ensemble writes nothing beside it.
     busy = str(tmp_path / "busy")
     training = f"--workdir={busy}: another run is training here: pid {os.getpid()} on host "
-    with workdir_lib.Lock(busy), pytest.raises(ConfigError, match="^" + re.escape(training)):
+    with lock.Lock(busy), pytest.raises(ConfigError, match="^" + re.escape(training)):
         ensemble.ensemble(ensemble_config(data_dir, busy, names))
     assert os.listdir(busy) == []
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench import common
+from bench import rows as bench_rows
 from bench import run as bench_run
 from engine.settings.fields import Config
 from tests import helpers
@@ -60,7 +61,7 @@ def _measured(engine_vs_fit=1.41):
 
 def test_quick_rows_carry_no_verdict():
     models = {"mlp_1024": common.QUICK_MODELS["mlp_1024"]}
-    table = bench_run.rows(_measured(), models, quick=True)
+    table = bench_rows.rows(_measured(), models, quick=True)
     results = {row["id"]: row["result"] for row in table}
     assert not {"PASS", "FALL SHORT"} & set(results.values()), results
     # The rows that have a target say they were not judged; the others stay information.
@@ -69,7 +70,7 @@ def test_quick_rows_carry_no_verdict():
     assert results["end_to_end/mlp_1024/float32"] == "not judged"
     assert results["roofline/peak"] == "info"
     # A full run of the same numbers judges them.
-    full = {row["id"]: row["result"] for row in bench_run.rows(_measured(), models)}
+    full = {row["id"]: row["result"] for row in bench_rows.rows(_measured(), models)}
     assert full["speed/mlp_1024"] == "PASS" and full["memory/mlp_1024"] == "PASS"
 
 
@@ -85,7 +86,7 @@ def test_quick_mode_prints_what_it_is(monkeypatch, capsys):
 
 def test_detail_lists_its_figures_in_the_order_of_the_ratio():
     models = {"mlp_1024": common.MODELS["mlp_1024"]}
-    table = {row["id"]: row for row in bench_run.rows(_measured(), models)}
+    table = {row["id"]: row for row in bench_rows.rows(_measured(), models)}
     # "mixed_bfloat16 / float32" (a ratio of speeds): the numerator's figure first, each named.
     assert table["precision/mlp_1024/mixed_bfloat16"]["detail"] == ("mixed_bfloat16 8 ms/step vs float32 10 ms/step")
     assert table["mirrored/mlp_1024"]["detail"] == "jit=0: mirrored 20 ms/step vs one_device 10 ms/step"

@@ -43,7 +43,7 @@ def test_checkpoint_refuses_non_finite_statistics(data_dir, one_device, tmp_path
 
 
 def _process(grads, scale=None, **config):
-    from engine.numerics import replica as step
+    from engine.numerics import forward as step
 
     settings = helpers.make_config("unused", **config)
     out, norm, finite = step.process_gradients([tf.constant(g, tf.float32) for g in grads], scale, settings)
@@ -103,7 +103,7 @@ def test_huge_finite_gradient_is_applied_with_its_true_norm(data_dir, one_device
 
 
 def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
-    from engine.numerics import replica as step
+    from engine.numerics import forward as step
     from engine.run import build
 
     trainer = build.run(helpers.make_config(data_dir, model="transformer", dropout=0.5), mirrored)
@@ -132,7 +132,7 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_step_draws_each_replicas_dropout_from_its_id(data_dir, mirrored, accumulate):
-    from engine.numerics import replica as step
+    from engine.numerics import forward as step
     from engine.run import build
 
     settings = dict(model="mlp", dropout=0.5, grad_accum_steps=accumulate, jit_compile="false")

@@ -18,8 +18,7 @@ import pytest
 
 from engine.run import loop
 from engine.settings.errors import ConfigError
-from engine.state import checkpoint
-from engine.state import workdir as workdir_lib
+from engine.state import checkpoint, lock
 from research import checks, tune
 from research.space import parse_space
 from tests import forkserver, helpers
@@ -352,7 +351,7 @@ def test_a_tuner_holds_the_lock_a_train_run_takes(data_dir, one_device, tmp_path
     config = tune_config(data_dir, workdir, space, tune_trials=1, tune_pruner="none")
     # A train run that holds the lock and has not written its config.json yet: the tuner is refused naming it.
     training = f"--workdir={workdir}: another run is training here: pid {os.getpid()} on host "
-    with workdir_lib.Lock(workdir):
+    with lock.Lock(workdir):
         with pytest.raises(ConfigError, match="^" + re.escape(training)):
             tune.tune(config, one_device)
     assert os.listdir(workdir) == []
@@ -360,7 +359,7 @@ def test_a_tuner_holds_the_lock_a_train_run_takes(data_dir, one_device, tmp_path
 
     def trial(run_config, strategy, on_eval):  # while the tuner runs a trial, each of the others is refused
         for name, start in [
-            ("lock", lambda: workdir_lib.Lock(workdir).acquire()),
+            ("lock", lambda: lock.Lock(workdir).acquire()),
             ("train", lambda: train(helpers.make_config(data_dir, workdir), one_device)),
             ("tuner", lambda: tune.tune(config, one_device)),
         ]:
@@ -375,7 +374,7 @@ def test_a_tuner_holds_the_lock_a_train_run_takes(data_dir, one_device, tmp_path
     tuning = f"--workdir={workdir}: another run is tuning study 'tune' here: pid {os.getpid()} on host "
     assert refusals["lock"].startswith(tuning) and refusals["tuner"].startswith(tuning), refusals
     assert refusals["train"].startswith(f"--workdir={workdir} holds a tuning study ({workdir}/study.json)")
-    assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_NAME))  # released at the end
+    assert not os.path.exists(os.path.join(workdir, lock.LOCK_NAME))  # released at the end
     # The workdir holds this study: another is refused before it opens anything.
     with pytest.raises(ConfigError) as refused:
         tune.tune(dataclasses.replace(config, tune_study="other"), one_device)

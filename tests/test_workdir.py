@@ -29,6 +29,7 @@ from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint, report
+from engine.state import lock as lock_lib
 from research import ensemble
 from tests import forkserver, helpers
 from tests.helpers import ROOT, logged_steps
@@ -212,10 +213,9 @@ def _foreign_lock(path, heartbeat):
 
 
 def test_a_lock_of_another_host_is_taken_only_when_its_heartbeat_stops(tmp_path, monkeypatch):
-    from engine.state import workdir
 
-    monkeypatch.setattr(workdir, "STALE_SECONDS", 1.0)
-    lock_file = tmp_path / workdir.LOCK_NAME
+    monkeypatch.setattr(lock_lib, "STALE_SECONDS", 1.0)
+    lock_file = tmp_path / lock_lib.LOCK_NAME
     _foreign_lock(lock_file, time.time())
     beating = threading.Event()
 
@@ -227,23 +227,22 @@ def test_a_lock_of_another_host_is_taken_only_when_its_heartbeat_stops(tmp_path,
     thread.start()
     try:
         with pytest.raises(ConfigError, match="another run is training here: pid 12345 on host another-host"):
-            workdir.Lock(str(tmp_path), log=lambda line: None).acquire()
+            lock_lib.Lock(str(tmp_path), log=lambda line: None).acquire()
     finally:
         beating.set()
         thread.join()
     # Its heartbeat stopped: taken after STALE_SECONDS, released at the end.
-    with workdir.Lock(str(tmp_path), log=lambda line: None) as lock:
+    with lock_lib.Lock(str(tmp_path), log=lambda line: None) as lock:
         assert json.loads(lock_file.read_text())["token"] == lock.token
     assert not lock_file.exists()
 
 
 def test_on_a_file_system_without_exclusive_create_the_lock_is_written_and_read_back():
     """ram:// stands in for an object store (gs://): no O_EXCL there."""
-    from engine.state import workdir
 
-    with workdir.Lock("ram://object_store_run", log=lambda line: None):
+    with lock_lib.Lock("ram://object_store_run", log=lambda line: None):
         with pytest.raises(ConfigError, match=f"another run is training here: pid {os.getpid()} on host"):
-            workdir.Lock("ram://object_store_run").acquire()
+            lock_lib.Lock("ram://object_store_run").acquire()
     assert not tf.io.gfile.exists("ram://object_store_run/train.lock")
 
 

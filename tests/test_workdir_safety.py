@@ -17,7 +17,7 @@ from engine.run import modes as evaluate
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
-from engine.state import checkpoint, report, workdir
+from engine.state import checkpoint, lock, report, workdir
 from engine.state.checkpoint import CheckpointError
 from engine.state.workdir import make_workdir
 from tests import forkserver, helpers
@@ -131,14 +131,14 @@ def test_a_refused_init_checkpoint_creates_no_workdir(trained, tmp_path, one_dev
 
 
 def test_a_lock_leaves_a_workdir_it_created_only_when_something_was_written(tmp_path):
-    with pytest.raises(ConfigError), workdir.Lock(str(tmp_path / "a" / "b")):
+    with pytest.raises(ConfigError), lock.Lock(str(tmp_path / "a" / "b")):
         raise ConfigError("refused")
     assert os.listdir(tmp_path) == []
     (tmp_path / "kept").mkdir()
-    with pytest.raises(ConfigError), workdir.Lock(str(tmp_path / "kept" / "run")):
+    with pytest.raises(ConfigError), lock.Lock(str(tmp_path / "kept" / "run")):
         raise ConfigError("refused")
     assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == []
-    with pytest.raises(ConfigError), workdir.Lock(str(tmp_path / "written")):
+    with pytest.raises(ConfigError), lock.Lock(str(tmp_path / "written")):
         (tmp_path / "written" / "config.json").write_text("{}")
         raise ConfigError("refused")
     assert os.listdir(tmp_path / "written") == ["config.json"]

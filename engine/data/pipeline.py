@@ -7,31 +7,15 @@ source's decode runs per example, seeded by its stream position, and an example 
 run naming its position (`Pipelines.origin` names its file).
 """
 
-import math
-
-import numpy as np
 import tensorflow as tf
 
-from engine.data.records import counted_records, file_records, op_message, parsed, record_example, unreadable
+from engine.data import streamed
+from engine.data.records import file_records, op_message, parsed, unreadable
 from engine.settings import sections
-from engine.settings.errors import ConfigError
 
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
 UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
-
-
-def _fold(seed, *values):
-    """A [2] int64 stateless seed mixed with `values` (ints or int tensors), one after the other."""
-    for value in values:
-        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
-    return seed
-
-
-def _permutation(n, seed):
-    """A uniform random permutation of range(n) from a [2] int64 seed. (RandomIndexShuffle is far from uniform on
-    a few elements, such as a pipeline's files: on 12 it leaves most in place, and it reads 16 bits of a seed word.)"""
-    return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
 
 
 class Pipelines:
@@ -79,7 +63,9 @@ class Pipelines:
             share = self.data.global_batch_size // ctx.num_input_pipelines
             return self._gathered(ctx, start_batch, stream, share, 1).unbatch()
         if split.files:
-            return self._sharded(ctx, start_batch, stream, counter)
+            files = streamed.owned(self.train_split.files, self.data, ctx)
+            position = lambda local: self.position(ctx, local)  # noqa: E731
+            return streamed.examples(files, self.data, ctx, start_batch, stream, counter, position)
         return self._replayed(ctx, start_batch, stream)
 
     @tf.autograph.experimental.do_not_convert
@@ -119,71 +105,6 @@ class Pipelines:
         # Several replicas here take consecutive elements: split the batch. Unbatching copies each slice, so one
         # replica skips it (measured: bench/RESULTS.md, section "One replica skips the unbatch").
         return ds if local_replicas == 1 else ds.unbatch()
-
-    def owned(self, ctx):
-        """This pipeline's files, ((path, records), ...): every n-th of a permutation fixed by the seed."""
-        files = self.train_split.files
-        if len(files) < ctx.num_input_pipelines:
-            raise ConfigError(
-                f"--dataset={self.data.dataset}: its {len(files)} record files of --train_split="
-                f"{self.data.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
-                "each of which reads its own files; write the split in more files"
-            )
-        order = np.random.default_rng(self.data.seed).permutation(len(files))
-        return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
-
-    def _sharded(self, ctx, start_batch, stream, counter):
-        data = self.data
-        files = self.owned(ctx)
-        paths = tf.constant([path for path, _ in files])
-        counts = tf.constant([records for _, records in files], tf.int64)
-        per_epoch = sum(records for _, records in files)
-        width = min(data.interleave_files, len(files))
-        groups = math.ceil(len(files) / width)
-        # Seeds of this pipeline's orders: the run's, its stream's, its own. (A parameter-server worker's stream
-        # is a tensor of the traced dataset function: everything below is graph arithmetic.)
-        key = _fold(tf.constant([data.seed, 0], tf.int64), stream, ctx.input_pipeline_id)
-
-        def file_order(epoch):
-            return _permutation(len(files), _fold(key, epoch))
-
-        def group(epoch, g):
-            chosen = file_order(epoch)[g * width : (g + 1) * width]
-            ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, chosen), tf.gather(counts, chosen)))
-            ds = ds.interleave(
-                lambda path, n: counted_records(path, n, counter),
-                cycle_length=width,
-                block_length=1,
-                num_parallel_calls=AUTOTUNE,
-                deterministic=True,
-            )
-
-            # Shuffled within the group, window by window of --shuffle_buffer examples, each window's order a
-            # function of (seed, stream, pipeline, epoch, group, window): alike on every restart.
-            def shuffle(w, window):
-                order = _permutation(tf.shape(window[0])[0], _fold(key, epoch, g, w))
-                return tuple(tf.gather(part, order) for part in window)
-
-            return ds.batch(data.shuffle_buffer).enumerate().map(shuffle).unbatch()
-
-        def epoch_stream(epoch, first_group=0):
-            return tf.data.Dataset.range(first_group, groups).flat_map(lambda g: group(epoch, g))
-
-        # Where the start lies, by arithmetic on the counts: the epochs and groups before it are never read.
-        local = start_batch * (data.global_batch_size // ctx.num_input_pipelines)
-        epoch, within = divmod(local, per_epoch)
-        sizes = tf.gather(counts, file_order(tf.constant(epoch, tf.int64)))
-        sizes = tf.reduce_sum(tf.reshape(tf.pad(sizes, [[0, groups * width - len(files)]]), [groups, width]), axis=1)
-        ends = tf.cumsum(sizes)  # where each group of the start epoch ends
-        first_group = tf.reduce_sum(tf.cast(ends <= within, tf.int64))
-        before = tf.concat([[0], ends], axis=0)[first_group]
-        ds = epoch_stream(tf.constant(epoch, tf.int64), first_group).skip(within - before)
-        ds = ds.concatenate(tf.data.Dataset.range(epoch + 1, 2**62).flat_map(epoch_stream))
-        # Unparsed: the decode step parses (`_decoded`), so a record that does not parse is named like an image
-        # that does not decode.
-        return ds.enumerate(local).map(
-            lambda i, item: {**record_example(*item), "index": self.position(ctx, i)}, num_parallel_calls=AUTOTUNE
-        )
 
     def _replayed(self, ctx, start_batch, stream):
         """A split with neither random access nor files: a shuffle buffer reshuffled each epoch; a restart

@@ -15,6 +15,7 @@ from engine.run import build
 from engine.run.controller import Controller, evaluates_on_resume
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
+from engine.state import lock
 from engine.state import workdir as workdir_lib
 from engine.state.report import Report, write_json
 
@@ -31,7 +32,7 @@ def train(config, strategy=None, on_eval=None):
     saved = workdir_lib.check_same_run(config)
     run = build.run(config, strategy, on_eval=on_eval)
     chief = distribute.is_chief(strategy)
-    with workdir_lib.Lock(config.workdir) if chief else contextlib.nullcontext():
+    with lock.Lock(config.workdir) if chief else contextlib.nullcontext():
         if chief:
             saved = workdir_lib.check_same_run(config)  # again, under the lock: a run may have written it since
         checkpoints = checkpoint_lib.Checkpoints(

@@ -1,0 +1,95 @@
+"""A training split streamed from record files too large for memory: each input pipeline (one per worker) owns
+every n-th file and reads only those; the files' record counts place any data position by arithmetic, so a restart
+skips whole epochs and groups of files unread and reads at most one group before its position."""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from engine.data.records import counted_records, record_example
+from engine.settings.errors import ConfigError
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+def _fold(seed, *values):
+    """A [2] int64 stateless seed mixed with `values` (ints or int tensors), one after the other."""
+    for value in values:
+        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
+    return seed
+
+
+def _permutation(n, seed):
+    """A uniform random permutation of range(n) from a [2] int64 seed. (RandomIndexShuffle is far from uniform on
+    a few elements, such as a pipeline's files: on 12 it leaves most in place, and it reads 16 bits of a seed word.)"""
+    return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
+
+
+def owned(files, data, ctx):
+    """Input pipeline ctx's files of the split's `files` ((path, records), ...): every n-th of a permutation fixed by
+    the seed. `data`: the run's config.data."""
+    if len(files) < ctx.num_input_pipelines:
+        raise ConfigError(
+            f"--dataset={data.dataset}: its {len(files)} record files of --train_split="
+            f"{data.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
+            "each of which reads its own files; write the split in more files"
+        )
+    order = np.random.default_rng(data.seed).permutation(len(files))
+    return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
+
+
+def examples(files, data, ctx, start_batch, stream, counter, position):
+    """The examples of this pipeline's `files` (owned) from global batch `start_batch` on, unparsed, each with
+    its `index` (`position(local)`: the global stream position of the pipeline's local-th example). Each epoch
+    takes the files in an order drawn from (seed, stream, pipeline, epoch), --interleave_files at a time, shuffled
+    in windows of --shuffle_buffer; the start is placed by arithmetic on the counts."""
+    paths = tf.constant([path for path, _ in files])
+    counts = tf.constant([records for _, records in files], tf.int64)
+    per_epoch = sum(records for _, records in files)
+    width = min(data.interleave_files, len(files))
+    groups = math.ceil(len(files) / width)
+    # Seeds of this pipeline's orders: the run's, its stream's, its own. (A parameter-server worker's stream
+    # is a tensor of the traced dataset function: everything below is graph arithmetic.)
+    key = _fold(tf.constant([data.seed, 0], tf.int64), stream, ctx.input_pipeline_id)
+
+    def file_order(epoch):
+        return _permutation(len(files), _fold(key, epoch))
+
+    def group(epoch, g):
+        chosen = file_order(epoch)[g * width : (g + 1) * width]
+        ds = tf.data.Dataset.from_tensor_slices((tf.gather(paths, chosen), tf.gather(counts, chosen)))
+        ds = ds.interleave(
+            lambda path, n: counted_records(path, n, counter),
+            cycle_length=width,
+            block_length=1,
+            num_parallel_calls=AUTOTUNE,
+            deterministic=True,
+        )
+
+        # Shuffled within the group, window by window of --shuffle_buffer examples, each window's order a
+        # function of (seed, stream, pipeline, epoch, group, window): alike on every restart.
+        def shuffle(w, window):
+            order = _permutation(tf.shape(window[0])[0], _fold(key, epoch, g, w))
+            return tuple(tf.gather(part, order) for part in window)
+
+        return ds.batch(data.shuffle_buffer).enumerate().map(shuffle).unbatch()
+
+    def epoch_stream(epoch, first_group=0):
+        return tf.data.Dataset.range(first_group, groups).flat_map(lambda g: group(epoch, g))
+
+    # Where the start lies, by arithmetic on the counts: the epochs and groups before it are never read.
+    local = start_batch * (data.global_batch_size // ctx.num_input_pipelines)
+    epoch, within = divmod(local, per_epoch)
+    sizes = tf.gather(counts, file_order(tf.constant(epoch, tf.int64)))
+    sizes = tf.reduce_sum(tf.reshape(tf.pad(sizes, [[0, groups * width - len(files)]]), [groups, width]), axis=1)
+    ends = tf.cumsum(sizes)  # where each group of the start epoch ends
+    first_group = tf.reduce_sum(tf.cast(ends <= within, tf.int64))
+    before = tf.concat([[0], ends], axis=0)[first_group]
+    ds = epoch_stream(tf.constant(epoch, tf.int64), first_group).skip(within - before)
+    ds = ds.concatenate(tf.data.Dataset.range(epoch + 1, 2**62).flat_map(epoch_stream))
+    # Unparsed: the decode step parses (`_decoded`), so a record that does not parse is named like an image
+    # that does not decode.
+    return ds.enumerate(local).map(
+        lambda i, item: {**record_example(*item), "index": position(i)}, num_parallel_calls=AUTOTUNE
+    )
