@@ -131,6 +131,8 @@ def main(argv):
         from engine.settings.errors import CheckpointError, Preempted, TrainingError
 
         run = _mode(config.mode)
+    if isinstance(run, str):
+        _exit(run)
     try:
         if distribute.serve(config):  # a parameter-server job's worker or ps task: serves until stopped
             return
@@ -155,15 +157,14 @@ def main(argv):
 
 def _mode(mode):
     """The function that runs --mode=`mode`, imported as it is asked for: a training run needs none of research/'s
-    tools (Optuna, SciPy, Matplotlib), and runs where they are not installed."""
-    if mode == "tune":
-        from research import tune
-
-        return tune.tune
-    if mode == "ensemble":
-        from research import ensemble
-
-        return ensemble.ensemble
+    tools (Optuna, SciPy, Matplotlib), and runs where they are not installed. Where a research mode's are missing,
+    the line that says so instead."""
+    if mode in ("tune", "ensemble"):
+        try:
+            research = importlib.import_module(f"research.{mode}")
+        except ImportError as e:  # Optuna, SciPy, Matplotlib: research's own requirements
+            return f"--mode={mode} needs research's tools: pip install -r requirements-research.txt ({e})"
+        return getattr(research, mode)
     if mode == "train":
         from engine.run import loop
 

@@ -180,7 +180,7 @@ def test_parameter_count_is_what_keras_builds(overrides, input_shape):
 def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
     import optuna
 
-    from research import tune
+    from research import tune_study
 
     def first_draw(sampler):
         study = optuna.create_study(sampler=sampler)
@@ -189,7 +189,7 @@ def test_largest_seed_reseeds_a_resumed_study_within_32_bits():
 
     # A resumed study offsets the seed by the trials already drawn: (2**32 - 1 + 5) wraps to 4, as NumPy under
     # Optuna's samplers takes 32 bits.
-    resumed = tune._sampler(Config(seed=2**32 - 1, tune_sampler="random"), offset=5)
+    resumed = tune_study.make_sampler(Config(seed=2**32 - 1, tune_sampler="random"), offset=5)
     assert first_draw(resumed) == first_draw(optuna.samplers.RandomSampler(seed=4))
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from engine.run import build, loop
 from engine.settings.errors import ConfigError
 from engine.state import lock
-from research import checks, ensemble
+from research import checks, ensemble, ensemble_weights
 from tasks import classification
 from tests import helpers
 
@@ -204,8 +204,8 @@ def test_fit_weights_prefers_the_better_member_on_a_made_up_case():
     half = np.where(np.arange(100)[:, None] % 4 < 2, right, right[:, ::-1])
     config = helpers.make_config("", mode="ensemble", members="a,b")
     task = classification.Task(config, {}, {"num_classes": 2})
-    weights, chosen, fitted = ensemble.fit_weights([right, half], {"label": labels}, task, config)
-    combined = ensemble.combine([right, half], weights)
+    weights, chosen, fitted = ensemble_weights.fit_weights([right, half], {"label": labels}, task, config)
+    combined = ensemble_weights.combine([right, half], weights)
     assert np.mean(task.score(combined, {"label": labels})["accuracy"]) == 1.0
     assert fitted[0] > 0.9 and chosen in ("nelder_mead", "member 0 alone")
 
@@ -221,17 +221,17 @@ def test_geometric_mean_of_probabilities_matches_numpy():
     members = [rng.dirichlet(np.ones(5), size=7) for _ in range(3)]
     for weights in ([1 / 3] * 3, [0.2, 0.5, 0.3], [1.0, 0.0, 0.0]):
         np.testing.assert_allclose(
-            ensemble.combine(members, weights, "geometric"), geometric_mean(members, weights), rtol=1e-12
+            ensemble_weights.combine(members, weights, "geometric"), geometric_mean(members, weights), rtol=1e-12
         )
     np.testing.assert_allclose(
-        ensemble.combine(members, [0.2, 0.5, 0.3]), 0.2 * members[0] + 0.5 * members[1] + 0.3 * members[2]
+        ensemble_weights.combine(members, [0.2, 0.5, 0.3]), 0.2 * members[0] + 0.5 * members[1] + 0.3 * members[2]
     )
     # A member sure that a class is impossible vetoes it (weight > 0), and is ignored at weight 0.
     certain = np.array([[0.0, 1.0], [0.5, 0.5]])
     other = np.array([[0.9, 0.1], [0.2, 0.8]])
-    vetoed = ensemble.combine([certain, other], [0.5, 0.5], "geometric")[0]
+    vetoed = ensemble_weights.combine([certain, other], [0.5, 0.5], "geometric")[0]
     np.testing.assert_allclose(vetoed, [0.0, 1.0], atol=1e-150)  # 0 is clipped at float64's tiny, ** 0.5
-    np.testing.assert_allclose(ensemble.combine([certain, other], [0.0, 1.0], "geometric"), other)
+    np.testing.assert_allclose(ensemble_weights.combine([certain, other], [0.0, 1.0], "geometric"), other)
 
 
 def write_centroid_member(data_dir, path, splits=("validation", "test"), shuffle_seed=0):
@@ -375,9 +375,9 @@ def test_values_average_and_score_as_the_regression_task_reports():
     target = np.array([8.0, 10.0, 13.0, 9.0])
     examples = {"target": (target - 10.0) / 2.0}  # as prepared: standardized
     high, low = target + 1.0, target - 3.0  # one member 1 too high, one 3 too low: 3:1 weights cancel them
-    weights, chosen, fitted = ensemble.fit_weights([high, low], examples, task, config)
+    weights, chosen, fitted = ensemble_weights.fit_weights([high, low], examples, task, config)
     assert fitted == pytest.approx([0.75, 0.25], abs=1e-3) and chosen == "nelder_mead"
-    assert ensemble._scores(task, ensemble.combine([high, low], [0.5, 0.5]), examples) == {
+    assert ensemble_weights.scores(task, ensemble_weights.combine([high, low], [0.5, 0.5]), examples) == {
         "loss": 0.25,  # (1 / 2)^2: the standardized squared error
         "mse": 1.0,
         "mae": 1.0,

@@ -254,10 +254,10 @@ def test_a_source_without_names_calls_its_classes_by_their_indices():
 
 
 def test_ensemble_report_plots_the_error_rate_on_an_axis_fitted_to_it():
-    from research import ensemble
+    from research import ensemble_report
     from tests.test_reports import ENSEMBLE
 
-    fig = ensemble.figure(ENSEMBLE)
+    fig = ensemble_report.figure(ENSEMBLE)
     fig.draw_without_rendering()
     ax = {a.get_label(): a for a in fig.axes}["accuracy"]
     assert ax.get_title() == "error rate (1 - accuracy), lower is better"
@@ -294,25 +294,25 @@ def test_tune_report_colours_exclude_a_collapsed_trial_and_mark_it_apart():
 
 
 def test_a_trial_that_reported_an_infinite_loss_leaves_the_fitted_axes_finite():
-    from research import tune
+    from research import tune_report
     from tests.test_reports import COMPLETE, PRUNED, SPACE, make_study
 
     losses = [0.21, 0.25, 0.19, 48.0, 0.3, 0.22]
     outcomes = [(COMPLETE, v, {50: v}) for v in losses] + [(PRUNED, None, {50: float("inf")})]
     study = make_study(outcomes, direction="minimize")
-    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
+    fig = tune_report.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
     axes = {ax.get_label(): ax for ax in fig.axes}
     for name in ("history", "curves"):
         assert axes[name].get_ylim() == pytest.approx((0.1845, 0.3055)), name  # 0.19 to 0.3, 5% margins
 
 
 def test_a_diverged_loss_is_set_apart_too():
-    from research import tune
+    from research import tune_report
     from tests.test_reports import COMPLETE, SPACE, make_study
 
     losses = [0.21, 0.25, 0.19, 48.0, 0.3, 0.22]
     study = make_study([(COMPLETE, v, {50: v}) for v in losses], direction="minimize")
-    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
+    fig = tune_report.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
     axes = {ax.get_label(): ax for ax in fig.axes}
     assert axes["colorbar"].get_ylim() == (0.19, 0.3)
     assert "1 collapsed (48, grey)" in axes["coordinates"].get_title()

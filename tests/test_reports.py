@@ -17,7 +17,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from engine.cluster.launcher import free_ports
 from engine.settings.fields import Config
-from research import ensemble, tune
+from research import ensemble_report, tune_report, tune_summary
 from research.space import Param
 from tests.helpers import launch
 
@@ -69,8 +69,8 @@ def make_study(outcomes, direction="maximize"):
 
 
 def tune_figure(study, objective=("accuracy", "max")):
-    importances = tune._importances(study)
-    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, importances, *objective)
+    importances = tune_summary.param_importances(study)
+    fig = tune_report.figure(Config(), study.get_trials(), SPACE, study.best_trial, importances, *objective)
     fig.draw_without_rendering()  # lays out the text, so extents can be compared
     return fig, {ax.get_label(): ax for ax in fig.axes}, importances
 
@@ -120,7 +120,7 @@ def test_a_loss_objective_is_drawn_on_its_own_scale_and_never_below_zero():
         (COMPLETE, 1.7, {50: 2.1, 100: 1.9}),
     ]
     study = make_study(losses, direction="minimize")
-    fig = tune.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
+    fig = tune_report.figure(Config(), study.get_trials(), SPACE, study.best_trial, {}, "loss", "min")
     fig.draw_without_rendering()
     axes = {ax.get_label(): ax for ax in fig.axes}
     assert "(min validation loss)" in fig.get_suptitle()
@@ -222,7 +222,7 @@ ENSEMBLE = {
 
 
 def test_ensemble_report_bars_start_at_zero_with_loss_and_a_clear_legend():
-    fig = ensemble.figure(ENSEMBLE)
+    fig = ensemble_report.figure(ENSEMBLE)
     fig.draw_without_rendering()
     axes = {ax.get_label(): ax for ax in fig.axes}
     assert {"accuracy", "loss", "weights"} <= set(axes), sorted(axes)

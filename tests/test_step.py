@@ -107,7 +107,7 @@ def test_dropout_masks_differ_across_replicas(data_dir, mirrored):
     from engine.run import build
 
     trainer = build.run(helpers.make_config(data_dir, model="transformer", dropout=0.5), mirrored)
-    state, seeds = step.split_state(trainer.models)
+    state, seeds = step.split_statistics(trainer.models)
     assert seeds and not state
     images = _batch(trainer)["image"][:8]  # the same batch on both replicas
 
@@ -138,7 +138,7 @@ def test_the_step_draws_each_replicas_dropout_from_its_id(data_dir, mirrored, ac
     settings = dict(model="mlp", dropout=0.5, grad_accum_steps=accumulate, jit_compile="false")
     trainer = build.run(helpers.make_config(data_dir, **settings), mirrored)
     trainer.state.step.assign(7)
-    state, seeds = step.split_state(trainer.models)
+    state, seeds = step.split_statistics(trainer.models)
     assert seeds and not state
     batch = _batch(trainer)
     size = len(batch["label"]) // (2 * accumulate)  # a microbatch

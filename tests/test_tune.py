@@ -19,7 +19,7 @@ import pytest
 from engine.run import loop
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint, lock
-from research import checks, tune
+from research import checks, tune, tune_study
 from research.space import parse_space
 from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
@@ -48,7 +48,7 @@ def enqueue(config, *learning_rates):
     direction the tuner gives it, which the tests then check)."""
     os.makedirs(config.workdir, exist_ok=True)
     space = parse_space(config.tune_space, config)
-    study = tune._open_study(config, *tune.objective_of(config), space)
+    study = tune_study.open_study(config, *tune.objective_of(config), space)
     for rate in learning_rates:
         study.enqueue_trial({"learning_rate": rate})
 
@@ -264,7 +264,7 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
     assert [t.state.name for t in after] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
     for old, new in zip(before[:2], after[:2]):  # completed trials kept as they were
         assert (new.value, new.params, new.datetime_complete) == (old.value, old.params, old.datetime_complete)
-    assert after[3].user_attrs[tune.RESUMES] == 2 and after[3].params == before[2].params
+    assert after[3].user_attrs[tune_study.RESUMES] == 2 and after[3].params == before[2].params
     # No trial ran twice: the completed ones were not touched, the interrupted one continued in its own workdir.
     assert {n: read(workdir / "trials" / str(n), "metrics.jsonl") for n in (0, 1)} == kept
     assert sorted(os.listdir(workdir / "trials")) == ["0", "1", "2", "4"]
@@ -397,7 +397,7 @@ def test_a_study_of_the_other_direction_is_refused(data_dir, one_device, tmp_pat
 
 
 def test_the_storage_password_is_masked_in_errors(data_dir, one_device, tmp_path, monkeypatch):
-    monkeypatch.setattr(tune.time, "sleep", lambda seconds: None)  # the retries of a storage that will not open
+    monkeypatch.setattr(tune_study.time, "sleep", lambda seconds: None)  # the retries of a storage that will not open
     space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
     cases = {
         f"nosuchdb://tuner:{SECRET}@db.example/studies": (
@@ -414,9 +414,10 @@ def test_the_storage_password_is_masked_in_errors(data_dir, one_device, tmp_path
             tune.tune(tune_config(data_dir, tmp_path / "study", space, tune_storage=url), one_device)
         assert str(refused.value) == f"--tune_storage={message}"
     assert (
-        tune._masked(f"mysql://tuner:{SECRET}@h/db?password={SECRET}&x=1") == "mysql://tuner:***@h/db?password=***&x=1"
+        tune_study.masked(f"mysql://tuner:{SECRET}@h/db?password={SECRET}&x=1")
+        == "mysql://tuner:***@h/db?password=***&x=1"
     )
     # Percent-encoded in the URL, as SQLAlchemy asks; a driver's message may quote it decoded.
     encoded = "postgresql://tuner:s3cret%3Ap%40ss@h/db"
-    shown = tune._masked(encoded, f"{encoded}: login with {SECRET} failed")
+    shown = tune_study.masked(encoded, f"{encoded}: login with {SECRET} failed")
     assert shown == "postgresql://tuner:***@h/db: login with *** failed"

@@ -11,12 +11,12 @@ import keras
 import tensorflow as tf
 
 
-def split_state(models, freeze=""):
-    """(state, seeds): the models' non-trainable variables a forward pass updates (batch-norm statistics),
+def split_statistics(models, freeze=""):
+    """(statistics, seeds): the models' non-trainable variables a forward pass updates (batch-norm statistics),
     and their random seed-generator states (Keras names them so), which the step derives instead. A frozen
     model (a teacher) and the statistics whose <model>/<path> matches --freeze keep their values."""
     pattern = re.compile(freeze) if freeze else None
-    state, seeds = [], []
+    statistics, seeds = [], []
     for name, model in models.items():
         if not model.trainable:  # only read: nothing of it changes, nothing is assigned
             continue
@@ -24,8 +24,8 @@ def split_state(models, freeze=""):
             if v.path.endswith("seed_generator_state"):
                 seeds.append(v)
             elif not (pattern and pattern.search(f"{name}/{v.path}")):
-                state.append(v)
-    return state, seeds
+                statistics.append(v)
+    return statistics, seeds
 
 
 def pass_seed(step, replica, draw=0):
@@ -34,9 +34,9 @@ def pass_seed(step, replica, draw=0):
     return seed if draw == 0 else tf.random.experimental.stateless_fold_in(seed, draw)
 
 
-def stateless_forward(task, models, batch, state, values, seeds, step, replica, draw=0, run=None, weights=()):
-    """The task's training forward pass with nothing assigned, starting from `values` of `state`: returns (outputs,
-    new values of `state`, the losses the pass added: activity regularizers and `add_loss` in a model's call).
+def stateless_forward(task, models, batch, statistics, values, seeds, step, replica, draw=0, run=None, weights=()):
+    """The task's training forward pass with nothing assigned, starting from `values` of `statistics`: returns (outputs,
+    new values of `statistics`, the losses the pass added: activity regularizers and `add_loss` in a model's call).
 
     Each seed generator draws from (its own seed, `step`, `replica`, `draw`): every replica of a mirrored or
     multi-worker job gets its own dropout masks, every forward pass of a step (`draw`: its updates, their
@@ -45,7 +45,7 @@ def stateless_forward(task, models, batch, state, values, seeds, step, replica, 
     replaces the task's forward (an update's loss; `seed` its own noise's, apart from the masks'); `weights`:
     (variable, value) pairs the pass reads instead of the variables (SAM's ascent point).
     """
-    mapping = [*zip(state, values), *weights]
+    mapping = [*zip(statistics, values), *weights]
     if seeds:
         seed = pass_seed(step, replica, draw)
         noise = tf.random.stateless_uniform([], seed, minval=None, maxval=None, dtype=tf.int64)
@@ -58,7 +58,7 @@ def stateless_forward(task, models, batch, state, values, seeds, step, replica, 
             outputs = task.forward(models, batch, training=True)
         else:  # the task's own noise: a stream no pass's masks draw from (their replica ids are >= 0)
             outputs = run(models, batch, pass_seed(step, -1 - replica, draw))
-    return outputs, [scope.get_current_value(v) for v in state], list(scope.losses)
+    return outputs, [scope.get_current_value(v) for v in statistics], list(scope.losses)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -72,12 +72,12 @@ def weight_penalty(params, values=None):
     return tf.add_n(terms) if terms else None
 
 
-def accumulation_warning(models, state, accumulate):
-    """The warning line for --grad_accum_steps with state a forward pass updates (batch norm), or None."""
-    if accumulate == 1 or not state:
+def accumulation_warning(models, statistics, accumulate):
+    """The warning line for --grad_accum_steps with statistics a forward pass updates (batch norm), or None."""
+    if accumulate == 1 or not statistics:
         return None
     owner = {id(v): name for name, model in models.items() for v in model.variables}
-    names = [f"{owner[id(v)]}/{v.path}" for v in state]
+    names = [f"{owner[id(v)]}/{v.path}" for v in statistics]
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (
         f"warning: --grad_accum_steps={accumulate}: each of the {accumulate} microbatches runs its own forward pass, "
@@ -127,13 +127,13 @@ def process_gradients(grads, scale, clipping):
 
 def forward_backward(built, plan, batch, step, replica, draw, loss, shift, values):
     """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
-    grads, the state's new values). `values` of the state, or None to read them; `shift`: weights + shift."""
+    grads, the statistics' new values). `values` of the statistics, or None to read them; `shift`: weights + shift."""
     config, task, scale = built.config, built.task, plan.loss_scale.scale if built.float16 else None
     variables, global_batch, accumulate = plan.variables, config.global_batch_size, config.grad_accum_steps
     params = [v.value for v in variables]
     at = params if shift is None else [p + tf.cast(s, p.dtype) for p, s in zip(params, shift)]
     weights = () if shift is None else tuple(zip(variables, at))
-    values = [v.value for v in built.state] if values is None else values
+    values = [v.value for v in built.statistics] if values is None else values
     # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
     # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
     # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
@@ -145,7 +145,7 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
             if shift is not None:
                 tape.watch(at)
             outputs, values, pass_losses = stateless_forward(
-                task, built.models, part, built.state, values, built.seeds, step, replica * accumulate + k,
+                task, built.models, part, built.statistics, values, built.seeds, step, replica * accumulate + k,
                 draw, loss, weights,
             )  # fmt: skip
             per_example = tf.cast(task.loss(outputs, part) if loss is None else outputs, tf.float32)

@@ -15,7 +15,7 @@ step, whatever the replica count and the microbatching.
 
 import tensorflow as tf
 
-from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_state
+from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
 
 SUM = tf.distribute.ReduceOp.SUM
 # The engine's functions marked do_not_convert are tensor code without Python control flow on tensors: autograph
@@ -53,13 +53,13 @@ class Gradients:
 
 
 class Setup:
-    """What make_train_step fixes once for every step: the plans (engine/numerics/updates.py), the state a forward
+    """What make_train_step fixes once for every step: the plans (engine/numerics/updates.py), the statistics a forward
     pass updates, the seed generators, and how the pieces run."""
 
     def __init__(self, task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit):
         self.task, self.models, self.config = task, models, config
         self.plans = {plan.name: plan for plan in plans}
-        self.state, self.seeds = split_state(models, config.freeze)
+        self.statistics, self.seeds = split_statistics(models, config.freeze)
         self.num_replicas, self.stop_flag, self.float16 = num_replicas, stop_flag, float16
         self.asynchronous, self.jit = asynchronous, jit
 
@@ -84,7 +84,7 @@ class ReplicaStep:
         self.updates = [plan.update for plan in built.plans.values()]
         self.count, self._built, self._replica = count, built, replica
         self._ctx = tf.distribute.get_replica_context()
-        self._draws, self._stop, self._state = 0, None, None
+        self._draws, self._stop, self._statistics = 0, None, None
         self._pending = {name: [] for name in built.plans}
         self._applied = {name: [] for name in built.plans}  # each apply's (loss, norm, finite, scale, rates)
 
@@ -105,7 +105,7 @@ class ReplicaStep:
             lambda b, c, r, s, v: forward_backward(built, plan, b, c, r, draw, loss or plan.update.loss, s, v),
             built.jit,
         )
-        total, grads, self._state = local(batch, self.count, self._replica, shift, self._state)
+        total, grads, self._statistics = local(batch, self.count, self._replica, shift, self._statistics)
         if self._stop is None:  # the stop flag rides the step's first all-reduce
             total, stop, *grads = self._ctx.all_reduce(SUM, [total, tf.cast(built.stop_flag, tf.float32), *grads])
             self._stop = stop
@@ -129,19 +129,21 @@ class ReplicaStep:
         pending, self._pending[name] = self._pending[name], []
         finite = pending[0].finite if len(pending) == 1 else tf.reduce_all([g.finite for g in pending])
         scale = plan.loss_scale.scale.value() if built.float16 else tf.constant(0.0)  # the scale before
-        update = _maybe_jit(
-            lambda g, f, w, s: plan.new_values(g, f, w, s, built.state, built.float16, built.asynchronous), built.jit
-        )
-        values, rates = update(gradients.grads, finite, when, self._state)
+
+        def new_values(grads, finite, when, statistics):
+            return plan.new_values(grads, finite, when, statistics, built.statistics, built.float16, built.asynchronous)
+
+        update = _maybe_jit(new_values, built.jit)
+        values, rates = update(gradients.grads, finite, when, self._statistics)
         assign = _assign_add if built.asynchronous else _assign
-        targets = plan.targets(built.state, built.float16)
+        targets = plan.targets(built.statistics, built.float16)
 
         def assign_all(strategy, values):
             for variable, value in zip(tf.nest.flatten(targets), tf.nest.flatten(values)):
                 strategy.extended.update(variable, assign, args=(value,), group=False)
 
         self._ctx.merge_call(assign_all, args=(values,))
-        self._state = None  # the next forward pass reads the statistics as assigned
+        self._statistics = None  # the next forward pass reads the statistics as assigned
         self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads))
 
     @tf.autograph.experimental.do_not_convert
@@ -209,7 +211,7 @@ def make_train_step(
     built = Setup(
         task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit_compile and not whole
     )
-    warning = accumulation_warning(models, built.state, config.grad_accum_steps)
+    warning = accumulation_warning(models, built.statistics, config.grad_accum_steps)
     if warning:
         print(warning, flush=True)
     body = task.replica_step or engine_step

@@ -75,14 +75,14 @@ class Plan:
             raise ConfigError(f"{what}: choose one of clip_norm and clip_value, not both")
 
     @tf.autograph.experimental.do_not_convert
-    def targets(self, state, float16):
-        """The variables one apply assigns, by name: its weights, slots and count, the statistics `state` a forward
+    def targets(self, statistics, float16):
+        """The variables one apply assigns, by name: its weights, slots and count, the `statistics` a forward
         pass updates, its moving averages, and its loss scale in float16."""
         targets = {
             "params": [v.value for v in self.variables],
             "slots": self.optimizer.slots,
             "iterations": self.optimizer.iterations,
-            "state": [v.value for v in state],
+            "statistics": [v.value for v in statistics],
             "ema": list(self.averages),
         }
         if float16:
@@ -90,12 +90,13 @@ class Plan:
         return targets
 
     @tf.autograph.experimental.do_not_convert
-    def new_values(self, grads, finite, when, new_state, state, float16, asynchronous):
+    def new_values(self, grads, finite, when, new_statistics, statistics, float16, asynchronous):
         """({name: value} of every variable one apply assigns (targets), its learning rates), from `grads` (the
         all-reduced, clipped gradients), `finite` (theirs), `when` (None, or whether the update is due) and the
-        statistics `new_state` of `state` the step's forward passes left (None: unchanged); pure. Asynchronous
+        statistics `new_statistics` of `statistics` the step's forward passes left (None: unchanged); pure. Asynchronous
         (parameter servers): the changes, to add."""
-        current = tf.nest.map_structure(tf.convert_to_tensor, self.targets(state, float16))  # every variable read once
+        # Every variable read once.
+        current = tf.nest.map_structure(tf.convert_to_tensor, self.targets(statistics, float16))
         iterations = current["iterations"]
         new_params, new_slots, rates = self.optimizer.updates(current["params"], current["slots"], iterations, grads)
         # --ema_decay warmed up by the update count t, as TensorFlow's ExponentialMovingAverage(num_updates) and
@@ -107,7 +108,7 @@ class Plan:
             "params": new_params,
             "slots": new_slots,
             "iterations": iterations + 1,
-            "state": current["state"] if new_state is None else new_state,
+            "statistics": current["statistics"] if new_statistics is None else new_statistics,
             "ema": [decay * average + (1.0 - decay) * p for average, p in zip(current["ema"], new_params)],
         }
         scale = current.pop("loss_scale", None)

@@ -73,27 +73,27 @@ class Controller:
     def _rounds(self):
         run, report, config = self.run, self.context.report, self.run.config
         report.line(header(run))
-        # The training iterator, held alone in a list: a finished one is deleted off the loop's thread (inputs.release).
-        held, current, last, outcome = [run.program.train_iterator()], int(run.state.step.numpy()), None, None
+        # The training iterator, alone in a list: a finished one is deleted off the loop's thread (inputs.release).
+        iterators, current, last, outcome = [run.program.train_iterator()], int(run.state.step.numpy()), None, None
         report.count_losses(last_round_start(config.loop), current)
         # From here on a signal stops the loop at a step, saved; the training iterator is released when the loop ends
         # (a signal or an error included): the final evaluation and the exit do not wait for its deletion.
-        with SIGNALS.watch(run.program.stop), inputs.releasing(held):
+        with SIGNALS.watch(run.program.stop), inputs.releasing(iterators):
             # A run stopped at an evaluation step saved it unevaluated: the resumed run evaluates it, once (Report
             # dropped any evaluation of it logged before).
             if evaluates_on_resume(config.loop, current):
                 outcome = _evaluation(run).at(current, self.context)
             while current < config.train_steps and not isinstance(outcome, Stop):
-                done = self._round(held[0], current)
-                if done is None:  # recompiled: from the data position again, as the failed step took a batch
-                    _renew(held, run)
+                ran = self._round(iterators[0], current)
+                if ran is None:  # recompiled: from the data position again, as the failed step took a batch
+                    _renew(iterators, run)
                     continue
-                last, outcome = done.out, self._act(done)
+                last, outcome = ran.out, self._act(ran)
                 if outcome == ROLLED_BACK:  # on from the checkpoint's step, reading on from the round's batches
                     current = int(run.state.step.numpy())
-                    _renew(held, run)
+                    _renew(iterators, run)
                     continue
-                current = done.end
+                current = ran.end
             self.context.checkpoints.save()  # nothing to do when this step is saved already
             if run.program.stopping_anywhere():  # a signal during the last round: every worker stops here alike
                 stop(current, self.context)
@@ -116,13 +116,13 @@ class Controller:
         seconds = time.perf_counter() - tic
         return Round(current, current + int(out["steps"]), seconds, out, extra, stopping(out, run.program))
 
-    def _act(self, done):
+    def _act(self, ran):
         """The round's bookkeeping, then each due action in turn: ROLLED_BACK or Stop ends the round's actions."""
-        self.context.timing.add(done)
-        self.run.state.skipped.assign_add(int(done.out["skipped"]))
+        self.context.timing.add(ran)
+        self.run.state.skipped.assign_add(int(ran.out["skipped"]))
         for action in self.run.actions:
-            if action.due(done.end, done.stopping):
-                outcome = action(done, self.context)
+            if action.due(ran.end, ran.stopping):
+                outcome = action(ran, self.context)
                 if outcome is not None:
                     return outcome
         return None
@@ -187,10 +187,10 @@ class _around:
             manager.__exit__(*exc)
 
 
-def _renew(held, run):
-    """Replaces the training iterator in `held` by one from the data position on, the old one released."""
-    inputs.release([held.pop()])
-    held.append(run.program.train_iterator())
+def _renew(iterators, run):
+    """Replaces the training iterator in `iterators` by one from the data position on, the old one released."""
+    inputs.release([iterators.pop()])
+    iterators.append(run.program.train_iterator())
 
 
 def header(run):

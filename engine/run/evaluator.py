@@ -88,8 +88,8 @@ class Evaluator:
         persistent cache names it as the first run did)."""
         self._follow_step()
         try:
-            with inputs.releasing([self.iterator()]) as held:
-                self.eval_loop.get_concrete_function(held[0], tf.TensorSpec([], tf.int32))
+            with inputs.releasing([self.iterator()]) as iterators:
+                self.eval_loop.get_concrete_function(iterators[0], tf.TensorSpec([], tf.int32))
         except RuntimeError as e:  # metrics XLA cannot compile: the evaluation is rebuilt without it (no entry)
             if not self._without_xla(e):
                 raise
@@ -115,9 +115,9 @@ class Evaluator:
         if self.coordinator is not None:  # on the chief, reading the variables from the parameter servers
             return self._results(self._on_chief(self.data.eval_fn(tf.distribute.InputContext())))
         # The iterator's only reference: deleted off this thread (inputs.release).
-        with inputs.releasing([self.iterator()]) as held:
+        with inputs.releasing([self.iterator()]) as iterators:
             try:
-                totals = self.eval_loop(held[0], tf.constant(self.data.eval_steps))
+                totals = self.eval_loop(iterators[0], tf.constant(self.data.eval_steps))
                 self.check_retrace()
             except (tf.errors.OpError, RuntimeError) as e:
                 if self._without_xla(e):

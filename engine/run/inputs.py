@@ -21,8 +21,8 @@ from engine.run import xla
 from engine.settings import sections
 
 
-def release(held):
-    """Deletes the tf.data iterators in the list `held` on a thread of its own, where the list held their last
+def release(iterators):
+    """Deletes the tf.data iterators in the list `iterators` on a thread of its own, where the list held their last
     references (after an error the traceback may hold one: it is deleted where the error ends). Deleting an
     autotuned iterator waits for its tuning thread to wake (TensorFlow 2.21: a sleep that doubles towards 60 s as
     the iterator lives; measured 0 to 51 s, bench/RESULTS.md "Deleting a tf.data iterator waits for its
@@ -31,29 +31,29 @@ def release(held):
     before exiting (a daemon thread still in TensorFlow's destructor when the interpreter finalized aborted the
     process)."""
     try:
-        threading.Thread(target=held.clear, name="release_iterators").start()
+        threading.Thread(target=iterators.clear, name="release_iterators").start()
     except RuntimeError:  # the interpreter is shutting down: no new thread
-        held.clear()
+        iterators.clear()
 
 
 @contextlib.contextmanager
-def releasing(held):
-    """`held`, a list holding tf.data iterators, released (`release`) when the block ends, an error included."""
+def releasing(iterators):
+    """`iterators`, a list holding tf.data iterators, released (`release`) when the block ends, an error included."""
     try:
-        yield held
+        yield iterators
     finally:
-        release(held)
+        release(iterators)
 
 
 def batches(dataset):
     """The batches of a finite `dataset`, iterated in Python; its iterator deleted off this thread at the end."""
-    with releasing([iter(dataset)]) as held:
-        yield from held[0]
+    with releasing([iter(dataset)]) as iterators:
+        yield from iterators[0]
 
 
 def gathers_in_step(cluster, strategy, data, coordinator):
     """Whether each replica gathers its batch inside the step, from the training split held in memory, instead of
-    reading it from a tf.data pipeline: one CPU replica per worker (one device, or multi-worker), a split held in
+    reading it from a tf.data pipeline: one CPU replica per worker (one device, or multi-worker), a split iterators in
     memory without a per-example decode. The pipeline's hand-over costs the step more than the gather
     (bench/RESULTS.md). Not on accelerators, where the pipeline prefetches to the device and the split would have
     to be copied there first; not with parameter servers (each worker its own stream) or a tf.data service (its

@@ -39,7 +39,7 @@ def train(config, strategy=None, on_eval=None):
             run.state, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
         )
         # Before restoring: a resumed run's compiled step is read back. Not for a run with nothing left to train.
-        if config.compile_cache and run.program.jit_compile and not _trained(config, checkpoints.directory):
+        if config.compile_cache and run.program.jit_compile and not _nothing_left(config, checkpoints.directory):
             trace(run)
         restored = _restore(run, checkpoints)
         current = int(run.state.step.numpy())
@@ -49,8 +49,8 @@ def train(config, strategy=None, on_eval=None):
             return finished
         if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
-            trained = {name: model for name, model in run.models.items() if model.trainable}
-            checkpoint_lib.warm_start(trained, config.init_checkpoint)
+            trainable = {name: model for name, model in run.models.items() if model.trainable}
+            checkpoint_lib.warm_start(trainable, config.init_checkpoint)
             run.evaluator.reset_averages()
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
@@ -92,7 +92,7 @@ def _restore(run, checkpoints):
     return restored
 
 
-def _trained(config, directory):
+def _nothing_left(config, directory):
     """Whether the newest checkpoint says, by its name, that the run has nothing left to train: at --train_steps with
     its summary written (the run ends as already trained), or past them (refused). A damaged newest checkpoint
     says so too, though the run then trains from an older one: untraced, so its step compiles again (a cache miss)."""

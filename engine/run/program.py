@@ -213,8 +213,8 @@ class TrainProgram:
             return False
         spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))  # as run_steps passes the steps and position
         try:
-            with inputs.releasing([self.input.open(0)]) as held:  # its spec: the data position is not read yet
-                self.train_loop.get_concrete_function(held[0], *spec)
+            with inputs.releasing([self.input.open(0)]) as iterators:  # its spec: the data position is not read yet
+                self.train_loop.get_concrete_function(iterators[0], *spec)
         except RuntimeError as e:
             self._untraceable(e)
             return self.trace()

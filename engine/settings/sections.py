@@ -40,7 +40,9 @@ def _where(section):
 
 
 class Section:
-    """The settings of one section of `config`, read as attributes; frozen. `names` are the settings it reads."""
+    """The settings of one section of `config`, read as attributes; frozen. `names` are the settings it reads. Each
+    section has a class of its own (section() makes it: Optimization, Loop, ...), its settings annotated with their
+    types."""
 
     __slots__ = ("_config", "_name", "_names")
 
@@ -121,12 +123,26 @@ def section(config, name):
     whole = config._config if isinstance(config, Section) else config
     key = (type(whole), name)
     if key not in _CACHE:
-        _CACHE[key] = _names(type(whole), name)
+        _CACHE[key] = _typed(type(whole), name, _names(type(whole), name))
+    cls = _CACHE[key]
     if isinstance(config, Section):  # a view that reads at least that section's settings serves as it is
-        if not config._names >= _CACHE[key]:
+        if not config._names >= cls.NAMES:
             raise AttributeError(f"handed {_where(config._name)} where {_where(name)} is read: hand it that section")
         return config
-    return Section(whole, name, _CACHE[key])
+    return cls(whole, name, cls.NAMES)
+
+
+def _typed(config_type, name, names):
+    """The class of section `name`'s views: a Section named after it (Optimization, Loop; ResnetSettings for a
+    file's own), its settings annotated with their types, so a reader and a type checker see what it holds."""
+    fields = {f.name: f.type for f in dataclasses.fields(config_type)}
+    if isinstance(name, tuple):
+        title = f"{name[1].title().replace('_', '')}Settings"
+        doc = f"the settings {name[0]} {name[1]} declares in its file, and those its READS names"
+    else:
+        title, doc = name.title(), SECTIONS[name]
+    annotations = {n: fields.get(n, int) for n in sorted(names)}  # a derived value (per_eval_batch_size): an int
+    return type(title, (Section,), {"__doc__": f"{title}: {doc}.", "__annotations__": annotations, "NAMES": names})
 
 
 class Sectioned:

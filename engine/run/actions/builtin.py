@@ -41,14 +41,15 @@ class InputBoundWarning(Action):
         self.window, self.bound, self.warned = window, bound, False
 
     def __call__(self, round, context):
-        t = context.timing
-        if self.warned or not t.steps or t.steps < self.window or t.waited <= self.bound * t.seconds:
+        timing = context.timing
+        steps, waited, seconds = timing.steps, timing.waited, timing.seconds
+        if self.warned or not steps or steps < self.window or waited <= self.bound * seconds:
             return
         self.warned = True
         context.report.line(
-            f"warning: input-bound: the steps waited for input {t.waited / t.seconds:.0%} of the time over steps "
-            f"{t.first[0] + 1}-{round.end}; the input pipeline does not keep up (more workers, --tf_data_service, a "
-            "smaller --image_size or data held in memory would)"
+            f"warning: input-bound: the steps waited for input {waited / seconds:.0%} of the time over steps "
+            f"{timing.first[0] + 1}-{round.end}; the input pipeline does not keep up (more workers, --tf_data_service, "
+            "a smaller --image_size or data held in memory would)"
         )
 
 
