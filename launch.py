@@ -30,10 +30,11 @@ from absl import app, flags, logging  # noqa: E402
 
 from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
+from engine.settings.checks import unread
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
-from engine.settings.fields import Config, Switch
+from engine.settings.fields import Config, Switch, show
 from engine.settings.help import usage
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
@@ -84,6 +85,26 @@ for _field in dataclasses.fields(Config):
 FLAGS = flags.FLAGS
 
 
+def _refuse_unread(config):
+    """Settings the user gave that no part of this run reads: refused when typed on the command line (a typo's
+    twin, or another task's setting, would change nothing), a warning when they come from a flagfile (a recipe
+    reused with another task or model)."""
+    typed = set()
+    for arg in sys.argv[1:]:
+        name = arg.lstrip("-").split("=", 1)[0]
+        typed.update({name, name[2:]} if name.startswith("no") else {name})
+    given = {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
+    for name, readers in unread(config, sorted(given & typed)):
+        raise ConfigError(f"--{name}={show(getattr(config, name))}: no part of this run reads it ({readers})")
+    for name, readers in unread(config, sorted(given - typed)):
+        print(
+            f"warning: --{name}={show(getattr(config, name))} (from a flagfile): no part of this run reads it "
+            f"({readers})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _config_from_flags():
     values = {}
     for field in dataclasses.fields(Config):
@@ -103,6 +124,8 @@ def main(argv):
         _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     try:
         config = _config_from_flags()
+        if config.mode == "train":  # the other modes take the run's settings from its workdir's config.json
+            _refuse_unread(config)
         if config.mode in ("tune", "ensemble"):  # research's own checks, before anything starts
             from research import checks, space
 

@@ -251,7 +251,10 @@ def test_apply_refuses_a_raw_list_of_gradients(data_dir, one_device, monkeypatch
         step.apply("train", step.gradients("train", batch).grads)
 
     message = trace_error(data_dir, one_device, monkeypatch, replica_step)
-    assert message == "apply('train', ...) takes the Gradients of gradients('train', ...) of this step"
+    assert message == (
+        "tasks/sam.py: replica_step: step.apply('train', ...) takes the Gradients of step.gradients('train', ...) of "
+        "this step, not a list"
+    )
 
 
 def test_apply_refuses_the_gradients_of_another_update(data_dir, one_device, monkeypatch):
@@ -263,7 +266,10 @@ def test_apply_refuses_the_gradients_of_another_update(data_dir, one_device, mon
 
     updates = (Update("kernels", trains="kernel$"), Update("biases", trains="bias$"))
     message = trace_error(data_dir, one_device, monkeypatch, replica_step, updates)
-    assert message == "apply('biases', ...) takes the Gradients of gradients('biases', ...) of this step"
+    assert message == (
+        "tasks/sam.py: replica_step: step.apply('biases', ...) takes the Gradients of step.gradients('biases', ...) "
+        "of this step, not the gradients of update 'kernels'"
+    )
 
 
 def test_a_step_that_never_applies_its_update_is_refused(data_dir, one_device, monkeypatch):
@@ -271,7 +277,10 @@ def test_a_step_that_never_applies_its_update_is_refused(data_dir, one_device, m
         step.gradients("train", batch)
 
     message = trace_error(data_dir, one_device, monkeypatch, replica_step)
-    assert message == "the replica step never applies update 'train' (apply it with when=False to skip)"
+    assert message == (
+        "tasks/sam.py: replica_step: never applies update 'train'; every update is applied once a step at least "
+        "(step.apply(name, gradients, when=False) skips it)"
+    )
 
 
 def test_float16_a_non_finite_evaluation_masks_the_whole_update(data_dir, one_device, monkeypatch):

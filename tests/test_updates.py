@@ -285,12 +285,14 @@ def test_gradients_apply_once_and_only_before_their_update_moves(data_dir, one_d
     monkeypatch.setattr(data_lib, "task_class", lambda config: task)
     trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
     with pytest.raises(ValueError) as raised:
-        helpers.one_step(trainer, _batches(trainer, 1)[0])
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
     assert (
         str(raised.value)
         .strip()
         .splitlines()[-1]
-        .endswith("apply('train', ...): these gradients were applied already; take new gradients('train', ...)")
+        .endswith(
+            "step.apply('train', ...): these gradients were applied already; take new step.gradients('train', ...)"
+        )
     )
     assert int(trainer.plans[0].optimizer.iterations.numpy()) == 0
 
@@ -307,3 +309,73 @@ def test_a_forks_if_on_tensors_is_converted_in_its_loss_and_replica_step(data_di
     assert int(branching.state.step.numpy()) == 3
     for a, b in zip(_weights(plain), _weights(branching)):
         np.testing.assert_array_equal(a, b)
+
+
+class Scheduled(classification.Task):
+    """Two updates at other frequencies: the hidden layer's every 2nd step, the head's 3 times a step."""
+
+    def updates(self):
+        return (Update("body", trains=r"/dense/", every=2), Update("head", trains=r"/dense_1/", repeat=3))
+
+
+def test_every_update_follows_the_runs_schedule_whatever_its_frequency(data_dir, one_device, monkeypatch):
+    """A learning-rate schedule is a function of the run's step: warmup and cosine reach every update at the same
+    steps, whether it applies every 2nd step or 3 times a step (its own count only serves Adam's bias correction)."""
+    from engine.numerics import optim
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Scheduled)
+    config = helpers.make_config(
+        data_dir, hidden_sizes=(8,), jit_compile="false", lr_schedule="cosine", warmup_steps=4, train_steps=12
+    )
+    trainer = build.run(config, one_device)
+    iterator = trainer.program.train_iterator()
+    for step in range(12):
+        out = trainer.program.run_steps(iterator, 1)
+        expected = float(optim.learning_rate(config.optimization, step))
+        assert out["body/learning_rate"] == pytest.approx(expected, rel=1e-6), step
+        assert out["head/learning_rate"] == pytest.approx(expected, rel=1e-6), step
+    body, head = trainer.plans
+    assert (int(body.optimizer.iterations.numpy()), int(head.optimizer.iterations.numpy())) == (6, 36)
+
+
+def test_the_float16_growth_interval_counts_an_updates_finite_applications(data_dir, one_device, monkeypatch):
+    """--loss_scale_growth_interval counts each update's own finite applications: the head, applied 3 times a step,
+    doubles its scale after 2 steps of a growth interval of 6; the body, applied every 2nd step, after its 6th
+    application, at step 11."""
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Scheduled)
+    config = helpers.make_config(
+        data_dir,
+        hidden_sizes=(8,),
+        jit_compile="false",
+        precision="mixed_float16",
+        initial_loss_scale=8.0,
+        loss_scale_growth_interval=6,
+    )
+    trainer = build.run(config, one_device)
+    iterator = trainer.program.train_iterator()
+    scales = []
+    for _ in range(12):
+        trainer.program.run_steps(iterator, 1)
+        scales.append(tuple(float(plan.loss_scale.scale.numpy()) for plan in trainer.plans))
+    assert [head for _, head in scales[:4]] == [8.0, 16.0, 16.0, 32.0]  # 6 applications at steps 2 and 4
+    assert [body for body, _ in scales] == [8.0] * 10 + [16.0, 16.0]  # applied at steps 1, 3, ..., 11
+
+
+def test_two_float16_updates_each_unscale_with_their_own_scale(data_dir, one_device, monkeypatch):
+    """Two updates whose loss scales were driven far apart (one high, one at 1): each scales and unscales with its
+    own, and both train as in float32."""
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Split)
+    trained = {}
+    for precision in ("float32", "mixed_float16"):
+        config = helpers.make_config(
+            data_dir, precision=precision, initial_loss_scale=2.0**14, loss_scale_growth_interval=10**6, **SGD
+        )
+        trainer = build.run(config, one_device)
+        if precision == "mixed_float16":
+            trainer.plans[1].loss_scale.scale.assign(1.0)  # the head's at its floor, the body's far above
+        trainer.program.run_steps(trainer.program.train_iterator(), 10)
+        scales = [float(plan.loss_scale.scale.numpy()) for plan in trainer.plans]
+        trained[precision] = (_weights(trainer), scales)
+    assert trained["mixed_float16"][1] == [2.0**14, 1.0]  # every step finite: neither scale moved
+    for got, expected in zip(trained["mixed_float16"][0], trained["float32"][0]):
+        np.testing.assert_allclose(got, expected, atol=2e-3)

@@ -10,6 +10,8 @@ import re
 import keras
 import tensorflow as tf
 
+from engine.settings.errors import TaskError
+
 
 def split_statistics(models, freeze=""):
     """(statistics, seeds): the models' non-trainable variables a forward pass updates (batch-norm statistics),
@@ -125,6 +127,22 @@ def process_gradients(grads, scale, clipping):
     return grads, grad_norm, finite
 
 
+def checked_loss(per_example, batch, what):
+    """The per-example loss as float32; TaskError naming the update (`what`) when it is not one float per example of
+    the replica's `batch`: a mean would be logged and trained 1/batch of its size, a loss per class `classes` times."""
+    per_example = tf.convert_to_tensor(per_example)
+    if not per_example.dtype.is_floating:
+        raise TaskError(f"{what}: its loss is {per_example.dtype.name}, not a float: no gradient flows through it")
+    size = next(iter(batch.values())).shape[0]
+    shape = per_example.shape
+    if shape.rank != 1 or (size is not None and shape[0] is not None and shape[0] != size):
+        raise TaskError(
+            f"{what}: its loss has shape {shape.as_list()}, not one value per example of the replica's batch "
+            f"([{size}]): the engine sums it over the global batch; never average or keep other axes"
+        )
+    return tf.cast(per_example, tf.float32)
+
+
 def forward_backward(built, plan, batch, step, replica, draw, loss, shift, values):
     """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
     grads, the statistics' new values). `values` of the statistics, or None to read them; `shift`: weights + shift."""
@@ -148,7 +166,7 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
                 task, built.models, part, built.statistics, values, built.seeds, step, replica * accumulate + k,
                 draw, loss, weights,
             )  # fmt: skip
-            per_example = tf.cast(task.loss(outputs, part) if loss is None else outputs, tf.float32)
+            per_example = checked_loss(task.loss(outputs, part) if loss is None else outputs, part, plan.what)
             # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'
             # examples, the same number one device computes, whatever the replica count.
             part_loss = tf.reduce_sum(per_example) / global_batch
@@ -164,9 +182,13 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
                 # count it once per replica.
                 part_loss += penalty / built.num_replicas
             scaled = part_loss * scale if scale is not None else part_loss
-        part_grads = [
-            tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(at, tape.gradient(scaled, at))
-        ]
+        found = tape.gradient(scaled, at)
+        if all(g is None for g in found):  # a constant, or a loss of other variables: it would train nothing
+            raise TaskError(
+                f"{plan.what}: its loss does not depend on the variables it trains ({plan.names[0]}"
+                f"{f' and {len(plan.names) - 1} more' if plan.names[1:] else ''}): no gradient reaches them"
+            )
+        part_grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(at, found)]
         grads = part_grads if grads is None else [g + d for g, d in zip(grads, part_grads)]
         total += part_loss
     return total, grads, values

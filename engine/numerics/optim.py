@@ -7,14 +7,16 @@ Keras's own optimizers cannot be used in the step: they all-reduce again inside
 `apply_gradients` and cannot skip a step for every replica at once.
 """
 
+import dataclasses
 import math
 import re
 
 import tensorflow as tf
 
-from engine.settings import sections
-from engine.settings.errors import ConfigError
-from engine.settings.fields import MOMENT_DTYPES
+from engine.settings import checks, sections
+from engine.settings.errors import ConfigError, TaskError
+from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES
+from engine.settings.identity import KINDS, holds
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
@@ -27,7 +29,7 @@ SCHEDULES = {
 
 @tf.autograph.experimental.do_not_convert
 def learning_rate(optimization, step):
-    """Learning rate for the update that follows `step` updates: scaled peak, linear warmup, decay.
+    """Learning rate of the updates of the step that follows `step` steps: scaled peak, linear warmup, decay.
     `optimization`: the run's config.optimization (or a Config, whose section it reads)."""
     hp = sections.section(optimization, "optimization")
     peak = hp.learning_rate
@@ -108,14 +110,28 @@ def checked_settings(optimization, overrides, what):
         except AttributeError as e:  # another section's setting, which no optimizer reads
             raise ConfigError(f"{what}: {e}") from None
     for name, value in overrides.items():
+        kind = FIELD_BY_NAME[name].type
+        if not holds(value, kind):
+            raise TaskError(f"{what}: {name}={value!r}: must be {KINDS[kind]}")
         # A group may stand still (learning rate 0), unlike a run: every number zero or more, rules by name.
         if name == "optimizer" and value not in RULES:
-            raise ConfigError(f"{what}: optimizer={value}: must be one of {', '.join(RULES)}")
+            raise TaskError(f"{what}: optimizer={value}: must be one of {', '.join(RULES)}")
         if name == "first_moment_dtype" and value not in MOMENT_DTYPES:
-            raise ConfigError(f"{what}: first_moment_dtype={value}: must be one of {', '.join(MOMENT_DTYPES)}")
+            raise TaskError(f"{what}: first_moment_dtype={value}: must be one of {', '.join(MOMENT_DTYPES)}")
         if isinstance(value, (int, float)) and not (value >= 0 and math.isfinite(value)):
-            raise ConfigError(f"{what}: {name}={value}: must be zero or positive")
-    return hp.replace(**overrides)
+            raise TaskError(f"{what}: {name}={value}: must be zero or positive")
+    checked = hp.replace(**overrides)
+    # Then every check a flag of the run gets (a rate in [0, 1), clip_norm and clip_value not both, a decay the
+    # learning rate cannot push past 1), on the run's settings with these: as the flags are refused, so are they.
+    whole = sections.whole(checked)
+    try:
+        probe = dataclasses.replace(whole, learning_rate=whole.learning_rate or 1.0)  # a group may stand still
+        checks.check_signs(probe)
+        checks.check_limits(probe)
+        checks.check_training(whole)
+    except ConfigError as e:
+        raise TaskError(f"{what}: {str(e).removeprefix('--')}") from None
+    return checked
 
 
 class Optimizer(tf.Module):
@@ -162,21 +178,25 @@ class Optimizer(tf.Module):
         return [self.slots_by_path[path] for path in self.paths]
 
     @tf.autograph.experimental.do_not_convert
-    def updates(self, params, slots, iterations, grads):
+    def updates(self, params, slots, iterations, grads, step=None):
         """New parameter and slot values for one step from the values given; pure, nothing is read or assigned.
 
-        `slots` is shaped like `self.slots`; returns (new_params, new_slots, {name: learning rate} of `rate_names`):
-        the rates the parameters were updated with, and no other (a run's own rate is not logged where every
-        parameter trains in a group).
+        `slots` is shaped like `self.slots`; `iterations` this optimizer's applied updates (Adam's bias correction
+        counts them); `step` the run's steps before this one, which the learning-rate schedule is a function of:
+        an update applied several times a step (repeat), at every k-th step (every) or skipped (float16) follows
+        the run's schedule as its every other update does (None: the optimizer used alone, its own count).
+        Returns (new_params, new_slots, {name: learning rate} of `rate_names`): the rates the parameters were
+        updated with, and no other (a run's own rate is not logged where every parameter trains in a group).
         """
         t = tf.cast(iterations + 1, tf.float32)
+        step = iterations if step is None else step
         rates = {}
         new_params, new_slots = [], []
         for param, grad, param_slots, decays, hp, name in zip(
             params, grads, slots, self.decays, self.settings, self.rate_of
         ):
             if name not in rates:
-                rates[name] = learning_rate(hp, iterations)
+                rates[name] = learning_rate(hp, step)
             lr = rates[name]
             if decays and hp.weight_decay:
                 param -= param * hp.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras

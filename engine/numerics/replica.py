@@ -16,6 +16,7 @@ step, whatever the replica count and the microbatching.
 import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
+from engine.settings.errors import TaskError
 
 SUM = tf.distribute.ReduceOp.SUM
 # The engine's functions marked do_not_convert are tensor code without Python control flow on tensors: autograph
@@ -84,22 +85,39 @@ class ReplicaStep:
         self.updates = [plan.update for plan in built.plans.values()]
         self.count, self._built, self._replica = count, built, replica
         self._ctx = tf.distribute.get_replica_context()
+        self._file = f"tasks/{built.config.task}.py: replica_step"
         self._draws, self._stop, self._statistics = 0, None, None
         self._pending = {name: [] for name in built.plans}
         self._applied = {name: [] for name in built.plans}  # each apply's (loss, norm, finite, scale, rates)
 
     @tf.autograph.experimental.do_not_convert
-    def _plan(self, name):
+    def _plan(self, name, primitive):
+        """The plan of update `name`, asked for by `primitive`: TaskError for a name the task has no update of, or a
+        primitive called outside the replica step it was handed to (another strategy's, or none)."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.strategy is not self._ctx.strategy:
+            raise TaskError(
+                f"{self._file}: step.{primitive}({name!r}, ...) called outside the replica step it was handed to; "
+                "call the primitives inside replica_step(step, batch) only"
+            )
         if name not in self._built.plans:
-            raise ValueError(f"no update {name!r}: the task's updates are {', '.join(self._built.plans)}")
+            raise TaskError(
+                f"{self._file}: step.{primitive}({name!r}, ...): no update {name!r}; the task's updates are "
+                f"{', '.join(self._built.plans)}"
+            )
         return self._built.plans[name]
 
     @tf.autograph.experimental.do_not_convert
     def variables(self, name):
-        return [v.value for v in self._plan(name).variables]
+        return [v.value for v in self._plan(name, "variables").variables]
 
     def gradients(self, name, batch, loss=None, shift=None):
-        built, plan = self._built, self._plan(name)
+        built, plan = self._built, self._plan(name, "gradients")
+        if shift is not None and len(shift) != len(plan.variables):
+            raise TaskError(
+                f"{self._file}: step.gradients({name!r}, ..., shift=...): {len(shift)} shifts for the "
+                f"{len(plan.variables)} variables update {name!r} trains (step.variables({name!r}), in order)"
+            )
         draw, self._draws = self._draws, self._draws + 1
         local = _maybe_jit(
             lambda b, c, r, s, v: forward_backward(built, plan, b, c, r, draw, loss or plan.update.loss, s, v),
@@ -119,22 +137,28 @@ class ReplicaStep:
 
     @tf.autograph.experimental.do_not_convert
     def apply(self, name, gradients, when=None):
-        built, plan = self._built, self._plan(name)
+        built, plan = self._built, self._plan(name, "apply")
         if not isinstance(gradients, Gradients) or gradients.owner is not self or gradients.name != name:
-            raise ValueError(f"apply({name!r}, ...) takes the Gradients of gradients({name!r}, ...) of this step")
+            raise TaskError(
+                f"{self._file}: step.apply({name!r}, ...) takes the Gradients of step.gradients({name!r}, ...) of "
+                f"this step, not {_described(gradients, self)}"
+            )
         if not any(g is gradients for g in self._pending[name]):  # taken before the weights its apply moved
-            raise ValueError(
-                f"apply({name!r}, ...): these gradients were applied already; take new gradients({name!r}, ...)"
+            raise TaskError(
+                f"{self._file}: step.apply({name!r}, ...): these gradients were applied already; take new "
+                f"step.gradients({name!r}, ...)"
             )
         pending, self._pending[name] = self._pending[name], []
         finite = pending[0].finite if len(pending) == 1 else tf.reduce_all([g.finite for g in pending])
         scale = plan.loss_scale.scale.value() if built.float16 else tf.constant(0.0)  # the scale before
 
-        def new_values(grads, finite, when, statistics):
-            return plan.new_values(grads, finite, when, statistics, built.statistics, built.float16, built.asynchronous)
+        def new_values(grads, finite, when, statistics, step):
+            return plan.new_values(
+                grads, finite, when, statistics, built.statistics, built.float16, built.asynchronous, step
+            )
 
         update = _maybe_jit(new_values, built.jit)
-        values, rates = update(gradients.grads, finite, when, self._statistics)
+        values, rates = update(gradients.grads, finite, when, self._statistics, self.count)
         assign = _assign_add if built.asynchronous else _assign
         targets = plan.targets(built.statistics, built.float16)
 
@@ -155,7 +179,10 @@ class ReplicaStep:
         for name, applied in self._applied.items():
             plan = self._built.plans[name]
             if not applied:
-                raise ValueError(f"the replica step never applies update {name!r} (apply it with when=False to skip)")
+                raise TaskError(
+                    f"{self._file}: never applies update {name!r}; every update is applied once a step at least "
+                    "(step.apply(name, gradients, when=False) skips it)"
+                )
             loss = applied[0][0] if len(applied) == 1 else tf.add_n([a[0] for a in applied]) / len(applied)
             *_, norm, finite, scale, rates, applied_grads = applied[-1]
             grads.update(zip(plan.names, applied_grads))
@@ -172,6 +199,15 @@ class ReplicaStep:
         loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
         extra = {"gradients": grads} if "gradients" in extras else {}
         return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out, **extra}
+
+
+def _described(gradients, step):
+    """What an apply of `step` was handed instead of its update's gradients of this step, in words."""
+    if not isinstance(gradients, Gradients):
+        return f"a {type(gradients).__name__}"
+    if gradients.owner is not step:
+        return f"the gradients of update {gradients.name!r} of another step"
+    return f"the gradients of update {gradients.name!r}"
 
 
 def engine_step(step, batch):

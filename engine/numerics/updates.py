@@ -15,7 +15,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from engine.numerics import optim, precision
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TaskError
 
 DEFAULT = "train"  # the one update of a task that defines none; its metrics and checkpoint keep the plain names
 
@@ -35,6 +35,9 @@ class Update:
     every: applied at the steps whose count of steps before it is a multiple of `every` (its gradients are taken
         at every step, so every replica all-reduces alike; nothing of it changes at the other steps).
     repeat: applied this many times per step, in turn, each time a fresh forward pass over the step's batch.
+    shares: it may train variables an update before it trains too: each keeps its own optimizer slots and update
+        count, and the variables' moving averages (--ema_decay) move at each of their applications. Refused unless
+        said, as that is seldom what a task means.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Update:
     clip_value: float | None = None
     every: int = 1
     repeat: int = 1
+    shares: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +66,14 @@ class Plan:
     def __init__(self, update, variables, names, averages, optimization, numerics, prefix, what):
         self.update, self.name, self.prefix = update, update.name, prefix
         self.variables, self.names, self.averages = variables, names, averages
-        self.ema_decay = optimization.ema_decay
-        settings = optim.checked_settings(optimization, update.optimizer, what)
-        self.optimizer = optim.Optimizer(settings, [v.value for v in variables], names, update.groups)
+        self.ema_decay, self.what = optimization.ema_decay, what
+        # Its clipping and optimizer settings over the run's, checked as the flags are (engine/numerics/optim.py).
+        clipping = {k: getattr(update, k) for k in ("clip_norm", "clip_value") if getattr(update, k) is not None}
+        self.settings = optim.checked_settings(optimization, {**update.optimizer, **clipping}, what)
+        self.optimizer = optim.Optimizer(self.settings, [v.value for v in variables], names, update.groups)
         # Created in every precision so a checkpoint fits any of them; only float16 uses it.
         self.loss_scale = precision.LossScale(numerics.initial_loss_scale, numerics.loss_scale_growth_interval)
-        self.clipping = Clipping(
-            optimization.clip_norm if update.clip_norm is None else update.clip_norm,
-            optimization.clip_value if update.clip_value is None else update.clip_value,
-        )
-        if self.clipping.clip_norm and self.clipping.clip_value:
-            raise ConfigError(f"{what}: choose one of clip_norm and clip_value, not both")
+        self.clipping = Clipping(self.settings.clip_norm, self.settings.clip_value)
 
     @tf.autograph.experimental.do_not_convert
     def targets(self, statistics, float16):
@@ -90,7 +91,7 @@ class Plan:
         return targets
 
     @tf.autograph.experimental.do_not_convert
-    def new_values(self, grads, finite, when, new_statistics, statistics, float16, asynchronous):
+    def new_values(self, grads, finite, when, new_statistics, statistics, float16, asynchronous, step):
         """({name: value} of every variable one apply assigns (targets), its learning rates), from `grads` (the
         all-reduced, clipped gradients), `finite` (theirs), `when` (None, or whether the update is due) and the
         statistics `new_statistics` of `statistics` the step's forward passes left (None: unchanged); pure. Asynchronous
@@ -98,7 +99,9 @@ class Plan:
         # Every variable read once.
         current = tf.nest.map_structure(tf.convert_to_tensor, self.targets(statistics, float16))
         iterations = current["iterations"]
-        new_params, new_slots, rates = self.optimizer.updates(current["params"], current["slots"], iterations, grads)
+        new_params, new_slots, rates = self.optimizer.updates(
+            current["params"], current["slots"], iterations, grads, step
+        )
         # --ema_decay warmed up by the update count t, as TensorFlow's ExponentialMovingAverage(num_updates) and
         # Model Garden do: min(D, (1 + t) / (10 + t)). A fixed D from the first update would leave D**t of the
         # initial weights in the average that evaluation and export use.
@@ -149,10 +152,17 @@ def _check(update, task_file):
         raise ConfigError(f"{task_file}: update name {update.name!r}: use letters, digits, '_', '.' or '-'")
     for field in ("every", "repeat"):
         value = getattr(update, field)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(
-                f"{task_file}: update {update.name!r}: {field}={value!r}: must be an integer of 1 or more"
-            )
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TaskError(f"{task_file}: update {update.name!r}: {field}={value!r}: must be an integer of 1 or more")
+    if isinstance(update.trains, str):
+        try:
+            re.compile(update.trains)
+        except re.error as e:
+            raise TaskError(
+                f"{task_file}: update {update.name!r}: trains={update.trains!r}: not a regular expression ({e})"
+            ) from None
+    elif not all(isinstance(name, str) for name in update.trains):
+        raise TaskError(f"{task_file}: update {update.name!r}: trains={update.trains!r}: model names, or a regex")
 
 
 def _say_overrides(update, config, task_file):
@@ -187,7 +197,7 @@ def build_plans(task, weights, config):
     taken = [u.name for u in updates]
     if len(set(taken)) != len(taken):
         raise ConfigError(f"{task_file}: two updates are named alike ({', '.join(taken)})")
-    plans, covered = [], set()
+    plans, covered = [], {}
     for update in updates:
         chosen = _selected(update, names)
         if not chosen:
@@ -195,7 +205,14 @@ def build_plans(task, weights, config):
                 f"{task_file}: update {update.name!r} trains={update.trains!r} matches no trained variable "
                 f"(e.g. {names[0]})"
             )
-        covered.update(chosen)
+        shared = [i for i in chosen if i in covered]
+        if shared and not update.shares:
+            raise TaskError(
+                f"{task_file}: updates {covered[shared[0]]!r} and {update.name!r} both train {names[shared[0]]}"
+                f"{f' and {len(shared) - 1} more' if shared[1:] else ''}: each would keep its own optimizer slots and "
+                f"move its moving average again; say Update({update.name!r}, ..., shares=True) if that is meant"
+            )
+        covered.update({i: update.name for i in chosen if i not in covered})
         plans.append(
             Plan(
                 update,

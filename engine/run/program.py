@@ -11,7 +11,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from engine.cluster import distribute
 from engine.numerics import replica
 from engine.run import inputs, xla
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, task_error
 
 
 class Recompiled(Exception):
@@ -216,8 +216,14 @@ class TrainProgram:
             with inputs.releasing([self.input.open(0)]) as iterators:  # its spec: the data position is not read yet
                 self.train_loop.get_concrete_function(iterators[0], *spec)
         except RuntimeError as e:
+            if task_error(e) is not None:
+                raise task_error(e) from None
             self._untraceable(e)
             return self.trace()
+        except Exception as e:
+            if task_error(e) is None:
+                raise
+            raise task_error(e) from None
         return True
 
     def run_steps(self, iterator, steps):
@@ -228,7 +234,17 @@ class TrainProgram:
 
     def run_round(self, iterator, steps, extras=frozenset()):
         """run_steps, and the round's last step's `extras` ({"gradients": {<model>/<path>: numpy array}}: the
-        gradients it applied, all-reduced, unscaled and clipped), as an action asked for them."""
+        gradients it applied, all-reduced, unscaled and clipped), as an action asked for them. A task's code that
+        cannot run (TaskError, found as the step is traced) is raised as itself: one line, naming the task."""
+        try:
+            return self._run_round(iterator, steps, extras)
+        except Exception as e:
+            found = task_error(e)
+            if found is None:
+                raise
+            raise found from None
+
+    def _run_round(self, iterator, steps, extras):
         position = (int(self.state.step.numpy()), int(self.state.batches.numpy()))
         try:
             loop = self._loop(frozenset(extras))[1]
@@ -237,7 +253,7 @@ class TrainProgram:
                 self.check_retrace("train_loop", loop)
         except RuntimeError as e:
             self._untraceable(e)
-            return self.run_round(iterator, steps, extras)
+            return self._run_round(iterator, steps, extras)
         except tf.errors.OpError as e:
             ops = unsupported_ops(e)
             if ops and self.jit_compile and self.config.jit_compile == "auto":

@@ -283,7 +283,7 @@ def check_batch(config, num_replicas):
 def resolve_task(config):
     """Returns the config with an empty --dataset and --model made the task's own, once the task, the schedule's
     warmup and --freeze are known good; refuses a model that is not a file of models/."""
-    if config.warmup_steps >= config.train_steps and config.lr_schedule == "cosine":
+    if config.warmup_steps and config.warmup_steps >= config.train_steps:  # every schedule: it never reaches its peak
         fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
     if config.task not in plugins.names("task"):
         fail("task", config.task, f"must name a file in tasks/ ({', '.join(plugins.names('task'))})")
@@ -330,14 +330,13 @@ def _check_declared(config):
     """The declared settings of the chosen model, task, source, action or mode: numbers positive (or in their declared
     range: (low, high), or (low, None) for no upper bound), lists of positive integers, "required" strings given, a
     string among its declared choices (a tuple of strings; "" among them: it may be empty). What only the module can
-    judge (a depth of 6n+2) it raises when it builds."""
+    judge (a depth of 6n+2) it raises when it builds. Every value is checked whether or not this run reads it (a
+    value its owner would refuse is refused here too); "required" only where it is read."""
     for field in DECLARED_FIELDS:
-        if not applies(field.name, config):
-            continue
         value, bounds = getattr(config, field.name), field.metadata["bounds"]
         if field.type is tuple and not (value and min(value) > 0):
             fail(field.name, value, "must be a list of positive integers, e.g. 64,64")
-        if field.type is str and bounds == "required" and not value:
+        if field.type is str and bounds == "required" and not value and applies(field.name, config):
             flag, module = field.metadata["owner"]
             fail(field.name, value, f"--{flag}={module} needs it ({field.metadata['help'].split(': ', 1)[1]})")
         if field.type is str and isinstance(bounds, tuple) and value not in bounds:
@@ -348,6 +347,13 @@ def _check_declared(config):
             fail(field.name, value, f"must be in [{bounds[0]}, {bounds[1]}]")
         if field.type in (int, float) and not bounds and not (value > 0 and math.isfinite(value)):
             fail(field.name, value, "must be a positive number")
+
+
+def unread(config, given):
+    """[(name, its readers in words)] of the settings in `given` (names set by the user) that no part of a run of
+    `config` reads: another task's, model's, source's or optimizer's (--gan_critic_steps on a classification run,
+    --momentum with --optimizer=adamw)."""
+    return [(name, _read_by(name)) for name in given if not applies(name, config)]
 
 
 def _read_by(name):

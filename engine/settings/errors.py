@@ -27,3 +27,13 @@ class Preempted(Exception):
     def __init__(self, message, exit_code):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def task_error(error):
+    """The TaskError behind `error`, or None: tracing a step wraps what a task's code raises in errors of its own
+    (autograph's StagingError), which keep it as their cause."""
+    while error is not None:
+        if isinstance(error, TaskError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None

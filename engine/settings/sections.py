@@ -93,6 +93,11 @@ class Section:
         return Section(dataclasses.replace(self._config, **changes), self._name, self._names)
 
 
+def whole(config):
+    """The Config a section (or a Config) is a view of."""
+    return config._config if isinstance(config, Section) else config
+
+
 def every_setting(config):
     """The names of every setting of the Config under `config` (a Config or a view), whatever section."""
     whole = config._config if isinstance(config, Section) else config

@@ -1,0 +1,189 @@
+"""A fork's mistakes in its own step are one line each (TaskError: exit 2 from launch.py), naming the task's file,
+the update or primitive and the value: misused primitives, an update's settings checked as the flags are, a loss
+that breaks the per-example contract, updates that share variables unsaid."""
+
+import pytest
+import tensorflow as tf
+
+from engine.api import DEFAULT, Update
+from engine.data import datasets as data_lib
+from engine.run import build
+from engine.settings.errors import ConfigError, TaskError
+from tasks import classification
+from tests import helpers
+
+FILE = "tasks/classification.py"
+SGD = dict(optimizer="sgd", momentum=0.0, hidden_sizes=(8,), jit_compile="false")
+
+
+class Twice(classification.Task):
+    def replica_step(self, step, batch):
+        gradients = step.gradients(DEFAULT, batch)
+        step.apply(DEFAULT, gradients)
+        step.apply(DEFAULT, gradients)
+
+
+class Never(classification.Task):
+    def replica_step(self, step, batch):
+        step.gradients(DEFAULT, batch)
+
+
+class Unknown(classification.Task):
+    def replica_step(self, step, batch):
+        step.apply("trian", step.gradients("trian", batch))
+
+
+class Crossed(classification.Task):
+    def updates(self):
+        return (Update("body", trains=r"/dense/"), Update("head", trains=r"/dense_1/"))
+
+    def replica_step(self, step, batch):
+        body = step.gradients("body", batch)
+        step.apply("head", body)
+        step.apply("body", body)
+
+
+class Shifted(classification.Task):
+    def replica_step(self, step, batch):
+        first = step.gradients(DEFAULT, batch)
+        step.apply(DEFAULT, step.gradients(DEFAULT, batch, shift=first.grads[:1]))
+
+
+class Outside(classification.Task):
+    def replica_step(self, step, batch):
+        self.kept = step
+        step.apply(DEFAULT, step.gradients(DEFAULT, batch))
+
+    def probe(self, models, examples):
+        self.kept.variables(DEFAULT)  # on the host, at evaluation: outside the step it was handed to
+        return {}
+
+
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        (Twice, "replica_step: step.apply('train', ...): these gradients were applied already; take new "),
+        (Never, "replica_step: never applies update 'train'; every update is applied once a step at least"),
+        (Unknown, "replica_step: step.gradients('trian', ...): no update 'trian'; the task's updates are train"),
+        (Crossed, "replica_step: step.apply('head', ...) takes the Gradients of step.gradients('head', ...) of this "),
+        (Shifted, "replica_step: step.gradients('train', ..., shift=...): 1 shifts for the 4 variables update"),
+    ],
+    ids=["twice", "never", "unknown", "crossed", "shift"],
+)
+def test_a_misused_primitive_is_one_line(data_dir, one_device, monkeypatch, task, message):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: task)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    with pytest.raises(TaskError) as raised:
+        trainer.program.run_steps(trainer.program.train_iterator(), 2)
+    assert str(raised.value).startswith(f"{FILE}: {message}") and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_a_primitive_called_outside_its_step_is_one_line(data_dir, one_device, monkeypatch):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Outside)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    trainer.program.run_steps(trainer.program.train_iterator(), 1)
+    with pytest.raises(TaskError) as raised:
+        trainer.evaluator.evaluate()
+    assert str(raised.value) == (
+        f"{FILE}: replica_step: step.variables('train', ...) called outside the replica step it was handed to; "
+        "call the primitives inside replica_step(step, batch) only"
+    )
+
+
+def _with_updates(monkeypatch, *updates):
+    class Task(classification.Task):
+        def updates(self):
+            return updates
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Task)
+
+
+@pytest.mark.parametrize(
+    "update, message",
+    [
+        (Update("a", clip_norm=-1.0), "update 'a': clip_norm=-1.0: must be zero or positive"),
+        (Update("a", clip_value=-0.01), "update 'a': clip_value=-0.01: must be zero or positive"),
+        (Update("a", clip_norm=1.0, clip_value=0.1), "update 'a': clip_value=0.1: choose one of --clip_norm and"),
+        (Update("a", optimizer={"beta_1": 1.5}), "update 'a': beta_1=1.5: must be in [0, 1)"),
+        (Update("a", optimizer={"momentum": 3.0}), "update 'a': momentum=3.0: must be in [0, 1)"),
+        (Update("a", optimizer={"epsilon": 0.0}), "update 'a': epsilon=0.0: must be a positive number"),
+        (Update("a", optimizer={"beta_2": "0.9"}), "update 'a': beta_2='0.9': must be a number"),
+        (Update("a", trains="["), "update 'a': trains='[': not a regular expression (unterminated character set"),
+    ],
+    ids=["clip_norm", "clip_value", "both_clips", "beta_1", "momentum", "epsilon", "a_string", "regex"],
+)
+def test_an_updates_settings_are_checked_as_the_flags_are(data_dir, one_device, monkeypatch, update, message):
+    _with_updates(monkeypatch, update)
+    with pytest.raises(TaskError) as raised:
+        build.run(helpers.make_config(data_dir, **SGD), one_device)
+    assert str(raised.value).startswith(f"{FILE}: {message}"), str(raised.value)
+
+
+def test_updates_sharing_a_variable_are_refused_unless_the_task_says_so(data_dir, one_device, monkeypatch):
+    _with_updates(monkeypatch, Update("all"), Update("head", trains=r"/dense_1/"))
+    with pytest.raises(TaskError) as raised:
+        build.run(helpers.make_config(data_dir, **SGD), one_device)
+    assert str(raised.value) == (
+        f"{FILE}: updates 'all' and 'head' both train model/mlp/dense_1/kernel and 1 more: each would keep its own "
+        "optimizer slots and move its moving average again; say Update('head', ..., shares=True) if that is meant"
+    )
+    _with_updates(monkeypatch, Update("all"), Update("head", trains=r"/dense_1/", shares=True))
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 2)
+    assert out["steps"] == 2 and int(trainer.plans[1].optimizer.iterations.numpy()) == 2
+
+
+def _loss(value):
+    class Task(classification.Task):
+        def loss(self, outputs, batch):
+            return value(super().loss(outputs, batch), outputs)
+
+    return Task
+
+
+@pytest.mark.parametrize(
+    "loss, message",
+    [
+        (lambda per_example, outputs: tf.reduce_mean(per_example), "its loss has shape [], not one value per"),
+        (lambda per_example, outputs: outputs, "its loss has shape [64, 10], not one value per example of the"),
+        (lambda per_example, outputs: tf.cast(per_example > 1, tf.int32), "its loss is int32, not a float: no "),
+        (lambda per_example, outputs: tf.ones_like(per_example), "its loss does not depend on the variables it "),
+    ],
+    ids=["a_mean", "per_class", "integer", "constant"],
+)
+def test_a_loss_that_breaks_the_per_example_contract_is_one_line(data_dir, one_device, monkeypatch, loss, message):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: _loss(loss))
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    with pytest.raises(TaskError) as raised:
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
+    assert str(raised.value).startswith(f"{FILE}: update 'train': {message}"), str(raised.value)
+    assert isinstance(raised.value, ConfigError) and "\n" not in str(raised.value)
+
+
+def test_launch_ends_a_forks_mistake_in_one_line_with_exit_2(tmp_path):
+    """The same as a user meets it: a task file whose step applies its gradients twice."""
+    import shutil
+    import subprocess
+    import sys
+
+    fork = tmp_path / "fork"
+    shutil.copytree(helpers.ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
+    (fork / "tasks" / "twice.py").write_text(
+        "from engine.api import DEFAULT\nfrom tasks import classification\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def replica_step(self, step, batch):\n"
+        "        gradients = step.gradients(DEFAULT, batch)\n"
+        "        step.apply(DEFAULT, gradients)\n"
+        "        step.apply(DEFAULT, gradients)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "launch.py", "--task=twice", "--train_steps=2", f"--workdir={tmp_path / 'run'}"],
+        cwd=fork,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: tasks/twice.py: replica_step: step.apply('train', ...): these gradients were applied already; "
+        "take new step.gradients('train', ...)"
+    ], result.stderr

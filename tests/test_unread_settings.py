@@ -1,0 +1,46 @@
+"""Settings no part of a run reads: refused in one line naming who reads them when typed on the command line, a
+warning when a flagfile brings them; and every value checked by its owner's checks whether or not it is read."""
+
+import pytest
+
+from tests.helpers import launch
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--task=classification", "--gan_critic_steps=3"], "--gan_critic_steps=3: no part of this run reads it (read "
+         "by --task=gan)"),
+        (["--model=mlp", "--gpt_layers=3"], "--gpt_layers=3: no part of this run reads it (read by --model=gpt)"),
+        (["--optimizer=adamw", "--momentum=0.5"], "--momentum=0.5: no part of this run reads it (read by "
+         "--optimizer=sgd)"),
+        (["--dataset=digits", "--synthetic_classes=5"], "--synthetic_classes=5: no part of this run reads it (read by "
+         "--dataset=synthetic)"),
+        (["--sam_rho=inf"], "--sam_rho=inf: must be in [0.0, 10.0]"),
+        (["--gan_latent=0"], "--gan_latent=0: must be a positive number"),
+        (["--warmup_steps=5000"], "--warmup_steps=5000: must be less than --train_steps=1000"),
+        (["--histogram_every=10"], "--histogram_every=10: no part of this run "
+         "reads it (read by --actions=histograms)"),
+    ],
+    ids=["task", "model", "optimizer", "source", "sam_rho", "gan_latent", "warmup", "action"],
+)  # fmt: skip
+def test_a_setting_no_part_of_the_run_reads_is_refused_naming_its_readers(tmp_path, args, line):
+    result = launch(*args, f"--workdir={tmp_path / 'run'}")
+    assert (result.returncode, result.stderr.splitlines()) == (2, [f"error: {line}"])
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_a_flagfile_of_another_task_warns_for_the_settings_it_drops(tmp_path):
+    result = launch(
+        "--flagfile=experiments/digits_gan.flags",
+        "--task=classification",
+        "--train_steps=2",
+        "--steps_per_loop=1",
+        "--jit_compile=false",
+        f"--workdir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("warning:")] == [
+        "warning: --gan_critic_steps=2 (from a flagfile): no part of this run reads it (read by --task=gan)",
+        "warning: --gan_latent=16 (from a flagfile): no part of this run reads it (read by --task=gan)",
+    ]
