@@ -190,7 +190,7 @@ def alternating(makers, window_s, windows, phases, warm):
 def step_speed(image_size, batch, window_s, quick):
     """examples/s of the engine's ResNet step (bench/run.py's model: ResNet-20, width 16; smaller with --quick) on
     synthetic image_size x image_size x 3 examples, fed by the engine's own in-memory pipeline."""
-    from bench.worker import EngineRunner, create_strategy, make_config, warm_up
+    from bench.runners import EngineRunner, create_strategy, make_config, warm_up
 
     model = dict(model="resnet", resnet_depth=8 if quick else 20, resnet_width=4 if quick else 16)
     spec = dict(**model, global_batch_size=batch, synthetic_shape=(image_size, image_size, 3), synthetic_examples=64)

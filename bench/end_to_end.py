@@ -111,71 +111,75 @@ def paired_ratios(r):
 def rows(results, models):
     """bench/run.py table rows for `results[name][precision]`."""
     table = []
-
-    def add(row_id, measurement, value, shown, target="", passes=None, detail=""):
-        result = "ERROR" if value is None else "info" if passes is None else "PASS" if passes(value) else "FALL SHORT"
-        table.append(
-            dict(
-                id=row_id,
-                measurement=measurement,
-                value=value,
-                shown=shown,
-                target=target,
-                result=result,
-                detail=detail,
-            )
-        )
-
     for name, by_precision in results.items():
         for precision, r in by_precision.items():
             what = f"{common.label(models[name])}, {precision}"
             if "error" in r:  # the row stays in the table, with the last line of what failed
                 lines = r["error"].strip().splitlines()
-                add(
-                    f"end_to_end/{name}/{precision}",
-                    f"launch.py / best fit, end to end: {what}",
-                    None,
-                    "n/a",
-                    detail=lines[-1] if lines else "",
+                table.append(
+                    _row(
+                        f"end_to_end/{name}/{precision}",
+                        f"launch.py / best fit, end to end: {what}",
+                        None,
+                        "n/a",
+                        detail=lines[-1] if lines else "",
+                    )
                 )
                 continue
-            fits = {j: statistics.median(v) for j, v in r["fit"].items()}
-            best, ratios = paired_ratios(r)
-            ratio = statistics.median(ratios)
-            target = TARGETS.get(name, 1.0)
-            add(
-                f"end_to_end/{name}/{precision}",
-                f"launch.py / best fit, end to end: {what}",
-                ratio,
-                f"{ratio:.2f}x",
-                f">= {target:.2f}x",
-                lambda v, t=target: v >= t,
-                f"median of {len(ratios)} pairs, range {min(ratios):.2f}-{max(ratios):.2f} "
-                f"({', '.join(f'{x:.2f}' for x in ratios)}): engine "
-                f"{statistics.median(r['engine']):,.0f} examples/s, jit_compile={r['jit_choice']}; fit "
-                + ", ".join(f"jit={j} {v:,.0f}" for j, v in fits.items())
-                + f" (best jit={best}); the engine's steps waited for input "
-                + ", ".join(f"{w:.1%}" for w in r.get("input_wait", []))
-                + " of the time",
-            )
+            table.append(_ratio_row(name, precision, r, what))
             if "matmuls" in r:
-                m = r["matmuls"]
-                batch = models[name]["global_batch_size"]
-                matmul_speed = batch / m["seconds_per_step"]
-                share = statistics.median(r["engine"]) / matmul_speed
-                target = name == "mlp_1024" and precision == "float32"
-                add(
-                    f"end_to_end/{name}/{precision}/matmuls",
-                    f"launch.py examples/s / its matmuls alone: {what}",
-                    share,
-                    f"{share:.0%}",
-                    f">= {MATMUL_TARGET:.0%}" if target else "",
-                    (lambda v: v >= MATMUL_TARGET) if target else None,
-                    f"matmuls alone {matmul_speed:,.0f} examples/s "
-                    f"({m['flops_per_step'] / m['seconds_per_step'] / 1e9:.0f} GFLOP/s); best fit reaches "
-                    f"{max(fits.values()) / matmul_speed:.0%}",
-                )
+                table.append(_matmul_row(name, precision, r, what, models[name]["global_batch_size"]))
     return table
+
+
+def _row(row_id, measurement, value, shown, target="", passes=None, detail=""):
+    result = "ERROR" if value is None else "info" if passes is None else "PASS" if passes(value) else "FALL SHORT"
+    return dict(
+        id=row_id, measurement=measurement, value=value, shown=shown, target=target, result=result, detail=detail
+    )
+
+
+def _ratio_row(name, precision, r, what):
+    """launch.py / best fit: the median of the paired repeats, with each side's examples/s."""
+    fits = {j: statistics.median(v) for j, v in r["fit"].items()}
+    best, ratios = paired_ratios(r)
+    ratio = statistics.median(ratios)
+    target = TARGETS.get(name, 1.0)
+    return _row(
+        f"end_to_end/{name}/{precision}",
+        f"launch.py / best fit, end to end: {what}",
+        ratio,
+        f"{ratio:.2f}x",
+        f">= {target:.2f}x",
+        lambda v, t=target: v >= t,
+        f"median of {len(ratios)} pairs, range {min(ratios):.2f}-{max(ratios):.2f} "
+        f"({', '.join(f'{x:.2f}' for x in ratios)}): engine "
+        f"{statistics.median(r['engine']):,.0f} examples/s, jit_compile={r['jit_choice']}; fit "
+        + ", ".join(f"jit={j} {v:,.0f}" for j, v in fits.items())
+        + f" (best jit={best}); the engine's steps waited for input "
+        + ", ".join(f"{w:.1%}" for w in r.get("input_wait", []))
+        + " of the time",
+    )
+
+
+def _matmul_row(name, precision, r, what, batch):
+    """launch.py's examples/s over its model's matmuls alone (the MLPs)."""
+    m = r["matmuls"]
+    matmul_speed = batch / m["seconds_per_step"]
+    share = statistics.median(r["engine"]) / matmul_speed
+    best_fit = max(statistics.median(v) for v in r["fit"].values())
+    target = name == "mlp_1024" and precision == "float32"
+    return _row(
+        f"end_to_end/{name}/{precision}/matmuls",
+        f"launch.py examples/s / its matmuls alone: {what}",
+        share,
+        f"{share:.0%}",
+        f">= {MATMUL_TARGET:.0%}" if target else "",
+        (lambda v: v >= MATMUL_TARGET) if target else None,
+        f"matmuls alone {matmul_speed:,.0f} examples/s "
+        f"({m['flops_per_step'] / m['seconds_per_step'] / 1e9:.0f} GFLOP/s); best fit reaches "
+        f"{best_fit / matmul_speed:.0%}",
+    )
 
 
 def main(argv=None):

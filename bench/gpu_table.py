@@ -208,31 +208,36 @@ def cpu_description():
     return f"{name}, {os.cpu_count()} cores"
 
 
+def parser():
+    out = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    out.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: no GPU wanted (the test's run)")
+    out.add_argument("--precisions", default="float32,mixed_bfloat16,mixed_float16", help="the engine's, in order")
+    out.add_argument("--layers", type=int, default=12)
+    out.add_argument("--dim", type=int, default=768)
+    out.add_argument("--heads", type=int, default=12)
+    out.add_argument("--sequence_length", type=int, default=1024)
+    out.add_argument("--batch", type=int, default=8, help="global batch size")
+    out.add_argument("--steps", type=int, default=150)
+    out.add_argument("--warmup_steps", type=int, help="default: the recipe's (fewer than --steps)")
+    out.add_argument("--matmul_size", type=int, default=8192)
+    out.add_argument("--budget", type=float, default=460, help="seconds for every process this starts")
+    out.add_argument("--engine_flags", default="", help="more launch.py flags for the engine's runs")
+    out.add_argument("--torch_venv", default=os.path.join(common.ROOT, ".venv-torch"))
+    out.add_argument("--results", default=common.RESULTS, help="the file --record appends to")
+    out.add_argument("--record", action="store_true", help="append the table to --results")
+    out.add_argument("--matmul", choices=("tensorflow", "torch"), help=argparse.SUPPRESS)  # internal: one side
+    return out
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: no GPU wanted (the test's run)")
-    parser.add_argument("--precisions", default="float32,mixed_bfloat16,mixed_float16", help="the engine's, in order")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--sequence_length", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8, help="global batch size")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--warmup_steps", type=int, help="default: the recipe's (fewer than --steps)")
-    parser.add_argument("--matmul_size", type=int, default=8192)
-    parser.add_argument("--budget", type=float, default=460, help="seconds for every process this starts")
-    parser.add_argument("--engine_flags", default="", help="more launch.py flags for the engine's runs")
-    parser.add_argument("--torch_venv", default=os.path.join(common.ROOT, ".venv-torch"))
-    parser.add_argument("--results", default=common.RESULTS, help="the file --record appends to")
-    parser.add_argument("--record", action="store_true", help="append the table to --results")
-    parser.add_argument("--matmul", choices=("tensorflow", "torch"), help=argparse.SUPPRESS)  # internal: one side
-    args = parser.parse_args(argv)
+    options = parser()
+    args = options.parse_args(argv)
     if args.matmul:
         print(json.dumps(matmul_tflops(args.matmul, args.matmul_size, args.device)), flush=True)
         return 0
     precisions = args.precisions.split(",")
     if set(precisions) - set(pytorch.PRECISIONS):
-        parser.error(f"--precisions={args.precisions}: choose from {','.join(pytorch.PRECISIONS)}")
+        options.error(f"--precisions={args.precisions}: choose from {','.join(pytorch.PRECISIONS)}")
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # for every process, both sides
     started = datetime.datetime.now()
@@ -254,7 +259,21 @@ def main(argv=None):
     torch_matmul = attempt(
         "PyTorch matmul", lambda t: last_json(pytorch.timed(command, t, env=pytorch.torch_env())[1]), budget.share()
     )
+    engine, theirs = runs(args, precisions, python, budget)
+    text = report(args, started, precisions, {"tensorflow": tf_matmul, "torch": torch_matmul}, engine, theirs)
+    print(text)
+    if args.record:
+        command = "python -m bench.gpu_table " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.results, "a") as f:
+            f.write(f"\n## {started:%Y-%m-%d}: `{command.strip()}`\n\n{text}")
+    failed = [
+        r for r in (tf_matmul, torch_matmul, *engine.values(), *theirs.values()) if "failed" in r.get("error", "")
+    ]
+    return 1 if failed else 0
 
+
+def runs(args, precisions, python, budget):
+    """({precision: the engine's run}, {precision: PyTorch's run}), from what bench/pytorch.py prepares for both."""
     flags, extra = recipe(args), args.engine_flags.split()
     torch_device = "cuda" if args.device == "gpu" else "cpu"
     engine, theirs = {}, {}
@@ -263,19 +282,23 @@ def main(argv=None):
         prepared = attempt("prepare", lambda t: {"wall": pytorch.timed(prepare, t)[0]}, budget.share())
         if "error" in prepared:  # nothing to start from: every row says why
             unprepared = {"error": f"not run: preparing what both sides share {prepared['error']}"}
-            engine = theirs = dict.fromkeys(precisions, unprepared)
-        else:
-            for precision in precisions:
-                theirs[precision] = attempt(
-                    f"PyTorch {pytorch.PRECISIONS[precision]}",
-                    lambda t: pytorch.torch_run(python, data, pytorch.PRECISIONS[precision], torch_device, t),
-                    budget.share(),
-                )
-            for precision in precisions:
-                engine[precision] = attempt(
-                    f"engine {precision}", lambda t: pytorch.engine_run(flags, precision, extra, t), budget.share()
-                )
+            return dict.fromkeys(precisions, unprepared), dict.fromkeys(precisions, unprepared)
+        for precision in precisions:
+            theirs[precision] = attempt(
+                f"PyTorch {pytorch.PRECISIONS[precision]}",
+                lambda t: pytorch.torch_run(python, data, pytorch.PRECISIONS[precision], torch_device, t),
+                budget.share(),
+            )
+        for precision in precisions:
+            engine[precision] = attempt(
+                f"engine {precision}", lambda t: pytorch.engine_run(flags, precision, extra, t), budget.share()
+            )
+    return engine, theirs
 
+
+def report(args, started, precisions, matmuls, engine, theirs):
+    """The text appended to the results: the header, the table of precisions, its columns' meaning, the matmuls."""
+    tf_matmul, torch_matmul = matmuls["tensorflow"], matmuls["torch"]
     tf_version = tf_matmul.get("version") or version("tensorflow")
     torch_version = torch_matmul.get("version") or next(
         (r["details"]["torch"] for r in theirs.values() if "details" in r), "?"
@@ -287,20 +310,11 @@ def main(argv=None):
         f"{torch_version} (CUDA {torch_matmul.get('cuda') or '-'}), Python {platform.python_version()}; engine "
         f"{common.revision() or 'unknown'}; {minutes:.1f} min in all (budget {args.budget:.0f} s). The decoder: "
         f"{args.layers} layers, {args.dim} wide, {args.heads} heads, context {args.sequence_length}, batch "
-        f"{args.batch}, AdamW, {args.steps} steps: `launch.py {' '.join(flags + extra)}`."
+        f"{args.batch}, AdamW, {args.steps} steps: `launch.py {' '.join(recipe(args) + args.engine_flags.split())}`."
     )
     table = "\n".join([HEADER, *(row(p, engine[p], theirs[p]) for p in precisions)])
     sides = {f"TensorFlow {tf_version}": tf_matmul, f"PyTorch {torch_version}": torch_matmul}
-    text = f"{header}\n\n{table}\n\n{COLUMNS}\n\n{matmul_rows(args.matmul_size, sides)}\n"
-    print(text)
-    if args.record:
-        command = "python -m bench.gpu_table " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(args.results, "a") as f:
-            f.write(f"\n## {started:%Y-%m-%d}: `{command.strip()}`\n\n{text}")
-    failed = [
-        r for r in (tf_matmul, torch_matmul, *engine.values(), *theirs.values()) if "failed" in r.get("error", "")
-    ]
-    return 1 if failed else 0
+    return f"{header}\n\n{table}\n\n{COLUMNS}\n\n{matmul_rows(args.matmul_size, sides)}\n"
 
 
 if __name__ == "__main__":

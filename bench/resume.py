@@ -18,7 +18,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from bench.run import machine
+from bench.common import machine
 from engine.data import datasets as data
 from engine.data.records import sharded
 from tests.helpers import make_config

@@ -168,7 +168,9 @@ def test_run_eagerly_gathers_like_the_graph(data_dir, one_device, mirrored):
     runs = []
     try:
         for strategy, eager in ((one_device, False), (mirrored, True)):
-            trainer = build.run(helpers.make_config(data_dir, **CASE, train_steps=3, run_eagerly=eager), strategy)
+            # A warmup shorter than the 3 steps (--warmup_steps must be less than --train_steps).
+            case = {**CASE, "warmup_steps": 2}
+            trainer = build.run(helpers.make_config(data_dir, **case, train_steps=3, run_eagerly=eager), strategy)
             out = trainer.program.run_steps(trainer.program.train_iterator(), 3)
             runs.append((first_copies(snapshot(trainer)), out))
     finally:

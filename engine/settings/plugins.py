@@ -9,14 +9,15 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 # Each kind: the folder of its files, and the files there that are not plugins of the kind (a protocol, the
-# engine's own actions).
+# engine's own actions); None where the plugins are named, not found.
 FOLDERS = {
     "model": ("models", ()),
     "task": ("tasks", ("base",)),
     "dataset": ("sources", ()),
     "actions": (os.path.join("engine", "run", "actions"), ("base", "builtin")),
-    "mode": ("research", ("checks", "space")),
+    "mode": ("research", None),  # not found by name: the modes research/ adds, below
 }
+RESEARCH_MODES = ("ensemble", "tune")  # --mode=tune, --mode=ensemble: research/tune.py, research/ensemble.py
 
 
 def directory(kind):
@@ -28,6 +29,8 @@ def names(kind):
     """The plugins of a kind in this checkout, sorted: the .py files of its folder named as identifiers, but
     private ones (_name) and the kind's own files that are no plugin."""
     folder, not_plugins = FOLDERS[kind]
+    if not_plugins is None:
+        return list(RESEARCH_MODES)
     return sorted(
         name[:-3]
         for name in os.listdir(os.path.join(ROOT, folder))

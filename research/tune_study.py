@@ -1,0 +1,141 @@
+"""The tuner's Optuna study (research/tune.py): where it is stored, opened or resumed with the objective it was
+started with, its sampler and pruner, and the trials a killed tuner left behind, requeued to resume from their own
+checkpoints. The storage URL's password is shown as *** wherever the tuner writes or prints the URL."""
+
+import os
+import re
+import time
+import urllib.parse
+
+import optuna
+
+from engine.settings.config import first_line
+from engine.settings.errors import ConfigError
+from engine.settings.fields import SEED_LIMIT
+from research.space import with_values
+
+RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
+DIRECTIONS = {"max": optuna.study.StudyDirection.MAXIMIZE, "min": optuna.study.StudyDirection.MINIMIZE}
+
+
+def trial_config(config, values, number):
+    """The engine config of trial `number` (its sub-workdir) with the searched `values`; validated."""
+    return with_values(config, values, os.path.join(config.workdir, "trials", str(number)))
+
+
+def storage_url(config):
+    return config.tune_storage or f"sqlite:///{os.path.abspath(os.path.join(config.workdir, 'study.db'))}"
+
+
+def _secrets(url):
+    """The passwords in a storage URL, as written and percent-decoded: its user part's (everything from the
+    user's ':' to the last '@' before the query, so a password with an '@' or a malformed URL is still covered)
+    and any password parameter of its query."""
+    head, _, query = url.partition("?")
+    found = re.findall(r"(?:^|[&;])(?:password|passwd|pwd)=([^&;]*)", query, flags=re.IGNORECASE)
+    if "@" in head:
+        found.append(head.rpartition("@")[0].split("://", 1)[-1].partition(":")[2])
+    return sorted({text for raw in found for text in (raw, urllib.parse.unquote(raw)) if text}, key=len, reverse=True)
+
+
+def masked(url, text=None):
+    """`text` (by default the URL itself) with the storage URL's passwords shown as ***."""
+    text = url if text is None else text
+    for secret in _secrets(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+def open_study(config, objective, direction, space):
+    url = storage_url(config)
+    shared = bool(config.tune_storage)
+    for attempt in range(3):
+        try:
+            storage = optuna.storages.RDBStorage(
+                url,
+                # Several machines on one study: a trial whose machine died (no heartbeat for 3 minutes) is
+                # failed and requeued by whichever tuner notices first.
+                heartbeat_interval=60 if shared else None,
+                grace_period=180 if shared else None,
+                heartbeat_stale_trial_callback=requeue if shared else None,
+            )
+            study = optuna.create_study(
+                storage=storage,
+                study_name=config.tune_study,
+                direction=DIRECTIONS[direction],
+                pruner=make_pruner(config, space),
+                load_if_exists=True,
+            )
+            break
+        except Exception as e:  # SQLAlchemy raises many kinds for a bad URL, driver or database
+            if attempt < 2:
+                time.sleep(1 + attempt)  # tuners started together race to create a new database's tables
+                continue
+            raise ConfigError(
+                f"--tune_storage={masked(url)}: cannot open the study ({masked(url, first_line(e))})"
+            ) from None
+    wanted = {"objective": objective, "direction": direction}
+    for key, value in wanted.items():
+        if study.user_attrs.get(key, value) != value:
+            raise ConfigError(
+                f"--tune_{key}={value}: study '{config.tune_study}' in {masked(url)} was started with "
+                f"--tune_{key}={study.user_attrs[key]}; use another --tune_study or --workdir"
+            )
+    if study.direction != DIRECTIONS[direction]:  # a study made outside the tuner (Optuna's default minimizes)
+        ways = {DIRECTIONS["max"]: "maximizes", DIRECTIONS["min"]: "minimizes"}
+        raise ConfigError(
+            f"--tune_direction={direction}: study '{config.tune_study}' in {masked(url)} {ways[study.direction]} "
+            "its objective; use another --tune_study or --workdir"
+        )
+    for key, value in wanted.items():
+        study.set_user_attr(key, value)
+    if not shared:
+        for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            # We hold the workdir's lock, so no one is running it: a killed tuner left it.
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            requeue(study, trial)
+    # Reseeded past the trials already drawn: a resumed study must not draw its first points again.
+    study.sampler = make_sampler(config, offset=len(study.get_trials(deepcopy=False)))
+    return study
+
+
+def requeue(study, trial):
+    """Runs an interrupted trial's parameters again, in its own sub-workdir, so it resumes from its checkpoint."""
+    if not trial.params:
+        return  # stopped before it drew anything: nothing to resume
+    origin = trial.user_attrs.get(RESUMES, trial.number)
+    study.enqueue_trial(trial.params, user_attrs={RESUMES: origin})
+    print(f"tune: trial {trial.number} was interrupted; requeued to resume in trials/{origin}", flush=True)
+
+
+def make_sampler(config, offset):
+    seed = (config.seed + offset) % SEED_LIMIT  # NumPy's generators under Optuna's samplers take 32 bits
+    if config.tune_sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if config.tune_sampler == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=config.tune_startup_trials)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=config.tune_startup_trials)
+
+
+def make_pruner(config, space):
+    """Pruners count resources in training steps: trials report at every --eval_every steps."""
+    if config.tune_pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=config.tune_startup_trials, n_warmup_steps=0)
+    if config.tune_pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=config.eval_every, reduction_factor=3)
+    if config.tune_pruner == "hyperband":
+        searched_steps = any(p.name == "train_steps" for p in space)
+        return optuna.pruners.HyperbandPruner(
+            min_resource=config.eval_every,
+            max_resource="auto" if searched_steps else config.train_steps,
+            reduction_factor=3,
+        )
+    return optuna.pruners.NopPruner()
+
+
+def best_trial(study):
+    try:
+        return study.best_trial
+    except ValueError:  # no complete trial yet
+        return None
