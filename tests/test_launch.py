@@ -220,3 +220,44 @@ def test_the_readme_has_one_table_of_every_exit_code():
         *(str(code) for code in sorted(used)),
         "128 + N",
     ]
+
+
+@pytest.mark.slow
+def test_a_damaged_compile_cache_entry_is_set_aside_and_compiled_again(data_dir, tmp_path):
+    """Each way an entry can be damaged (garbage, emptied, cut short, two entries swapped) would fail every rerun of
+    its program: each is set aside, said in one line, and the run compiles it again, to the first run's numbers."""
+    cache = tmp_path / "cache"
+    folder = cache / compile_cache.machine_key()
+    args = [f"--data_dir={data_dir}", f"--compile_cache={cache}", "--jit_compile=true", "--train_steps=10"]
+    args += ["--steps_per_loop=5", "--hidden_sizes=16"]
+
+    def run(name):
+        result = launch(f"--workdir={tmp_path / name}", *args, env=helpers.without_xla_cache())
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result, [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")]
+
+    _, losses = run("first")
+    entries = sorted(p for p in folder.iterdir() if p.suffix == ".pb")
+    assert len(entries) >= 2  # the step's and the evaluation's
+    whole = {p: p.read_bytes() for p in entries}
+    damages = {
+        "garbage": lambda p: p.write_bytes(b"\x00garbage\xff" * 100),
+        "empty": lambda p: p.write_bytes(b""),
+        "cut_short": lambda p: p.write_bytes(whole[p][: len(whole[p]) // 2]),
+        "swapped": lambda p: (p.write_bytes(whole[entries[1]]), entries[1].write_bytes(whole[entries[0]])),
+    }
+    reasons = {
+        "garbage": "not a cache entry: garbage, or cut short",
+        "empty": "empty",
+        "cut_short": "not a cache entry: garbage, or cut short",
+        "swapped": f"it holds the entry {entries[1].name}: files swapped or renamed",
+    }
+    for name, damaged in damages.items():
+        damaged(entries[0])
+        result, again = run(name)
+        said = [line for line in result.stdout.splitlines() if line.startswith("--compile_cache:")]
+        assert said[0].startswith(f"--compile_cache: set aside {entries[0].name} ({reasons[name]}) as "), said
+        assert said[0].endswith("; its program compiles again") and again == losses, name
+        for p in entries:  # each run wrote the entries it set aside again, whole
+            assert compile_cache.damage(str(p)) is None, name
+            whole[p] = p.read_bytes()

@@ -22,6 +22,13 @@ Programs compiled for a GPU are not keyed by its model: keep one GPU model per d
 Off unless asked for: TensorFlow fails the op it compiles when it cannot write the entry (a full disk ends the run at
 its first step), so the directory belongs on a disk that checkpoints do not fill. An entry is the compiled step,
 a few MB; nothing removes old ones.
+
+A damaged entry would fail every rerun of its program (TensorFlow reads it back and stops on DataLossError or
+InvalidArgumentError, naming no file, and keeps the failure for the process). TensorFlow 2.21 writes an entry to a
+temporary file and renames it, so a kill mid-write leaves no half entry; a crash of the machine (no fsync), a file
+system without atomic rename or an interrupted copy can. So every entry is checked before TensorFlow starts (`repair`):
+one that is empty, cut short, not an entry at all, or another entry's (two swapped) is set aside under a name
+TensorFlow does not read, and its program compiles again, said in one line.
 """
 
 import hashlib
@@ -29,6 +36,10 @@ import importlib.metadata
 import os
 import platform
 import tempfile
+import time
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 
 from engine.settings.errors import ConfigError
 
@@ -65,7 +76,8 @@ def machine_key(cpuinfo="/proc/cpuinfo"):
 
 def use(path, environ=os.environ):
     """Points TensorFlow's compilation cache at `path`/machine_key(), made if missing, replacing any cache directory
-    TF_XLA_FLAGS named; returns that folder. ConfigError naming --compile_cache when it cannot be made or written."""
+    TF_XLA_FLAGS named, its damaged entries set aside (repair); returns that folder. ConfigError naming
+    --compile_cache when it cannot be made or written."""
     folder = os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
     if any(c.isspace() for c in folder):  # TensorFlow splits TF_XLA_FLAGS at whitespace: it would write elsewhere
         raise ConfigError(f"--compile_cache={path}: a path with a space cannot be passed to TensorFlow ({folder})")
@@ -75,6 +87,81 @@ def use(path, environ=os.environ):
             pass
     except OSError as e:
         raise ConfigError(f"--compile_cache={path}: cannot write there ({e.strerror or e})") from None
+    repair(folder)
     flags = [flag for flag in environ.get("TF_XLA_FLAGS", "").split() if not flag.startswith(FLAG + "=")]
     environ["TF_XLA_FLAGS"] = " ".join([*flags, f"{FLAG}={folder}"])
     return folder
+
+
+def _entry_class():
+    """The message of a cache entry (TensorFlow's XlaSerializedCacheEntry: its key, its HLO module, its executable),
+    declared here field for field as TensorFlow's tensorflow/compiler/jit/xla_compilation_cache.proto has it: the
+    pip package holds no Python class of it, and reading an entry must not start TensorFlow. The HLO module is
+    read as bytes."""
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="engine_compile_cache.proto", package="engine_compile_cache")
+    key = proto.message_type.add(name="Key")
+    for number, (name, kind) in enumerate(
+        (
+            ("signature_fingerprint", field.TYPE_UINT64),
+            ("cluster_fingerprint", field.TYPE_UINT64),
+            ("device_type", field.TYPE_STRING),
+            ("prefix", field.TYPE_STRING),
+            ("compiled_using_pjrt", field.TYPE_BOOL),
+        ),
+        start=1,
+    ):
+        key.field.add(name=name, number=number, type=kind, label=field.LABEL_OPTIONAL)
+    entry = proto.message_type.add(name="Entry")
+    entry.field.add(
+        name="key", number=1, type=field.TYPE_MESSAGE, type_name=".engine_compile_cache.Key", label=field.LABEL_OPTIONAL
+    )
+    entry.field.add(name="hlo_module", number=2, type=field.TYPE_BYTES, label=field.LABEL_OPTIONAL)
+    entry.field.add(name="executable", number=3, type=field.TYPE_BYTES, label=field.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("engine_compile_cache.Entry"))
+
+
+def entry_name(key):
+    """The file name TensorFlow gives the entry of `key`: <prefix>__<signature>__<cluster>__<device>[__pjrt].pb."""
+    parts = [key.prefix] if key.prefix else []
+    parts += [str(key.signature_fingerprint), str(key.cluster_fingerprint), key.device_type]
+    return "__".join(parts + (["pjrt"] if key.compiled_using_pjrt else [])) + ".pb"
+
+
+def damage(path):
+    """Why the entry at `path` cannot be read back, in words; None for a whole entry under its own name. Its three
+    fields are written in order, each with its length: a file cut anywhere fails to parse or lacks one."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    if not data:
+        return "empty"
+    entry = _entry_class()()
+    try:
+        entry.ParseFromString(data)
+    except DecodeError:
+        return "not a cache entry: garbage, or cut short"
+    if not (entry.HasField("key") and entry.hlo_module and entry.executable):
+        return "cut short"
+    if entry_name(entry.key) != os.path.basename(path):
+        return f"it holds the entry {entry_name(entry.key)}: files swapped or renamed"
+    return None
+
+
+def repair(folder, log=print):
+    """Sets aside every damaged entry in `folder` (renamed to <name>.damaged-<time>, which TensorFlow does not read:
+    kept for a look, never deleted), one line each; returns the paths set aside."""
+    moved = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        why = damage(path) if name.endswith(".pb") and os.path.isfile(path) else None
+        if why:
+            aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+            os.replace(path, aside)
+            log(f"--compile_cache: set aside {name} ({why}) as {os.path.basename(aside)}; its program compiles again")
+            moved.append(aside)
+    return moved

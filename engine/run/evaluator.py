@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from engine.numerics import replica
 from engine.run import inputs
-from engine.run.program import unsupported_ops
+from engine.run.program import unsupported_ops, warn_retraced
 
 
 class Evaluator:
@@ -118,7 +118,7 @@ class Evaluator:
         with inputs.releasing([self.iterator()]) as iterators:
             try:
                 totals = self.eval_loop(iterators[0], tf.constant(self.data.eval_steps))
-                self.check_retrace()
+                warn_retraced("eval_loop", self.eval_loop, self.retraced)
             except (tf.errors.OpError, RuntimeError) as e:
                 if self._without_xla(e):
                     return self._evaluate()
@@ -128,17 +128,6 @@ class Evaluator:
                 raise inputs.explain(e, self.config, self.strategy, self.data, False, pipelines) from None
         self.ran = True
         return self._results(totals)
-
-    def check_retrace(self):
-        """Warns once when the evaluation's loop was traced again (a batch of another shape or structure)."""
-        count = self.eval_loop.experimental_get_tracing_count()
-        if count > 1 and not self.retraced:
-            self.retraced.add("eval_loop")
-            print(
-                f"warning: eval_loop was traced {count} times: its inputs changed shape or structure between calls "
-                "(a task's batch or outputs?); every retrace recompiles the step",
-                flush=True,
-            )
 
     def _without_xla(self, error):
         """Rebuilds the evaluation without XLA, saying why in one line, when `error` is XLA's failing to compile it

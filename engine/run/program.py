@@ -250,7 +250,7 @@ class TrainProgram:
             loop = self._loop(frozenset(extras))[1]
             out = self.input.run(loop, iterator, steps, position[1])
             if self.coordinator is None:  # a parameter server's workers trace their own
-                self.check_retrace("train_loop", loop)
+                warn_retraced("train_loop", loop, self.retraced)
         except RuntimeError as e:
             self._untraceable(e)
             return self._run_round(iterator, steps, extras)
@@ -284,16 +284,19 @@ class TrainProgram:
             ) from None
         raise error
 
-    def check_retrace(self, name, function):
-        """Warns once, naming the function, when a round's function was traced again: a shape or structure that
-        changes between rounds (a task's, a data source's) recompiles the step every time, silently slow."""
-        if function.experimental_get_tracing_count() > 1 and name not in self.retraced:
-            self.retraced.add(name)
-            print(
-                f"warning: {name} was traced {function.experimental_get_tracing_count()} times: its inputs changed "
-                "shape or structure between calls (a task's batch or outputs?); every retrace recompiles the step",
-                flush=True,
-            )
+
+def warn_retraced(name, function, warned):
+    """Warns once (`warned`: the names warned of so far) when a round's function was traced again: a shape or
+    structure that changes between rounds (a task's, a data source's) recompiles the step every time, silently
+    slow."""
+    count = function.experimental_get_tracing_count()
+    if count > 1 and name not in warned:
+        warned.add(name)
+        print(
+            f"warning: {name} was traced {count} times: its inputs changed shape or structure between calls (a task's "
+            "batch or outputs?); every retrace recompiles the step",
+            flush=True,
+        )
 
 
 def _zeros(plans):
