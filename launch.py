@@ -18,6 +18,7 @@ it at once (130), SIGTERM once the wait ends (75), or at --connect_timeout.
 import contextlib
 import dataclasses
 import importlib
+import io
 import os
 import sys
 import traceback
@@ -120,6 +121,7 @@ def _config_from_flags():
 
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # tensorflow-datasets logs every file it opens at INFO
+    _print_bytes_as_they_are()
     if len(argv) > 1:
         _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     try:
@@ -271,6 +273,19 @@ def _quiet_native_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def _print_bytes_as_they_are():
+    """stdout and stderr write a path that is not UTF-8 (held as surrogate escapes) as its own bytes, not a
+    UnicodeEncodeError: the run's lines name its files as the file system does."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        stream.flush()
+        try:
+            stream.reconfigure(errors="surrogateescape")
+        except (OSError, AttributeError, ValueError):  # a stream whose buffer cannot tell where it stands: anew
+            raw = open(stream.fileno(), "wb", closefd=False)  # noqa: SIM115  (the process's own descriptor)
+            setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, "surrogateescape", line_buffering=True))
 
 
 def _exit(message, code=BAD_INPUT):

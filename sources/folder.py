@@ -124,14 +124,40 @@ def _carved(path, where, config, eval_split):
 
 def _held_out(relative_path, percent):
     # A hash of the path alone: a file's split depends on nothing else in the folder, nor on the machine.
-    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
+    digest = hashlib.sha256(os.fsencode(relative_path)).digest()
     return int.from_bytes(digest[:8], "big") % 100 < percent
 
 
+def _entries(path):
+    """The names in the folder `path`: str, or bytes for a name that is not UTF-8 (on a local file system, where
+    TensorFlow's own listing would stop on it; a photo is then read by its bytes)."""
+    if "://" in path:
+        return tf.io.gfile.listdir(path)
+    names = []
+    for raw in os.listdir(os.fsencode(path)):
+        try:
+            names.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            names.append(raw)
+    return names
+
+
 def _folders(path):
-    """The sorted names of the visible sub-folders of `path` (object stores list them with a trailing /)."""
-    entries = (name.rstrip("/") for name in tf.io.gfile.listdir(path))
-    return sorted(n for n in entries if not n.startswith(".") and tf.io.gfile.isdir(os.path.join(path, n)))
+    """The sorted names of the visible sub-folders of `path` (object stores list them with a trailing /). A class is
+    named by its folder, in the export too: a folder whose name is not UTF-8 is refused by name."""
+    found = []
+    for name in _entries(path):
+        if isinstance(name, bytes):
+            if os.path.isdir(os.path.join(os.fsencode(path), name)):
+                raise ConfigError(
+                    f"--dataset=folder:{path}: the folder {os.fsdecode(name)!r} in it is not named in UTF-8 "
+                    f"({name!r}): a class is named by its folder; rename it"
+                )
+            continue
+        name = name.rstrip("/")
+        if not name.startswith(".") and tf.io.gfile.isdir(os.path.join(path, name)):
+            found.append(name)
+    return sorted(found)
 
 
 def _photos(path, where):
@@ -141,7 +167,7 @@ def _photos(path, where):
         raise ConfigError(f"{where}: {path} has no class folders (a sub-folder per class of JPEG or PNG files)")
     photos = {}
     for name in names:
-        files = tf.io.gfile.listdir(os.path.join(path, name))
+        files = [os.fsdecode(f) if isinstance(f, bytes) else f for f in _entries(os.path.join(path, name))]
         photos[name] = sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
     if not any(photos.values()):
         raise ConfigError(f"{where}: no JPEG or PNG files (.jpg, .jpeg, .png) in the class folders of {path}")
@@ -158,5 +184,6 @@ def _split(examples):
     """An in-memory Split of (path, label) pairs. The path is read by `decode` and is the `origin` the engine
     names when the file does not decode (one tensor under both names)."""
     paths, labels = zip(*examples)
-    paths = tf.constant(paths, tf.string)
+    # A path's bytes: a name that is not UTF-8 (listed as its surrogate escapes, os.fsdecode) reads as it is on disk.
+    paths = tf.constant([os.fsencode(path) for path in paths], tf.string)
     return in_memory({"path": paths, "origin": paths, "label": tf.constant(labels, tf.int64)})

@@ -30,7 +30,10 @@ def load(config, eval_split):
     if not path:
         raise ConfigError(f"{where}: name the file, --dataset=npz:PATH")
     try:
-        with tf.io.gfile.GFile(path, "rb") as f, np.load(f, allow_pickle=False) as archive:
+        # A local file through Python's own open: its name may be any bytes (one not UTF-8 comes as surrogate
+        # escapes, which TensorFlow's file system refuses).
+        opened = tf.io.gfile.GFile(path, "rb") if "://" in path else open(path, "rb")
+        with opened as f, np.load(f, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
     except (tf.errors.OpError, OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise ConfigError(f"{where}: cannot read it as a .npz file ({getattr(e, 'message', None) or e})") from None

@@ -498,3 +498,47 @@ def test_a_file_that_no_longer_holds_its_counted_records_stops_the_stream_naming
     else:
         expected = f"{path}: truncated or corrupt: 40 of its 50 records could be read"
     assert unreadable(raised.value).startswith(expected), unreadable(raised.value)
+
+
+def test_a_photo_whose_name_is_not_utf8_is_read_and_a_class_folder_so_named_refused(data_dir, tmp_path, one_device):
+    """File names are bytes on Linux: a photo named in Latin-1 trains like any other (TensorFlow's own listing
+    stops on it); a class folder so named is refused by name, as a class is named by its folder in the export."""
+    from engine.run import loop
+
+    root = tmp_path / "photos"
+    _photos(root, per_class=8)
+    _photo(os.fsdecode(os.fsencode(str(root / "cat")) + b"/caf\xe9.jpg"), seed=99, label=2)  # Latin-1 for café
+    summary = loop.train(_config(data_dir, root, train_steps=2, workdir=str(tmp_path / "run")), one_device)
+    splits = [_source(data_dir, root, split) for split in ("train", "test")]
+    read = [p for split in splits for p in split.fetch(tf.range(split.examples, dtype=tf.int64))["path"].numpy()]
+    assert os.fsencode(str(root / "cat")) + b"/caf\xe9.jpg" in read
+    assert summary["step"] == 2 and summary["eval"]["examples"] > 0
+    os.makedirs(os.fsencode(str(root)) + b"/fl\xfbte")
+    _refused(
+        _config(data_dir, root),
+        f"--dataset=folder:{root}: the folder 'fl\\udcfbte' in it is not named in UTF-8 (b'fl\\xfbte'): a class "
+        "is named by its folder; rename it",
+    )
+
+
+def _source(data_dir, root, split):
+    """The folder source's split `split` (train, or the held-out test)."""
+    source = folder.load(_config(data_dir, root), "test")
+    return source.train if split == "train" else source.evals
+
+
+def test_an_npz_file_whose_name_is_not_utf8_is_read(data_dir, tmp_path):
+    path = os.fsencode(str(tmp_path)) + b"/arrays\xff.npz"
+    with open(path, "wb") as f:
+        np.savez(f, **{"train/image": np.ones((16, 4), np.float32), "train/label": np.arange(16) % 2,
+                       "test/image": np.ones((4, 4), np.float32), "test/label": np.arange(4) % 2})  # fmt: skip
+    loaded = build.inputs(helpers.make_config(data_dir, dataset=f"npz:{os.fsdecode(path)}", global_batch_size=4))
+    assert (loaded.train_examples, loaded.eval_examples) == (16, 4)
+    # As a user runs it: the run's lines name the file by its bytes (stdout and stderr escape nothing away).
+    from tests import forkserver
+
+    args = [f"--dataset=npz:{os.fsdecode(path)}", "--train_steps=2", "--global_batch_size=4", "--hidden_sizes=4"]
+    args += [f"--workdir={tmp_path / 'run'}", "--jit_compile=false"]
+    result = forkserver.run(["launch.py", *args], capture_output=True, timeout=300)
+    assert result.returncode == 0 and b"test accuracy" in result.stdout, result.stderr
+    assert b"dataset=npz:" + path in result.stdout  # the run's first line names the file by its bytes
