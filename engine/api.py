@@ -18,6 +18,10 @@ For a data source (sources/<name>.py):
     image_decoder   the per-example decode of photos of any size (random-resized crop and flip, centre crop)
 For an action (engine/run/actions/<name>.py): Action (the interface: due, needs, around, __call__, close),
     Round (what a round hands it), ROLLED_BACK and Stop (what it may answer)
+To hold a fork's step against a reference (a plain TensorFlow loop of its math, as the tests do):
+    weights         {model: {variable path: array}} of a run's checkpoint (a workdir's newest, or a prefix);
+                    --save_initial writes step 0's, the initial weights
+    training_batches  the global batches a run trains on, in order, as one device reads them
 Errors: ConfigError (bad input: the message names the flag or file and the value), TaskError (a task's code that
 cannot run: the message names the task's file, the update or primitive, and what was wrong), first_line.
 """
@@ -28,8 +32,10 @@ from engine.data.tfds_source import load as tfds_source
 from engine.numerics.replica import Gradients, ReplicaStep
 from engine.numerics.updates import DEFAULT, Update
 from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
+from engine.run.build import training_batches
 from engine.settings.config import first_line
 from engine.settings.errors import ConfigError, TaskError
+from engine.state.checkpoint import weights
 
 __all__ = [
     "DEFAULT",
@@ -49,4 +55,6 @@ __all__ = [
     "in_memory",
     "sharded",
     "tfds_source",
+    "training_batches",
+    "weights",
 ]

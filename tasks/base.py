@@ -135,3 +135,46 @@ class Task:
 def bits(nats):
     """Nats to bits."""
     return nats / math.log(2.0)
+
+
+# ---- Per-example random numbers ----------------------------------------------------------------------------------
+# Noise a task draws for each example (a view's crop, a GAN's z, a penalty's interpolation) as a function of (the
+# run's --seed, the example's `index` in the training stream, a role the task numbers, a repetition) alone: one
+# device, several replicas or workers and a resumed run draw the same numbers for the same example. (The `seed` an
+# update's loss is handed is its forward pass's: it differs by replica, like the dropout masks.)
+
+
+def example_keys(seed, index, role, repetition=None):
+    """[n, 3] int64 keys (seed, each example's index, role), or [n, 4] with the `repetition` (an int or a scalar
+    tensor: an update's repetition within its step, Update.repeat): what each example's numbers are a function of."""
+    fill = lambda value: tf.fill(tf.shape(index), tf.cast(value, tf.int64))  # noqa: E731
+    columns = [fill(seed), tf.cast(index, tf.int64), fill(role)]
+    return tf.stack(columns + ([] if repetition is None else [fill(repetition)]), axis=1)
+
+
+def _mix(x):
+    # lowbias32 (C. Wellons): a 32-bit integer hash in which every input bit flips each output bit about half
+    # the time. uint32 arithmetic wraps, on CPU, GPU and in XLA alike.
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16)) * tf.constant(0x7FEB352D, tf.uint32)
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 15)) * tf.constant(0x846CA68B, tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16))
+
+
+def example_uniforms(keys, count):
+    """[n, count] float32 in (0, 1): `count` numbers drawn from each row of `keys` (int64 [n, k]) alone.
+
+    A counter-based generator, vectorized over the batch: TensorFlow's stateless ops take one seed per call, and
+    a loop over examples costs more than the step itself."""
+    state = tf.zeros(tf.shape(keys)[:1], tf.uint32)
+    for column in tf.unstack(tf.cast(keys, tf.int64), axis=1):
+        for word in (column, tf.bitwise.right_shift(column, 32)):  # the low, then the high 32 bits
+            state = _mix(tf.bitwise.bitwise_xor(state, tf.cast(word, tf.uint32)))
+    counters = tf.cast(tf.range(count), tf.uint32) * tf.constant(0x9E3779B9, tf.uint32)  # a Weyl sequence
+    bits = _mix(state[:, None] + counters[None, :])
+    # 23 bits and a half: exact in float32, so never 0 or 1 (which ndtri would turn into an infinite value).
+    return (tf.cast(tf.bitwise.right_shift(bits, 9), tf.float32) + 0.5) * 2.0**-23
+
+
+def example_normals(keys, count):
+    """[n, count] float32 standard normals, each row a function of its row of `keys` alone (example_uniforms)."""
+    return tf.math.ndtri(example_uniforms(keys, count))

@@ -77,7 +77,7 @@ class Task(base.Task):
 
     def forward(self, models, batch, training):
         images, index = batch["image"], batch["index"]
-        views = [augment(images, view_keys(self.config.seed, index, view)) for view in (1, 2)]
+        views = [augment(images, base.example_keys(self.config.seed, index, view)) for view in (1, 2)]
         # Both views in one pass: batch-norm statistics see them together, as SimCLR's do.
         projections = models["head"](models["encoder"](tf.concat(views, 0), training=training), training=training)
         view1, view2 = tf.split(tf.math.l2_normalize(tf.cast(projections, tf.float32), axis=1), 2)
@@ -142,35 +142,6 @@ class Task(base.Task):
         return serve
 
 
-def view_keys(seed, index, view):
-    """[n, 3] int64 keys (seed, each example's index, view): what a view of each example is a function of."""
-    fill = lambda value: tf.fill(tf.shape(index), tf.constant(value, tf.int64))  # noqa: E731
-    return tf.stack([fill(seed), tf.cast(index, tf.int64), fill(view)], axis=1)
-
-
-def _mix(x):
-    # lowbias32 (C. Wellons): a 32-bit integer hash in which every input bit flips each output bit about half
-    # the time. uint32 arithmetic wraps, on CPU, GPU and in XLA alike.
-    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16)) * tf.constant(0x7FEB352D, tf.uint32)
-    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 15)) * tf.constant(0x846CA68B, tf.uint32)
-    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16))
-
-
-def uniforms(keys, count):
-    """[n, count] float32 in (0, 1): `count` numbers drawn from each row of `keys` (int64 [n, k]) alone.
-
-    A counter-based generator, vectorized over the batch: TensorFlow's stateless ops take one seed per call, and
-    a loop over examples costs more than the step itself."""
-    state = tf.zeros(tf.shape(keys)[:1], tf.uint32)
-    for column in tf.unstack(tf.cast(keys, tf.int64), axis=1):
-        for word in (column, tf.bitwise.right_shift(column, 32)):  # the low, then the high 32 bits
-            state = _mix(tf.bitwise.bitwise_xor(state, tf.cast(word, tf.uint32)))
-    counters = tf.cast(tf.range(count), tf.uint32) * tf.constant(0x9E3779B9, tf.uint32)  # a Weyl sequence
-    bits = _mix(state[:, None] + counters[None, :])
-    # 23 bits and a half: exact in float32, so never 0 or 1 (which ndtri would turn into an infinite pixel).
-    return (tf.cast(tf.bitwise.right_shift(bits, 9), tf.float32) + 0.5) * 2.0**-23
-
-
 def _resampling(size, zoom, shift):
     """[n, size, size] matrices that resample one axis bilinearly: output pixel i reads the input at
     center + (i - center) * zoom + shift; outside the image reads 0."""
@@ -183,7 +154,7 @@ def _resampling(size, zoom, shift):
 def augment(images, keys):
     """A random view of each image ([n, height, width, channels] in [0, 1]), a function of its row of `keys`."""
     height, width = images.shape[1], images.shape[2]
-    u = uniforms(keys, 5 + images.shape[1:].num_elements())
+    u = base.example_uniforms(keys, 5 + images.shape[1:].num_elements())
     between = lambda low, high, column: low + (high - low) * u[:, column]  # noqa: E731
     zoom = between(*ZOOM, 0)
     rows = _resampling(height, zoom, between(-MAX_SHIFT, MAX_SHIFT, 1))

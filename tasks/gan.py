@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine.api import ConfigError, Update
-from tasks import base, contrastive
+from tasks import base
 
 DATASET = "digits"  # the default --dataset
 SETTINGS = {
@@ -113,8 +113,7 @@ class Task(base.Task):
 
     def noise(self, index, role):
         """[n, --gan_latent] standard normals, row i a function of (--seed, index[i], role) alone."""
-        keys = contrastive.view_keys(self.config.seed, index, role)
-        return tf.math.ndtri(contrastive.uniforms(keys, self.config.gan_latent))
+        return base.example_normals(base.example_keys(self.config.seed, index, role), self.config.gan_latent)
 
     def discriminator_loss(self, models, batch, seed):
         """Per example: softplus(-D(x)) + softplus(D(G(z))); the fake is a constant of this update."""

@@ -67,7 +67,9 @@ def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirro
     import tensorflow as tf
 
     from engine.run import build
-    from tasks.contrastive import augment, uniforms, view_keys
+    from tasks.base import example_keys as view_keys
+    from tasks.base import example_uniforms as uniforms
+    from tasks.contrastive import augment
 
     config = helpers.make_config(data_dir, task="contrastive")
     view = tf.function(lambda images, index, v: augment(images, view_keys(config.seed, index, v)))

@@ -5,6 +5,7 @@ once, float16's loss scale, gradient accumulation over microbatches; and, after 
 check and clipping (process_gradients). engine/numerics/replica.py puts them together with the all-reduce and the
 masked update."""
 
+import inspect
 import re
 
 import keras
@@ -36,7 +37,15 @@ def pass_seed(step, replica, draw=0):
     return seed if draw == 0 else tf.random.experimental.stateless_fold_in(seed, draw)
 
 
-def stateless_forward(task, models, batch, statistics, values, seeds, step, replica, draw=0, run=None, weights=()):
+def takes_repetition(loss):
+    """Whether an update's `loss` is told its repetition: loss(models, batch, seed, repetition)."""
+    parameters = inspect.signature(loss).parameters
+    return "repetition" in parameters or len(parameters) >= 4
+
+
+def stateless_forward(
+    task, models, batch, statistics, values, seeds, step, replica, draw=0, run=None, weights=(), repetition=0
+):
     """The task's training forward pass with nothing assigned, starting from `values` of `statistics`: returns (outputs,
     new values of `statistics`, the losses the pass added: activity regularizers and `add_loss` in a model's call).
 
@@ -59,7 +68,8 @@ def stateless_forward(task, models, batch, statistics, values, seeds, step, repl
         if run is None:
             outputs = task.forward(models, batch, training=True)
         else:  # the task's own noise: a stream no pass's masks draw from (their replica ids are >= 0)
-            outputs = run(models, batch, pass_seed(step, -1 - replica, draw))
+            seed = pass_seed(step, -1 - replica, draw)
+            outputs = run(models, batch, seed, repetition) if takes_repetition(run) else run(models, batch, seed)
     return outputs, [scope.get_current_value(v) for v in statistics], list(scope.losses)
 
 
@@ -143,7 +153,7 @@ def checked_loss(per_example, batch, what):
     return tf.cast(per_example, tf.float32)
 
 
-def forward_backward(built, plan, batch, step, replica, draw, loss, shift, values):
+def forward_backward(built, plan, batch, step, replica, draw, loss, shift, values, repetition=0):
     """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
     grads, the statistics' new values). `values` of the statistics, or None to read them; `shift`: weights + shift."""
     config, task, scale = built.config, built.task, plan.loss_scale.scale if built.float16 else None
@@ -164,7 +174,7 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
                 tape.watch(at)
             outputs, values, pass_losses = stateless_forward(
                 task, built.models, part, built.statistics, values, built.seeds, step, replica * accumulate + k,
-                draw, loss, weights,
+                draw, loss, weights, repetition,
             )  # fmt: skip
             per_example = checked_loss(task.loss(outputs, part) if loss is None else outputs, part, plan.what)
             # Divide by the GLOBAL batch: the SUM all-reduce then gives the mean over all replicas'

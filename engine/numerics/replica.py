@@ -16,6 +16,7 @@ step, whatever the replica count and the microbatching.
 import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
+from engine.numerics.updates import batches_per_step
 from engine.settings.errors import TaskError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -60,6 +61,7 @@ class Setup:
     def __init__(self, task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit):
         self.task, self.models, self.config = task, models, config
         self.plans = {plan.name: plan for plan in plans}
+        self.batches_per_step = batches_per_step(plans)
         self.statistics, self.seeds = split_statistics(models, config.freeze)
         self.num_replicas, self.stop_flag, self.float16 = num_replicas, stop_flag, float16
         self.asynchronous, self.jit = asynchronous, jit
@@ -78,11 +80,13 @@ class ReplicaStep:
         scale; masked: nothing of it changes unless every evaluation of it since its last apply was finite
         (float16) and `when` (a bool tensor) holds. Every update is applied at least once a step.
     variables(name): the values of the update's trained variables. `updates`: the Updates, in order;
-    `count`: the run's step counter.
+    `count`: the run's step counter; `batches`: the step's batches (more than one where an update reads a fresh batch
+    per repetition, Update.fresh); gradients(..., repetition=r) tells an update's loss its repetition.
     """
 
-    def __init__(self, built, count, replica):
+    def __init__(self, built, count, replica, batches=()):
         self.updates = [plan.update for plan in built.plans.values()]
+        self.batches = batches  # the step's training batches: one, or an update's fresh batch per repetition
         self.count, self._built, self._replica = count, built, replica
         self._ctx = tf.distribute.get_replica_context()
         self._file = f"tasks/{built.config.task}.py: replica_step"
@@ -111,7 +115,7 @@ class ReplicaStep:
     def variables(self, name):
         return [v.value for v in self._plan(name, "variables").variables]
 
-    def gradients(self, name, batch, loss=None, shift=None):
+    def gradients(self, name, batch, loss=None, shift=None, repetition=0):
         built, plan = self._built, self._plan(name, "gradients")
         if shift is not None and len(shift) != len(plan.variables):
             raise TaskError(
@@ -120,7 +124,9 @@ class ReplicaStep:
             )
         draw, self._draws = self._draws, self._draws + 1
         local = _maybe_jit(
-            lambda b, c, r, s, v: forward_backward(built, plan, b, c, r, draw, loss or plan.update.loss, s, v),
+            lambda b, c, r, s, v: forward_backward(
+                built, plan, b, c, r, draw, loss or plan.update.loss, s, v, repetition
+            ),
             built.jit,
         )
         total, grads, self._statistics = local(batch, self.count, self._replica, shift, self._statistics)
@@ -211,11 +217,13 @@ def _described(gradients, step):
 
 
 def engine_step(step, batch):
-    """The engine's replica step: each update in order, `repeat` times, applied when due (`every`)."""
+    """The engine's replica step: each update in order, `repeat` times (each repetition on a batch of its own with
+    `fresh`), applied when due (`every`)."""
     for update in step.updates:
         when = None if update.every == 1 else tf.equal(step.count % update.every, 0)
-        for _ in range(update.repeat):
-            step.apply(update.name, step.gradients(update.name, batch), when=when)
+        for repetition in range(update.repeat):
+            read = step.batches[repetition] if update.fresh else batch
+            step.apply(update.name, step.gradients(update.name, read, repetition=repetition), when=when)
 
 
 def make_train_step(
@@ -253,9 +261,11 @@ def make_train_step(
     body = task.replica_step or engine_step
 
     def train_step(batch):
+        # A step reading several batches (Update.fresh) is handed them as a tuple: the first is the step's batch.
+        batches = batch if isinstance(batch, tuple) else (batch,)
         replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-        replica_step = ReplicaStep(built, tf.convert_to_tensor(step), replica)
-        body(replica_step, batch)
+        replica_step = ReplicaStep(built, tf.convert_to_tensor(step), replica, batches)
+        body(replica_step, batches[0])
         return replica_step.outputs(extras)
 
     return tf.function(train_step, jit_compile=True) if whole else train_step

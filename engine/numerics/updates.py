@@ -34,7 +34,11 @@ class Update:
     clip_norm, clip_value: None: the run's --clip_norm and --clip_value.
     every: applied at the steps whose count of steps before it is a multiple of `every` (its gradients are taken
         at every step, so every replica all-reduces alike; nothing of it changes at the other steps).
-    repeat: applied this many times per step, in turn, each time a fresh forward pass over the step's batch.
+    repeat: applied this many times per step, in turn, each time a fresh forward pass over the step's batch (or,
+        with `fresh`, a batch of its own). Its loss, when it takes a fourth parameter (`repetition`), is told which.
+    fresh: each repetition reads a batch of its own (the WGAN-GP critic's): a step then reads `repeat` batches, the
+        first of which every other update uses; the data position counts them all, so a resumed run reads on
+        exactly.
     shares: it may train variables an update before it trains too: each keeps its own optimizer slots and update
         count, and the variables' moving averages (--ema_decay) move at each of their applications. Refused unless
         said, as that is seldom what a task means.
@@ -49,6 +53,7 @@ class Update:
     clip_value: float | None = None
     every: int = 1
     repeat: int = 1
+    fresh: bool = False
     shares: bool = False
 
 
@@ -231,6 +236,11 @@ def build_plans(task, weights, config):
     if left:
         print(f"warning: {task_file}: no update trains {left[0]}" + (f" and {len(left) - 1} more" if left[1:] else ""))
     return plans
+
+
+def batches_per_step(plans):
+    """The training batches a step reads: one, or the most repetitions of an update that reads a fresh batch each."""
+    return max([plan.update.repeat for plan in plans if plan.update.fresh], default=1)
 
 
 def checkpointed(plans):

@@ -115,6 +115,13 @@ def inputs(config, split=None):
     return datasets.prepare(config, source, task, split)
 
 
+def training_batches(config, start=0):
+    """The global batches the run `config` describes trains on, in order from batch `start` (each a dict of prepared
+    tensors with `index`, the examples' positions in the training stream), as one device reads them: what a fork
+    holds its step against. A step of an update that reads a fresh batch per repetition takes several in turn."""
+    return batches(inputs(config).train_fn(tf.distribute.InputContext(), start))
+
+
 def examples(config):
     """examples(split): the prepared batches of `split`, each example once (weight 0 marks padding), on this host:
     one pass of a generator (its tf.data iterator deleted off this thread at the end, engine/run/inputs.py release).

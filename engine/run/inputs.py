@@ -111,15 +111,16 @@ class Distributed:
             )
         )
 
-    def step(self, train_step, iterator, first_batch, i, timed):
-        """`train_step` on every replica with the iterator's next batch; its first replica's outputs and "waited":
-        seconds spent waiting for the batch (when `timed`)."""
+    def step(self, train_step, iterator, first_batch, i, timed, count=1):
+        """`train_step` on every replica with the iterator's next batch (the next `count`, as a tuple, for a step that
+        reads several); its first replica's outputs and "waited": seconds spent waiting for the batch (when
+        `timed`)."""
         # The timestamps are ordered around the wait by hand: automatic control dependencies leave a timestamp
         # free to run anywhere.
         asked = tf.timestamp() if timed else tf.constant(0.0, tf.float64)
         waited = tf.constant(0.0, tf.float64)
         with tf.control_dependencies([asked] if timed else []):
-            batch = next(iterator)
+            batch = next(iterator) if count == 1 else tuple(next(iterator) for _ in range(count))
         if timed:
             with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
                 waited = tf.timestamp() - asked
@@ -146,18 +147,19 @@ class InStep(Distributed):
     def open(self, start):
         return None
 
-    def step(self, train_step, iterator, first_batch, i, timed):
+    def step(self, train_step, iterator, first_batch, i, timed, count=1):
         if iterator is not None:  # batches handed over anyway (a test's, a benchmark's): read them
-            return super().step(train_step, iterator, first_batch, i, timed)
+            return super().step(train_step, iterator, first_batch, i, timed, count)
         # The batch's index from the loop counter, not from the `batches` variable: nothing orders the gather
         # after the previous step, so it may run ahead of it.
-        batch_index = first_batch + tf.cast(i, tf.int64)
+        batch_index = first_batch + tf.cast(i, tf.int64) * count
         pipelines = distribute.num_workers(self.strategy)
 
         def gathered_step(batch_index):
             # One replica per worker (gathers_in_step): the replica's id is its worker's input pipeline.
             replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-            return train_step(self.data.gather(batch_index, replica, pipelines))
+            batches = tuple(self.data.gather(batch_index + k, replica, pipelines) for k in range(count))
+            return train_step(batches[0] if count == 1 else batches)
 
         out = first_replica(self.strategy, self.strategy.run(gathered_step, args=(batch_index,)))
         return {**out, "waited": tf.constant(0.0, tf.float64)}

@@ -60,8 +60,8 @@ def train(config, strategy=None, on_eval=None):
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
                 report.line(_train_steps_change(saved, config))
-        elif config.on_nan == "rollback":
-            checkpoints.save()  # something to roll back to from the first step on
+        elif config.on_nan == "rollback" or config.save_initial:
+            checkpoints.save()  # step 0: something to roll back to from the first step on, or to hold a fork against
         return Controller(run, report, checkpoints, started).train()
 
 

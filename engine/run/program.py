@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
 
 from engine.cluster import distribute
-from engine.numerics import replica
+from engine.numerics import replica, updates
 from engine.run import inputs, xla
 from engine.settings.errors import ConfigError, task_error
 
@@ -43,6 +43,7 @@ class TrainProgram:
         self.config, self.strategy, self.task, self.models, self.plans = config, strategy, task, models, plans
         self.data, self.state, self.coordinator, self.jit = data, state, coordinator, jit
         self.float16 = config.precision == "mixed_float16"
+        self.batches_per_step = updates.batches_per_step(plans)  # more than one: an update reads a fresh batch each
         with strategy.scope():
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
         # Bytes of record files this process read (a streamed split): the read-amplification count.
@@ -173,7 +174,7 @@ class TrainProgram:
         # The last step's extras (its gradients, for an action that asked for them), carried through the loop.
         carried = {name: _zeros(self.plans) for name in extras}
         for i in tf.range(steps):
-            out = feed.step(train_step, iterator, first_batch, i, timed)
+            out = feed.step(train_step, iterator, first_batch, i, timed, self.batches_per_step)
             waited += out.pop("waited")
             carried = {name: out.pop(name) for name in extras}
             sums = {k: v + tf.where(out["finite"], tf.cast(out[k], tf.float64), 0.0) for k, v in sums.items()}
@@ -186,7 +187,7 @@ class TrainProgram:
             last = {k: out[k] for k in last}
             done += 1
             state.step.assign_add(1)
-            state.batches.assign_add(1)
+            state.batches.assign_add(self.batches_per_step)
             if self.stops_each_step and out["stop"]:
                 break
         skipped = tf.cast(done, tf.float32) - finite_steps

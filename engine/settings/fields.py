@@ -154,6 +154,9 @@ class _RunSettings(sections.Sectioned):
     profile_steps: tuple = _loop(
         (), "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off"
     )
+    save_initial: bool = _loop(
+        False, "save a checkpoint of step 0 before the first step: the initial weights, to hold a fork's step against"
+    )
     actions: str = _loop(
         "",
         "comma-separated actions after each round beside the engine's own, each engine/run/actions/<name>.py "

@@ -53,6 +53,8 @@ CADENCE_SETTINGS = frozenset(
         "profile_steps",
         "on_nan",
         "eval_batch_size",
+        "save_initial",
+        "actions",
     }
 )
 # Settings an evaluation of a trained run takes from its command line when given there (not the default), else

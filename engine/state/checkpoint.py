@@ -63,6 +63,20 @@ class State:
         return tf.train.Checkpoint(**{k: v for k, v in self.tracked().items() if k in ("models", "step", "ema")})
 
 
+def weights(source, flag="checkpoint"):
+    """{model name: {variable path: numpy array}} of the checkpoint `source` names (a checkpoint prefix, or a workdir:
+    its newest): every model's weights and statistics by the Keras paths the models give them (mlp/dense/kernel),
+    and their moving averages under "ema/<model>" where the run kept them. What a fork holds its step against."""
+    reader = tf.train.load_checkpoint(find(source, flag))
+    found = {}
+    for key in reader.get_variable_to_shape_map():
+        parts = key.split("/")
+        if key.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and parts[0] in ("models", "ema") and len(parts) == 5:
+            owner = parts[1] if parts[0] == "models" else f"ema/{parts[1]}"
+            found.setdefault(owner, {})[describe_key(parts[2])] = reader.get_tensor(key)
+    return found
+
+
 def describe_key(key):
     """A checkpoint key as a person reads it: models/model/mlp/dense/kernel."""
     name = key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
