@@ -149,6 +149,7 @@ def test_the_log_counts_skipped_steps_and_writes_the_train_line():
         state=types.SimpleNamespace(skipped=tf.Variable(2, dtype=tf.int64)),
         program=types.SimpleNamespace(metric_names=["learning_rate", "grad_norm", "loss_scale"], float16=False),
         config=types.SimpleNamespace(global_batch_size=16),
+        plans=[None],  # one update: its loss is the run's
         actions=[builtin.Log()],
     )
     report = Lines()

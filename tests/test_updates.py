@@ -173,14 +173,19 @@ def test_a_run_of_two_updates_logs_and_checkpoints_each_by_name(data_dir, monkey
     for record in records:
         assert record["body/learning_rate"] == pytest.approx(BODY_RATE)
         assert record["head/learning_rate"] == pytest.approx(HEAD_RATE)
-        assert record["loss"] == pytest.approx(record["body/loss"] + record["head/loss"], rel=1e-6)  # float32 sums
+        assert record["loss"] is None  # several updates' losses summed mean nothing: each is logged, not the sum
         assert record["body/grad_norm"] > 0 and record["head/grad_norm"] > 0
     assert whole["head/loss"] == pytest.approx(records[-1]["head/loss"])
     assert whole["body/learning_rate"] == pytest.approx(BODY_RATE)
     written = json.load(open(tmp_path / "whole" / "summary.json"))
     assert written["head/loss"] == pytest.approx(records[-1]["head/loss"])
     assert written["body/loss_scale"] is None and written["head/loss_scale"] is None  # float32, as in metrics.jsonl
-    assert "train step=10 loss=" in capsys.readouterr().out
+    assert "train step=10 loss=- body/loss=" in capsys.readouterr().out and written["train_loss"] is None
+    # What each update trained with, beside the run's settings.
+    saved = json.load(open(tmp_path / "whole" / "config.json"))
+    for name, rate in (("body", BODY_RATE), ("head", HEAD_RATE)):
+        for effective in (saved["updates"][name], written["updates"][name]):
+            assert effective["optimizer"] == "sgd" and effective["learning_rate"] == rate and effective["repeat"] == 1
     reader = tf.train.load_checkpoint(str(tmp_path / "whole" / "checkpoints" / "ckpt-10"))
     names = reader.get_variable_to_shape_map()
     assert reader.get_tensor("optimizers/body/iterations/.ATTRIBUTES/VARIABLE_VALUE") == 10
@@ -379,3 +384,79 @@ def test_two_float16_updates_each_unscale_with_their_own_scale(data_dir, one_dev
     assert trained["mixed_float16"][1] == [2.0**14, 1.0]  # every step finite: neither scale moved
     for got, expected in zip(trained["mixed_float16"][0], trained["float32"][0]):
         np.testing.assert_allclose(got, expected, atol=2e-3)
+
+
+class Fresh(classification.Task):
+    """The head, 2 times a step, each repetition on a batch of its own and told which (its loss weighed by 1 +
+    repetition); the hidden layer once, on the step's first batch."""
+
+    def head_loss(self, models, batch, seed, repetition):
+        return (1.0 + tf.cast(repetition, tf.float32)) * self.loss(self.forward(models, batch, True), batch)
+
+    def updates(self):
+        return (
+            Update("body", trains=r"/dense/", optimizer={"learning_rate": BODY_RATE}),
+            Update("head", loss=self.head_loss, trains=r"/dense_1/", optimizer={"learning_rate": HEAD_RATE},
+                   repeat=2, fresh=True),
+        )  # fmt: skip
+
+
+def test_a_repetition_reads_a_fresh_batch_of_its_own_and_knows_which(data_dir, one_device, monkeypatch):
+    from engine.api import training_batches
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Fresh)
+    config = helpers.make_config(data_dir, **SGD)
+    trainer = build.run(config, one_device)
+    initial = _weights(trainer)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 3)
+    assert out["steps"] == 3 and int(trainer.state.batches.numpy()) == 6  # the data position counts every batch read
+    # Written out: step t's body on batch 2t, its head's repetition r on batch 2t + r, weighed by 1 + r.
+    w0, b0, w1, b1 = (tf.Variable(v) for v in initial)
+    stream = training_batches(config)
+    read = [next(stream) for _ in range(6)]
+
+    def loss(batch, weight):
+        x = tf.reshape(batch["image"], [len(batch["label"]), -1])
+        logits = tf.nn.relu(x @ w0 + b0) @ w1 + b1
+        return weight * tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(batch["label"], logits))
+
+    def sgd(variables, rate, batch, weight=1.0):
+        with tf.GradientTape() as tape:
+            value = loss(batch, weight)
+        for v, g in zip(variables, tape.gradient(value, variables)):
+            v.assign_sub(rate * g)
+
+    for t in range(3):
+        sgd([w0, b0], BODY_RATE, read[2 * t])
+        for r in range(2):
+            sgd([w1, b1], HEAD_RATE, read[2 * t + r], 1.0 + r)
+    for got, expected in zip(_weights(trainer), (w0, b0, w1, b1)):
+        np.testing.assert_allclose(got, expected.numpy(), atol=1e-6)
+
+
+def test_save_initial_writes_step_0_and_weights_reads_it_by_model_and_path(data_dir, one_device, tmp_path):
+    from engine.api import weights
+
+    config = helpers.make_config(data_dir, str(tmp_path), save_initial=True, train_steps=2, steps_per_loop=1, **SGD)
+    initial = {v.path: v.numpy() for v in build.run(config, one_device).model.variables}  # the same seed's weights
+    loop.train(config, one_device)
+    assert sorted(os.listdir(tmp_path / "checkpoints"))[:2] == ["checkpoint", "ckpt-0.data-00000-of-00001"]
+    saved = weights(str(tmp_path / "checkpoints" / "ckpt-0"))
+    assert list(saved) == ["model"] and sorted(saved["model"]) == sorted(initial)
+    for path, value in initial.items():
+        np.testing.assert_array_equal(saved["model"][path], value)
+    assert not np.array_equal(weights(str(tmp_path))["model"]["mlp/dense/kernel"], initial["mlp/dense/kernel"])
+
+
+def test_an_updates_loss_and_gradient_norm_are_reduced_alike(data_dir, one_device, monkeypatch):
+    """Over its repetitions and over the round, an update's gradient norm is a mean as its loss is: a logged line's
+    numbers are each the mean over the same applications, not one the mean and the other the last."""
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Split)
+    config = helpers.make_config(data_dir, **SGD)
+    trainer = build.run(config, one_device)
+    iterator = trainer.program.train_iterator()
+    steps = [trainer.program.run_steps(iterator, 1) for _ in range(4)]
+    reference = build.run(config, one_device)
+    round_ = reference.program.run_steps(reference.program.train_iterator(), 4)
+    for name in ("body/loss", "head/loss", "body/grad_norm", "head/grad_norm"):
+        assert round_[name] == pytest.approx(np.mean([s[name] for s in steps]), rel=1e-5), name

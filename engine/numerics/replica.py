@@ -189,8 +189,10 @@ class ReplicaStep:
                     f"{self._file}: never applies update {name!r}; every update is applied once a step at least "
                     "(step.apply(name, gradients, when=False) skips it)"
                 )
+            # Its loss and gradient norm alike: their means over the step's applications (repeat).
             loss = applied[0][0] if len(applied) == 1 else tf.add_n([a[0] for a in applied]) / len(applied)
-            *_, norm, finite, scale, rates, applied_grads = applied[-1]
+            norm = applied[0][1] if len(applied) == 1 else tf.add_n([a[1] for a in applied]) / len(applied)
+            *_, finite, scale, rates, applied_grads = applied[-1]
             grads.update(zip(plan.names, applied_grads))
             finite = tf.reduce_all([a[2] for a in applied]) if len(applied) > 1 else finite
             if plan.prefix:

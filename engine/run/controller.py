@@ -146,8 +146,10 @@ class Controller:
             # The share of the timed rounds' time the steps waited for their batches.
             "input_wait_fraction": input_wait,
             "input_bytes_read": int(program.bytes_read.numpy()) if run.data.sharded else None,
-            # A run of several updates: each one's loss over the last round, and its last rates and gradient norm.
+            # A run of several updates: each one's loss and gradient norm over the last round, its last rates, and the
+            # settings each trained with.
             **(_update_metrics(program, last) if len(run.plans) > 1 and last else {}),
+            **({"updates": {plan.name: plan.effective() for plan in run.plans}} if len(run.plans) > 1 else {}),
             "skipped_steps": int(run.state.skipped.numpy()),
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
             "wall_seconds": time.time() - self.started,

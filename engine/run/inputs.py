@@ -203,7 +203,7 @@ class PerWorker(Distributed):
         outs = [{k: float(v) for k, v in f.items() if not isinstance(v, dict)} for f in fetched]
         done = sum(o["steps"] for o in outs)
         finite = done - sum(o["skipped"] for o in outs)
-        sums = {k: sum(o[k] for o in outs) for k in outs[0] if k.endswith("loss_sum")}
+        sums = {k: sum(o[k] for o in outs) for k in outs[0] if k.endswith("_sum")}
         return {
             **outs[-1],
             "steps": done,

@@ -55,7 +55,7 @@ def train(config, strategy=None, on_eval=None):
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
         if chief:
-            write_config(config, run.task)
+            write_config(config, run.task, run.plans)
         if restored:
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
@@ -122,11 +122,13 @@ def _train_steps_change(saved, config):
     return line
 
 
-def write_config(config, task):
+def write_config(config, task, plans=()):
     """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
     settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble. Beside
     them, what the labels mean (a classification task's class_names, null for others): no setting, read by
     people and by the programs that use the export."""
     names = list(task.class_names) if hasattr(task, "class_names") else None
     saved = {**dataclasses.asdict(config), "class_names": names}
+    if len(plans) > 1:  # the settings each update trains with, over the run's (read by people, not by the engine)
+        saved["updates"] = {plan.name: plan.effective() for plan in plans}
     write_json(os.path.join(config.workdir, "config.json"), saved)

@@ -163,8 +163,11 @@ class TrainProgram:
 
     def _train_loop(self, train_step, extras, iterator, steps, first_batch):
         # The loss summed in float64: the sums of two parts of a logging window (a run preempted inside it, then
-        # resumed) then add up to the whole window's, exactly.
-        summed = [plan.prefix + "loss" for plan in self.plans if plan.prefix]  # each update's, in a run of several
+        # resumed) then add up to the whole window's, exactly. Each update's loss (in a run of several) and gradient
+        # norm alike: a logged line holds their means over the round's finite steps.
+        summed = [
+            name for p in self.plans for name in ((p.prefix + "loss",) if p.prefix else ()) + (p.prefix + "grad_norm",)
+        ]
         sums = {name: tf.constant(0.0, tf.float64) for name in ["loss", *summed]}
         finite_steps, done = tf.constant(0.0), tf.constant(0)
         floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale

@@ -25,7 +25,7 @@ from engine.state.workdir import append_text, make_workdir, replace_text
 def _train_fields(metrics):
     """The console line's numbers: loss, then each update's rates, gradient norm and loss scale ("-" unless
     float16), as name=value."""
-    fields = [f"loss={metrics['loss']:.5g}"]
+    fields = [f"loss={'-' if metrics['loss'] is None else format(metrics['loss'], '.5g')}"]
     prefixes = dict.fromkeys(k[: -len("grad_norm")] for k in metrics if k.endswith("grad_norm"))
     for prefix in prefixes:
         if prefix:
@@ -159,9 +159,10 @@ class Report:
         print(text, file=self.stream, flush=True)
 
     def train(self, step, metrics):
-        """metrics: loss (the mean over the finite steps since the last line), learning_rate (or a task's optimizer
-        groups' learning_rate/<regex>), grad_norm, loss_scale (None unless float16), examples_per_sec, skipped_steps
-        (since the last line); a run of several updates: each one's under <update>/, with its loss."""
+        """metrics: loss (the mean over the finite steps since the last line; None in a run of several updates, whose
+        summed losses mean nothing), learning_rate (or a task's optimizer groups' learning_rate/<regex>), grad_norm
+        (its mean over those steps), loss_scale (None unless float16), examples_per_sec, skipped_steps (since the last
+        line); a run of several updates: each one's under <update>/, with its loss."""
         record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
         record["skipped_steps"] = int(metrics["skipped_steps"])
         self._count_loss(record)
@@ -175,7 +176,8 @@ class Report:
             eta = elapsed / max(1, step - self._start_step) * (self.total_steps - step)
             self.stream.write(
                 f"\r\033[K[{100 * step // self.total_steps:3d}%] step {step}/{self.total_steps} "
-                f"loss {metrics['loss']:.4f} {metrics['examples_per_sec']:,.0f} ex/s "
+                f"loss {'-' if metrics['loss'] is None else format(metrics['loss'], '.4f')} "
+                f"{metrics['examples_per_sec']:,.0f} ex/s "
                 f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
             )
             self.stream.flush()

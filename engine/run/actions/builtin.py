@@ -141,7 +141,8 @@ class Log(Action):
         names = run.program.metric_names
         scales = [name for name in names if name.endswith("loss_scale")]
         metrics = {
-            "loss": out["loss"],
+            # Several updates' losses summed mean nothing (a critic's and a generator's): each is logged, not their sum.
+            "loss": out["loss"] if len(run.plans) == 1 else None,
             # Each update's rates (`learning_rate` where a variable trains with its settings, `learning_rate/<regex>`
             # for each group), gradient norm and loss scale; prefixed <update>/ and with its loss in a run of several.
             **{name: out[name] for name in names if name not in scales},
