@@ -384,3 +384,23 @@ def test_evaluation_runs_without_xla_when_xla_refuses_its_metrics(
     assert out.startswith(f"evaluation without XLA ({reason}") and out.endswith("): traced again\n")
     assert out.count("\n") == 1 and compiled.evaluator.jit is False and compiled.program.jit_compile
     assert results[0] == results[1] and results[0][metric] == (2.0 if metric == "synchronized" else 1.0)
+
+
+def test_a_decoder_compiles_with_xla_on_a_cpu_and_in_float32_on_a_gpu_only():
+    """A language model's decoder: XLA on a CPU (its step the faster), in float32 on a GPU (its step PyTorch's), not
+    in mixed precision on a GPU (its compile took minutes on an H200): bench/RESULTS.md's "XLA on a GPU"."""
+    assert xla.choose("auto", "float32", "CPU", EPYC, decoder=True) == (
+        True,
+        "auto: a float32 decoder on a CPU: XLA fuses the step",
+    )
+    for precision in ("mixed_bfloat16", "mixed_float16"):
+        assert xla.choose("auto", precision, "GPU", decoder=True) == (
+            False,
+            f"auto: a decoder in {precision} on a GPU: XLA's compile of it takes minutes",
+        )
+        assert xla.choose("auto", precision, "GPU")[0]  # a dense model: XLA
+    assert xla.choose("auto", "float32", "GPU", decoder=True)[0]
+    assert xla.choose("true", "mixed_bfloat16", "GPU", decoder=True) == (True, "flag")  # the user's word
+    gpt = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(65, 16), keras.layers.Dense(65)])
+    mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)])
+    assert xla.is_decoder([gpt]) and not xla.is_decoder([mlp])

@@ -1,10 +1,11 @@
 """Whether the replica step is compiled with XLA: --jit_compile=true|false, or auto, the engine's choice.
 
-The choice depends on the hardware as much as on the model, and it is made from measurements (bench/RESULTS.md,
-section "XLA on a CPU (--jit_compile=auto)", a part per rule): XLA fuses the elementwise ops around the matmuls
-and removes per-op dispatch, but on a CPU it does not use the bfloat16 matrix units and its convolutions are
-slower than oneDNN's. `choose` holds every rule and takes its facts as arguments, so each case can be checked
-without the hardware; `resolve` reads them from the running process.
+The choice depends on the hardware as much as on the model (dense, convolutional, a decoder over tokens) and the
+precision, and it is made from measurements (bench/RESULTS.md, sections "XLA on a CPU (--jit_compile=auto)" and "XLA
+on a GPU (--jit_compile=auto)", a part per rule): XLA fuses the elementwise ops around the matmuls and removes per-op
+dispatch, but on a CPU it does not use the bfloat16 matrix units and its convolutions are slower than oneDNN's, and on
+a GPU its compile of a large decoder in mixed precision takes minutes. `choose` holds every rule and takes its facts
+as arguments, so each case can be checked without the hardware; `resolve` reads them from the running process.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ def choose(
     unsupported="",
     remote=False,
     largest_matrix=float("inf"),
+    decoder=False,
 ):
     """(compile, reason): whether to compile the replica step with XLA, and why, in words for the run's first line.
 
@@ -44,7 +46,8 @@ def choose(
     batch norm, gathered negatives) where XLA cannot, found when the first round failed to trace with it.
     `unsupported`: ops of the step XLA has no kernel for (a task's random gamma draws), found when the first step
     failed to compile. `remote`: the variables live on parameter servers. `largest_matrix`: the weights in the
-    model's largest weight matrix (a dense or attention kernel).
+    model's largest weight matrix (a dense or attention kernel). `decoder`: a model over token sequences (an
+    embedding of tokens: a language model).
     """
     if setting != "auto":
         return setting == "true", "flag"
@@ -52,10 +55,20 @@ def choose(
     if refused:
         return False, f"auto: {refused}"
     if device == "GPU":
-        # Every precision: fusing the elementwise ops (loss scaling, the update, casts) around cuBLAS and cuDNN
-        # is the standard fast path, mixed_float16 with XLA above all.
-        return True, f"auto: {precision} on a GPU: XLA fuses the elementwise ops around cuBLAS and cuDNN"
-    return _on_cpu(precision, cpu_flags, convolutions, largest_matrix)
+        return _on_gpu(precision, decoder)
+    return _on_cpu(precision, cpu_flags, convolutions, largest_matrix, decoder)
+
+
+def _on_gpu(precision, decoder):
+    """choose() on a GPU. Each rule's measurements: bench/RESULTS.md, section "XLA on a GPU (--jit_compile=auto)"."""
+    if decoder and precision != "float32":
+        # XLA's compile of the 12-layer decoder in mixed_bfloat16 did not finish in 150 s on an H200 (measured:
+        # "Decoders in mixed precision"); TensorFlow's own kernels run it at once.
+        return False, f"auto: a decoder in {precision} on a GPU: XLA's compile of it takes minutes"
+    # float32 decoders: XLA's step matched PyTorch's to 3% (measured: "Decoders in float32"), its compile paid once
+    # (--compile_cache keeps it for a requeued job). Dense and convolutional models: fusing the elementwise ops
+    # (loss scaling, the update, casts) around cuBLAS and cuDNN, the standard fast path (measured: "Dense layers").
+    return True, f"auto: {precision} on a GPU: XLA fuses the elementwise ops around cuBLAS and cuDNN"
 
 
 def _cannot_compile(device, synchronizes, remote, unsupported):
@@ -77,7 +90,7 @@ def _cannot_compile(device, synchronizes, remote, unsupported):
     return ""
 
 
-def _on_cpu(precision, cpu_flags, convolutions, largest_matrix):
+def _on_cpu(precision, cpu_flags, convolutions, largest_matrix, decoder=False):
     """choose() on a CPU, where XLA wins on dense layers but loses on convolutions and big bfloat16 matmuls.
     Each rule's measurements: bench/RESULTS.md, section "XLA on a CPU (--jit_compile=auto)"."""
     if convolutions:
@@ -95,6 +108,9 @@ def _on_cpu(precision, cpu_flags, convolutions, largest_matrix):
         # XLA:CPU computes bfloat16 in float32; oneDNN uses the units (measured: "bfloat16 with the units"). A
         # CPU without the units falls through to the dense rule: its non-XLA bfloat16 kernels take a slow path.
         return False, f"auto: mixed_bfloat16 on a CPU with {units[0]}: oneDNN's bfloat16 matmuls beat XLA's"
+    if decoder:
+        # A decoder over tokens: XLA's step ran 1.13x and 1.26x the one without (measured: "Decoders").
+        return True, f"auto: a {precision} decoder on a CPU: XLA fuses the step"
     # Dense layers: XLA's fusion ties or beats oneDNN's kernels (measured: "Dense layers").
     return True, f"auto: {precision} dense layers on a CPU: XLA fuses the step"
 
@@ -123,6 +139,7 @@ def resolve(numerics, strategy, models, synchronizes=False, unsupported=""):
         unsupported=unsupported,
         remote=distribute.is_parameter_server(strategy),
         largest_matrix=largest_matrix(models.values()),
+        decoder=is_decoder(models.values()),
     )
 
 
@@ -153,6 +170,15 @@ def has_convolutions(models):
     at any depth."""
     return any(
         isinstance(layer, _CONVOLUTIONS) for model in models for layer in model._flatten_layers(include_self=False)
+    )
+
+
+def is_decoder(models):
+    """Whether any of the Keras models reads tokens through an embedding (a language model's decoder)."""
+    return any(
+        isinstance(layer, keras.layers.Embedding)
+        for model in models
+        for layer in model._flatten_layers(include_self=False)
     )
 
 
