@@ -7,7 +7,8 @@ called that way.
 
 A family says how large it is before it exists, for the memory check (engine/run/memory.py):
 `size(config, input_shape, num_outputs)` -> (parameters, activation floats per example that a forward pass keeps
-for the backward one). A family without it is built unchecked, and the run's first lines say so.
+for the backward one[, the floats per example a forward pass alone holds at once: one layer's, where it frees the
+others]). A family without it is built unchecked, and the run's first lines say so.
 
 A family's own settings are declared in its file as a literal `SETTINGS = {"name": (default, "help")}`:
 each becomes a flag and a field of the run's Config (engine/config.py), read by the runs that choose the

@@ -96,8 +96,9 @@ def create(config, spec, num_outputs, info):
 
 
 def size(config, input_shape, vocabulary):
-    """(parameters, activation floats per example) before the model exists: parameters exact (Keras's
-    count_params), activations what a forward pass keeps for the backward one, roughly."""
+    """(parameters, activation floats per example, floats per example a forward pass holds at once) before the model
+    exists: parameters exact (Keras's count_params), activations what a forward pass keeps for the backward one,
+    roughly (bench/memory.py measures them)."""
     tokens, dim, layers = input_shape[0], config.gpt_dim, config.gpt_layers
     # Per block: two norms (4 x dim), query/key/value (3 x dim wide), the output projection, the 4x MLP.
     block = 4 * dim + (dim * 3 * dim + 3 * dim) + (dim * dim + dim) + (dim * 4 * dim + 4 * dim) + (4 * dim * dim + dim)
@@ -105,4 +106,6 @@ def size(config, input_shape, vocabulary):
     # Per token and block: norms, query/key/value, attention output and projection, residuals, the MLP's hidden
     # layer before and after its activation (about 17 x dim); every head's scores and softmax; the logits.
     activations = tokens * (2 * dim + layers * 17 * dim + vocabulary) + layers * 2 * config.gpt_heads * tokens**2
-    return parameters, activations
+    # A forward pass alone (evaluation) holds one block's at a time, beside the embeddings and the logits.
+    forward = tokens * (2 * dim + 17 * dim + vocabulary) + 2 * config.gpt_heads * tokens**2
+    return parameters, activations, forward

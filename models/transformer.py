@@ -91,4 +91,5 @@ def size(config, input_shape, num_classes):
     # Per block: the norms, query/key/value, attention output, residuals (about 8 x dim per token), the MLP's
     # hidden layer before and after its activation, and every head's token-by-token scores and softmax.
     activations = tokens * features + config.transformer_layers * (tokens * (8 * dim + 2 * mlp) + 2 * heads * tokens**2)
-    return parameters, activations + num_classes
+    forward = tokens * features + tokens * (8 * dim + 2 * mlp) + 2 * heads * tokens**2  # one block's at a time
+    return parameters, activations + num_classes, forward + num_classes

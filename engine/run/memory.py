@@ -19,9 +19,14 @@ from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_b
 
 
 def model_size(config, input_shape, outputs):
-    """(parameters, activation floats per example) of models/<config.model>.py's `size`, or None without one."""
+    """(parameters, activation floats per example kept for the backward pass, floats per example a forward pass
+    holds at once) of models/<config.model>.py's `size` (a family may leave out the third: then the second), or None
+    without one."""
     size = getattr(importlib.import_module(f"models.{config.model}"), "size", None)
-    return None if size is None else size(config, input_shape, outputs)
+    if size is None:
+        return None
+    parameters, activations, *forward = size(config, input_shape, outputs)
+    return parameters, activations, forward[0] if forward else activations
 
 
 def source_memory(config):
@@ -37,15 +42,16 @@ def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
     replicas it holds), the activations of its share (1/`shares`) of a training and of an evaluation batch, and the
     source's own data (`data`: on the host). Without a family's size, its parts are left out."""
     features = math.prod(input_shape)
-    parameters, activations = model_size(config, input_shape, outputs) or (0, 0)
+    parameters, activations, forward = model_size(config, input_shape, outputs) or (0, 0, 0)
     slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
     if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
         slots -= 0.5  # its first moment in half the bytes
     parts = {
         "model, gradients and optimizer slots": copies * int(4 * parameters * (2 + slots)),
-        # The forward pass's activations are kept for the backward pass, which adds their gradients.
+        # The forward pass's activations are kept for the backward pass, which adds their gradients; an evaluation's
+        # forward pass keeps none, and holds a layer's at a time.
         "training batch": 4 * config.global_batch_size * (features + 2 * activations) // shares,
-        "evaluation batch": 4 * config.per_eval_batch_size * (features + activations) // shares,
+        "evaluation batch": 4 * config.per_eval_batch_size * (features + forward) // shares,
     }
     if data and source_memory(config):
         parts[f"{config.dataset} data"] = source_memory(config)
@@ -87,24 +93,30 @@ def check(config, strategy, input_shape, outputs):
     judge(config, input_shape, outputs, host_memory_bytes(), "this machine's", copies=local, shares=workers)
 
 
+def need(parts):
+    """The bytes a run of these parts needs at its peak: a training and an evaluation batch never live at once."""
+    batches = max(parts["training batch"], parts["evaluation batch"])
+    return sum(size for part, size in parts.items() if not part.endswith(" batch")) + batches
+
+
 def judge(config, input_shape, outputs, total, where, copies=1, shares=1, data=True):
     """ConfigError when estimate(...) exceeds `total` bytes (`where`: whose memory, in words)."""
     parts = estimate(config, input_shape, outputs, copies, shares, data)
-    need = sum(parts.values())
-    if need <= total:
+    needed = need(parts)
+    if needed <= total:
         return
     default = Config()
 
     def with_default(name):
         changed = dataclasses.replace(config, **{name: getattr(default, name)})
-        return sum(estimate(changed, input_shape, outputs, copies, shares, data).values())
+        return need(estimate(changed, input_shape, outputs, copies, shares, data))
 
     culprit = min(MEMORY_SETTINGS, key=with_default)
-    if with_default(culprit) >= need:
+    if with_default(culprit) >= needed:
         culprit = "model"
     details = ", ".join(f"{part} {human_bytes(size)}" for part, size in parts.items() if size)
     fail(
         culprit,
         getattr(config, culprit),
-        f"needs about {human_bytes(need)} of memory ({details}), more than {where} {human_bytes(total)}",
+        f"needs about {human_bytes(needed)} of memory ({details}), more than {where} {human_bytes(total)}",
     )
