@@ -5,7 +5,7 @@
     python -m bench.decode --json X     # also write the measurements to X
 
 JPEGs of varied sizes (200-500 px a side, generated into a temporary folder) are read and decoded as
-`--dataset=folder:` reads them: engine/images.py's training decoder (random-resized crop to 224, flip, seeded per
+`--dataset=folder:` reads them: engine/data/images.py's training decoder (random-resized crop to 224, flip, seeded per
 example) in a parallel map, then batched. Measured side by side in one process, in alternating phases with one
 pipeline alive at a time (the best window of each kept; see `alternating`):
 - examples/s delivered, and per core (the cores this process may run on);

@@ -4,7 +4,7 @@
     python -m bench.soak --jobs=mlp --minutes=0.1 --sample_seconds=1 --warmup_seconds=1   # tests/test_soak.py
 
 Two jobs run side by side: a 2-worker multi_worker job (MLP 32,32 on the bundled digits; its workers are
-started here with TF_CONFIG on localhost ports, as engine/launcher.py does, so each has a pid to sample and to
+started here with TF_CONFIG on localhost ports, as engine/cluster/launcher.py does, so each has a pid to sample and to
 signal) and a mirrored one (2 logical CPUs, a tiny ResNet with synchronized batch norm on synthetic data).
 Each trains for --minutes in --cycles legs. A leg ends with SIGTERM to one process, as a scheduler preempting
 tasks one by one sends it: the multi-worker job's chief in odd cycles, worker 1 in even ones. Every process of

@@ -94,7 +94,8 @@ def load_weights(model, weights):
 
 
 def learning_rate(recipe, step):
-    """The engine's schedule (engine/optim.py): linear warmup over warmup_steps, then cosine to 0 at train_steps."""
+    """The engine's schedule (engine/numerics/optim.py): linear warmup over warmup_steps, then cosine to 0 at
+    train_steps."""
     lr = recipe["learning_rate"]
     if recipe["warmup_steps"]:
         lr *= min(1.0, (step + 1.0) / recipe["warmup_steps"])

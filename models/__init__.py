@@ -11,7 +11,7 @@ for the backward one[, the floats per example a forward pass alone holds at once
 others]). A family without it is built unchecked, and the run's first lines say so.
 
 A family's own settings are declared in its file as a literal `SETTINGS = {"name": (default, "help")}`:
-each becomes a flag and a field of the run's Config (engine/config.py), read by the runs that choose the
+each becomes a flag and a field of the run's Config (engine/settings/config.py), read by the runs that choose the
 family; a file that reads a setting another file declares names it in `READS = ("name", ...)`. `create`
 reads them from `config` and raises ValueError("--name=value: why") for a value it cannot build. Models
 never import the engine. The last layer computes in float32 so the loss is float32

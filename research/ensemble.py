@@ -16,7 +16,7 @@ like an evaluation: the task's per-example `score`, its mean, the task's `report
 predicted and scored, never used to choose anything. The workdir gets summary.json, ensemble_report.png and
 predictions.npz (the weighted ensemble's predictions as a member file, and each member's); it must not hold a
 train run or a tuning study, whose summary.json the ensemble's would replace, and the ensemble writes it under the
-lock a train run takes (engine/workdir.py).
+lock a train run takes (engine/state/workdir.py).
 """
 
 import dataclasses

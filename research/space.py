@@ -5,7 +5,7 @@
     warmup_steps    int     0     100       # integer in [low, high]
     hidden_sizes    choice  64 128,128      # one of these values, written as after --flag=
 
-No TensorFlow here: engine/config.py's validate reads the file before anything starts, so a bad space fails
+No TensorFlow here: engine/settings/config.py's validate reads the file before anything starts, so a bad space fails
 before the tuner writes its study.
 """
 

@@ -6,7 +6,8 @@ halving, Hyperband); this file turns its draws into configs, runs each with engi
 The study lives in SQLite in the workdir (or in --tune_storage, which several machines can share), so a
 killed tuner restarted with the same command keeps its finished trials and resumes an interrupted one from
 that trial's own checkpoint. Trials are scored on --validation_split: tuning never sees the test split.
-A tuner holds its workdir's lock as a train run does (engine/workdir.py), and its study.json marks the workdir as a
+A tuner holds its workdir's lock as a train run does (engine/state/workdir.py), and its study.json marks the workdir
+as a
 study's: a train run is refused there, and a tuner in a train run's workdir. The storage URL's password is shown
 as *** wherever the tuner writes or prints the URL, and a trial's config leaves the storage out.
 

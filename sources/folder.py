@@ -7,7 +7,7 @@ Your own photos, no builder: `--dataset=folder:PATH`, a folder with a sub-folder
 
 The classes are the sorted class-folder names: label i is the i-th (the source's info gives `num_classes` and
 `class_names`). Photos come in many sizes, so --image_size is required: training reads random-resized crops of that
-side, flipped at random; evaluation the centre crop (engine/images.py). PATH may be on any file system TensorFlow
+side, flipped at random; evaluation the centre crop (engine/data/images.py). PATH may be on any file system TensorFlow
 reads (gs://...).
 
 Splits. A PATH holding a folder named --train_split (`train`) holds one folder per split, each with the same class

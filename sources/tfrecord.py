@@ -11,7 +11,8 @@ trains on /data/imagenet/train-*.tfrecord (--train_split) and evaluates /data/im
 --tfrecord_features names the features a run reads, `name:type` or `name:type:shape`, comma separated (the records'
 other features are ignored):
 - `jpeg`, `png` or `image`: an encoded JPEG or PNG of any size (a bytes_list of one value); needs --image_size:
-  training reads random-resized crops of that side, flipped at random, evaluation the centre crop (engine/images.py).
+  training reads random-resized crops of that side, flipped at random, evaluation the centre crop
+  (engine/data/images.py).
 - `int64`, `float32`, `string`: a scalar (a list of one value).
 - `int64:AxBx..`, `float32:AxBx..`: a tensor of that shape stored flat, row-major, as an int64_list or float_list
   of A*B*.. values (e.g. `image:float32:28x28x1`).
@@ -21,7 +22,8 @@ A `label` is a class: `label:int64`, with --tfrecord_classes, its number of clas
 without reading them all). A label outside [0, --tfrecord_classes), or a record whose features are of another type
 or shape than named, stops the run naming its file and record.
 
-Each split is streamed file by file (engine/records.py `sharded`): each input pipeline reads its own files, and a resume
+Each split is streamed file by file (engine/data/records.py `sharded`): each input pipeline reads its own files, and a
+resume
 skips whole files by arithmetic on their exact numbers of records. Those are counted from the record headers (each
 record's length; the payloads are skipped, not read) once per file and kept in <--data_dir>/tfrecord_counts.json,
 keyed by the file's path and trusted while its size, modification time and a fingerprint of its first and last
@@ -52,7 +54,7 @@ SETTINGS = {
     "tfrecord_classes": (0, "number of classes of an int64 `label` (labels 0 .. N-1), at least 2", (0, 2147483647)),
 }
 READS = ("image_size",)  # the engine's setting: the side encoded images decode to
-IMAGES = ("jpeg", "png", "image")  # encoded, any size: decoded to --image_size by engine/images.py
+IMAGES = ("jpeg", "png", "image")  # encoded, any size: decoded to --image_size by engine/data/images.py
 SCALARS = {"int64": tf.int64, "float32": tf.float32, "string": tf.string}
 CACHE = "tfrecord_counts.json"  # in --data_dir: {path: {"size", "mtime_nsec", "fingerprint", "records"}}
 _FINGERPRINT = 4096  # bytes at each end of a file that its fingerprint hashes

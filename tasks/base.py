@@ -1,13 +1,14 @@
 """The task protocol: the questions the engine asks of a batch, with the defaults most tasks keep.
 
-A task file, `tasks/<name>.py`, defines `class Task(base.Task)` and overrides what differs. The engine
-builds a run in order (engine/trainer.py Trainer, from engine/build.py): the source, then the task, once per
+A task file, `tasks/<name>.py`, defines `class Task(base.Task)` and overrides what differs, and imports the engine
+only through engine.api (Update, DEFAULT, ConfigError, ...). The engine builds a run in order (engine/run/build.py
+`run`): the source, then the task, once per
 run, as `Task(config, spec, info)`: `spec` is {feature: tf.TensorSpec} of one example as the data source gives
 it, `info` what the source knows (`num_classes` of a label, a text's `vocabulary`). Then the task's data: the
 engine receives the task, runs `prepare` in the input pipeline and sets `self.spec` to the prepared example's
 spec (what `models` and `serve` read). Then `models(create)`, the updates and the step. `config` holds every
 setting of the run; its sections (`config.optimization`, `config.loop`, ...) and a file's own settings
-(`config.own("task", "language_model")`) are read-only views of it (engine/sections.py).
+(`config.own("task", "language_model")`) are read-only views of it (engine/settings/sections.py).
 
 The engine owns everything else: the step (the global-batch loss, loss scaling, one all-reduce, the finite
 check, clipping, the update: a task says its updates, or writes its replica step from the engine's
@@ -62,12 +63,15 @@ class Task:
         optimizer_groups and its loss."""
         return ()
 
-    # A step the updates cannot say (SAM's ascent point, a penalty through the input) is written as
-    # `replica_step(self, step, batch)` from the primitives of engine/step.py's ReplicaStep: step.gradients(name,
-    # batch, loss=None, shift=None) -> Gradients (.loss, .grads, .norm, .finite: all-reduced once, unscaled, checked,
-    # clipped), step.apply(name, gradients, when=None) (the masked optimizer update), step.variables(name). It runs
-    # on every replica inside the round's tf.function; no primitive all-reduces twice, skips the finite check or
-    # clips before the all-reduce. None: the engine's own step over updates().
+    # What updates say: each its own loss (a penalty through the input too: a nested tf.GradientTape inside the loss,
+    # as tasks/wgan_gp.py's gradient penalty), variables, optimizer, clipping, frequency, and a fresh batch per
+    # repetition. A step they cannot say (SAM's ascent point, evaluated at the weights plus a shift) is written as
+    # `replica_step(self, step, batch)` from the primitives of engine.api.ReplicaStep: step.gradients(name, batch,
+    # loss=None, shift=None, repetition=0) -> Gradients (.loss, .grads, .norm, .finite: all-reduced once, unscaled,
+    # checked, clipped), step.apply(name, gradients, when=None) (the masked optimizer update), step.variables(name),
+    # step.batches. It runs on every replica inside the round's tf.function; no primitive all-reduces twice, skips
+    # the finite check or clips before the all-reduce, and a misuse is one line naming this file (TaskError). None:
+    # the engine's own step over updates().
     replica_step = None
 
     @property

@@ -1,7 +1,7 @@
 """A generative adversarial network on images: a generator and a discriminator, two updates of one step.
 
 A generative adversarial network (Goodfellow et al. 2014) on images: a generator turns noise z into images, a
-discriminator tells them from real ones, trained in turn as two updates of one step (engine/updates.py): the
+discriminator tells them from real ones, trained in turn as two updates of one step (engine/numerics/updates.py): the
 discriminator's, --gan_critic_steps times, then the generator's, each with its own Adam and its own slots, update
 count and loss scale. The updates set the rule (adamw) and beta_1 (0.5, as DCGAN) over the run's --optimizer and
 --beta_1; the run's --learning_rate, --beta_2, --epsilon, --weight_decay, schedule and clipping apply to both.

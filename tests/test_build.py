@@ -1,4 +1,4 @@
-"""One place builds a run (engine/build.py, in engine/trainer.py's order): the data receives its task, a model
+"""One place builds a run (engine/run/build.py, in engine/run/program.py's order): the data receives its task, a model
 factory receives its input's spec and what the source knows of it, a task asks the engine for another run's trained
 model, and what a checkpoint holds is one named State."""
 

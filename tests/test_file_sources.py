@@ -426,7 +426,8 @@ def test_a_record_unlike_the_features_stops_the_stream_naming_its_file_and_recor
     data_dir, tmp_path, features, stored, training, why
 ):
     """Every record of the file fails to parse: the stream stops (it does not wait forever for one that parses), and
-    the line the run ends with (Data.origin, as engine/loop.py asks it) names the file, the record and the reason."""
+    the line the run ends with (Data.origin, as engine/run/loop.py asks it) names the file, the record and the
+    reason."""
     path = tmp_path / "train-0.tfrecord"
     with tf.io.TFRecordWriter(str(path)) as writer:
         for _ in range(8):

@@ -1,4 +1,4 @@
-"""engine/images.py: the training crop is a function of the seed and stays inside the image, the flip flips, the
+"""engine/data/images.py: the training crop is a function of the seed and stays inside the image, the flip flips, the
 evaluation crop is the centre window, every encoding comes out uint8 [S, S, 3], a broken image raises;
 imagenet2012 (mock files of random sizes) trains end to end offline; bench/decode.py runs."""
 

@@ -1,5 +1,6 @@
 """tasks/sam.py, sharpness-aware minimization written from the engine's primitives: against a plain TensorFlow loop
-of its math, across strategies, through a SIGKILL; and the guards of those primitives (engine/step.py ReplicaStep).
+of its math, across strategies, through a SIGKILL; and the guards of those primitives (engine/numerics/replica.py
+ReplicaStep).
 
 Also the worker of its multi-worker test: TF_CONFIG=... python tests/test_sam.py OUT_DIR DATA_DIR
 """

@@ -1,4 +1,4 @@
-"""The run's settings in sections (engine/sections.py): each setting in one section, views that read their own
+"""The run's settings in sections (engine/settings/sections.py): each setting in one section, views that read their own
 and name where another's lives, plugin settings under their owner, config.json still flat (an old workdir
 resumes), and the functions handed a section computing what they computed from the whole Config."""
 

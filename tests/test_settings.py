@@ -1,6 +1,6 @@
-"""Who reads a setting, and which strategy a run will use, as the checks of engine/config.py judge them.
+"""Who reads a setting, and which strategy a run will use, as the checks of engine/settings/config.py judge them.
 
-A setting's readers are declared where it is declared (engine/config.py's `readers=`, a file's SETTINGS, and a
+A setting's readers are declared where it is declared (engine/settings/config.py's `readers=`, a file's SETTINGS, and a
 file's READS for a setting another file declares): the identity check and "does this setting apply" read them.
 Every refusal that depends on the strategy judges the one the run will use, whatever chose it.
 """

@@ -1,4 +1,5 @@
-"""A step of several updates (engine/updates.py): each its own loss, variables, optimizer, loss scale, clipping and
+"""A step of several updates (engine/numerics/updates.py): each its own loss, variables, optimizer, loss scale,
+clipping and
 frequency, against a plain TensorFlow loop of the same math; and a checkpoint from before updates existed."""
 
 import dataclasses
@@ -303,7 +304,8 @@ def test_gradients_apply_once_and_only_before_their_update_moves(data_dir, one_d
 
 
 def test_a_forks_if_on_tensors_is_converted_in_its_loss_and_replica_step(data_dir, one_device, monkeypatch):
-    """The engine converts none of its own pure functions (engine/step.py), but every path to a task's code stays
+    """The engine converts none of its own pure functions (engine/numerics/replica.py), but every path to a task's
+    code stays
     converted: a fork's loss and replica step branching on tensors train as the plain task does, to the weight."""
     config = helpers.make_config(data_dir, train_steps=3, **SGD)
     plain = build.run(config, one_device)

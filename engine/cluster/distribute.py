@@ -2,7 +2,7 @@
 
 `create_strategy` must run before any other TensorFlow op in the process:
 logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
-before the runtime starts. Who a cluster's tasks are is engine/cluster.py's.
+before the runtime starts. Who a cluster's tasks are is engine/cluster/resolvers.py's.
 """
 
 import tensorflow as tf
@@ -31,7 +31,7 @@ def _setup_cpu_devices(count):
 
 
 def strategy_name(config):
-    """The strategy a config runs with: engine/config.py's planned_strategy (what validate judged), completed
+    """The strategy a config runs with: engine/settings/config.py's planned_strategy (what validate judged), completed
     with this machine's GPUs where only the devices decide."""
     planned = planned_strategy(config)
     if planned:
@@ -69,7 +69,8 @@ def create_strategy(config):
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=implementation.NCCL if gpus else implementation.RING
         )
-        # Waits for every peer in native code that holds Python's lock (engine/preemption.py says what a signal does).
+        # Waits for every peer in native code that holds Python's lock (engine/cluster/signals.py says what a signal
+        # does).
         return SIGNALS.interruptible(
             tf.distribute.MultiWorkerMirroredStrategy, cluster_resolver=resolver, communication_options=options
         )

@@ -1,7 +1,7 @@
 """The tasks of a cluster job: who they are (TF_CONFIG, Slurm, Kubernetes, a TPU) and what a task does when
 one of them stops answering (the connect deadline, the dead-peer heartbeat, the parameter-server watch).
 
-engine/distribute.py builds the strategy from what this module resolves; this module knows no strategy, only
+engine/cluster/distribute.py builds the strategy from what this module resolves; this module knows no strategy, only
 its name, so that the two do not import each other.
 """
 

@@ -28,7 +28,7 @@ A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default w
 the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
 prepare it (<data_dir>/<dataset>/.prepare.lock).
 
-The streams are engine/pipeline.py's, the splits and their record files engine/records.py's; their names a
+The streams are engine/data/pipeline.py's, the splits and their record files engine/data/records.py's; their names a
 source uses (Split, in_memory, sharded) are importable from here too.
 """
 
@@ -62,7 +62,7 @@ class Data:
     eval_steps: int  # evaluation steps that cover every evaluation example once
     eval_examples: int
     train_examples: int
-    task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/build.py, received here)
+    task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/run/build.py, received here)
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
     sharded: bool = False  # the training stream depends on the number of input pipelines
     train_bytes: int = 0  # record bytes of the training files, when sharded
@@ -73,7 +73,7 @@ class Data:
 
 
 def task_class(config):
-    """tasks/<config.task>.py's Task class: the builder (engine/build.py) reads it here, before the source, whose
+    """tasks/<config.task>.py's Task class: the builder (engine/run/build.py) reads it here, before the source, whose
     features it names; this module never builds a task."""
     return importlib.import_module(f"tasks.{config.task}").Task
 

@@ -1,4 +1,4 @@
-"""The training and evaluation streams of a source (engine/data.py `Source`), each a pure function of the data
+"""The training and evaluation streams of a source (engine/data/datasets.py `Source`), each a pure function of the data
 position: global batch k holds the same examples whatever the number of input pipelines, on every restart.
 
 A split held in memory is gathered a global batch at a time; one in record files is read file by file, each

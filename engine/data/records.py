@@ -1,4 +1,4 @@
-"""The splits a source gives (engine/data.py `Source`): held in memory (`in_memory`), or record files whose
+"""The splits a source gives (engine/data/datasets.py `Source`): held in memory (`in_memory`), or record files whose
 records are counted exactly (`sharded`), read with any damage to a file carried beside each record, so a
 truncated, corrupt or changed file stops the run naming it (`parsed`, `unreadable`).
 """
@@ -76,7 +76,7 @@ def counted_records(path, expected, counter=None):
     for a sound record, 1 for one that could not be read (the file truncated, or a record whose checksum fails:
     it comes empty), 2 for a record beyond the count (the file changed after it was counted). `parsed` stops on
     a damaged one; the damage is carried, not raised, so that the decode's dropped errors
-    (engine/pipeline.py `Pipelines._decoded`) cannot hide it."""
+    (engine/data/pipeline.py `Pipelines._decoded`) cannot hide it."""
     read = tf.data.TFRecordDataset(path).ignore_errors().take(expected + 1).map(lambda r: (r, True))
     missing = tf.data.Dataset.from_tensors((tf.constant(b""), False)).repeat()  # stand-ins for records it lacks
 

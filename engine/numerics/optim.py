@@ -20,7 +20,7 @@ from engine.settings.identity import KINDS, holds
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
-# engine/settings.py's LR_SCHEDULES).
+# engine/settings/fields.py's LR_SCHEDULES).
 SCHEDULES = {
     "constant": None,
     "cosine": lambda progress: 0.5 * (1.0 + tf.cos(math.pi * progress)),
@@ -77,8 +77,8 @@ def _lamb(param, grad, slots, lr, t, hp):
 
 
 # The update rules by --optimizer name, and how many slots each keeps per parameter: a fork adds its rule here
-# (and its name to engine/settings.py's OPTIMIZERS). Rules and schedules run as written, without autograph (see
-# engine/step.py): a choice on a tensor is tf.where or tf.cond, not `if`.
+# (and its name to engine/settings/fields.py's OPTIMIZERS). Rules and schedules run as written, without autograph (see
+# engine/numerics/replica.py): a choice on a tensor is tf.where or tf.cond, not `if`.
 RULES = {"sgd": _sgd, "adamw": _adamw, "lamb": _lamb}
 SLOTS = {"sgd": 1, "adamw": 2, "lamb": 2}
 

@@ -242,7 +242,7 @@ def make_train_step(
     extras=frozenset(),
 ):
     """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
-    the engine's, over `plans` (engine/updates.py).
+    the engine's, over `plans` (engine/numerics/updates.py).
 
     `stop_flag` (a boolean variable, set on preemption) rides the step's first all-reduce, so every replica and
     worker learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout

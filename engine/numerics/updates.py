@@ -2,10 +2,12 @@
 
 A task's `updates()` returns them in order (the default: one update, "train", of every trained variable with
 the run's optimizer). Each update is one loss over its own forward pass, its variables, its optimizer (rule,
-settings, slots and update count), its loss scale in float16 and its clipping; engine/step.py runs each as the
+settings, slots and update count), its loss scale in float16 and its clipping; engine/numerics/replica.py runs each as
+the
 engine's own step: the loss over the GLOBAL batch, one all-reduce, unscale, finite check, clip, masked apply.
-A step the updates cannot say (SAM's ascent point) a task writes as `replica_step(step, batch)` from the
-primitives of engine/step.py's ReplicaStep.
+A penalty through the input is part of an update's loss (a nested tape inside it). A step the updates cannot say
+(SAM's ascent point) a task writes as `replica_step(step, batch)` from the
+primitives of engine/numerics/replica.py's ReplicaStep.
 """
 
 import dataclasses

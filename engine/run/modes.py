@@ -20,7 +20,7 @@ def run_config(config):
     """The config that rebuilds the trained run: its config.json (beside --checkpoint, else in --workdir), with
     this command line's execution settings, --eval_split and --eval_batch_size, and its --global_batch_size,
     --data_dir and --train_steps where given; a model flag that contradicts the run is refused
-    (engine/config.py for_evaluation). Without a config.json, the command line as given."""
+    (engine/settings/config.py for_evaluation). Without a config.json, the command line as given."""
     runs = [os.path.dirname(os.path.dirname(config.checkpoint))] if config.checkpoint else []
     for workdir in [*runs, config.workdir]:
         saved = config_lib.load_run_config(workdir) if workdir else None

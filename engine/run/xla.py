@@ -144,7 +144,8 @@ def resolve(numerics, strategy, models, synchronizes=False, unsupported=""):
 
 
 def device_kind(strategy):
-    """TPU, GPU or CPU: where the strategy's steps run (engine/distribute.py puts them on every GPU there is)."""
+    """TPU, GPU or CPU: where the strategy's steps run (engine/cluster/distribute.py puts them on every GPU there
+    is)."""
     if isinstance(strategy, tf.distribute.TPUStrategy):
         return "TPU"
     return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"

@@ -1,5 +1,5 @@
 """The checks of a run's settings that need neither TensorFlow nor this machine, by section, in the order
-engine/config.py's validate runs them: each raises ConfigError naming the flag and its value.
+engine/settings/config.py's validate runs them: each raises ConfigError naming the flag and its value.
 """
 
 import dataclasses
@@ -256,7 +256,7 @@ def planned_strategy(config):
     """The strategy a run of `config` will use, as its flags and environment decide it: --strategy; else a cluster
     in TF_CONFIG (parameter_server when it has a 'ps' job, else multi_worker); else --cluster_resolver's (tpu, or
     multi_worker); else mirrored over --num_cpu_devices; None where only the devices decide (mirrored over several
-    GPUs, else one_device), which needs TensorFlow: engine/distribute.py's strategy_name completes this.
+    GPUs, else one_device), which needs TensorFlow: engine/cluster/distribute.py's strategy_name completes this.
     Every check that depends on the strategy reads this one answer, before anything starts."""
     return _plan(config)[0]
 

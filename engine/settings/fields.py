@@ -1,5 +1,5 @@
 """The engine's settings, each with its default, its unit and who reads it, and the Config that adds the
-settings every model family, task and bundled source declares in its own file (engine/declared.py).
+settings every model family, task and bundled source declares in its own file (engine/settings/declared.py).
 
 No TensorFlow here: launch.py reads this before TensorFlow starts, to turn each field into a flag.
 `readers` and `applies` answer whether a setting means anything to a run.
@@ -48,7 +48,8 @@ SELECTORS = ("model", "task", "dataset", "optimizer", "precision", "mode")  # an
 
 
 def _setting(section, default, help_text, readers=None, shared=()):
-    """A field of every run, in `section` (engine/sections.py) and read too by the `shared` sections (the schedule
+    """A field of every run, in `section` (engine/settings/sections.py) and read too by the `shared` sections (the
+    schedule
     reads --train_steps). `readers`, {selecting setting: values}, says which runs read it (--momentum:
     {"optimizer": ("sgd",)}); None: every run does. A file that reads it too adds itself in its READS."""
     metadata = {"help": help_text, "section": section, "shared": frozenset(shared)}
@@ -265,7 +266,7 @@ def show(value):
 
 def readers(name):
     """The runs that read setting `name`, as {(selecting setting, value)}: what its declaration says (the
-    declaring file, or engine/settings.py's `readers=`) and every file whose READS names it; None: every run."""
+    declaring file, or engine/settings/fields.py's `readers=`) and every file whose READS names it; None: every run."""
     declared = FIELD_BY_NAME[name].metadata.get("readers")
     return None if declared is None else declared | _READS.get(name, set())
 

@@ -1,13 +1,13 @@
 """The run's settings by what they are about: read-only views of a Config that hold one section each.
 
-Each engine setting names its section where engine/settings.py declares it (`momentum: float =
+Each engine setting names its section where engine/settings/fields.py declares it (`momentum: float =
 _optimization(...)`), and the other sections that read it too (`shared=`: the schedule reads --train_steps); a
 model's, task's or source's own settings are their owner's (`config.own("model", "resnet")`), with the settings
 its READS names. A function handed `config.optimization` reads the optimizer's settings and no others: reading
 another section's is an AttributeError that names where the setting lives. config.json and the flags stay flat:
 sections are views.
 
-No TensorFlow here: launch.py reads engine/settings.py, which reads this, before TensorFlow starts.
+No TensorFlow here: launch.py reads engine/settings/fields.py, which reads this, before TensorFlow starts.
 """
 
 import dataclasses

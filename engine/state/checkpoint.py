@@ -1,6 +1,7 @@
 """Save, restore, resume and preemption. A checkpoint holds `State`, below. The input pipeline is a pure function of
-the data position (engine/pipeline.py), so a restored run reads exactly the batches an uninterrupted one would have:
-tf.distribute's iterators are not checkpointable, the position is. On preemption (engine/preemption.py) every
+the data position (engine/data/pipeline.py), so a restored run reads exactly the batches an uninterrupted one would
+have:
+tf.distribute's iterators are not checkpointable, the position is. On preemption (engine/cluster/signals.py) every
 worker stops after the same step, and the loop saves here and exits.
 """
 
@@ -39,7 +40,9 @@ class State:
     (tests/data/before_updates, from older code, restores into it)."""
 
     models: dict  # {name: Keras model}: weights, batch-norm statistics, seed-generator states (model_state)
-    plans: list  # each update's optimizer (slots, update count) and loss scale (engine/updates.py checkpointed)
+    plans: (
+        list  # each update's optimizer (slots, update count) and loss scale (engine/numerics/updates.py checkpointed)
+    )
     step: tf.Variable  # steps run, skipped ones too
     batches: tf.Variable  # the data position: global batches consumed
     skipped: tf.Variable  # steps skipped for a non-finite loss or gradient
@@ -165,7 +168,7 @@ class Checkpoints:
             lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
             lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
             lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
-            from engine.state.workdir import replace_text  # deferred: engine/workdir.py imports this module
+            from engine.state.workdir import replace_text  # deferred: engine/state/workdir.py imports this module
 
             replace_text(state_file, "\n".join(lines) + "\n")
 

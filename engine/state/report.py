@@ -75,7 +75,7 @@ def _read_lines(path):
 
 def _replace(path, text):
     """Writes `text` to a temporary file and renames it over `path`: a reader or a kill never sees half a file, and
-    a link planted at either name is never written through (engine/workdir.py)."""
+    a link planted at either name is never written through (engine/state/workdir.py)."""
     with _writing(path):
         replace_text(path, text)
 

@@ -1,7 +1,8 @@
 """A workdir holds one run: its settings (config.json) say which, and one process at a time trains in it.
 
 The identity check: a train run started in a workdir whose config.json has other identity settings
-(engine/identity.py IDENTITY_SETTINGS: model, data, optimizer, schedule, seed, batch, precision, reported split)
+(engine/settings/identity.py IDENTITY_SETTINGS: model, data, optimizer, schedule, seed, batch, precision, reported
+split)
 is refused, naming each setting, before anything is written; the same command resumes, a higher
 --train_steps continues, cadence and execution settings never block.
 
