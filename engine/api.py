@@ -35,7 +35,7 @@ from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
 from engine.run.build import training_batches
 from engine.settings.config import first_line
 from engine.settings.errors import ConfigError, TaskError
-from engine.state.checkpoint import weights
+from engine.state.warm_start import weights
 
 __all__ = [
     "DEFAULT",

@@ -12,7 +12,7 @@ import tensorflow as tf
 from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.settings.errors import ConfigError
-from engine.state import checkpoint
+from engine.state.warm_start import warm_start
 from tests.helpers import checkpoint_tensors, launch, make_config
 
 SUFFIX = ".ATTRIBUTES/VARIABLE_VALUE"
@@ -158,7 +158,7 @@ def test_init_checkpoint_from_a_distillation_run_takes_its_student(data_dir, dis
     gets the student's weights, whatever order the checkpoint lists them in."""
     workdir, _ = distilled
     trainer = build.run(make_config(data_dir, hidden_sizes=(16,), init_checkpoint=workdir), one_device)
-    found = checkpoint.warm_start(trainer.models, workdir)
+    found = warm_start(trainer.models, workdir)
     assert (found["matched"], found["missing"], found["reshaped"]) == (
         ["mlp/dense/kernel", "mlp/dense/bias", "mlp/dense_1/kernel", "mlp/dense_1/bias"],
         [],

@@ -21,6 +21,7 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import report as report_lib
 from engine.state.report import Report
+from engine.state.warm_start import escape_path
 from tasks import classification
 from tests import helpers
 
@@ -209,7 +210,7 @@ def _averaged_model(data_dir, one_device, tensors):
     """A trainer without --ema_decay whose weights are the moving averages in checkpoint `tensors`."""
     trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
     for v in trainer.weights.variables:
-        v.assign(tensors[f"ema/model/{checkpoint_lib._escaped(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
+        v.assign(tensors[f"ema/model/{escape_path(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
     return trainer
 
 
@@ -223,7 +224,7 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run):
     for (
         v
     ) in trainer.weights.variables:  # the weights themselves evaluate to another loss, reported beside the average's
-        v.assign(tensors[f"models/model/{checkpoint_lib._escaped(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
+        v.assign(tensors[f"models/model/{escape_path(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
     raw = trainer.evaluator.evaluate()
     assert abs(raw["loss"] - averaged["loss"]) > 1e-4
     assert summary["eval"]["raw_loss"] == pytest.approx(raw["loss"], rel=1e-6)

@@ -11,7 +11,7 @@ from keras.src.backend.common import global_state
 
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError
-from engine.state import checkpoint
+from engine.state.warm_start import warm_start
 
 
 def create_model(config, family, spec, outputs, info=None):
@@ -72,7 +72,7 @@ class Create:
                 f"--{flag}={workdir}: trained on --dataset={saved.dataset}, not this run's {self.config.dataset}"
             )
         model = self(saved.model, spec, outputs, config=saved)
-        found = checkpoint.warm_start({flag: model}, workdir, flag=flag)
+        found = warm_start({flag: model}, workdir, flag=flag)
         if found["missing"] or found["reshaped"]:  # a partly restored model would teach noise
             raise ConfigError(
                 f"--{flag}={workdir}: its checkpoint does not fit its config.json's model "

@@ -15,7 +15,7 @@ from engine.run import build
 from engine.run.controller import Controller, evaluates_on_resume
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
-from engine.state import lock
+from engine.state import lock, warm_start
 from engine.state import workdir as workdir_lib
 from engine.state.report import Report, write_json
 
@@ -50,7 +50,7 @@ def train(config, strategy=None, on_eval=None):
         if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
             trainable = {name: model for name, model in run.models.items() if model.trainable}
-            checkpoint_lib.warm_start(trainable, config.init_checkpoint)
+            warm_start.warm_start(trainable, config.init_checkpoint)
             run.evaluator.reset_averages()
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)

@@ -11,7 +11,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from engine.cluster import distribute
 from engine.numerics import replica, updates
 from engine.run import inputs, xla
-from engine.settings.errors import ConfigError, task_error
+from engine.settings.errors import ConfigError, raising_task_errors
 
 
 class Recompiled(Exception):
@@ -216,18 +216,13 @@ class TrainProgram:
         if self.coordinator is not None or self.config.tf_data_service:
             return False
         spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))  # as run_steps passes the steps and position
-        try:
-            with inputs.releasing([self.input.open(0)]) as iterators:  # its spec: the data position is not read yet
-                self.train_loop.get_concrete_function(iterators[0], *spec)
-        except RuntimeError as e:
-            if task_error(e) is not None:
-                raise task_error(e) from None
-            self._untraceable(e)
-            return self.trace()
-        except Exception as e:
-            if task_error(e) is None:
-                raise
-            raise task_error(e) from None
+        with raising_task_errors():
+            try:
+                with inputs.releasing([self.input.open(0)]) as iterators:  # its spec: the data position is not read yet
+                    self.train_loop.get_concrete_function(iterators[0], *spec)
+            except RuntimeError as e:
+                self._untraceable(e)
+                return self.trace()
         return True
 
     def run_steps(self, iterator, steps):
@@ -240,13 +235,8 @@ class TrainProgram:
         """run_steps, and the round's last step's `extras` ({"gradients": {<model>/<path>: numpy array}}: the
         gradients it applied, all-reduced, unscaled and clipped), as an action asked for them. A task's code that
         cannot run (TaskError, found as the step is traced) is raised as itself: one line, naming the task."""
-        try:
+        with raising_task_errors():
             return self._run_round(iterator, steps, extras)
-        except Exception as e:
-            found = task_error(e)
-            if found is None:
-                raise
-            raise found from None
 
     def _run_round(self, iterator, steps, extras):
         position = (int(self.state.step.numpy()), int(self.state.batches.numpy()))

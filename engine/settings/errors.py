@@ -2,6 +2,8 @@
 from here without importing the engine's settings, checkpoints or loop. launch.py turns each into its exit code
 (README: "Exit codes")."""
 
+import contextlib
+
 
 class ConfigError(ValueError):
     """Bad user input: the message names the flag (or file) and the value."""
@@ -37,3 +39,15 @@ def task_error(error):
             return error
         error = error.__cause__ or error.__context__
     return None
+
+
+@contextlib.contextmanager
+def raising_task_errors():
+    """Raises a TaskError found behind an error inside (task_error) as itself: one line, naming the task."""
+    try:
+        yield
+    except Exception as e:
+        found = task_error(e)
+        if found is None:
+            raise
+        raise found from None

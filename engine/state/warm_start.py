@@ -1,0 +1,102 @@
+"""A checkpoint's variables by the Keras paths the models give them (mlp/dense/kernel): a warm start from another
+run's weights (--init_checkpoint, a distillation's teacher) and engine.api.weights, what a fork holds its step against.
+Finding, saving and restoring a run's own checkpoints is engine/state/checkpoint.py's.
+"""
+
+import os
+
+import tensorflow as tf
+
+from engine.settings.config import first_line
+from engine.settings.errors import ConfigError
+from engine.state.checkpoint import describe_key, is_damage, list_checkpoints, storage_error
+
+
+def find(source, flag):
+    """The checkpoint `source` names: a checkpoint prefix, or a workdir (its newest checkpoint). ConfigError naming
+    `flag` when there is none."""
+    if tf.io.gfile.exists(source + ".index"):
+        return source
+    found = list_checkpoints(os.path.join(source, "checkpoints"))
+    if found:
+        return found[0]
+    raise ConfigError(f"--{flag}={source}: neither a checkpoint (no {source}.index) nor a workdir with checkpoints")
+
+
+def warm_start(models, source, flag="init_checkpoint", log=print):
+    """Assigns each variable of `models` the value saved under the same Keras path in the checkpoint `source` (a
+    prefix or a workdir), under the same model name where the checkpoint has one, else another's: the moving average
+    where the run kept one (what it evaluated), else the weights. Variables it lacks, or holds in another shape,
+    keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
+    prefix = find(source, flag)
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        shapes = reader.get_variable_to_shape_map()
+    except (tf.errors.OpError, IndexError) as e:
+        if not is_damage(e):
+            raise storage_error(prefix, e) from None
+        raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+    saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
+    for key in shapes:
+        parts = key.split("/")
+        if key.endswith(suffix) and parts[0] in ("models", "ema") and len(parts) == 5:
+            (saved if parts[0] == "models" else averaged)[parts[1], describe_key(parts[2])] = key
+    paths = {path for _, path in saved}
+    if not saved:
+        raise ConfigError(
+            f"--{flag}={source}: {prefix} holds no model variables keyed by path (a checkpoint of another engine, "
+            "or of this one before variables were keyed by path)"
+        )
+    result = {"matched": [], "missing": [], "reshaped": [], "unused": []}
+    used = set()
+    for name, model in models.items():
+        # This model's own variables first (a distillation run holds its student and its teacher under the same
+        # paths), then another model's, in name order.
+        owners = sorted({owner for owner, _ in saved}, key=lambda owner: (owner != name, owner))
+        for v in model.variables:
+            key = next((t[o, v.path] for o in owners for t in (averaged, saved) if (o, v.path) in t), None)
+            if key is None:
+                result["missing"].append(v.path)
+            elif shapes[key] != list(v.shape):
+                result["reshaped"].append(f"{v.path} {shapes[key]} -> {list(v.shape)}")
+                used.add(v.path)
+            else:
+                v.assign(reader.get_tensor(key))
+                result["matched"].append(v.path)
+                used.add(v.path)
+    result["unused"] = sorted(paths - used)
+    if not result["matched"]:
+        raise ConfigError(
+            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {', '.join(sorted(paths)[:4])}"
+            f"{', ...' if len(paths) > 4 else ''}; this run has {', '.join(result['missing'][:4])}, ...)"
+        )
+    line = f"{flag}: {len(result['matched'])} variables from {prefix}"
+    for what, why in (
+        ("missing", "not in it (kept as initialized)"),
+        ("reshaped", "other shapes (kept as initialized)"),
+        ("unused", "in it but not in this run"),
+    ):
+        if result[what]:
+            line += f"; {why}: {', '.join(result[what])}"
+    log(line)
+    return result
+
+
+def weights(source, flag="checkpoint"):
+    """{model name: {variable path: numpy array}} of the checkpoint `source` names (a checkpoint prefix, or a workdir:
+    its newest): every model's weights and statistics by the Keras paths the models give them (mlp/dense/kernel),
+    and their moving averages under "ema/<model>" where the run kept them. What a fork holds its step against."""
+    reader = tf.train.load_checkpoint(find(source, flag))
+    found = {}
+    for key in reader.get_variable_to_shape_map():
+        parts = key.split("/")
+        if key.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and parts[0] in ("models", "ema") and len(parts) == 5:
+            owner = parts[1] if parts[0] == "models" else f"ema/{parts[1]}"
+            found.setdefault(owner, {})[describe_key(parts[2])] = reader.get_tensor(key)
+    return found
+
+
+def escape_path(path):
+    """A variable path as tf.train.Checkpoint writes it inside a key."""
+    return path.replace(".", "..").replace("/", ".S")
