@@ -3,6 +3,7 @@ clipping and
 frequency, against a plain TensorFlow loop of the same math; and a checkpoint from before updates existed."""
 
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from engine.numerics.updates import Update
 from engine.run import build, loop
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError
+from engine.state.report import Report
 from tasks import classification
 from tests import helpers
 
@@ -181,7 +183,9 @@ def test_a_run_of_two_updates_logs_and_checkpoints_each_by_name(data_dir, monkey
     written = json.load(open(tmp_path / "whole" / "summary.json"))
     assert written["head/loss"] == pytest.approx(records[-1]["head/loss"])
     assert written["body/loss_scale"] is None and written["head/loss_scale"] is None  # float32, as in metrics.jsonl
-    assert "train step=10 loss=- body/loss=" in capsys.readouterr().out and written["train_loss"] is None
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("train step=10 "))
+    assert line.startswith("train step=10 body/loss=") and " head/loss=" in line and written["train_loss"] is None
+    assert " loss=" not in line and "loss_scale" not in line  # no summed loss, no loss scale outside float16
     # What each update trained with, beside the run's settings.
     saved = json.load(open(tmp_path / "whole" / "config.json"))
     for name, rate in (("body", BODY_RATE), ("head", HEAD_RATE)):
@@ -462,3 +466,20 @@ def test_an_updates_loss_and_gradient_norm_are_reduced_alike(data_dir, one_devic
     round_ = reference.program.run_steps(reference.program.train_iterator(), 4)
     for name in ("body/loss", "head/loss", "body/grad_norm", "head/grad_norm"):
         assert round_[name] == pytest.approx(np.mean([s[name] for s in steps]), rel=1e-5), name
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_progress_line_of_a_run_of_two_updates_shows_each_ones_loss(tmp_path):
+    stream = _Terminal()
+    report = Report(str(tmp_path), True, 20, stream=stream)
+    metrics = {"loss": None, "body/loss": 0.25, "body/grad_norm": 1.0, "body/loss_scale": None}
+    metrics.update({"body/learning_rate": 0.1, "head/loss": 2.5, "head/grad_norm": 2.0, "head/loss_scale": 8.0})
+    report.train(10, {**metrics, "head/learning_rate": 0.2, "examples_per_sec": 50.0, "skipped_steps": 0})
+    out = stream.getvalue()
+    assert "train step=10 body/loss=0.25 body/learning_rate=0.1 body/grad_norm=1 head/loss=2.5 " in out
+    assert "head/grad_norm=2 head/loss_scale=8 examples_per_sec=50.0" in out
+    assert "step 10/20 body/loss 0.2500 head/loss 2.5000 50 ex/s" in out

@@ -23,19 +23,28 @@ from engine.state.workdir import append_text, make_workdir, replace_text
 
 
 def _train_fields(metrics):
-    """The console line's numbers: loss, then each update's rates, gradient norm and loss scale ("-" unless
-    float16), as name=value."""
-    fields = [f"loss={'-' if metrics['loss'] is None else format(metrics['loss'], '.5g')}"]
+    """The console line's numbers as name=value: the loss (each update's, in a run of several: their sum means
+    nothing), then each update's rates, gradient norm and loss scale (float16 alone has one). metrics.jsonl keeps
+    every key, null where there is no number."""
     prefixes = dict.fromkeys(k[: -len("grad_norm")] for k in metrics if k.endswith("grad_norm"))
+    fields = [] if any(prefixes) else [f"loss={'-' if metrics['loss'] is None else format(metrics['loss'], '.5g')}"]
     for prefix in prefixes:
         if prefix:
-            fields.append(f"{prefix}loss={metrics[prefix + 'loss']:.5g}")
+            loss = metrics[prefix + "loss"]
+            fields.append(f"{prefix}loss={'-' if loss is None else format(loss, '.5g')}")
         rates = [k for k in metrics if k.startswith(prefix) and k[len(prefix) :].split("/")[0] == "learning_rate"]
         fields += [f"{k}={metrics[k]:.4g}" for k in rates]
-        scale = metrics[prefix + "loss_scale"]
         fields.append(f"{prefix}grad_norm={metrics[prefix + 'grad_norm']:.4g}")
-        fields.append(f"{prefix}loss_scale={'-' if scale is None else f'{scale:g}'}")
+        if metrics[prefix + "loss_scale"] is not None:
+            fields.append(f"{prefix}loss_scale={metrics[prefix + 'loss_scale']:g}")
     return " ".join(fields)
+
+
+def _live_loss(metrics):
+    """The progress line's loss: each update's in a run of several."""
+    if metrics["loss"] is not None or not any(k.endswith("/loss") for k in metrics):
+        return f"loss {'-' if metrics['loss'] is None else format(metrics['loss'], '.4f')}"
+    return " ".join(f"{k} {'-' if v is None else format(v, '.4f')}" for k, v in metrics.items() if k.endswith("/loss"))
 
 
 def _number(value):
@@ -176,7 +185,7 @@ class Report:
             eta = elapsed / max(1, step - self._start_step) * (self.total_steps - step)
             self.stream.write(
                 f"\r\033[K[{100 * step // self.total_steps:3d}%] step {step}/{self.total_steps} "
-                f"loss {'-' if metrics['loss'] is None else format(metrics['loss'], '.4f')} "
+                f"{_live_loss(metrics)} "
                 f"{metrics['examples_per_sec']:,.0f} ex/s "
                 f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
             )
