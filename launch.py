@@ -4,13 +4,12 @@
     python launch.py --strategy=mirrored --num_cpu_devices=2 --model=resnet
     python launch.py --flagfile=experiments/digits_resnet.flags
 
-Every flag is a field of engine/settings/config.py's Config, with the same name, default and help.
+Every flag is a field of engine/settings/fields.py's Config, with the same name, default and help.
 This is the only file that knows absl exists.
 
-The exit codes are the README's table ("Exit codes"), the one list of them: the constants below, the
-cluster's (engine/cluster/resolvers.py) and the signals' (engine/cluster/signals.py); tests/test_launch.py checks that
-the
-table lists exactly these. A signal during training stops every worker after the same step, which the chief
+The exit codes are docs/exit-codes.md's table, the one list of them: the constants below, the cluster's
+(engine/cluster/resolvers.py) and the signals' (engine/cluster/signals.py); tests/test_launch.py checks that the table
+lists exactly these. A signal during training stops every worker after the same step, which the chief
 saves (run the same command to resume); anywhere else (start-up, evaluation) there is nothing to save and the
 process exits at once. While a multi-worker job waits for its peers, TensorFlow holds Python's lock: Ctrl-C ends
 it at once (130), SIGTERM once the wait ends (75), or at --connect_timeout.

@@ -5,7 +5,7 @@
 # matmul alone in each; appended to bench/RESULTS.md within 8 minutes (--budget, 460 s, for its processes).
 #
 #   bash bench/gpu.sh                                      # appends the table to bench/RESULTS.md
-#   bash .gpu/remote.sh bash bench/gpu.sh                  # a GPU machine without a network (../shared/gpu/pack.sh)
+#   PYTHONPATH=/path/to/tensorflow bash bench/gpu.sh       # a GPU machine without a network, TensorFlow copied in
 #   bash bench/gpu.sh --precisions=float32 --budget=200    # any bench/gpu_table.py flag passes through
 #
 # TensorFlow: python3 as it is when it finds TensorFlow (no virtual environment, no pip: a machine without a

@@ -1,9 +1,9 @@
 """A low-level TensorFlow training engine: every step explicit, distributed with tf.distribute.
 
-Read in this order: loop.py (the story of a run: build, restore, rounds of steps, then what is due),
-actions.py (what is due after a round), trainer.py (what a run holds, built in order from build.py's pieces;
-the traced inner loop), step.py (the replica step and its primitives), updates.py (a step's updates),
-inputs.py (how the steps get their batches), then settings.py and config.py (every setting), optim.py,
-precision.py, data.py, distribute.py (the strategy) and cluster.py (who a cluster's tasks are, and what a task
-does when a peer stops answering), report.py; errors.py holds the errors everyone may import.
+Its wings, each importing only the ones below it: run/ (build.py builds a run in one place; loop.py and
+controller.py tell its story: restore, rounds of steps, then the actions due; program.py is the traced inner loop),
+state/ (checkpoints, the workdir, the report), cluster/ (strategies, resolvers, the local launcher, signals),
+data/ (sources' pipelines as a pure function of the data position), numerics/ (replica.py: the replica step and
+its primitives; updates, optimizers, the loss scale), settings/ (every setting, its checks, the errors everyone may
+import). api.py is the public face a task, a source or a fork imports.
 """

@@ -2,7 +2,7 @@
 its own process's and those of the processes its tests started (launch.py runs, worker processes), the modules
 in order of cost, then the costliest tests.
 
-The suite's budget is in CPU-seconds (README, "Tests"): on two cores, wall time is about half of them at best, and
+The suite's budget is in CPU-seconds (README): on two cores, wall time is about half of them at best, and
 a timed wall-clock figure on a shared machine says more about the neighbours than about the suite. A test's
 children are counted once they have been waited for, killed ones too (resource.RUSAGE_CHILDREN, and the fork server's
 report for those it forked).

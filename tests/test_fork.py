@@ -1,5 +1,5 @@
 """Forking the engine: a new data source, model, task and custom step are one new file each, and train with no
-other edit. The worked example of the README's "Fork it" section is tests/fork_example/, laid out as the files
+other edit. The worked example of docs/forking.md is tests/fork_example/, laid out as the files
 go in a fork; this test copies the repository, adds those files, and trains them through launch.py."""
 
 import filecmp
@@ -16,7 +16,7 @@ import tensorflow as tf
 from tests.helpers import ROOT
 
 EXAMPLE = os.path.join(ROOT, "tests", "fork_example")
-STEPS = 200  # what the README's commands run
+STEPS = 200  # what docs/forking.md's commands run
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def fork(tmp_path_factory):
             if name.endswith(".py"):
                 relative = os.path.relpath(os.path.join(directory, name), EXAMPLE)
                 source, target = os.path.join(EXAMPLE, relative), os.path.join(path, relative)
-                # New, or already copied in as the README shows: no file of the engine is edited.
+                # New, or already copied in as docs/forking.md shows: no file of the engine is edited.
                 assert not os.path.exists(target) or filecmp.cmp(source, target, shallow=False), relative
                 shutil.copy(source, target)
                 added.append(relative)
@@ -53,7 +53,7 @@ def _launch(fork, *args):
 
 
 def _train(fork, task, workdir):
-    """Trains --task=TASK with the new model as the README shows; returns the run's summary."""
+    """Trains --task=TASK with the new model as docs/forking.md shows; returns the run's summary."""
     out = _launch(
         fork,
         f"--task={task}",

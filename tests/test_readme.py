@@ -1,5 +1,5 @@
-"""The README's "Running" commands, run in order in one fresh copy of the repository, and the Markdown of the
-README and BUILD.md rendered as CommonMark does."""
+"""The commands of docs/running.md ("Commands"), run in order in one fresh copy of the repository, and the Markdown of
+the README, BUILD.md and the docs/ pages rendered as CommonMark does."""
 
 import json
 import os
@@ -25,10 +25,10 @@ BUNDLED = ("digits", "synthetic")  # datasets that need no network
 
 
 def running_commands():
-    """The lines of the first bash block under README's '## Running', as argument lists."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+    """The lines of the first bash block under docs/running.md's '## Commands', as argument lists."""
+    with open(os.path.join(ROOT, "docs", "running.md")) as f:
         text = f.read()
-    section = text.split("\n## Running\n", 1)[1]
+    section = text.split("\n## Commands\n", 1)[1]
     block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
@@ -126,7 +126,10 @@ def fence_problems(name, text):
     return problems
 
 
-@pytest.mark.parametrize("name", ["README.md", "BUILD.md"])
+PAGES = ["README.md", "BUILD.md", *sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")))]
+
+
+@pytest.mark.parametrize("name", PAGES)
 def test_code_blocks_close_where_they_should(name):
     with open(os.path.join(ROOT, name)) as f:
         assert fence_problems(name, f.read()) == []

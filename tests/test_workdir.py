@@ -116,8 +116,10 @@ def test_with_a_compile_cache_a_run_with_nothing_left_to_train_traces_nothing(
 
 
 def _readme_commands():
-    """Every `python launch.py` command of the README's bash blocks, in order, as argument lists."""
-    text = open(os.path.join(ROOT, "README.md")).read()
+    """Every `python launch.py` command of the bash blocks of the README and then of the docs/ pages, in order, as
+    argument lists."""
+    pages = ["README.md", *sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")))]
+    text = "\n".join(open(os.path.join(ROOT, page)).read() for page in pages)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():

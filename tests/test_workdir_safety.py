@@ -144,7 +144,7 @@ def test_a_lock_leaves_a_workdir_it_created_only_when_something_was_written(tmp_
     assert os.listdir(tmp_path / "written") == ["config.json"]
 
 
-# Item 21: a workdir that cannot be written at the start exits 4, as the README's table says.
+# Item 21: a workdir that cannot be written at the start exits 4, as docs/exit-codes.md says.
 
 
 def test_a_full_workdir_at_the_start_is_an_error_writing_it(tmp_path):

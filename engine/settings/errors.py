@@ -1,6 +1,6 @@
 """The errors a run ends with, in a leaf module: a task, a model, a source or a research workflow imports them
 from here without importing the engine's settings, checkpoints or loop. launch.py turns each into its exit code
-(README: "Exit codes")."""
+(docs/exit-codes.md)."""
 
 import contextlib
 
