@@ -292,7 +292,7 @@ def test_training_beats_one_step_and_reports_each_update(data_dir, one_device, t
             assert record[f"{update}/learning_rate"] == pytest.approx(2e-4)
             assert record[f"{update}/grad_norm"] > 0 and record[f"{update}/loss"] > 0
     last = records[-1]
-    assert last["loss"] == pytest.approx(last["discriminator/loss"] + last["generator/loss"], rel=1e-6)
+    assert last["loss"] is None  # the two updates' losses summed mean nothing: each is logged by its name
     assert summary["discriminator/loss"] == last["discriminator/loss"]
     samples = tf.io.decode_png(open(workdir / "samples.png", "rb").read()).numpy()
     assert samples.shape == (4 * (10 * 9 + 1), 4 * (10 * 9 + 1), 1)
