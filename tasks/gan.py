@@ -73,28 +73,8 @@ class Task(base.Task):
 
     def models(self, create):
         del create  # no family of models/ generates images from noise
-        shape = tuple(self.spec["image"].shape)
-        latent, widths = self.config.gan_latent, self.config.hidden_sizes
-        generator = tf.keras.Sequential(
-            [
-                *_hidden(widths),
-                tf.keras.layers.Dense(int(np.prod(shape)), activation="sigmoid", dtype="float32", name="pixels"),
-                tf.keras.layers.Reshape(shape, dtype="float32", name="image"),
-            ],
-            name="generator",
-        )
-        discriminator = tf.keras.Sequential(
-            [
-                tf.keras.layers.Flatten(name="flatten"),
-                *_hidden(widths, self.config.dropout),
-                tf.keras.layers.Dense(1, dtype="float32", name="logit"),
-            ],
-            name="discriminator",
-        )
-        # Variables exist before the first trace; named layers: checkpoints key them by path.
-        generator(tf.zeros((1, latent)))
-        discriminator(tf.zeros((1, *shape)))
-        return {"generator": generator, "discriminator": discriminator}
+        shape, config = tuple(self.spec["image"].shape), self.config
+        return networks(shape, config.gan_latent, config.hidden_sizes, "discriminator", "logit", config.dropout)
 
     # ---- The step: the critic's update, then the generator's -----------------------------------------------
 
@@ -167,11 +147,42 @@ class Task(base.Task):
         return {"samples": grid(self.samples(models, GRID * GRID), GRID)}
 
     def serve(self, models):
-        @tf.function(input_signature=[tf.TensorSpec([None, self.config.gan_latent], tf.float32, name="z")])
-        def serve(z):
-            return {"images": tf.cast(models["generator"](z, training=False), tf.float32)}
+        return serve_generator(models["generator"], self.config.gan_latent)
 
-        return serve
+
+def networks(image_shape, latent, widths, judge, output, dropout=0.0):
+    """{"generator": noise of `latent` numbers -> an image of `image_shape` (pixels in [0, 1]), `judge`: an image ->
+    one number (its last layer named `output`)}: MLPs of `widths` with leaky ReLUs, the judge's with `dropout`. Their
+    variables exist before the first trace, their layers named: checkpoints key them by path."""
+    generator = tf.keras.Sequential(
+        [
+            *_hidden(widths),
+            tf.keras.layers.Dense(int(np.prod(image_shape)), activation="sigmoid", dtype="float32", name="pixels"),
+            tf.keras.layers.Reshape(image_shape, dtype="float32", name="image"),
+        ],
+        name="generator",
+    )
+    judged = tf.keras.Sequential(
+        [
+            tf.keras.layers.Flatten(name="flatten"),
+            *_hidden(widths, dropout),
+            tf.keras.layers.Dense(1, dtype="float32", name=output),
+        ],
+        name=judge,
+    )
+    generator(tf.zeros((1, latent)))
+    judged(tf.zeros((1, *image_shape)))
+    return {"generator": generator, judge: judged}
+
+
+def serve_generator(generator, latent):
+    """The exported function: noise z [batch, latent] -> {"images": the generator's images}."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, latent], tf.float32, name="z")])
+    def serve(z):
+        return {"images": tf.cast(generator(z, training=False), tf.float32)}
+
+    return serve
 
 
 def _hidden(widths, dropout=0.0):

@@ -33,7 +33,6 @@ own: `wasserstein`, the critic's estimate D(x) - D(G(z)) (its mean is the estima
 and `generator_loss` as trained; `gradient_norm`, ||grad_x D(x_hat)||_2, which the penalty pulls to 1.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from engine.api import ConfigError, Update
@@ -69,27 +68,7 @@ class Task(gan.Task):
     def models(self, create):
         del create  # no family of models/ generates images from noise
         shape = tuple(self.spec["image"].shape)
-        widths = self.config.hidden_sizes
-        generator = tf.keras.Sequential(
-            [
-                *_hidden(widths),
-                tf.keras.layers.Dense(int(np.prod(shape)), activation="sigmoid", dtype="float32", name="pixels"),
-                tf.keras.layers.Reshape(shape, dtype="float32", name="image"),
-            ],
-            name="generator",
-        )
-        critic = tf.keras.Sequential(
-            [
-                tf.keras.layers.Flatten(name="flatten"),
-                *_hidden(widths),
-                tf.keras.layers.Dense(1, dtype="float32", name="score"),
-            ],
-            name="critic",
-        )
-        # Variables exist before the first trace; named layers: checkpoints key them by path.
-        generator(tf.zeros((1, self.config.wgan_latent)))
-        critic(tf.zeros((1, *shape)))
-        return {"generator": generator, "critic": critic}
+        return gan.networks(shape, self.config.wgan_latent, self.config.hidden_sizes, "critic", "score")
 
     # ---- The step: the critic's update on fresh batches, then the generator's --------------------------------
 
@@ -150,19 +129,7 @@ class Task(gan.Task):
         }
 
     def serve(self, models):
-        @tf.function(input_signature=[tf.TensorSpec([None, self.config.wgan_latent], tf.float32, name="z")])
-        def serve(z):
-            return {"images": tf.cast(models["generator"](z, training=False), tf.float32)}
-
-        return serve
-
-
-def _hidden(widths):
-    layers = []
-    for i, width in enumerate(widths):
-        layers.append(tf.keras.layers.Dense(width, name=f"dense{i}"))
-        layers.append(tf.keras.layers.LeakyReLU(gan.SLOPE, name=f"leaky{i}"))
-    return layers
+        return gan.serve_generator(models["generator"], self.config.wgan_latent)
 
 
 def _score(outputs):

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 
 import numpy as np
 
@@ -191,6 +192,31 @@ def launch(*args, env=None, timeout=300):
     return forkserver.run(
         ["launch.py", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
+
+
+def start_launch(workdir, *args, env=None, **popen):
+    """Starts `python launch.py --workdir=workdir *args`; returns its Popen (text output, piped)."""
+    return forkserver.popen(
+        ["launch.py", f"--workdir={workdir}", *args],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+        **popen,
+    )
+
+
+def kill_after(proc, workdir, step, timeout=180):
+    """SIGKILLs `proc` as soon as metrics.jsonl shows `step`; returns the last step it logged."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        steps = logged_steps(workdir)
+        if steps and steps[-1] >= step:
+            proc.kill()
+            proc.communicate()
+            return logged_steps(workdir)[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
 
 
 def run_workers(args, count, timeout, env=None):

@@ -9,9 +9,7 @@ Also the worker of the multi-worker run: TF_CONFIG=... python tests/test_gan.py 
 import dataclasses
 import json
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import forkserver, helpers  # noqa: E402
+from tests import helpers  # noqa: E402
 
 TOLERANCE = 1e-5
 # Tiny networks; a learning rate high enough that 20 steps move every weight well past the tolerance.
@@ -201,15 +199,6 @@ def test_multi_worker_matches_one_device(one_device_run, multi_worker_run):
 # ---- Killed and resumed --------------------------------------------------------------------------------------
 
 
-def _start(workdir, args):
-    return forkserver.popen(
-        ["launch.py", f"--workdir={workdir}", *args],
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-
-
 @pytest.mark.slow
 def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
     settings = dict(
@@ -230,16 +219,8 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
     # The run never killed and the restart train in this process (launch.py's Config for the same flags); the
     # killed one is launch.py's.
     helpers.in_process_run({**settings, "workdir": str(straight)})
-    proc = _start(killed, args)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
-        steps = helpers.logged_steps(killed)
-        if steps and steps[-1] >= 80:
-            proc.kill()
-            break
-        time.sleep(0.02)
-    proc.communicate()
-    stopped = helpers.logged_steps(killed)[-1]
+    proc = helpers.start_launch(killed, *args)
+    stopped = helpers.kill_after(proc, killed, 80, timeout=240)
     assert proc.returncode == -9 and 80 <= stopped < 300, stopped  # killed mid-run, after a checkpoint
     capsys.readouterr()
     helpers.in_process_run({**settings, "workdir": str(killed)})

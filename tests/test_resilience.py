@@ -8,7 +8,6 @@ import os
 import re
 import resource
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -21,38 +20,14 @@ from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.settings.errors import ConfigError, TrainingError
 from engine.state import checkpoint
-from tests import forkserver, helpers
+from tests import helpers
 from tests.helpers import checkpoint_tensors, logged_steps
 
 
-def start(workdir, *args, env=None, **popen):
-    return forkserver.popen(
-        ["launch.py", f"--workdir={workdir}", *args],
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-        **popen,
-    )
-
-
 def launch(workdir, *args, timeout=300, **popen):
-    proc = start(workdir, *args, **popen)
+    proc = helpers.start_launch(workdir, *args, **popen)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def kill_after(proc, workdir, step, timeout=180):
-    """SIGKILLs `proc` as soon as metrics.jsonl shows `step`; returns the last step it logged."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        steps = logged_steps(workdir)
-        if steps and steps[-1] >= step:
-            proc.kill()
-            proc.communicate()
-            return logged_steps(workdir)[-1]
-        time.sleep(0.02)
-    raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
 
 
 @pytest.mark.parametrize("strategy", [{}, dict(strategy="mirrored", num_cpu_devices=2)], ids=["one_device", "mirrored"])
@@ -76,7 +51,7 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy, 
     helpers.in_process_run({**settings, "workdir": str(tmp_path / "straight")})
     args = helpers.as_flags(settings)
     killed = tmp_path / "killed"
-    kill_points = [kill_after(start(killed, *args), killed, step) for step in (75, 230)]
+    kill_points = [helpers.kill_after(helpers.start_launch(killed, *args), killed, step) for step in (75, 230)]
     capsys.readouterr()
     helpers.in_process_run({**settings, "workdir": str(killed)})
     assert f"resumed from step {kill_points[-1] // 50 * 50}" in capsys.readouterr().out
@@ -97,7 +72,7 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy, 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir, tmp_path, capsys):
     settings = dict(data_dir=data_dir, steps_per_loop=4000, checkpoint_every=0, hidden_sizes=(32,))
-    proc = start(tmp_path, *helpers.as_flags(settings), "--train_steps=1000000")
+    proc = helpers.start_launch(tmp_path, *helpers.as_flags(settings), "--train_steps=1000000")
     deadline = time.monotonic() + 180
     while not logged_steps(tmp_path) and time.monotonic() < deadline:  # the first round is done
         time.sleep(0.05)
@@ -257,10 +232,10 @@ def test_a_dead_worker_stops_the_other_with_its_name(data_dir, tmp_path):
 
     def worker(index, steps):
         env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
-        return start(tmp_path, *args, f"--train_steps={steps}", env=env)
+        return helpers.start_launch(tmp_path, *args, f"--train_steps={steps}", env=env)
 
     chief, other = worker(0, 1_000_000), worker(1, 1_000_000)
-    kill_after(other, tmp_path, 200)
+    helpers.kill_after(other, tmp_path, 200)
     killed = time.monotonic()
     _, err = chief.communicate(timeout=180)
     print(f"worker death detected in {time.monotonic() - killed:.1f} s")
@@ -328,7 +303,7 @@ def test_sidecar_evaluates_each_new_checkpoint(data_dir, one_device, tmp_path):
         "--hidden_sizes=512,512",
         "--keep_checkpoints=5",
     ]
-    job = start(tmp_path, *args)
+    job = helpers.start_launch(tmp_path, *args)
     config = helpers.make_config(
         data_dir, str(tmp_path), train_steps=600, hidden_sizes=(512, 512), mode="continuous_eval", eval_timeout=120
     )

@@ -188,7 +188,6 @@ def multi_worker_main(out_dir, data_dir):
 
 @pytest.mark.slow
 def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, tmp_path, capsys):
-    from tests.test_resilience import kill_after, start
 
     settings = dict(
         data_dir=data_dir,
@@ -207,7 +206,7 @@ def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, 
     # flags); the killed one is launch.py's.
     helpers.in_process_run({**settings, "workdir": str(tmp_path / "straight")})
     killed = tmp_path / "killed"
-    kill_point = kill_after(start(killed, *helpers.as_flags(settings)), killed, 50)
+    kill_point = helpers.kill_after(helpers.start_launch(killed, *helpers.as_flags(settings)), killed, 50)
     capsys.readouterr()
     helpers.in_process_run({**settings, "workdir": str(killed)})
     resumed_from = int(re.search(r"resumed from step (\d+)", capsys.readouterr().out).group(1))

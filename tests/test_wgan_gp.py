@@ -6,9 +6,7 @@ device and two mirrored replicas; a killed run resumed bit for bit, its data pos
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -17,7 +15,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import forkserver, helpers  # noqa: E402
+from tests import helpers  # noqa: E402
 
 STEPS = 10
 # Tiny networks; a learning rate at which 10 steps move every weight far past the agreement asked for. Without XLA:
@@ -189,21 +187,8 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
     # The run never killed and the restart train in this process (launch.py's Config for the same flags); the killed
     # one is launch.py's.
     helpers.in_process_run({**settings, "workdir": str(straight)})
-    proc = forkserver.popen(
-        ["launch.py", f"--workdir={killed}", *helpers.as_flags(settings)],
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        steps = helpers.logged_steps(killed)
-        if steps and steps[-1] >= 80:
-            proc.kill()
-            break
-        time.sleep(0.02)
-    proc.communicate()
-    stopped = helpers.logged_steps(killed)[-1]
+    proc = helpers.start_launch(killed, *helpers.as_flags(settings))
+    stopped = helpers.kill_after(proc, killed, 80, timeout=120)
     assert proc.returncode == -9 and 80 <= stopped < 400, stopped  # killed mid-run, after a checkpoint
     capsys.readouterr()
     helpers.in_process_run({**settings, "workdir": str(killed)})
