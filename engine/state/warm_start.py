@@ -36,12 +36,9 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
         if not is_damage(e):
             raise storage_error(prefix, e) from None
         raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
-    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
     saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
-    for key in shapes:
-        parts = key.split("/")
-        if key.endswith(suffix) and parts[0] in ("models", "ema") and len(parts) == 5:
-            (saved if parts[0] == "models" else averaged)[parts[1], describe_key(parts[2])] = key
+    for kind, name, path, key in _model_variables(shapes):
+        (saved if kind == "models" else averaged)[name, path] = key
     paths = {path for _, path in saved}
     if not saved:
         raise ConfigError(
@@ -89,12 +86,18 @@ def weights(source, flag="checkpoint"):
     and their moving averages under "ema/<model>" where the run kept them. What a fork holds its step against."""
     reader = tf.train.load_checkpoint(find(source, flag))
     found = {}
-    for key in reader.get_variable_to_shape_map():
+    for kind, name, path, key in _model_variables(reader.get_variable_to_shape_map()):
+        found.setdefault(name if kind == "models" else f"ema/{name}", {})[path] = reader.get_tensor(key)
+    return found
+
+
+def _model_variables(keys):
+    """(kind, model name, Keras path, key) of each model variable among a checkpoint's keys: kind "models" for its
+    weights and statistics, "ema" for their moving averages."""
+    for key in keys:
         parts = key.split("/")
         if key.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and parts[0] in ("models", "ema") and len(parts) == 5:
-            owner = parts[1] if parts[0] == "models" else f"ema/{parts[1]}"
-            found.setdefault(owner, {})[describe_key(parts[2])] = reader.get_tensor(key)
-    return found
+            yield parts[0], parts[1], describe_key(parts[2]), key
 
 
 def escape_path(path):
