@@ -39,7 +39,7 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy, 
         seed=5,
         train_steps=300,
         steps_per_loop=10,
-        checkpoint_every=50,
+        checkpoint_every=100,
         hidden_sizes=(256, 256),
         warmup_steps=20,
         lr_schedule="cosine",
@@ -51,11 +51,13 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy, 
     helpers.in_process_run({**settings, "workdir": str(tmp_path / "straight")})
     args = helpers.as_flags(settings)
     killed = tmp_path / "killed"
-    kill_points = [helpers.kill_after(helpers.start_launch(killed, *args), killed, step) for step in (75, 230)]
+    # Each kill comes just after a checkpoint, so that the rounds a fast machine runs between the kill being asked
+    # for and taking effect (two on a CI machine) still leave it between checkpoints.
+    kill_points = [helpers.kill_after(helpers.start_launch(killed, *args), killed, step) for step in (110, 210)]
     capsys.readouterr()
     helpers.in_process_run({**settings, "workdir": str(killed)})
-    assert f"resumed from step {kill_points[-1] // 50 * 50}" in capsys.readouterr().out
-    assert all(p % 50 for p in kill_points), kill_points  # killed between checkpoints: work was redone
+    assert f"resumed from step {kill_points[-1] // 100 * 100}" in capsys.readouterr().out
+    assert all(p % 100 for p in kill_points), kill_points  # killed between checkpoints: work was redone
 
     straight, resumed = (json.load(open(d / "summary.json")) for d in (tmp_path / "straight", killed))
     assert resumed["step"] == straight["step"] == 300
@@ -71,29 +73,31 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, strategy, 
 
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir, tmp_path, capsys):
-    settings = dict(data_dir=data_dir, steps_per_loop=4000, checkpoint_every=0, hidden_sizes=(32,))
+    # A round of 20000 steps lasts seconds even where this model trains 8000 steps a second (a 2-core Zen 4), so a
+    # SIGTERM sent a moment after the first round is logged lands inside the second.
+    settings = dict(data_dir=data_dir, steps_per_loop=20000, checkpoint_every=0, hidden_sizes=(32,))
     proc = helpers.start_launch(tmp_path, *helpers.as_flags(settings), "--train_steps=1000000")
     deadline = time.monotonic() + 180
     while not logged_steps(tmp_path) and time.monotonic() < deadline:  # the first round is done
-        time.sleep(0.05)
-    time.sleep(0.5)
+        time.sleep(0.02)
+    time.sleep(0.1)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     print(f"SIGTERM to exit: {time.monotonic() - sent:.2f} s")
     assert proc.returncode == preemption.PREEMPTED_EXIT_CODE, err[-2000:]
     stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
-    assert 4000 < stopped < 8000  # inside the second round: the step loop itself noticed
+    assert 20000 < stopped < 40000  # inside the second round: the step loop itself noticed
     assert err.strip().splitlines()[-1].startswith("error: preempted: stopped by SIGTERM")
     assert checkpoint.list_checkpoints(tmp_path / "checkpoints")[0].endswith(f"ckpt-{stopped}")
-    assert logged_steps(tmp_path) == [4000, stopped]
+    assert logged_steps(tmp_path) == [20000, stopped]
 
     capsys.readouterr()
     # The restart, in this process: launch.py's Config for the same flags and more steps.
     helpers.in_process_run({**settings, "workdir": str(tmp_path), "train_steps": stopped + 30})
     assert f"resumed from step {stopped}" in capsys.readouterr().out
-    # The resumed run's rounds end at the next multiple of 4000, if it comes first, and at the end.
-    expected = [4000, stopped] + ([8000] if stopped + 30 > 8000 else []) + [stopped + 30]
+    # The resumed run's rounds end at the next multiple of 20000, if it comes first, and at the end.
+    expected = [20000, stopped] + ([40000] if stopped + 30 > 40000 else []) + [stopped + 30]
     assert logged_steps(tmp_path) == expected
     assert json.load(open(tmp_path / "summary.json"))["step"] == stopped + 30
 
