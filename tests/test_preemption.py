@@ -168,7 +168,8 @@ def test_continuous_eval_exits_on_the_first_signal(data_dir, tmp_path, signum, c
 
 
 def test_ctrl_c_in_training_saves_and_says_interrupted(data_dir, tmp_path):
-    args = [f"--data_dir={data_dir}", "--hidden_sizes=32", "--steps_per_loop=4000", "--train_steps=1000000"]
+    # Rounds of 20000 steps last seconds even at 8000 steps a second: the signal lands inside the second one.
+    args = [f"--data_dir={data_dir}", "--hidden_sizes=32", "--steps_per_loop=20000", "--train_steps=1000000"]
     with running(tmp_path, *args, "--checkpoint_every=0") as proc:
         wait_until(lambda: logged_steps(tmp_path), proc)
         proc.send_signal(signal.SIGINT)
@@ -179,7 +180,7 @@ def test_ctrl_c_in_training_saves_and_says_interrupted(data_dir, tmp_path):
     assert err.strip().splitlines()[-1] == (
         f"error: interrupted: stopped by SIGINT at step {stopped}; checkpoint {saved}; run the same command to resume"
     )
-    assert checkpoint.latest(tmp_path / "checkpoints") == saved and logged_steps(tmp_path) == [4000, stopped]
+    assert checkpoint.latest(tmp_path / "checkpoints") == saved and logged_steps(tmp_path) == [20000, stopped]
 
 
 # ---- A run preempted inside training, resumed in the same process: what it reports ----------------------------
