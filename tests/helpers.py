@@ -101,6 +101,28 @@ def snapshot(trainer):
     return {name: local_values(trainer.strategy, v) for name, v in all_variables(trainer).items()}
 
 
+def updates_snapshot(run):
+    """{name: [replica copies]} of a run of several models and updates (a GAN's): every model's variables by
+    <model>/<path>, each update's optimizer slots and update count."""
+    named = {f"{name}/{v.path}": v.value for name, model in run.models.items() for v in model.variables}
+    for plan in run.plans:
+        for path, slots in plan.optimizer.slots_by_path.items():
+            named.update({f"{plan.name}/{path}/{k}": slot for k, slot in enumerate(slots)})
+        named[f"{plan.name}/iterations"] = plan.optimizer.iterations
+    return {name: local_values(run.strategy, v) for name, v in named.items()}
+
+
+def leaky_mlp(pairs, x, output):
+    """A reference's dense layers as (kernel, bias) pairs: leaky ReLU (0.2) after each but the last, `output` after
+    it (the MLP networks of tasks/gan.py, written out)."""
+    import tensorflow as tf
+
+    for kernel, bias in pairs[:-1]:
+        x = tf.nn.leaky_relu(x @ kernel + bias, alpha=0.2)
+    kernel, bias = pairs[-1]
+    return output(x @ kernel + bias)
+
+
 def train_and_snapshot(config, strategy):
     from engine.run import build
 

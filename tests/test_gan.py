@@ -33,23 +33,13 @@ CASE = dict(
 )
 
 
-def snapshot(trainer):
-    """{name: [replica copies]}: both networks' variables by <model>/<path>, each update's slots and count."""
-    named = {f"{name}/{v.path}": v.value for name, model in trainer.models.items() for v in model.variables}
-    for plan in trainer.plans:
-        for path, slots in plan.optimizer.slots_by_path.items():
-            named.update({f"{plan.name}/{path}/{k}": slot for k, slot in enumerate(slots)})
-        named[f"{plan.name}/iterations"] = plan.optimizer.iterations
-    return {name: helpers.local_values(trainer.strategy, v) for name, v in named.items()}
-
-
 def train(config, strategy):
     """(snapshot, the round's outputs, the trainer) after config.train_steps steps."""
     from engine.run import build
 
     trainer = build.run(config, strategy)
     out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
-    return snapshot(trainer), out, trainer
+    return helpers.updates_snapshot(trainer), out, trainer
 
 
 def first_copies(snap):
@@ -73,18 +63,10 @@ def one_device_run(data_dir, one_device):
     iterator = iter(trainer.data.train_fn(tf.distribute.InputContext()))  # the batches the steps gather
     batches = [next(iterator) for _ in range(config.train_steps)]
     out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
-    return snapshot(trainer), out, trainer, initial, batches
+    return helpers.updates_snapshot(trainer), out, trainer, initial, batches
 
 
 # ---- The reference: the GAN's math as a plain TensorFlow loop --------------------------------------------------
-
-
-def _mlp(weights, x, output):
-    """Dense layers as (kernel, bias) pairs: leaky ReLU (0.2) after each but the last, `output` after it."""
-    for kernel, bias in weights[:-1]:
-        x = tf.nn.leaky_relu(x @ kernel + bias, alpha=0.2)
-    kernel, bias = weights[-1]
-    return output(x @ kernel + bias)
 
 
 class Adam:
@@ -118,10 +100,10 @@ def reference_run(task, initial, batches, config):
     shape = batches[0]["image"].shape[1:]
 
     def generate(z):
-        return tf.reshape(_mlp(pairs["generator"], z, tf.sigmoid), [-1, *shape])
+        return tf.reshape(helpers.leaky_mlp(pairs["generator"], z, tf.sigmoid), [-1, *shape])
 
     def logit(images):
-        return _mlp(pairs["discriminator"], tf.reshape(images, [len(images), -1]), lambda x: x)[:, 0]
+        return helpers.leaky_mlp(pairs["discriminator"], tf.reshape(images, [len(images), -1]), lambda x: x)[:, 0]
 
     def step(name, loss):
         with tf.GradientTape() as tape:

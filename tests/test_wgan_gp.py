@@ -32,16 +32,6 @@ CASE = dict(
 TOLERANCE = 1e-6
 
 
-def snapshot(trainer):
-    """{name: [replica copies]}: both networks' variables by <model>/<path>, each update's slots and count."""
-    named = {f"{name}/{v.path}": v.value for name, model in trainer.models.items() for v in model.variables}
-    for plan in trainer.plans:
-        for path, slots in plan.optimizer.slots_by_path.items():
-            named.update({f"{plan.name}/{path}/{k}": slot for k, slot in enumerate(slots)})
-        named[f"{plan.name}/iterations"] = plan.optimizer.iterations
-    return {name: helpers.local_values(trainer.strategy, v) for name, v in named.items()}
-
-
 def train(config, strategy):
     """(the trainer, its snapshot, its initial trainable weights {model: [arrays]}) after config.train_steps steps."""
     from engine.run import build
@@ -49,7 +39,7 @@ def train(config, strategy):
     trainer = build.run(config, strategy)
     initial = {name: [v.numpy() for v in model.trainable_variables] for name, model in trainer.models.items()}
     trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
-    return trainer, snapshot(trainer), initial
+    return trainer, helpers.updates_snapshot(trainer), initial
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +48,6 @@ def one_device_run(data_dir, one_device):
 
 
 # ---- The reference: WGAN-GP's math as a plain TensorFlow loop -------------------------------------------------
-
-
-def _mlp(pairs, x, output):
-    """Dense layers as (kernel, bias) pairs: leaky ReLU (0.2) after each but the last, `output` after it."""
-    for kernel, bias in pairs[:-1]:
-        x = tf.nn.leaky_relu(x @ kernel + bias, alpha=0.2)
-    kernel, bias = pairs[-1]
-    return output(x @ kernel + bias)
 
 
 def reference_run(initial, config, steps):
@@ -87,10 +69,10 @@ def reference_run(initial, config, steps):
     batches = [next(stream) for _ in range(steps * repeat)]
 
     def generate(z):  # flattened images
-        return _mlp(pairs["generator"], z, tf.sigmoid)
+        return helpers.leaky_mlp(pairs["generator"], z, tf.sigmoid)
 
     def critic(x):
-        return _mlp(pairs["critic"], x, lambda y: y)[:, 0]
+        return helpers.leaky_mlp(pairs["critic"], x, lambda y: y)[:, 0]
 
     def z(index, role, r):
         return base.example_normals(base.example_keys(seed, index, role, r), latent)
