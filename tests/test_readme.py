@@ -133,3 +133,39 @@ PAGES = ["README.md", "BUILD.md", *sorted(f"docs/{name}" for name in os.listdir(
 def test_code_blocks_close_where_they_should(name):
     with open(os.path.join(ROOT, name)) as f:
         assert fence_problems(name, f.read()) == []
+
+
+def training_commands(text):
+    """[(line, args)] of each bash block's `launch.py` commands that train (no --help, --mode train or none), `\\`
+    continuations joined, one list per block; not those whose flagfile is not in the repository."""
+    blocks = []
+    for token in MarkdownIt("commonmark").parse(text):
+        if token.type != "fence" or token.info.strip() != "bash":
+            continue
+        commands = []
+        for line in token.content.replace("\\\n", " ").splitlines():
+            if "launch.py" not in line:
+                continue
+            words = line.split("launch.py", 1)[1].split(";", 1)[0].replace('"', " ")
+            args = shlex.split(words, comments=True)
+            flagfiles = [a.split("=", 1)[1] for a in args if a.startswith("--flagfile=")]
+            if not all(os.path.exists(os.path.join(ROOT, f)) for f in flagfiles):
+                continue  # a flagfile a run writes (a study's best.flags): its workdir is the run's to say
+            if "--help" in args or flag(args, "mode", ROOT) not in (None, "train") or "..." in args:
+                continue
+            commands.append((line.strip(), args))
+        blocks.append(commands)
+    return blocks
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_a_pages_commands_pasted_in_order_train_in_workdirs_of_their_own(name):
+    """Two training commands of one block that share a workdir: the second is refused as another run's (the first
+    one's settings are there), unless it is the same command run again."""
+    with open(os.path.join(ROOT, name)) as f:
+        blocks = training_commands(f.read())
+    for commands in blocks:
+        seen = {}
+        for line, args in commands:
+            workdir = flag(args, "workdir", ROOT) or "runs/default"
+            assert seen.setdefault(workdir, args) == args, f"{name}: {line!r} trains in {workdir}, as an earlier line"
