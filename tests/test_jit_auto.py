@@ -8,6 +8,7 @@ import pytest
 from absl import flags
 
 import launch
+from engine.cluster import distribute
 from engine.run import build, loop, xla
 from engine.settings.config import from_json, validate
 from engine.settings.errors import ConfigError
@@ -223,7 +224,7 @@ def test_an_older_runs_config_json_with_a_bool_resumes(data_dir, one_device, tmp
 @pytest.mark.slow
 def test_auto_traces_again_without_xla_when_the_model_synchronizes_replicas(data_dir, mirrored, capsys, monkeypatch):
     # On a GPU auto compiles the ResNet; with two replicas its synchronized batch norm cannot be compiled.
-    monkeypatch.setattr(xla, "device_kind", lambda strategy: "GPU")
+    monkeypatch.setattr(distribute, "device_kind", lambda strategy: "GPU")
     config = helpers.make_config(data_dir, model="resnet", precision="mixed_float16", **helpers.XLA_CASE)
     trainer = build.run(config, mirrored)
     assert trainer.program.jit_compile

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from engine.cluster import distribute
 from engine.run import build, inputs, loop, program
 from engine.run.controller import Controller
 from engine.run.evaluator import Evaluator
@@ -112,7 +113,7 @@ def test_a_stop_ends_the_round_at_its_step_on_cpu_and_at_its_end_on_accelerators
 ):
     if device == "GPU":  # forced through the predicate: the loop no longer reads the flag at every step
         monkeypatch.setattr(program, "stops_each_step", lambda strategy: False)
-    assert program.stops_each_step(one_device) == (device == "CPU")
+    assert program.stops_each_step(distribute.placement(one_device, "one_device")) == (device == "CPU")
     config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, steps_per_loop=5, checkpoint_every=0)
     trainer = build.run(config, one_device)
     checkpoints = Checkpoints(trainer.state, config.workdir, config.keep_checkpoints)

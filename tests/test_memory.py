@@ -7,6 +7,7 @@ import stat
 
 import pytest
 
+from engine.cluster.distribute import Placement
 from engine.run import memory
 from engine.settings import machine
 from engine.settings.config import validate
@@ -29,9 +30,9 @@ def test_the_smallest_gpu_is_the_one_judged(tmp_path, monkeypatch):
     assert machine.gpu_memory_bytes() is None  # no driver: no GPU to judge against
 
 
-class _Strategy:
-    def __init__(self, replicas):
-        self.num_replicas_in_sync = replicas
+def _on(device, replicas):
+    """The Placement of a run of `replicas` on `device` in one process."""
+    return Placement(None, "mirrored" if replicas > 1 else "one_device", device, replicas, 1, False, False, True, 0)
 
 
 def _decoder(**overrides):
@@ -43,12 +44,11 @@ def _decoder(**overrides):
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_gpu_run_is_judged_against_a_gpus_memory_with_its_share_of_the_batch(tmp_path, monkeypatch, replicas):
     _fake_nvidia_smi(tmp_path, monkeypatch, [4 * 1024])  # a 4 GiB GPU
-    monkeypatch.setattr(memory.xla, "device_kind", lambda strategy: "GPU")
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**15)  # the host is not what is judged
     config = _decoder()
     parts = memory.estimate(config, (1024,), 65, copies=1, shares=replicas, data=False)
     with pytest.raises(ConfigError) as refused:
-        memory.check(config, _Strategy(replicas), (1024,), 65)
+        memory.check(config, _on("GPU", replicas), (1024,), 65)
     message = str(refused.value)
     assert message.startswith("--gpt_layers=12: needs about ") and message.endswith("more than a GPU's 4.29 GB")
     # Each GPU holds a whole model and its replica's share of the batch, so two GPUs halve the batch's part only.
@@ -57,18 +57,17 @@ def test_a_gpu_run_is_judged_against_a_gpus_memory_with_its_share_of_the_batch(t
     assert parts["training batch"] == single["training batch"] // replicas
     # On a GPU of 141 GB (an H200) the same run fits.
     _fake_nvidia_smi(tmp_path, monkeypatch, [143771])
-    memory.check(config, _Strategy(replicas), (1024,), 65)
+    memory.check(config, _on("GPU", replicas), (1024,), 65)
 
 
 def test_a_cpu_run_is_judged_against_this_machines_memory(monkeypatch):
-    monkeypatch.setattr(memory.xla, "device_kind", lambda strategy: "CPU")
     monkeypatch.setattr(memory, "gpu_memory_bytes", lambda: pytest.fail("a CPU run asked for a GPU's memory"))
     config = _decoder(gpt_layers=2, gpt_dim=128, gpt_heads=2, sequence_length=256, global_batch_size=8)
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**12)
-    memory.check(config, _Strategy(1), (256,), 65)
+    memory.check(config, _on("CPU", 1), (256,), 65)
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**6)
     with pytest.raises(ConfigError, match="more than this machine's 1 MB$"):
-        memory.check(config, _Strategy(1), (256,), 65)
+        memory.check(config, _on("CPU", 1), (256,), 65)
     # Two logical CPU devices (mirrored): this machine holds both replicas' models, and the whole batch.
     two = memory.estimate(config, (256,), 65, copies=2, shares=1)
     one = memory.estimate(config, (256,), 65)
@@ -78,8 +77,7 @@ def test_a_cpu_run_is_judged_against_this_machines_memory(monkeypatch):
 
 def test_a_model_without_a_size_is_said_to_be_unestimated(monkeypatch, capsys):
     monkeypatch.setattr(memory, "model_size", lambda config, shape, outputs: None)
-    monkeypatch.setattr(memory.xla, "device_kind", lambda strategy: "CPU")
-    memory.check(validate(Config()), _Strategy(1), (8, 8, 1), 10)
+    memory.check(validate(Config()), _on("CPU", 1), (8, 8, 1), 10)
     assert capsys.readouterr().out == "memory: models/mlp.py has no size(config, input_shape, outputs): not estimated\n"
 
 

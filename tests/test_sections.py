@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from engine.cluster import distribute
 from engine.data import datasets as data
 from engine.data.pipeline import Pipelines
 from engine.numerics import optim
@@ -195,7 +196,7 @@ def test_the_loop_and_numerics_sections_decide_as_the_whole_config_did():
     evaluate, save = Evaluate(loop.eval_every, loop.train_steps), Checkpoint(loop.checkpoint_every, loop.train_steps)
     due = [(evaluate.due(s, False), save.due(s, False)) for s in (15, 20, 30, 40, 45, 50)]
     assert due == [(False, True), (True, False), (False, True), (True, False), (False, True), (False, True)]
-    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    strategy = distribute.placement(tf.distribute.OneDeviceStrategy("/cpu:0"), "one_device")
     for switch in ("true", "false"):
         numerics = Config(jit_compile=switch).numerics
         assert xla.resolve(numerics, strategy, {})[0] == (switch == "true")

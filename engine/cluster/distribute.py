@@ -2,8 +2,11 @@
 
 `create_strategy` must run before any other TensorFlow op in the process:
 logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
-before the runtime starts. Who a cluster's tasks are is engine/cluster/resolvers.py's.
+before the runtime starts. Who a cluster's tasks are is engine/cluster/resolvers.py's. `placement` works out once
+what the rest of the engine asks of a strategy (its device, workers, chief), a Placement the run holds.
 """
+
+import dataclasses
 
 import tensorflow as tf
 
@@ -99,6 +102,44 @@ def serve(config):
     print(f"{resolver.task_type} {resolver.task_id} serving the parameter-server job", flush=True)
     server.join()
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run's steps execute, worked out once from its strategy (`placement`): what the memory check, the XLA
+    choice, the input paths, the train program and the workdir read, instead of each asking the strategy."""
+
+    strategy: object
+    name: str  # the strategy the run asked for (strategy_name): one_device, mirrored, multi_worker, ...
+    device: str  # TPU, GPU or CPU (device_kind)
+    replicas: int  # replicas in sync, over every worker
+    workers: int  # the cluster's workers (num_workers): 1 without a resolver
+    multi_worker: bool  # several processes train (multi-worker mirrored, parameter servers)
+    parameter_server: bool
+    chief: bool  # the one task that writes files (is_chief)
+    task: int  # this task's index in its job (task_id): 0 without a cluster
+
+
+def placement(strategy, name):
+    """The Placement of a run on `strategy`; `name`: the strategy its config asks for (strategy_name)."""
+    return Placement(
+        strategy,
+        name,
+        device_kind(strategy),
+        strategy.num_replicas_in_sync,
+        num_workers(strategy),
+        is_multi_worker(strategy),
+        is_parameter_server(strategy),
+        is_chief(strategy),
+        task_id(strategy),
+    )
+
+
+def device_kind(strategy):
+    """TPU, GPU or CPU: where the strategy's steps run (create_strategy puts them on every GPU there is)."""
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        return "TPU"
+    return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
 
 
 def is_chief(strategy):

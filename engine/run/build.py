@@ -40,10 +40,11 @@ class Weights:
 class Run:
     """A run as `run` built it. `plans`: the updates as built (engine/numerics/updates.py; [] outside training);
     `state`: what a checkpoint holds (engine/state/checkpoint.py State); `program`: the step and its loop (None
-    outside training); `actions`: what the controller does after each round, in order."""
+    outside training); `actions`: what the controller does after each round, in order; `placement`: where its steps
+    execute (engine/cluster/distribute.py), worked out once from its strategy."""
 
     config: object
-    strategy: object
+    placement: distribute.Placement
     task: object
     data: object
     models: dict
@@ -55,6 +56,10 @@ class Run:
     actions: list
 
     @property
+    def strategy(self):
+        return self.placement.strategy
+
+    @property
     def model(self):
         """The run's model (a task with several: the first)."""
         return next(iter(self.models.values()))
@@ -64,12 +69,13 @@ def run(config, strategy, training=True, on_eval=None):
     """The run `config` describes on `strategy`, built in order, every variable under the strategy's scope before
     the first trace. `training`: with its updates, train program and actions (`on_eval`: the Evaluate action's
     callback, a tuner's pruning); else what evaluation, export and research read."""
-    check_batch(config, strategy.num_replicas_in_sync)
+    where = distribute.placement(strategy, distribute.strategy_name(config))
+    check_batch(config, where.replicas)
     tf.config.run_functions_eagerly(config.run_eagerly)
     memory.check_data(config)
     source, task = source_and_task(config)
     data = datasets.prepare(config, source, task)
-    memory.check(config, strategy, *shape_and_outputs(task))
+    memory.check(config, where, *shape_and_outputs(task))
     # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
     # seeds its initializers from that generator, so seeding after it keeps the weights the same.
     seed(config)
@@ -79,14 +85,12 @@ def run(config, strategy, training=True, on_eval=None):
         plans = updates.build_plans(task, weights, config) if training else []
         state = checkpointed_state(models, plans, weights)
     # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
-    coordinator = (
-        tf.distribute.coordinator.ClusterCoordinator(strategy) if distribute.is_parameter_server(strategy) else None
-    )
-    jit = xla.Choice(*xla.resolve(config.numerics, strategy, models))
-    program = TrainProgram(config, strategy, task, models, plans, data, state, jit, coordinator) if training else None
-    evaluator = Evaluator(config, strategy, task, models, data, weights, jit, examples(config), coordinator)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy) if where.parameter_server else None
+    jit = xla.Choice(*xla.resolve(config.numerics, where, models))
+    program = TrainProgram(config, where, task, models, plans, data, state, jit, coordinator) if training else None
+    evaluator = Evaluator(config, where, task, models, data, weights, jit, examples(config), coordinator)
     run_actions = [*engine_actions(config.loop, on_eval), *actions.load(config)] if training else []
-    return Run(config, strategy, task, data, models, weights, plans, state, program, evaluator, run_actions)
+    return Run(config, where, task, data, models, weights, plans, state, program, evaluator, run_actions)
 
 
 def source_and_task(config, split=None):

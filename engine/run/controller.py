@@ -12,7 +12,6 @@ import time
 
 import tensorflow as tf
 
-from engine.cluster import distribute
 from engine.cluster.signals import SIGNALS
 from engine.run import inputs
 from engine.run.actions.base import ROLLED_BACK, Round, Stop
@@ -60,8 +59,7 @@ class Controller:
 
     def __init__(self, run, report, checkpoints, started):
         self.run, self.started = run, started
-        chief = distribute.is_chief(run.strategy)
-        self.context = Context(run, report, checkpoints, Timing(), chief)
+        self.context = Context(run, report, checkpoints, Timing(), run.placement.chief)
 
     def train(self):
         try:
@@ -153,8 +151,8 @@ class Controller:
             "skipped_steps": int(run.state.skipped.numpy()),
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
             "wall_seconds": time.time() - self.started,
-            "strategy": distribute.strategy_name(config),
-            "num_replicas": run.strategy.num_replicas_in_sync,
+            "strategy": run.placement.name,
+            "num_replicas": run.placement.replicas,
             "precision": config.precision,
             "global_batch_size": config.global_batch_size,
             "class_names": list(run.task.class_names) if hasattr(run.task, "class_names") else None,
@@ -198,11 +196,11 @@ def _renew(iterators, run):
 def header(run):
     """The run's first line: what trains, where, in what precision, how the steps get their batches and whether
     they compile with XLA (and why)."""
-    config, strategy, program = run.config, run.strategy, run.program
+    config, where, program = run.config, run.placement, run.program
     params = sum(int(tf.size(v)) for v in run.weights.variables)
     return (
         f"task={config.task} model={config.model} parameters={params} dataset={config.dataset} "
-        f"strategy={distribute.strategy_name(config)} replicas={strategy.num_replicas_in_sync} "
+        f"strategy={where.name} replicas={where.replicas} "
         f"precision={config.precision} global_batch_size={config.global_batch_size} "
         f"input={program.input.label} jit_compile={show(program.jit_compile)} ({program.jit_reason})"
     )

@@ -14,13 +14,15 @@ from engine.run.program import unsupported_ops, warn_retraced
 
 
 class Evaluator:
-    """Evaluates the run's models on its evaluation split. `weights`: the run's trained variables with their moving
-    averages (--ema_decay); `jit`: the run's engine/run/xla.py Choice, whether the train step compiles with XLA (the
-    evaluation follows it until it first runs); `examples(split)`: a split's batches for the task's probe;
-    `coordinator`: a parameter server's (the chief evaluates, reading the servers)."""
+    """Evaluates the run's models on its evaluation split. `placement`: the run's engine/cluster/distribute.py
+    Placement; `weights`: its trained variables with their moving averages (--ema_decay); `jit`: its
+    engine/run/xla.py Choice, whether the train step compiles with XLA (the evaluation follows it until it first
+    runs); `examples(split)`: a split's batches for the task's probe; `coordinator`: a parameter server's (the chief
+    evaluates, reading the servers)."""
 
-    def __init__(self, config, strategy, task, models, data, weights, jit, examples, coordinator=None):
-        self.config, self.strategy, self.task, self.models, self.data = config, strategy, task, models, data
+    def __init__(self, config, placement, task, models, data, weights, jit, examples, coordinator=None):
+        self.config, self.placement, self.strategy = config, placement, placement.strategy
+        self.task, self.models, self.data = task, models, data
         self.weights, self.coordinator = weights, coordinator
         # examples(split): the prepared batches of a split, each example once, for Task.probe (build.examples).
         self.examples = examples
@@ -56,7 +58,7 @@ class Evaluator:
     def metric_names(self):
         """The task's metric names, in the order of the evaluation sums: found by tracing them for a replica's
         batch (compiled with XLA on one device per process, the trace the evaluation then calls)."""
-        replicas = self.strategy.num_replicas_in_sync
+        replicas = self.placement.replicas
         spec = self.data.eval_fn(tf.distribute.InputContext(num_replicas_in_sync=replicas)).element_spec
         sums = self.sums  # built first: it decides jit
         traced = sums if self.jit else tf.function(sums)

@@ -17,7 +17,6 @@ from engine.cluster import distribute
 from engine.data.datasets import DecodeError
 from engine.data.pipeline import UNDECODABLE
 from engine.data.records import unreadable
-from engine.run import xla
 from engine.settings import sections
 
 
@@ -51,7 +50,7 @@ def batches(dataset):
         yield from iterators[0]
 
 
-def gathers_in_step(cluster, strategy, data, coordinator):
+def gathers_in_step(cluster, placement, data, coordinator):
     """Whether each replica gathers its batch inside the step, from the training split held in memory, instead of
     reading it from a tf.data pipeline: one CPU replica per worker (one device, or multi-worker), a split iterators in
     memory without a per-example decode. The pipeline's hand-over costs the step more than the gather
@@ -59,26 +58,28 @@ def gathers_in_step(cluster, strategy, data, coordinator):
     to be copied there first; not with parameter servers (each worker its own stream) or a tf.data service (its
     workers build the batches); not for several replicas in one process (mirrored), where the gathered steps
     drifted from one device more than the pipeline's in the ResNet parity case, though every batch was identical
-    (bench/RESULTS.md). `cluster`: the run's config.cluster."""
+    (bench/RESULTS.md). `cluster`: the run's config.cluster; `placement`: its engine/cluster/distribute.py
+    Placement."""
     return (
         data.gather is not None
         and coordinator is None
         and not sections.section(cluster, "cluster").tf_data_service
-        and strategy.num_replicas_in_sync == distribute.num_workers(strategy)
-        and xla.device_kind(strategy) == "CPU"
+        and placement.replicas == placement.workers
+        and placement.device == "CPU"
     )
 
 
-def path(in_step, strategy, data, counter=None, coordinator=None, service=""):
+def path(in_step, placement, data, counter=None, coordinator=None, service=""):
     """The path a run's steps read their batches by: gathered in the step (`in_step`, gathers_in_step), a parameter
     server's per-worker datasets (`coordinator`), the dataset's own iterator on one CPU device, else the strategy's
-    distributed iterator. `counter`: an int64 variable counting the record bytes read; `service`: --tf_data_service."""
+    distributed iterator. `placement`: the run's engine/cluster/distribute.py Placement; `counter`: an int64 variable
+    counting the record bytes read; `service`: --tf_data_service."""
     if in_step:
-        return InStep(strategy, data, counter)
+        return InStep(placement, data, counter)
     if coordinator is not None:
-        return PerWorker(strategy, data, counter, coordinator, service)
-    cls = DatasetIterator if one_cpu_device(strategy) else Distributed
-    return cls(strategy, data, counter)
+        return PerWorker(placement, data, counter, coordinator, service)
+    cls = DatasetIterator if one_cpu_device(placement.strategy) else Distributed
+    return cls(placement, data, counter)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -96,13 +97,14 @@ def one_cpu_device(strategy):
 
 
 class Distributed:
-    """The strategy's distributed iterator over the training pipeline; the base of the other paths. `counter`: an
-    int64 variable the pipeline adds the record bytes it reads to, or None."""
+    """The strategy's distributed iterator over the training pipeline; the base of the other paths. `placement`: the
+    run's engine/cluster/distribute.py Placement; `counter`: an int64 variable the pipeline adds the record bytes it
+    reads to, or None."""
 
     label = "tf.data"  # what the run's first line says of its input
 
-    def __init__(self, strategy, data, counter=None):
-        self.strategy, self.data, self.counter = strategy, data, counter
+    def __init__(self, placement, data, counter=None):
+        self.placement, self.strategy, self.data, self.counter = placement, placement.strategy, data, counter
 
     def open(self, start):
         return iter(
@@ -153,7 +155,7 @@ class InStep(Distributed):
         # The batch's index from the loop counter, not from the `batches` variable: nothing orders the gather
         # after the previous step, so it may run ahead of it.
         batch_index = first_batch + tf.cast(i, tf.int64) * count
-        pipelines = distribute.num_workers(self.strategy)
+        pipelines = self.placement.workers
 
         def gathered_step(batch_index):
             # One replica per worker (gathers_in_step): the replica's id is its worker's input pipeline.
@@ -168,12 +170,12 @@ class InStep(Distributed):
 class PerWorker(Distributed):
     """Parameter servers: each worker reads its own stream; the chief schedules a round's steps on the workers."""
 
-    def __init__(self, strategy, data, counter, coordinator, service=""):
-        super().__init__(strategy, data, counter)
+    def __init__(self, placement, data, counter, coordinator, service=""):
+        super().__init__(placement, data, counter)
         self.coordinator, self.service = coordinator, service
 
     def open(self, start):
-        strategy, data = self.strategy, self.data
+        strategy, data, workers = self.strategy, self.data, self.placement.workers
         with strategy.scope():  # on a parameter server, shared by the workers
             streams = tf.Variable(0, dtype=tf.int64, trainable=False, name="streams")
             lock = tf.CriticalSection(name="streams")
@@ -183,16 +185,14 @@ class PerWorker(Distributed):
             # under a lock, gives each worker (and a restarted one) its own stream 1, 2, ... With the tf.data
             # service all workers consume one shared job instead, which hands each batch to one of them.
             stream = 1 if self.service else lock.execute(lambda: tf.identity(streams.assign_add(1)))
-            return strategy.distribute_datasets_from_function(
-                lambda ctx: data.train_fn(ctx, start // distribute.num_workers(strategy), stream)
-            )
+            return strategy.distribute_datasets_from_function(lambda ctx: data.train_fn(ctx, start // workers, stream))
 
         return iter(self.coordinator.create_per_worker_dataset(per_worker))
 
     def run(self, loop, iterator, steps, first_batch):
         """The round's steps as functions of a few steps each, scheduled on whichever worker is free (the
         coordinator reschedules a dead worker's share); the chief waits for all."""
-        chunk = max(1, steps // (4 * distribute.num_workers(self.strategy)))
+        chunk = max(1, steps // (4 * self.placement.workers))
         sizes = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
         remote = [
             self.coordinator.schedule(loop, args=(iterator, tf.constant(n), tf.constant(0, tf.int64))) for n in sizes

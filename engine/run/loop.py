@@ -31,12 +31,12 @@ def train(config, strategy=None, on_eval=None):
     strategy = strategy or distribute.create_strategy(config)
     saved = workdir_lib.check_same_run(config)
     run = build.run(config, strategy, on_eval=on_eval)
-    chief = distribute.is_chief(strategy)
+    chief = run.placement.chief
     with lock.Lock(config.workdir) if chief else contextlib.nullcontext():
         if chief:
             saved = workdir_lib.check_same_run(config)  # again, under the lock: a run may have written it since
         checkpoints = checkpoint_lib.Checkpoints(
-            run.state, config.workdir, config.keep_checkpoints, chief, distribute.task_id(strategy)
+            run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task
         )
         # Before restoring: a resumed run's compiled step is read back. Not for a run with nothing left to train.
         if config.compile_cache and run.program.jit_compile and not _nothing_left(config, checkpoints.directory):

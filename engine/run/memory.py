@@ -11,8 +11,6 @@ import dataclasses
 import importlib
 import math
 
-from engine.cluster import distribute
-from engine.run import xla
 from engine.settings.checks import fail
 from engine.settings.fields import MEMORY_SETTINGS, Config, dataset_kind
 from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_bytes
@@ -74,21 +72,21 @@ def check_data(config):
         )
 
 
-def check(config, strategy, input_shape, outputs):
+def check(config, placement, input_shape, outputs):
     """Refuses the run when its estimate exceeds the memory of the device it trains on (naming the setting whose
     default would shrink it most, or --model when none would); says so where the model family gives no size. A GPU
     holds one replica and its share of the batch; this machine's memory, every local replica (mirrored logical
-    devices) and this worker's share."""
+    devices) and this worker's share. `placement`: the run's engine/cluster/distribute.py Placement."""
     if model_size(config, input_shape, outputs) is None:
         print(f"memory: models/{config.model}.py has no size(config, input_shape, outputs): not estimated", flush=True)
-    device, replicas = xla.device_kind(strategy), strategy.num_replicas_in_sync
+    device, replicas = placement.device, placement.replicas
     if device == "TPU":
         return
     gpu = gpu_memory_bytes() if device == "GPU" else None
     if gpu:
         judge(config, input_shape, outputs, gpu, "a GPU's", copies=1, shares=replicas, data=False)
         return
-    workers = distribute.num_workers(strategy) if distribute.is_multi_worker(strategy) else 1
+    workers = placement.workers if placement.multi_worker else 1
     local = max(1, replicas // workers)
     judge(config, input_shape, outputs, host_memory_bytes(), "this machine's", copies=local, shares=workers)
 

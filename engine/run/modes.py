@@ -74,7 +74,7 @@ def evaluate(config, strategy=None):
     results = run.evaluator.evaluate()
     print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
     summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
-    if distribute.is_chief(run.strategy):
+    if run.placement.chief:
         write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
     return summary
 

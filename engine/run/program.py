@@ -8,7 +8,6 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
 
-from engine.cluster import distribute
 from engine.numerics import replica, updates
 from engine.run import inputs, xla
 from engine.settings.errors import ConfigError, raising_task_errors
@@ -19,7 +18,7 @@ class Recompiled(Exception):
     round runs again from the same data position (the message says why)."""
 
 
-def stops_each_step(strategy):
+def stops_each_step(placement):
     """Whether the inner loop ends a round at the first step that all-reduced a set stop flag (on CPUs), or runs
     the round to its end and leaves the flag to the host between rounds (on GPUs and TPUs).
 
@@ -28,19 +27,21 @@ def stops_each_step(strategy):
     the device idles between steps. On a GPU or TPU a signal therefore stops the run at the end of the round it
     lands in, at most --steps_per_loop steps later; a round's time (steps_per_loop times a step's) plus a
     checkpoint's save must fit in the scheduler's grace period (30 s by default on Kubernetes and for a GCE spot
-    VM).
+    VM). `placement`: the run's engine/cluster/distribute.py Placement.
     """
-    return xla.device_kind(strategy) == "CPU"
+    return placement.device == "CPU"
 
 
 class TrainProgram:
     """A round of steps on the host's call: the replica step (engine/numerics/replica.py) over the run's updates,
     inside one traced loop; the counters it moves (the run's State: steps run, batches read); the stop flag a
-    signal sets. `jit`: the run's engine/run/xla.py Choice (the program changes it when the step cannot compile with
-    XLA); `coordinator`: a parameter server's."""
+    signal sets. `placement`: the run's engine/cluster/distribute.py Placement; `jit`: its engine/run/xla.py Choice
+    (the program changes it when the step cannot compile with XLA); `coordinator`: a parameter server's."""
 
-    def __init__(self, config, strategy, task, models, plans, data, state, jit, coordinator=None):
-        self.config, self.strategy, self.task, self.models, self.plans = config, strategy, task, models, plans
+    def __init__(self, config, placement, task, models, plans, data, state, jit, coordinator=None):
+        strategy = placement.strategy
+        self.config, self.placement, self.strategy, self.task = config, placement, strategy, task
+        self.models, self.plans = models, plans
         self.data, self.state, self.coordinator, self.jit = data, state, coordinator, jit
         self.float16 = config.precision == "mixed_float16"
         self.batches_per_step = updates.batches_per_step(plans)  # more than one: an update reads a fresh batch each
@@ -48,15 +49,15 @@ class TrainProgram:
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
         # Bytes of record files this process read (a streamed split): the read-amplification count.
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
-        self.stops_each_step = stops_each_step(strategy)
-        in_step = inputs.gathers_in_step(config.cluster, strategy, data, coordinator)
+        self.stops_each_step = stops_each_step(placement)
+        in_step = inputs.gathers_in_step(config.cluster, placement, data, coordinator)
         self.input = self._path(in_step)
         self.retraced = set()
         self._build()
 
     def _path(self, in_step):
         counter = None if self.config.tf_data_service else self.bytes_read
-        return inputs.path(in_step, self.strategy, self.data, counter, self.coordinator, self.config.tf_data_service)
+        return inputs.path(in_step, self.placement, self.data, counter, self.coordinator, self.config.tf_data_service)
 
     def feed_from_pipeline(self):
         """Reads the batches from the tf.data pipeline even where the steps would gather their own (a test's, a
@@ -78,8 +79,8 @@ class TrainProgram:
 
     def _fall_back(self, synchronizes=False, unsupported=""):
         """The step rebuilt as --jit_compile=auto decides knowing what XLA could not compile."""
-        numerics = self.config.numerics
-        self.jit.compile, self.jit.reason = xla.resolve(numerics, self.strategy, self.models, synchronizes, unsupported)
+        numerics, placement = self.config.numerics, self.placement
+        self.jit.compile, self.jit.reason = xla.resolve(numerics, placement, self.models, synchronizes, unsupported)
         self._build()
 
     def _build(self):
@@ -95,7 +96,7 @@ class TrainProgram:
                 self.models,
                 self.plans,
                 self.config,
-                self.strategy.num_replicas_in_sync,
+                self.placement.replicas,
                 self.stop,
                 self.state.step,
                 self.float16,
@@ -126,7 +127,7 @@ class TrainProgram:
     @property
     def pipelines(self):
         """Input pipelines reading the training stream: one per worker (a parameter server's read their own)."""
-        return 1 if self.coordinator is not None else distribute.num_workers(self.strategy)
+        return 1 if self.coordinator is not None else self.placement.workers
 
     def check_pipelines(self):
         """Refuses to resume a streamed split with another number of input pipelines than read it so far."""
@@ -150,7 +151,7 @@ class TrainProgram:
     def stopping_anywhere(self):
         """Whether any worker has been signalled. A signal that came during a round's last step is not in that
         step's all-reduce: on several workers the flag is all-reduced once more, so all of them answer alike."""
-        if self.coordinator is not None or not distribute.is_multi_worker(self.strategy):
+        if self.coordinator is not None or not self.placement.multi_worker:
             return bool(self.stop.numpy())
         return bool(self._any_stop())
 
@@ -274,7 +275,7 @@ class TrainProgram:
                 f"--jit_compile=true: --model={self.config.model} or --task={self.config.task} synchronizes "
                 "replicas inside the forward pass or the loss (synchronized batch norm, gathered negatives), "
                 f"which XLA cannot compile with "
-                f"{self.strategy.num_replicas_in_sync} replicas here; drop --jit_compile or use one replica"
+                f"{self.placement.replicas} replicas here; drop --jit_compile or use one replica"
             ) from None
         raise error
 

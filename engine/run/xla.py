@@ -11,9 +11,7 @@ as arguments, so each case can be checked without the hardware; `resolve` reads 
 import dataclasses
 
 import keras
-import tensorflow as tf
 
-from engine.cluster import distribute
 from engine.settings import sections
 
 # Instructions with which oneDNN multiplies bfloat16 matrices in hardware (Intel AMX tiles, AVX512_BF16 dot
@@ -125,30 +123,22 @@ class Choice:
     reason: str
 
 
-def resolve(numerics, strategy, models, synchronizes=False, unsupported=""):
-    """choose() for this process: the run's config.numerics, its strategy's device, this machine's CPU and the
-    models' layers."""
+def resolve(numerics, placement, models, synchronizes=False, unsupported=""):
+    """choose() for this process: the run's config.numerics, its engine/cluster/distribute.py Placement (its device,
+    parameter servers), this machine's CPU and the models' layers."""
     numerics = sections.section(numerics, "numerics")
     return choose(
         numerics.jit_compile,
         numerics.precision,
-        device_kind(strategy),
+        placement.device,
         cpu_flags=cpu_flags(),
         convolutions=has_convolutions(models.values()),
         synchronizes=synchronizes,
         unsupported=unsupported,
-        remote=distribute.is_parameter_server(strategy),
+        remote=placement.parameter_server,
         largest_matrix=largest_matrix(models.values()),
         decoder=is_decoder(models.values()),
     )
-
-
-def device_kind(strategy):
-    """TPU, GPU or CPU: where the strategy's steps run (engine/cluster/distribute.py puts them on every GPU there
-    is)."""
-    if isinstance(strategy, tf.distribute.TPUStrategy):
-        return "TPU"
-    return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
 
 
 def cpu_flags(path="/proc/cpuinfo"):
