@@ -58,7 +58,7 @@ def create_strategy(config):
         return tf.distribute.MirroredStrategy(cpus, cross_device_ops=tf.distribute.ReductionToOneDevice())
     if name == "tpu":
         return cluster.tpu_strategy(config.cluster)
-    resolver = cluster_resolver(config)
+    resolver = cluster.resolve(config.cluster, name)
     with cluster.connect_deadline(config.cluster, resolver):
         if name == "parameter_server":
             strategy = tf.distribute.ParameterServerStrategy(resolver)

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from engine.data import streamed
 from engine.data.records import file_records, op_message, parsed, unreadable
-from engine.settings import sections
 
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
@@ -22,8 +21,8 @@ class Pipelines:
     """The training and evaluation streams of a source."""
 
     def __init__(self, data, source):
-        # The run's config.data (a Config is read as its data section): what the streams read, and nothing else.
-        self.data, self.source = sections.section(data, "data"), source
+        # The run's config.data: what the streams read, and nothing else.
+        self.data, self.source = data, source
         self.train_split, self.evals = source.train, source.evals
         self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
 

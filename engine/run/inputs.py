@@ -17,7 +17,6 @@ from engine.cluster import distribute
 from engine.data.datasets import DecodeError
 from engine.data.pipeline import UNDECODABLE
 from engine.data.records import unreadable
-from engine.settings import sections
 
 
 def release(iterators):
@@ -63,7 +62,7 @@ def gathers_in_step(cluster, placement, data, coordinator):
     return (
         data.gather is not None
         and coordinator is None
-        and not sections.section(cluster, "cluster").tf_data_service
+        and not cluster.tf_data_service
         and placement.replicas == placement.workers
         and placement.device == "CPU"
     )

@@ -12,8 +12,6 @@ import dataclasses
 
 import keras
 
-from engine.settings import sections
-
 # Instructions with which oneDNN multiplies bfloat16 matrices in hardware (Intel AMX tiles, AVX512_BF16 dot
 # products), as /proc/cpuinfo names them.
 BFLOAT16_UNITS = ("amx_bf16", "avx512_bf16")
@@ -126,7 +124,6 @@ class Choice:
 def resolve(numerics, placement, models, synchronizes=False, unsupported=""):
     """choose() for this process: the run's config.numerics, its engine/cluster/distribute.py Placement (its device,
     parameter servers), this machine's CPU and the models' layers."""
-    numerics = sections.section(numerics, "numerics")
     return choose(
         numerics.jit_compile,
         numerics.precision,
