@@ -9,7 +9,7 @@ import optuna
 
 from engine.settings.fields import Config, show
 from engine.state import workdir as workdir_lib
-from engine.state.report import write_json
+from engine.state.workdir import write_json
 from research import tune_report
 from research.tune_study import FINISHED, best_trial, masked, storage_url, trial_config
 

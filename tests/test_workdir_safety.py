@@ -17,7 +17,7 @@ from engine.run import modes as evaluate
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
-from engine.state import checkpoint, lock, report, workdir
+from engine.state import checkpoint, lock, workdir
 from engine.state.checkpoint import CheckpointError
 from engine.state.workdir import make_workdir
 from tests import forkserver, helpers
@@ -186,7 +186,7 @@ def test_a_planted_link_is_never_written_through(tmp_path, planted):
     run.mkdir()
     os.symlink(target, run / planted)
     make_workdir(str(run))
-    report.write_json(str(run / "summary.json"), {"step": 1})
+    workdir.write_json(str(run / "summary.json"), {"step": 1})
     assert target.read_text() == "keep me\n"
     assert json.loads((run / "summary.json").read_text()) == {"step": 1} and not (run / "summary.json").is_symlink()
     assert sorted(os.listdir(run)) == sorted({"summary.json", planted})

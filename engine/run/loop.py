@@ -17,7 +17,8 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import lock, warm_start
 from engine.state import workdir as workdir_lib
-from engine.state.report import Report, write_json
+from engine.state.report import Report
+from engine.state.workdir import write_json
 
 
 def train(config, strategy=None, on_eval=None):

@@ -5,11 +5,9 @@ records logged after the checkpoint a run resumes from are dropped (so none is w
 replaced atomically, and a write that fails (a full disk) raises CheckpointError naming the path (exit 4).
 """
 
-import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import uuid
@@ -17,9 +15,7 @@ import uuid
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine.settings.config import first_line
-from engine.settings.errors import CheckpointError
-from engine.state.workdir import append_text, make_workdir, replace_text
+from engine.state.workdir import append_text, make_workdir, write_json, write_text, writing
 
 
 def _train_fields(metrics):
@@ -60,38 +56,11 @@ def _step_of(line):
         return float("inf")  # a torn last line from a crash: dropped
 
 
-@contextlib.contextmanager
-def _writing(path):
-    """Turns a failed write into CheckpointError naming `path` (launch.py: exit 4)."""
-    try:
-        yield
-    except OSError as e:
-        raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
-    except tf.errors.OpError as e:
-        why = re.sub(r"^\{\{.*?\}\}\s*", "", first_line(e))  # TensorFlow's "{{function_node ...}} file; why"
-        named = re.fullmatch(r"(\S+); (.+)", why)
-        raise CheckpointError(
-            f"cannot write {named[1]}: {named[2]}" if named else f"cannot write {path}: {why}"
-        ) from None
-
-
 def _read_lines(path):
     if not tf.io.gfile.exists(path):
         return []
     with tf.io.gfile.GFile(path) as f:
         return f.read().splitlines(keepends=True)
-
-
-def _replace(path, text):
-    """Writes `text` to a temporary file and renames it over `path`: a reader or a kill never sees half a file, and
-    a link planted at either name is never written through (engine/state/workdir.py)."""
-    with _writing(path):
-        replace_text(path, text)
-
-
-def write_json(path, obj):
-    """Writes atomically: a reader never sees half a file, a crash never leaves one."""
-    _replace(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _rewind_events(path, last):
@@ -109,7 +78,7 @@ def _rewind_events(path, last):
         dropped = True  # a record torn by the kill
     if dropped:
         tmp = os.path.join(os.path.dirname(path), f".rewind-{uuid.uuid4().hex}.tmp")  # a name no link waits at
-        with _writing(path):
+        with writing(path):
             with tf.io.TFRecordWriter(tmp) as writer:
                 for record in kept:
                     writer.write(record)
@@ -151,13 +120,13 @@ class Report:
             lines = _read_lines(path)
             kept = [line for line in lines if line.strip() and line.endswith("\n") and _step_of(line) <= last]
             if len(kept) != len(lines):
-                _replace(path, "".join(kept))
+                write_text(path, "".join(kept))
         for writer in self._writers.values():
             writer.close()  # its file is rewound too; a new one continues it
         for name, last in (("train", step), ("eval", evaluated)):
             for path in tf.io.gfile.glob(os.path.join(self.workdir, name, "events.out.tfevents.*")):
                 _rewind_events(path, last)
-            with _writing(os.path.join(self.workdir, name)):
+            with writing(os.path.join(self.workdir, name)):
                 self._writers[name] = tf.summary.create_file_writer(os.path.join(self.workdir, name))
 
     def line(self, text):
@@ -206,11 +175,8 @@ class Report:
             return
         for name, image in images.items():
             path = os.path.join(self.workdir, f"{name}.png")
-            try:
-                replace_text(path, tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy())
-            except (OSError, tf.errors.OpError) as e:
-                raise CheckpointError(f"cannot write {path}: {first_line(e)}") from None
-            with _writing(os.path.join(self.workdir, "eval")), self._writers["eval"].as_default(step=step):
+            write_text(path, tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy())
+            with writing(os.path.join(self.workdir, "eval")), self._writers["eval"].as_default(step=step):
                 tf.summary.image(name, tf.convert_to_tensor(image, tf.uint8)[None], step=step)
 
     def histograms(self, step, values):
@@ -218,7 +184,7 @@ class Report:
         their gradients), on the chief; rewound with the run's other records."""
         if not self.chief:
             return
-        with _writing(os.path.join(self.workdir, "train")), self._writers["train"].as_default(step=step):
+        with writing(os.path.join(self.workdir, "train")), self._writers["train"].as_default(step=step):
             for name, value in values.items():
                 tf.summary.histogram(name, value)
 
@@ -233,7 +199,7 @@ class Report:
         clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
         write_json(os.path.join(self.workdir, "summary.json"), clean)
         for name, writer in self._writers.items():
-            with _writing(os.path.join(self.workdir, name)):
+            with writing(os.path.join(self.workdir, name)):
                 writer.flush()
 
     def count_losses(self, after, step):
@@ -284,11 +250,11 @@ class Report:
 
     def _append(self, name, record):
         path = os.path.join(self.workdir, name)
-        with _writing(path):
+        with writing(path):
             append_text(path, json.dumps(record) + "\n")
 
     def _scalars(self, writer, step, values):
-        with _writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):
+        with writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):
             for name, value in values.items():
                 if value is not None:
                     tf.summary.scalar(name, value)

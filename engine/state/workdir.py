@@ -13,12 +13,15 @@ Writing inside a workdir never goes through a symbolic link planted there (a lin
 the workdir make the run overwrite a file elsewhere): a file is written to a fresh temporary name no one can
 guess, created exclusively and without following links, then renamed over its target (a link at the target is
 replaced, not followed); a log appended to is opened without following links, and a link there is refused.
-Object stores have no links: there TensorFlow's file system writes as it is.
+Object stores have no links: there TensorFlow's file system writes as it is. A write that fails (a full disk) raises
+CheckpointError naming its path (`writing`, `write_text`, `write_json`, `append_text`; launch.py: exit 4).
 """
 
 import contextlib
 import errno
+import json
 import os
+import re
 import uuid
 
 import tensorflow as tf
@@ -109,6 +112,33 @@ def replace_text(path, text):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def writing(path):
+    """Turns a failed write into CheckpointError naming `path` (launch.py: exit 4)."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
+    except tf.errors.OpError as e:
+        why = re.sub(r"^\{\{.*?\}\}\s*", "", first_line(e))  # TensorFlow's "{{function_node ...}} file; why"
+        named = re.fullmatch(r"(\S+); (.+)", why)
+        raise CheckpointError(
+            f"cannot write {named[1]}: {named[2]}" if named else f"cannot write {path}: {why}"
+        ) from None
+
+
+def write_text(path, text):
+    """replace_text, a failed write raised as CheckpointError naming `path`: a reader or a kill never sees half a
+    file, and a link planted at either name is never written through."""
+    with writing(path):
+        replace_text(path, text)
+
+
+def write_json(path, obj):
+    """Writes `obj` as JSON atomically (write_text): a reader never sees half a file, a crash never leaves one."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def append_text(path, text):
