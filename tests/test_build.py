@@ -16,6 +16,7 @@ from engine.numerics.updates import Update
 from engine.run import build, loop
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
+from engine.state import workdir
 from tasks import classification
 from tests import helpers
 
@@ -109,7 +110,7 @@ def test_the_data_receives_the_task_built_before_it(data_dir):
 def test_a_trained_model_of_another_task_is_refused_naming_the_flag(data_dir, tmp_path):
     other = str(tmp_path / "other")
     os.makedirs(other)
-    loop.write_config(helpers.make_config(data_dir, other, task="regression", dataset="synthetic"), object())
+    workdir.write_config(helpers.make_config(data_dir, other, task="regression", dataset="synthetic"), object())
     create = build.Create(helpers.make_config(data_dir), {})
     with pytest.raises(ConfigError, match=rf"^--teacher={other}: a --task=regression run; the teacher must be a "):
         create.trained(other, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")

@@ -49,7 +49,7 @@ def batches(dataset):
         yield from iterators[0]
 
 
-def gathers_in_step(cluster, placement, data, coordinator):
+def gathers_in_step(placement, data, coordinator, service):
     """Whether each replica gathers its batch inside the step, from the training split held in memory, instead of
     reading it from a tf.data pipeline: one CPU replica per worker (one device, or multi-worker), a split iterators in
     memory without a per-example decode. The pipeline's hand-over costs the step more than the gather
@@ -57,22 +57,23 @@ def gathers_in_step(cluster, placement, data, coordinator):
     to be copied there first; not with parameter servers (each worker its own stream) or a tf.data service (its
     workers build the batches); not for several replicas in one process (mirrored), where the gathered steps
     drifted from one device more than the pipeline's in the ResNet parity case, though every batch was identical
-    (bench/RESULTS.md). `cluster`: the run's config.cluster; `placement`: its engine/cluster/distribute.py
-    Placement."""
+    (bench/RESULTS.md). `placement`: the run's engine/cluster/distribute.py Placement; `service`: --tf_data_service."""
     return (
         data.gather is not None
         and coordinator is None
-        and not cluster.tf_data_service
+        and not service
         and placement.replicas == placement.workers
         and placement.device == "CPU"
     )
 
 
-def path(in_step, placement, data, counter=None, coordinator=None, service=""):
-    """The path a run's steps read their batches by: gathered in the step (`in_step`, gathers_in_step), a parameter
-    server's per-worker datasets (`coordinator`), the dataset's own iterator on one CPU device, else the strategy's
-    distributed iterator. `placement`: the run's engine/cluster/distribute.py Placement; `counter`: an int64 variable
-    counting the record bytes read; `service`: --tf_data_service."""
+def path(placement, data, counter=None, coordinator=None, service="", in_step=None):
+    """The path a run's steps read their batches by: gathered in the step (where gathers_in_step, or `in_step`
+    says), a parameter server's per-worker datasets (`coordinator`), the dataset's own iterator on one CPU device,
+    else the strategy's distributed iterator. `placement`: the run's engine/cluster/distribute.py Placement;
+    `counter`: an int64 variable counting the record bytes read; `service`: --tf_data_service."""
+    if in_step is None:
+        in_step = gathers_in_step(placement, data, coordinator, service)
     if in_step:
         return InStep(placement, data, counter)
     if coordinator is not None:

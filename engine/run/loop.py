@@ -3,7 +3,6 @@ then the controller's rounds of steps and their actions (engine/run/controller.p
 the summary."""
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -18,7 +17,6 @@ from engine.state import checkpoint as checkpoint_lib
 from engine.state import lock, warm_start
 from engine.state import workdir as workdir_lib
 from engine.state.report import Report
-from engine.state.workdir import write_json
 
 
 def train(config, strategy=None, on_eval=None):
@@ -56,7 +54,7 @@ def train(config, strategy=None, on_eval=None):
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
         if chief:
-            write_config(config, run.task, run.plans)
+            workdir_lib.write_config(config, run.task, run.plans)
         if restored:
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
@@ -121,15 +119,3 @@ def _train_steps_change(saved, config):
     if config.lr_schedule == "cosine":
         line += f"; --lr_schedule=cosine now decays to 0 at step {config.train_steps}, not {saved.train_steps}"
     return line
-
-
-def write_config(config, task, plans=()):
-    """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
-    settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble. Beside
-    them, what the labels mean (a classification task's class_names, null for others): no setting, read by
-    people and by the programs that use the export."""
-    names = list(task.class_names) if hasattr(task, "class_names") else None
-    saved = {**dataclasses.asdict(config), "class_names": names}
-    if len(plans) > 1:  # the settings each update trains with, over the run's (read by people, not by the engine)
-        saved["updates"] = {plan.name: plan.effective() for plan in plans}
-    write_json(os.path.join(config.workdir, "config.json"), saved)

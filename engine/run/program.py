@@ -50,19 +50,21 @@ class TrainProgram:
         # Bytes of record files this process read (a streamed split): the read-amplification count.
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
         self.stops_each_step = stops_each_step(placement)
-        in_step = inputs.gathers_in_step(config.cluster, placement, data, coordinator)
-        self.input = self._path(in_step)
+        self.input = self._path()
         self.retraced = set()
         self._build()
 
-    def _path(self, in_step):
-        counter = None if self.config.tf_data_service else self.bytes_read
-        return inputs.path(in_step, self.placement, self.data, counter, self.coordinator, self.config.tf_data_service)
+    def _path(self, in_step=None):
+        """The path the steps read their batches by (engine/run/inputs.py path): gathered in the step where it
+        decides, or not (`in_step` False)."""
+        service = self.config.tf_data_service
+        counter = None if service else self.bytes_read
+        return inputs.path(self.placement, self.data, counter, self.coordinator, service, in_step)
 
     def feed_from_pipeline(self):
         """Reads the batches from the tf.data pipeline even where the steps would gather their own (a test's, a
         benchmark's batches of another shape)."""
-        self.input = self._path(False)
+        self.input = self._path(in_step=False)
 
     @property
     def in_step(self):

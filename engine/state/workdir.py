@@ -18,6 +18,7 @@ CheckpointError naming its path (`writing`, `write_text`, `write_json`, `append_
 """
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -58,6 +59,18 @@ def check_same_run(config):
             f" ({_free_name(config.workdir)} is free){hint}"
         )
     return saved
+
+
+def write_config(config, task, plans=()):
+    """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
+    settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble. Beside
+    them, what the labels mean (a classification task's class_names, null for others): no setting, read by
+    people and by the programs that use the export."""
+    names = list(task.class_names) if hasattr(task, "class_names") else None
+    saved = {**dataclasses.asdict(config), "class_names": names}
+    if len(plans) > 1:  # the settings each update trains with, over the run's (read by people, not by the engine)
+        saved["updates"] = {plan.name: plan.effective() for plan in plans}
+    write_json(os.path.join(config.workdir, "config.json"), saved)
 
 
 def _free_name(workdir):
