@@ -10,7 +10,7 @@ import pytest
 from tests import helpers
 
 TOLERANCE = 1e-5
-# The ResNet across worker processes: each worker gathers its batches in the step (engine/run/loop.py gathers_in_step)
+# The ResNet across worker processes: each worker gathers its batches in the step (engine/run/inputs.py gathers_in_step)
 # and oneDNN's convolutions round differently on them than on one device's pipeline batches; through batch norm
 # over 20 steps that came to 2.05e-5 in the weights and 7.7e-5 (relative) in the round's loss on an AMD EPYC, the
 # code before and after issue 24 alike; under 1e-5 on an Intel Xeon.

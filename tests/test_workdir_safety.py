@@ -19,6 +19,7 @@ from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint, lock, workdir
 from engine.state.checkpoint import CheckpointError
+from engine.state.report import Report
 from engine.state.workdir import make_workdir
 from tests import forkserver, helpers
 
@@ -326,3 +327,12 @@ def test_a_sidecar_of_a_run_that_never_starts_says_so(trained, tmp_path, one_dev
         " nothing evaluated"
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_a_picture_that_cannot_be_encoded_fails_as_a_write_naming_it(tmp_path):
+    """A task's picture PNG cannot hold (5 channels) stops the run as a failed write of its file (exit 4), with
+    nothing written in its place."""
+    out = Report(str(tmp_path), True, 10)
+    with pytest.raises(CheckpointError, match=f"^cannot write {tmp_path / 'digits.png'}: "):
+        out.pictures(5, {"digits": tf.zeros([8, 8, 5], tf.uint8)})
+    assert not (tmp_path / "digits.png").exists()

@@ -3,7 +3,7 @@
 `create_strategy` must run before any other TensorFlow op in the process:
 logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
 before the runtime starts. Who a cluster's tasks are is engine/cluster/resolvers.py's. `placement` works out once
-what the rest of the engine asks of a strategy (its device, workers, chief), a Placement the run holds.
+the facts the rest of the engine reads of a strategy (its device, workers, chief), a Placement the run holds.
 """
 
 import dataclasses
@@ -106,14 +106,16 @@ def serve(config):
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a run's steps execute, worked out once from its strategy (`placement`): what the memory check, the XLA
-    choice, the input paths, the train program and the workdir read, instead of each asking the strategy."""
+    """Where a run's steps execute, worked out once from its strategy (`placement`): the facts the memory check, the
+    XLA choice, the input paths, the train program, the evaluator and the workdir read. What only the strategy
+    itself can do (its scope, `run`, distributed datasets, naming a lost peer) they still ask of `strategy`."""
 
     strategy: object
     name: str  # the strategy the run asked for (strategy_name): one_device, mirrored, multi_worker, ...
     device: str  # TPU, GPU or CPU (device_kind)
-    replicas: int  # replicas in sync, over every worker
-    workers: int  # the cluster's workers (num_workers): 1 without a resolver
+    replicas: int  # replicas in sync: over every worker of a multi-worker job; a parameter server's, one worker's
+    workers: int  # the cluster's workers (num_workers): 1 where the strategy holds no resolver (one process, and
+    # parameter servers, whose strategy keeps its resolver to itself)
     multi_worker: bool  # several processes train (multi-worker mirrored, parameter servers)
     parameter_server: bool
     chief: bool  # the one task that writes files (is_chief)

@@ -21,7 +21,7 @@ class Pipelines:
     """The training and evaluation streams of a source."""
 
     def __init__(self, data, source):
-        # The run's config.data: what the streams read, and nothing else.
+        # The run's config.data: what the streams read, and nothing else (a whole Config serves too: a benchmark's).
         self.data, self.source = data, source
         self.train_split, self.evals = source.train, source.evals
         self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)

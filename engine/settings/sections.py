@@ -118,8 +118,9 @@ _CACHE = {}
 
 def section(config, name):
     """The view of section `name` ("optimization", or an owner ("model", "resnet")) of `config`: a Config, or a
-    view already (returned as it is when it reads at least that section's settings). A function that reads one
-    section calls this on what it is handed, so it reads the same whether given the whole Config or its section.
+    view already (returned as it is when it reads at least that section's settings). A function that may be handed
+    either (the optimizer's, which tests give a whole Config) calls this on it, so it reads the same whether given
+    the whole Config or its section; one the run hands its section reads it as it is.
     Anything else (a test's namespace of the settings a function reads) is returned as it is."""
     if not (isinstance(config, Section) or dataclasses.is_dataclass(config)):
         return config

@@ -15,7 +15,7 @@ import uuid
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine.state.workdir import append_text, make_workdir, write_json, write_text, writing
+from engine.state.workdir import append_text, make_workdir, replace_text, write_json, write_text, writing
 
 
 def _train_fields(metrics):
@@ -175,7 +175,8 @@ class Report:
             return
         for name, image in images.items():
             path = os.path.join(self.workdir, f"{name}.png")
-            write_text(path, tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy())
+            with writing(path):  # a picture that cannot be encoded fails as a write of it (exit 4)
+                replace_text(path, tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy())
             with writing(os.path.join(self.workdir, "eval")), self._writers["eval"].as_default(step=step):
                 tf.summary.image(name, tf.convert_to_tensor(image, tf.uint8)[None], step=step)
 
