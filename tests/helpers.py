@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -239,6 +240,21 @@ def kill_after(proc, workdir, step, timeout=180):
             return logged_steps(workdir)[-1]
         time.sleep(0.02)
     raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
+
+
+def straight_and_killed(tmp_path, settings, step, capsys, timeout=180):
+    """The run of `settings` twice: straight through in this process (tmp_path/straight), and by launch.py SIGKILLed
+    once metrics.jsonl shows `step`, then resumed in this process (tmp_path/killed): launch.py's Config and strategy
+    for the same flags. Returns (the killed process's return code, the last step it logged, the step the restart
+    resumed from, the straight workdir, the killed one)."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    in_process_run({**settings, "workdir": str(straight)})
+    proc = start_launch(killed, *as_flags(settings))
+    stopped = kill_after(proc, killed, step, timeout)
+    capsys.readouterr()
+    in_process_run({**settings, "workdir": str(killed)})
+    resumed = int(re.search(r"resumed from step (\d+)", capsys.readouterr().out).group(1))
+    return proc.returncode, stopped, resumed, straight, killed
 
 
 def run_workers(args, count, timeout, env=None):

@@ -196,17 +196,8 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
         checkpoint_every=50,
         jit_compile=False,  # launch.py and this process would each compile the step for longer than they train
     )
-    args = helpers.as_flags(settings)
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    # The run never killed and the restart train in this process (launch.py's Config for the same flags); the
-    # killed one is launch.py's.
-    helpers.in_process_run({**settings, "workdir": str(straight)})
-    proc = helpers.start_launch(killed, *args)
-    stopped = helpers.kill_after(proc, killed, 80, timeout=240)
-    assert proc.returncode == -9 and 80 <= stopped < 300, stopped  # killed mid-run, after a checkpoint
-    capsys.readouterr()
-    helpers.in_process_run({**settings, "workdir": str(killed)})
-    resumed = int(capsys.readouterr().out.split("resumed from step ")[1].split()[0])
+    returncode, stopped, resumed, straight, killed = helpers.straight_and_killed(tmp_path, settings, 80, capsys, 240)
+    assert returncode == -9 and 80 <= stopped < 300, stopped  # killed mid-run, after a checkpoint
     assert 50 <= resumed <= stopped < 300
     (path_a, a), (path_b, b) = helpers.checkpoint_tensors(straight), helpers.checkpoint_tensors(killed)
     assert path_a.endswith("ckpt-300") and path_b.endswith("ckpt-300") and a.keys() == b.keys()

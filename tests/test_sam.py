@@ -202,14 +202,7 @@ def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, 
         lr_schedule="cosine",
         clip_norm=0.5,
     )
-    # The run never killed and the restart train in this process (launch.py's Config and strategy for the same
-    # flags); the killed one is launch.py's.
-    helpers.in_process_run({**settings, "workdir": str(tmp_path / "straight")})
-    killed = tmp_path / "killed"
-    kill_point = helpers.kill_after(helpers.start_launch(killed, *helpers.as_flags(settings)), killed, 50)
-    capsys.readouterr()
-    helpers.in_process_run({**settings, "workdir": str(killed)})
-    resumed_from = int(re.search(r"resumed from step (\d+)", capsys.readouterr().out).group(1))
+    _, kill_point, resumed_from, _, killed = helpers.straight_and_killed(tmp_path, settings, 50, capsys)
     assert 0 < resumed_from <= kill_point and resumed_from % 40 == 0, (resumed_from, kill_point)
 
     straight, resumed = (json.load(open(d / "summary.json")) for d in (tmp_path / "straight", killed))
