@@ -4,7 +4,6 @@ runs: it takes a second."""
 
 import numpy as np
 
-MEANS = ("arithmetic", "geometric")
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
 
 

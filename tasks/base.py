@@ -136,6 +136,12 @@ class Task:
         raise NotImplementedError
 
 
+def first_output(outputs):
+    """A network's first output per example, in float32 (a discriminator's logit, a critic's score): [batch, 1+]
+    outputs, in whatever precision the model computes, to [batch]."""
+    return tf.cast(outputs[:, 0], tf.float32)
+
+
 def bits(nats):
     """Nats to bits."""
     return nats / math.log(2.0)

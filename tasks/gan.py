@@ -99,15 +99,15 @@ class Task(base.Task):
         """Per example: softplus(-D(x)) + softplus(D(G(z))); the fake is a constant of this update."""
         del seed  # per replica: the noise is the example's (see the module's docstring)
         fake = tf.stop_gradient(models["generator"](self.noise(batch["index"], CRITIC), training=True))
-        real_logit = _logit(models["discriminator"](batch["image"], training=True))
-        fake_logit = _logit(models["discriminator"](fake, training=True))
+        real_logit = base.first_output(models["discriminator"](batch["image"], training=True))
+        fake_logit = base.first_output(models["discriminator"](fake, training=True))
         return tf.nn.softplus(-real_logit) + tf.nn.softplus(fake_logit)
 
     def generator_loss(self, models, batch, seed):
         """Per example: softplus(-D(G(z))), the non-saturating loss."""
         del seed
         fake = models["generator"](self.noise(batch["index"], GENERATOR), training=True)
-        return tf.nn.softplus(-_logit(models["discriminator"](fake, training=True)))
+        return tf.nn.softplus(-base.first_output(models["discriminator"](fake, training=True)))
 
     # ---- Evaluation ------------------------------------------------------------------------------------------
 
@@ -115,8 +115,8 @@ class Task(base.Task):
         """The discriminator's logits on the batch's real images and on one fake paired with each."""
         fake = models["generator"](self.noise(batch["index"], EVALUATION), training=training)
         return {
-            "real": _logit(models["discriminator"](batch["image"], training=training)),
-            "fake": _logit(models["discriminator"](fake, training=training)),
+            "real": base.first_output(models["discriminator"](batch["image"], training=training)),
+            "fake": base.first_output(models["discriminator"](fake, training=training)),
         }
 
     def metrics(self, outputs, batch):
@@ -193,10 +193,6 @@ def _hidden(widths, dropout=0.0):
         if dropout:
             layers.append(tf.keras.layers.Dropout(dropout, name=f"dropout{i}"))
     return layers
-
-
-def _logit(outputs):
-    return tf.cast(outputs[:, 0], tf.float32)
 
 
 def frechet_distance(a, b):

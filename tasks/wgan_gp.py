@@ -107,7 +107,7 @@ class Task(gan.Task):
         """Per example: -D(G(z))."""
         del seed
         fake = models["generator"](self.noise(batch["index"], gan.GENERATOR, repetition), training=True)
-        return -_score(models["critic"](fake, training=True))
+        return -base.first_output(models["critic"](fake, training=True))
 
     # ---- Evaluation ------------------------------------------------------------------------------------------
 
@@ -132,10 +132,6 @@ class Task(gan.Task):
         return gan.serve_generator(models["generator"], self.config.wgan_latent)
 
 
-def _score(outputs):
-    return tf.cast(outputs[:, 0], tf.float32)
-
-
 def scores(critic, real, fake, eps, training):
     """(D(real), D(fake), ||grad_x D(x_hat)||_2) per example, x_hat = eps * real + (1 - eps) * fake, in float32.
 
@@ -144,9 +140,9 @@ def scores(critic, real, fake, eps, training):
     mixed = eps * real + (1.0 - eps) * fake
     with tf.GradientTape() as tape:
         tape.watch(mixed)
-        mixed_score = _score(critic(mixed, training=training))
+        mixed_score = base.first_output(critic(mixed, training=training))
     # The gradient of the scores' sum (a tape's of a vector); each score depends on its own example alone (no batch
     # norm), so row i is example i's own gradient.
     grads = tf.cast(tape.gradient(mixed_score, mixed), tf.float32)
     norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=list(range(1, real.shape.rank))) + TINY)
-    return _score(critic(real, training=training)), _score(critic(fake, training=training)), norm
+    return base.first_output(critic(real, training=training)), base.first_output(critic(fake, training=training)), norm

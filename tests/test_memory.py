@@ -32,7 +32,18 @@ def test_the_smallest_gpu_is_the_one_judged(tmp_path, monkeypatch):
 
 def _on(device, replicas):
     """The Placement of a run of `replicas` on `device` in one process."""
-    return Placement(None, "mirrored" if replicas > 1 else "one_device", device, replicas, 1, False, False, True, 0)
+    name = "mirrored" if replicas > 1 else "one_device"
+    return Placement(
+        strategy=None,
+        name=name,
+        device=device,
+        replicas=replicas,
+        workers=1,
+        multi_worker=False,
+        parameter_server=False,
+        chief=True,
+        task=0,
+    )
 
 
 def _decoder(**overrides):

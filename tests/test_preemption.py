@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 
 import numpy as np
@@ -19,7 +18,7 @@ from engine.run import loop, program
 from engine.run.program import TrainProgram
 from engine.settings.errors import Preempted
 from engine.state import checkpoint
-from tests import forkserver, helpers
+from tests import helpers
 from tests.helpers import checkpoint_tensors, logged_steps
 
 ROUND = 500  # steps per round (over a second of training on 2 cores): the signal lands inside the second one
@@ -29,13 +28,7 @@ FINAL = 2 * ROUND + 20  # the resumed run ends past the second round, wherever t
 @contextlib.contextmanager
 def running(workdir, *args, env=None):
     """`python launch.py --workdir=workdir *args`, killed if still running when the block ends."""
-    proc = forkserver.popen(
-        ["launch.py", f"--workdir={workdir}", *args],
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-    )
+    proc = helpers.start_launch(workdir, *args, env=env)
     try:
         yield proc
     finally:

@@ -202,15 +202,15 @@ def test_sigkill_and_a_restart_on_the_same_settings_end_bit_identical(data_dir, 
         lr_schedule="cosine",
         clip_norm=0.5,
     )
-    _, kill_point, resumed_from, _, killed = helpers.straight_and_killed(tmp_path, settings, 50, capsys)
+    _, kill_point, resumed_from, straight_dir, killed = helpers.straight_and_killed(tmp_path, settings, 50, capsys)
     assert 0 < resumed_from <= kill_point and resumed_from % 40 == 0, (resumed_from, kill_point)
 
-    straight, resumed = (json.load(open(d / "summary.json")) for d in (tmp_path / "straight", killed))
+    straight, resumed = (json.load(open(d / "summary.json")) for d in (straight_dir, killed))
     assert resumed["step"] == straight["step"] == 200
     assert resumed["train_loss"] == straight["train_loss"] and resumed["eval"] == straight["eval"]
-    records = [[json.loads(line) for line in open(d / "metrics.jsonl")] for d in (tmp_path / "straight", killed)]
+    records = [[json.loads(line) for line in open(d / "metrics.jsonl")] for d in (straight_dir, killed)]
     assert [r["loss"] for r in records[1]] == [r["loss"] for r in records[0]]
-    (path_a, a), (path_b, b) = helpers.checkpoint_tensors(tmp_path / "straight"), helpers.checkpoint_tensors(killed)
+    (path_a, a), (path_b, b) = helpers.checkpoint_tensors(straight_dir), helpers.checkpoint_tensors(killed)
     assert path_a.endswith("ckpt-200") and path_b.endswith("ckpt-200") and a.keys() == b.keys()
     slots = [k for k in a if k.startswith("optimizer/") and "slots" in k]
     iterations = [k for k in a if k.startswith("optimizer/iterations")]

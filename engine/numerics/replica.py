@@ -16,7 +16,6 @@ step, whatever the replica count and the microbatching.
 import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
-from engine.numerics.updates import batches_per_step
 from engine.settings.errors import TaskError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -61,7 +60,6 @@ class Setup:
     def __init__(self, task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit):
         self.task, self.models, self.config = task, models, config
         self.plans = {plan.name: plan for plan in plans}
-        self.batches_per_step = batches_per_step(plans)
         self.statistics, self.seeds = split_statistics(models, config.freeze)
         self.num_replicas, self.stop_flag, self.float16 = num_replicas, stop_flag, float16
         self.asynchronous, self.jit = asynchronous, jit

@@ -250,6 +250,12 @@ def build_plans(task, weights, config):
     return plans
 
 
+def effective_settings(plans):
+    """{update: the settings it trains with (Plan.effective)} of a run of several updates, as config.json and
+    summary.json record them; None for a run of one, whose settings are the run's own."""
+    return {plan.name: plan.effective() for plan in plans} if len(plans) > 1 else None
+
+
 def batches_per_step(plans):
     """The training batches a step reads: one, or the most repetitions of an update that reads a fresh batch each."""
     return max([plan.update.repeat for plan in plans if plan.update.fresh], default=1)

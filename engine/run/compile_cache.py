@@ -31,6 +31,7 @@ one that is empty, cut short, not an entry at all, or another entry's (two swapp
 TensorFlow does not read, and its program compiles again, said in one line.
 """
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -93,6 +94,7 @@ def use(path, environ=os.environ):
     return folder
 
 
+@functools.cache
 def _entry_class():
     """The message of a cache entry (TensorFlow's XlaSerializedCacheEntry: its key, its HLO module, its executable),
     declared here field for field as TensorFlow's tensorflow/compiler/jit/xla_compilation_cache.proto has it: the

@@ -13,6 +13,7 @@ import time
 import tensorflow as tf
 
 from engine.cluster.signals import SIGNALS
+from engine.numerics import updates
 from engine.run import inputs
 from engine.run.actions.base import ROLLED_BACK, Round, Stop
 from engine.run.actions.builtin import Evaluate, stop
@@ -147,7 +148,7 @@ class Controller:
             # A run of several updates: each one's loss and gradient norm over the last round, its last rates, and the
             # settings each trained with.
             **(_update_metrics(program, last) if len(run.plans) > 1 and last else {}),
-            **({"updates": {plan.name: plan.effective() for plan in run.plans}} if len(run.plans) > 1 else {}),
+            **({"updates": updates.effective_settings(run.plans)} if len(run.plans) > 1 else {}),
             "skipped_steps": int(run.state.skipped.numpy()),
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
             "wall_seconds": time.time() - self.started,

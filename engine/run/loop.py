@@ -10,6 +10,7 @@ import time
 import tensorflow as tf
 
 from engine.cluster import distribute
+from engine.numerics import updates
 from engine.run import build
 from engine.run.controller import Controller, evaluates_on_resume
 from engine.settings.errors import ConfigError
@@ -54,7 +55,7 @@ def train(config, strategy=None, on_eval=None):
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
         if chief:
-            workdir_lib.write_config(config, run.task, run.plans)
+            workdir_lib.write_config(config, run.task, updates.effective_settings(run.plans))
         if restored:
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:

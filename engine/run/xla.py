@@ -153,21 +153,20 @@ def cpu_flags(path="/proc/cpuinfo"):
 _CONVOLUTIONS = tuple(layer for name, layer in vars(keras.layers).items() if "Conv" in name and isinstance(layer, type))
 
 
+def _has_layer(models, types):
+    """Whether any of the Keras models has a layer of `types` (a class or a tuple of them), at any depth."""
+    return any(isinstance(layer, types) for model in models for layer in model._flatten_layers(include_self=False))
+
+
 def has_convolutions(models):
     """Whether any of the Keras models has a convolution layer (Conv2D, its transposes, depthwise, separable),
     at any depth."""
-    return any(
-        isinstance(layer, _CONVOLUTIONS) for model in models for layer in model._flatten_layers(include_self=False)
-    )
+    return _has_layer(models, _CONVOLUTIONS)
 
 
 def is_decoder(models):
     """Whether any of the Keras models reads tokens through an embedding (a language model's decoder)."""
-    return any(
-        isinstance(layer, keras.layers.Embedding)
-        for model in models
-        for layer in model._flatten_layers(include_self=False)
-    )
+    return _has_layer(models, keras.layers.Embedding)
 
 
 def largest_matrix(models):

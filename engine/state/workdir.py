@@ -61,15 +61,16 @@ def check_same_run(config):
     return saved
 
 
-def write_config(config, task, plans=()):
+def write_config(config, task, updates=None):
     """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
     settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble. Beside
     them, what the labels mean (a classification task's class_names, null for others): no setting, read by
-    people and by the programs that use the export."""
+    people and by the programs that use the export; and in a run of several updates the settings each trains with
+    (`updates`: engine/numerics/updates.py effective_settings), read by people, not by the engine."""
     names = list(task.class_names) if hasattr(task, "class_names") else None
     saved = {**dataclasses.asdict(config), "class_names": names}
-    if len(plans) > 1:  # the settings each update trains with, over the run's (read by people, not by the engine)
-        saved["updates"] = {plan.name: plan.effective() for plan in plans}
+    if updates:
+        saved["updates"] = updates
     write_json(os.path.join(config.workdir, "config.json"), saved)
 
 
