@@ -202,6 +202,15 @@ def checkpoint_tensors(workdir):
     return path, {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if "save_counter" not in k}
 
 
+def by_path(tensors, kind, model="model"):
+    """{Keras variable path: value} of `model`'s variables among checkpoint `tensors` (checkpoint_tensors): kind
+    "models" for its weights, "ema" for their moving averages."""
+    from engine.state import checkpoint
+
+    prefix = f"{kind}/{model}/"
+    return {checkpoint.describe_key(k.split("/")[2]): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def without_xla_cache():
     """Environment variables for a process whose files may not grow (a full disk, RLIMIT_FSIZE): the test session's
     XLA cache (tests/conftest.py) left out, since writing a compiled program there would fail before what the

@@ -21,7 +21,6 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import report as report_lib
 from engine.state.report import Report
-from engine.state.warm_start import escape_path
 from tasks import classification
 from tests import helpers
 
@@ -209,8 +208,9 @@ def test_the_average_forgets_the_initial_weights(data_dir, one_device, tmp_path,
 def _averaged_model(data_dir, one_device, tensors):
     """A trainer without --ema_decay whose weights are the moving averages in checkpoint `tensors`."""
     trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    averages = helpers.by_path(tensors, "ema")
     for v in trainer.weights.variables:
-        v.assign(tensors[f"ema/model/{escape_path(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
+        v.assign(averages[v.path])
     return trainer
 
 
@@ -221,10 +221,10 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run):
     averaged = trainer.evaluator.evaluate()
     assert summary["eval"]["accuracy"] == averaged["accuracy"]
     assert summary["eval"]["loss"] == pytest.approx(averaged["loss"], rel=1e-6)
-    for (
-        v
-    ) in trainer.weights.variables:  # the weights themselves evaluate to another loss, reported beside the average's
-        v.assign(tensors[f"models/model/{escape_path(v.path)}/.ATTRIBUTES/VARIABLE_VALUE"])
+    # The weights themselves evaluate to another loss, reported beside the average's.
+    weights = helpers.by_path(tensors, "models")
+    for v in trainer.weights.variables:
+        v.assign(weights[v.path])
     raw = trainer.evaluator.evaluate()
     assert abs(raw["loss"] - averaged["loss"]) > 1e-4
     assert summary["eval"]["raw_loss"] == pytest.approx(raw["loss"], rel=1e-6)

@@ -14,8 +14,7 @@ from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.run.controller import Controller
 from engine.settings.errors import ConfigError
-from engine.state import checkpoint
-from tests.helpers import checkpoint_tensors, launch, make_config
+from tests.helpers import by_path, checkpoint_tensors, launch, make_config
 
 keras = tf.keras
 
@@ -32,8 +31,7 @@ def saved_weights(workdir):
     """{variable path: value} that a warm start from `workdir` takes: the moving average where the run kept one."""
     _, tensors = checkpoint_tensors(workdir)
     suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
-    weights = {checkpoint.describe_key(k.split("/")[2]): v for k, v in tensors.items() if k.startswith("models/model/")}
-    averages = {checkpoint.describe_key(k.split("/")[2]): v for k, v in tensors.items() if k.startswith("ema/model/")}
+    weights, averages = by_path(tensors, "models"), by_path(tensors, "ema")
     assert all(k.endswith(suffix) for k in tensors if k.startswith(("models/", "ema/")))
     assert averages and averages.keys() <= weights.keys()
     return {**weights, **averages}

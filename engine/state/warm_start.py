@@ -98,8 +98,3 @@ def _model_variables(keys):
         parts = key.split("/")
         if key.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and parts[0] in ("models", "ema") and len(parts) == 5:
             yield parts[0], parts[1], describe_key(parts[2]), key
-
-
-def escape_path(path):
-    """A variable path as tf.train.Checkpoint writes it inside a key."""
-    return path.replace(".", "..").replace("/", ".S")
