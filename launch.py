@@ -37,6 +37,7 @@ from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config, Switch, show
 from engine.settings.help import usage
+from engine.settings.plugins import RESEARCH_MODES
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
 NON_FINITE = 3  # training stopped (TrainingError): a non-finite loss, or float16 stuck at its scale floor
@@ -128,7 +129,7 @@ def main(argv):
         config = _config_from_flags()
         if config.mode == "train":  # the other modes take the run's settings from its workdir's config.json
             _refuse_unread(config)
-        if config.mode in ("tune", "ensemble"):  # research's own checks, before anything starts
+        if config.mode in RESEARCH_MODES:  # research's own checks, before anything starts
             from research import checks, space
 
             checks.check(config)
@@ -184,7 +185,7 @@ def _mode(mode):
     """The function that runs --mode=`mode`, imported as it is asked for: a training run needs none of research/'s
     tools (Optuna, SciPy, Matplotlib), and runs where they are not installed. Where a research mode's are missing,
     the line that says so instead."""
-    if mode in ("tune", "ensemble"):
+    if mode in RESEARCH_MODES:
         try:
             research = importlib.import_module(f"research.{mode}")
         except ImportError as e:  # Optuna, SciPy, Matplotlib: research's own requirements

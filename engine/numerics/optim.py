@@ -97,6 +97,12 @@ def slot_dtypes(hp, dtype):
     return dtypes
 
 
+def rule_settings(rule):
+    """The settings update rule `rule` ("sgd") reads of its own, in the order engine/settings/fields.py declares
+    them: those declared with `readers={"optimizer": (..., rule)}`."""
+    return [name for name, field in FIELD_BY_NAME.items() if ("optimizer", rule) in field.metadata.get("readers", ())]
+
+
 def checked_settings(optimization, overrides, what):
     """The run's optimizer settings (config.optimization) with `overrides` (an optimizer group's, an update's),
     checked like flags: a fork's typo is one clear line naming `what` it came from."""

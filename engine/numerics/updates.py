@@ -143,8 +143,7 @@ class Plan:
     def effective(self):
         """The settings this update trains with, as config.json and summary.json record them: its rule and the rule's
         settings, its schedule and clipping (the run's where it sets none), how often it applies."""
-        rule = {"sgd": ("momentum", "nesterov"), "adamw": ("beta_1", "beta_2", "epsilon", "first_moment_dtype")}
-        names = ("optimizer", "learning_rate", *rule.get(self.settings.optimizer, rule["adamw"]), "weight_decay")
+        names = ("optimizer", "learning_rate", *optim.rule_settings(self.settings.optimizer), "weight_decay")
         names += ("warmup_steps", "lr_schedule", "lr_scaling", "clip_norm", "clip_value")
         settings = {name: getattr(self.settings, name) for name in names}
         update = self.update

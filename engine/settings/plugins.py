@@ -17,7 +17,9 @@ FOLDERS = {
     "actions": (os.path.join("engine", "run", "actions"), ("base", "builtin")),
     "mode": ("research", None),  # not found by name: the modes research/ adds, below
 }
-RESEARCH_MODES = ("ensemble", "tune")  # --mode=tune, --mode=ensemble: research/tune.py, research/ensemble.py
+# The modes research/ adds (research/tune.py, research/ensemble.py), after the engine's own (engine/settings/fields.py
+# MODES): they need research's requirements, which launch.py imports for them alone.
+RESEARCH_MODES = ("tune", "ensemble")
 
 
 def directory(kind):
@@ -30,7 +32,7 @@ def names(kind):
     private ones (_name) and the kind's own files that are no plugin."""
     folder, not_plugins = FOLDERS[kind]
     if not_plugins is None:
-        return list(RESEARCH_MODES)
+        return sorted(RESEARCH_MODES)
     return sorted(
         name[:-3]
         for name in os.listdir(os.path.join(ROOT, folder))
