@@ -129,17 +129,18 @@ def _held_out(relative_path, percent):
 
 
 def _entries(path):
-    """The names in the folder `path`: str, or bytes for a name that is not UTF-8 (on a local file system, where
-    TensorFlow's own listing would stop on it; a photo is then read by its bytes)."""
-    if "://" in path:
-        return tf.io.gfile.listdir(path)
-    names = []
-    for raw in os.listdir(os.fsencode(path)):
-        try:
-            names.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            names.append(raw)
-    return names
+    """The names in the folder `path`. On a local file system a name that is not UTF-8 comes as Python lists it,
+    its bytes as surrogate escapes (os.fsdecode), where TensorFlow's own listing would stop on it: a photo so named is
+    read by its bytes (_split)."""
+    return tf.io.gfile.listdir(path) if "://" in path else os.listdir(path)
+
+
+def _is_utf8(name):
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a surrogate escape: a byte that is not UTF-8
+        return False
+    return True
 
 
 def _folders(path):
@@ -147,15 +148,14 @@ def _folders(path):
     named by its folder, in the export too: a folder whose name is not UTF-8 is refused by name."""
     found = []
     for name in _entries(path):
-        if isinstance(name, bytes):
-            if os.path.isdir(os.path.join(os.fsencode(path), name)):
-                raise ConfigError(
-                    f"--dataset=folder:{path}: the folder {os.fsdecode(name)!r} in it is not named in UTF-8 "
-                    f"({name!r}): a class is named by its folder; rename it"
-                )
-            continue
         name = name.rstrip("/")
-        if not name.startswith(".") and tf.io.gfile.isdir(os.path.join(path, name)):
+        if not _is_utf8(name):  # local: TensorFlow cannot name it
+            if os.path.isdir(os.path.join(path, name)):
+                raise ConfigError(
+                    f"--dataset=folder:{path}: the folder {name!r} in it is not named in UTF-8 "
+                    f"({os.fsencode(name)!r}): a class is named by its folder; rename it"
+                )
+        elif not name.startswith(".") and tf.io.gfile.isdir(os.path.join(path, name)):
             found.append(name)
     return sorted(found)
 
@@ -167,7 +167,7 @@ def _photos(path, where):
         raise ConfigError(f"{where}: {path} has no class folders (a sub-folder per class of JPEG or PNG files)")
     photos = {}
     for name in names:
-        files = [os.fsdecode(f) if isinstance(f, bytes) else f for f in _entries(os.path.join(path, name))]
+        files = _entries(os.path.join(path, name))
         photos[name] = sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
     if not any(photos.values()):
         raise ConfigError(f"{where}: no JPEG or PNG files (.jpg, .jpeg, .png) in the class folders of {path}")
