@@ -100,7 +100,10 @@ class Task(gan.Task):
         index = batch["index"]
         fake = tf.stop_gradient(models["generator"](self.noise(index, gan.CRITIC, repetition), training=True))
         eps = self.interpolation(index, repetition)
-        real, fake, norm = scores(models["critic"], batch["image"], fake, eps, training=True)
+        return self.critic_objective(*scores(models["critic"], batch["image"], fake, eps, training=True))
+
+    def critic_objective(self, real, fake, norm):
+        """D(G(z)) - D(x) + lambda (||grad D(x_hat)|| - 1)^2 per example, from the critic's scores and norm."""
         return fake - real + self.config.wgan_penalty * tf.square(norm - 1.0)
 
     def generator_loss(self, models, batch, seed, repetition):
@@ -123,7 +126,7 @@ class Task(gan.Task):
         real, fake, norm = outputs["real"], outputs["fake"], outputs["norm"]
         return {
             "wasserstein": real - fake,
-            "critic_loss": fake - real + self.config.wgan_penalty * tf.square(norm - 1.0),
+            "critic_loss": self.critic_objective(real, fake, norm),
             "generator_loss": -fake,
             "gradient_norm": norm,
         }
