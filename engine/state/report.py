@@ -18,16 +18,22 @@ from tensorflow.core.util import event_pb2
 from engine.state.workdir import append_text, make_workdir, replace_text, write_json, write_text, writing
 
 
+def _updates(metrics):
+    """The prefixes under which `metrics` holds each update's numbers: [""] in a run of one update, ["critic/",
+    "generator/"] in a run of several (their summed loss, under "loss", means nothing: each one's is shown)."""
+    return list(dict.fromkeys(k[: -len("grad_norm")] for k in metrics if k.endswith("grad_norm")))
+
+
+def _shown(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
 def _train_fields(metrics):
-    """The console line's numbers as name=value: the loss (each update's, in a run of several: their sum means
-    nothing), then each update's rates, gradient norm and loss scale (float16 alone has one). metrics.jsonl keeps
-    every key, null where there is no number."""
-    prefixes = dict.fromkeys(k[: -len("grad_norm")] for k in metrics if k.endswith("grad_norm"))
-    fields = [] if any(prefixes) else [f"loss={'-' if metrics['loss'] is None else format(metrics['loss'], '.5g')}"]
-    for prefix in prefixes:
-        if prefix:
-            loss = metrics[prefix + "loss"]
-            fields.append(f"{prefix}loss={'-' if loss is None else format(loss, '.5g')}")
+    """The console line's numbers as name=value: each update's loss, rates, gradient norm and loss scale (float16
+    alone has one). metrics.jsonl keeps every key, null where there is no number."""
+    fields = []
+    for prefix in _updates(metrics):
+        fields.append(f"{prefix}loss={_shown(metrics[prefix + 'loss'], '.5g')}")
         rates = [k for k in metrics if k.startswith(prefix) and k[len(prefix) :].split("/")[0] == "learning_rate"]
         fields += [f"{k}={metrics[k]:.4g}" for k in rates]
         fields.append(f"{prefix}grad_norm={metrics[prefix + 'grad_norm']:.4g}")
@@ -38,9 +44,7 @@ def _train_fields(metrics):
 
 def _live_loss(metrics):
     """The progress line's loss: each update's in a run of several."""
-    if metrics["loss"] is not None or not any(k.endswith("/loss") for k in metrics):
-        return f"loss {'-' if metrics['loss'] is None else format(metrics['loss'], '.4f')}"
-    return " ".join(f"{k} {'-' if v is None else format(v, '.4f')}" for k, v in metrics.items() if k.endswith("/loss"))
+    return " ".join(f"{prefix}loss {_shown(metrics[prefix + 'loss'], '.4f')}" for prefix in _updates(metrics))
 
 
 def _number(value):
