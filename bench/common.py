@@ -89,6 +89,17 @@ def label(spec):
     return f"Transformer {layers}x{dim}, batch {spec['global_batch_size']}, {shape}"
 
 
+def row(row_id, what, value, shown, target="", passes=None, detail=""):
+    """One row of a benchmark's table: its id, measurement, value (a number), shown (`shown`, the value as printed:
+    a string, or a function of the value), target, result and detail. The result is ERROR when `value` is missing or
+    not finite, else PASS or FALL SHORT by `passes` (None: info)."""
+    base = dict(id=row_id, measurement=what, value=value, shown="n/a", target=target or "", detail=detail)
+    if value is None or not math.isfinite(value):
+        return {**base, "value": None, "result": "ERROR"}
+    verdict = "info" if passes is None else ("PASS" if passes(value) else "FALL SHORT")
+    return {**base, "shown": shown(value) if callable(shown) else shown, "result": verdict}
+
+
 def format_table(table, markdown=False):
     header = ("measurement", "value", "target", "result", "detail")
     body = [(r["measurement"], r["shown"], r["target"], r["result"], r["detail"]) for r in table]

@@ -28,6 +28,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+from bench import common  # noqa: E402  (imports no TensorFlow)
+
 SEED = 0
 
 
@@ -251,22 +253,15 @@ def rows(r):
     step = f"{r['step']['model']} step at {r['image_size']}x{r['image_size']}, batch {r['step']['batch']}"
     local, service = r["examples_per_sec"]["local"], r["examples_per_sec"]["service"]
     norm = r["normalise_examples_per_sec"]
-
-    def row(row_id, measurement, value, shown, target="", passes=None, detail=""):
-        result = "info" if passes is None else ("PASS" if passes(value) else "FALL SHORT")
-        return dict(
-            id=row_id, measurement=measurement, value=value, shown=shown, target=target, result=result, detail=detail
-        )
-
     return [
-        row(
+        common.row(
             "decode/per_core",
             f"decode pipeline examples/s per core: {what}",
             r["examples_per_sec_per_core"]["local"],
             f"{r['examples_per_sec_per_core']['local']:.0f}/s",
             detail=f"{local:.0f} examples/s / {r['cores']} (cores), {r['mean_megapixels']:.2f} MP a JPEG on average",
         ),
-        row(
+        common.row(
             "decode/keeps_up",
             f"decode pipeline / what the step consumes: {step}",
             r["delivered_vs_consumed"],
@@ -275,21 +270,21 @@ def rows(r):
             lambda v: v >= 1.0,
             f"{local:.0f} vs {r['step']['examples_per_sec']:.1f} examples/s, each alone on these cores",
         ),
-        row(
+        common.row(
             "decode/service",
             "the same pipeline through a local tf.data service / without",
             r["service_vs_local"],
             f"{r['service_vs_local']:.2f}x",
             detail=f"{service:.0f} vs {local:.0f} examples/s (dispatcher and worker in the process, same cores)",
         ),
-        row(
+        common.row(
             "decode/uint8",
             "uint8 batches normalised in the step / float32 normalised on the host",
             r["uint8_vs_float32"],
             f"{r['uint8_vs_float32']:.2f}x",
             detail=f"{norm['uint8']:.0f} vs {norm['float32']:.0f} examples/s through a small step",
         ),
-        row(
+        common.row(
             "decode/bfloat16",
             "bfloat16 batches normalised on the host / float32 normalised on the host",
             r["bfloat16_vs_float32"],
@@ -304,8 +299,6 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small images, short windows: a smoke test")
     parser.add_argument("--json", help="also write the measurements here")
     args = parser.parse_args(argv)
-    from bench import common
-
     started, load_before = datetime.datetime.now(), os.getloadavg()[0]
     results = measure(args.quick)
     print(common.format_table(rows(results)))

@@ -117,7 +117,7 @@ def rows(results, models):
             if "error" in r:  # the row stays in the table, with the last line of what failed
                 lines = r["error"].strip().splitlines()
                 table.append(
-                    _row(
+                    common.row(
                         f"end_to_end/{name}/{precision}",
                         f"launch.py / best fit, end to end: {what}",
                         None,
@@ -132,20 +132,13 @@ def rows(results, models):
     return table
 
 
-def _row(row_id, measurement, value, shown, target="", passes=None, detail=""):
-    result = "ERROR" if value is None else "info" if passes is None else "PASS" if passes(value) else "FALL SHORT"
-    return dict(
-        id=row_id, measurement=measurement, value=value, shown=shown, target=target, result=result, detail=detail
-    )
-
-
 def _ratio_row(name, precision, r, what):
     """launch.py / best fit: the median of the paired repeats, with each side's examples/s."""
     fits = {j: statistics.median(v) for j, v in r["fit"].items()}
     best, ratios = paired_ratios(r)
     ratio = statistics.median(ratios)
     target = TARGETS.get(name, 1.0)
-    return _row(
+    return common.row(
         f"end_to_end/{name}/{precision}",
         f"launch.py / best fit, end to end: {what}",
         ratio,
@@ -169,7 +162,7 @@ def _matmul_row(name, precision, r, what, batch):
     share = statistics.median(r["engine"]) / matmul_speed
     best_fit = max(statistics.median(v) for v in r["fit"].values())
     target = name == "mlp_1024" and precision == "float32"
-    return _row(
+    return common.row(
         f"end_to_end/{name}/{precision}/matmuls",
         f"launch.py examples/s / its matmuls alone: {what}",
         share,

@@ -5,10 +5,8 @@ FALL SHORT, info, or ERROR when it could not be measured) and detail. Each group
 order the table shows them.
 """
 
-import math
-
 from bench import decode, end_to_end
-from bench.common import TINY, label
+from bench.common import TINY, label, row
 
 # The issue's targets: the engine at least this much faster than fit at its best.
 SPEED_TARGETS = {"mlp_1024": 1.4, "mlp_256": 1.1, "resnet": 1.1, "transformer": 1.1}
@@ -40,15 +38,6 @@ def rows(results, models, quick=False):
     if quick:  # windows of a step or two on models that compile longer than they run: no number means anything
         out = [{**row, "result": "not judged"} if row["result"] in ("PASS", "FALL SHORT") else row for row in out]
     return out
-
-
-def row(row_id, what, value, shown, target=None, passes=None, detail=""):
-    """One row: ERROR when `value` is missing or not finite; else `shown(value)`, judged by `passes` (None: info)."""
-    base = dict(id=row_id, measurement=what, value=value, shown="n/a", target=target or "", detail=detail)
-    if value is None or not math.isfinite(value):
-        return {**base, "value": None, "result": "ERROR"}
-    verdict = "info" if passes is None else ("PASS" if passes(value) else "FALL SHORT")
-    return {**base, "shown": shown(value), "result": verdict}
 
 
 def _ms(seconds):
