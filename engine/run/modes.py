@@ -93,10 +93,10 @@ def follow(config, strategy=None, poll_seconds=2.0):
     _wait_for_run(config, directory, poll_seconds)
     config = run_config(config)
     run, checkpoint = _evaluated(config, strategy)
-    writer, done, results, waited_since = None, set(), [], time.monotonic()
+    writer, evaluated, results, waited_since = None, set(), [], time.monotonic()
     while time.monotonic() - waited_since < config.eval_timeout:
         latest = checkpoint_lib.latest(directory)
-        if latest is None or latest in done:
+        if latest is None or latest in evaluated:
             time.sleep(poll_seconds)
             continue
         try:
@@ -108,7 +108,7 @@ def follow(config, strategy=None, poll_seconds=2.0):
             print(f"continuous_eval: the storage did not answer a read of {latest}; trying again", flush=True)
             time.sleep(poll_seconds)
             continue
-        done.add(latest)
+        evaluated.add(latest)
         step = int(run.state.step.numpy())
         result = {"step": step, "checkpoint": latest, **run.evaluator.evaluate()}
         results.append(result)

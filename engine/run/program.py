@@ -172,7 +172,7 @@ class TrainProgram:
             name for p in self.plans for name in ((p.prefix + "loss",) if p.prefix else ()) + (p.prefix + "grad_norm",)
         ]
         sums = {name: tf.constant(0.0, tf.float64) for name in ["loss", *summed]}
-        finite_steps, done = tf.constant(0.0), tf.constant(0)
+        finite_steps, ran = tf.constant(0.0), tf.constant(0)
         floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale
         waited = tf.constant(0.0, tf.float64)
         last = {"stop": False, **{name: 0.0 for name in self.metric_names if name not in summed}}
@@ -191,12 +191,12 @@ class TrainProgram:
                 ]
                 floor_skipped += tf.cast(tf.reduce_any(at_floor), tf.float32)
             last = {k: out[k] for k in last}
-            done += 1
+            ran += 1
             state.step.assign_add(1)
             state.batches.assign_add(self.batches_per_step)
             if self.stops_each_step and out["stop"]:
                 break
-        skipped = tf.cast(done, tf.float32) - finite_steps
+        skipped = tf.cast(ran, tf.float32) - finite_steps
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
         means = {k: v / tf.cast(finite_steps, tf.float64) for k, v in sums.items()}
         return {
@@ -204,7 +204,7 @@ class TrainProgram:
             **{f"{k}_sum": v for k, v in sums.items()},
             "skipped": skipped,
             "floor_skipped": floor_skipped,
-            "steps": done,
+            "steps": ran,
             "input_wait": waited,
             **last,
             **carried,
