@@ -13,6 +13,8 @@ from engine.cluster.launcher import free_ports
 from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The documentation pages, as a reader meets them: the README, BUILD.md, then docs/ by name.
+DOC_PAGES = ["README.md", "BUILD.md", *sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")))]
 
 # Small, fast runs of real training; each test overrides what it is about. Without XLA: compiling a small model's
 # step takes 3 to 7 CPU-seconds, most of a 20-step run's time, and XLA's persistent cache cannot serve a test that
@@ -132,6 +134,17 @@ def train_and_snapshot(config, strategy):
     return snapshot(trainer), out
 
 
+def train_and_snapshot_updates(config, strategy):
+    """A run of several models and updates (a GAN's) trained config.train_steps steps: (its updates_snapshot, the
+    round's outputs, the trainer, its models' trainable weights before the first step {model: [arrays]})."""
+    from engine.run import build
+
+    trainer = build.run(config, strategy)
+    initial = {name: [v.numpy() for v in model.trainable_variables] for name, model in trainer.models.items()}
+    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
+    return updates_snapshot(trainer), out, trainer, initial
+
+
 def step_function(trainer):
     """A tf.function running one replica step of `trainer` on a batch; returns the first replica's outputs."""
     import tensorflow as tf
@@ -180,6 +193,18 @@ def nonfinite_scenario(config, strategy, bad_replica):
     after_good = snapshot(trainer)
     as_numpy = lambda out: {k: np.array(v) for k, v in out.items()}  # noqa: E731
     return before, after_bad, after_good, as_numpy(bad_out), [as_numpy(o) for o in good_outs]
+
+
+def bash_blocks(text):
+    """The lines of each ```bash block of the Markdown `text` as CommonMark parses it, `\\` continuations joined:
+    one list per block."""
+    from markdown_it import MarkdownIt
+
+    return [
+        token.content.replace("\\\n", " ").splitlines()
+        for token in MarkdownIt("commonmark").parse(text)
+        if token.type == "fence" and token.info.strip() == "bash"
+    ]
 
 
 def logged_steps(workdir, name="metrics.jsonl"):

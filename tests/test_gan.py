@@ -33,15 +33,6 @@ CASE = dict(
 )
 
 
-def train(config, strategy):
-    """(snapshot, the round's outputs, the trainer) after config.train_steps steps."""
-    from engine.run import build
-
-    trainer = build.run(config, strategy)
-    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
-    return helpers.updates_snapshot(trainer), out, trainer
-
-
 def first_copies(snap):
     return {k: v[0] for k, v in snap.items()}
 
@@ -53,17 +44,7 @@ def max_difference(a, b):
 
 @pytest.fixture(scope="module")
 def one_device_run(data_dir, one_device):
-    """(snapshot, outputs, trainer) after 20 steps, and what the reference needs: ({model: initial weights}, the
-    20 batches the steps gathered)."""
-    from engine.run import build
-
-    config = helpers.make_config(data_dir, **CASE)
-    trainer = build.run(config, one_device)
-    initial = {name: [v.numpy() for v in model.trainable_variables] for name, model in trainer.models.items()}
-    iterator = iter(trainer.data.train_fn(tf.distribute.InputContext()))  # the batches the steps gather
-    batches = [next(iterator) for _ in range(config.train_steps)]
-    out = trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
-    return helpers.updates_snapshot(trainer), out, trainer, initial, batches
+    return helpers.train_and_snapshot_updates(helpers.make_config(data_dir, **CASE), one_device)
 
 
 # ---- The reference: the GAN's math as a plain TensorFlow loop --------------------------------------------------
@@ -88,12 +69,15 @@ class Adam:
             p.assign_sub(alpha * m / (tf.sqrt(v) + self.eps))
 
 
-def reference_run(task, initial, batches, config):
+def reference_run(task, initial, config):
     """The generator's and discriminator's weights after one critic update per --gan_critic_steps then one generator
-    update on each batch, from `initial` ({model: [numpy weights in layer order]}), with z drawn as the task draws
-    it. Returns ({model: [weights]}, {model: update count})."""
+    update on each of the run's first config.train_steps batches, from `initial` ({model: [numpy weights in layer
+    order]}), with z drawn as the task draws it. Returns ({model: [weights]}, {model: update count})."""
+    from engine.api import training_batches
     from tasks import gan
 
+    stream = training_batches(config)
+    batches = [next(stream) for _ in range(config.train_steps)]
     weights = {name: [tf.Variable(w) for w in values] for name, values in initial.items()}
     pairs = {name: list(zip(ws[::2], ws[1::2])) for name, ws in weights.items()}
     adams = {name: Adam(ws, config.learning_rate) for name, ws in weights.items()}
@@ -121,8 +105,8 @@ def reference_run(task, initial, batches, config):
 
 
 def test_matches_a_plain_tensorflow_loop_of_its_math(one_device_run):
-    _, _, trainer, initial, batches = one_device_run
-    expected, counts = reference_run(trainer.task, initial, batches, trainer.config)
+    _, _, trainer, initial = one_device_run
+    expected, counts = reference_run(trainer.task, initial, trainer.config)
     worst, moved = 0.0, np.inf
     for name, model in trainer.models.items():
         for variable, want, start in zip(model.trainable_variables, expected[name], initial[name]):
@@ -148,7 +132,7 @@ def multi_worker_run(data_dir, tmp_path_factory):
 
 
 def test_mirrored_matches_one_device(data_dir, mirrored, one_device_run):
-    snap, out, trainer = train(helpers.make_config(data_dir, **CASE), mirrored)
+    snap, out, trainer, _ = helpers.train_and_snapshot_updates(helpers.make_config(data_dir, **CASE), mirrored)
     for name, copies in snap.items():  # the two replicas hold identical values
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
     reference, reference_out, reference_trainer, *_ = one_device_run
@@ -302,7 +286,7 @@ def worker(out_dir, data_dir):
     from engine.cluster import distribute
 
     strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
-    snap, out, _ = train(helpers.make_config(data_dir, **CASE), strategy)
+    snap, out, _, _ = helpers.train_and_snapshot_updates(helpers.make_config(data_dir, **CASE), strategy)
     arrays = {**first_copies(snap), **{f"out/{k}": out[k] for k in ("loss", "discriminator/loss", "generator/loss")}}
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     np.savez(os.path.join(out_dir, f"worker{task}.npz"), **arrays)

@@ -14,7 +14,7 @@ import time
 import pytest
 from markdown_it import MarkdownIt
 
-from tests.helpers import ROOT
+from tests.helpers import DOC_PAGES, ROOT, bash_blocks
 
 # Training commands run 4 steps in two rounds instead of their own count: each still builds its model, data and
 # strategy, trains (the second round resumes the loop), evaluates and writes its summary, which is what the test
@@ -27,10 +27,8 @@ BUNDLED = ("digits", "synthetic")  # datasets that need no network
 def running_commands():
     """The lines of the first bash block under docs/running.md's '## Commands', as argument lists."""
     with open(os.path.join(ROOT, "docs", "running.md")) as f:
-        text = f.read()
-    section = text.split("\n## Commands\n", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
-    return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+        section = f.read().split("\n## Commands\n", 1)[1]
+    return [shlex.split(line, comments=True) for line in bash_blocks(section)[0] if line.strip()]
 
 
 def flag(args, name, repo):
@@ -126,10 +124,7 @@ def fence_problems(name, text):
     return problems
 
 
-PAGES = ["README.md", "BUILD.md", *sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")))]
-
-
-@pytest.mark.parametrize("name", PAGES)
+@pytest.mark.parametrize("name", DOC_PAGES)
 def test_code_blocks_close_where_they_should(name):
     with open(os.path.join(ROOT, name)) as f:
         assert fence_problems(name, f.read()) == []
@@ -139,11 +134,9 @@ def training_commands(text):
     """[(line, args)] of each bash block's `launch.py` commands that train (no --help, --mode train or none), `\\`
     continuations joined, one list per block; not those whose flagfile is not in the repository."""
     blocks = []
-    for token in MarkdownIt("commonmark").parse(text):
-        if token.type != "fence" or token.info.strip() != "bash":
-            continue
+    for lines in bash_blocks(text):
         commands = []
-        for line in token.content.replace("\\\n", " ").splitlines():
+        for line in lines:
             if "launch.py" not in line:
                 continue
             words = line.split("launch.py", 1)[1].split(";", 1)[0].replace('"', " ")
@@ -158,7 +151,7 @@ def training_commands(text):
     return blocks
 
 
-@pytest.mark.parametrize("name", PAGES)
+@pytest.mark.parametrize("name", DOC_PAGES)
 def test_a_pages_commands_pasted_in_order_train_in_workdirs_of_their_own(name):
     """Two training commands of one block that share a workdir: the second is refused as another run's (the first
     one's settings are there), unless it is the same command run again."""

@@ -32,19 +32,9 @@ CASE = dict(
 TOLERANCE = 1e-6
 
 
-def train(config, strategy):
-    """(the trainer, its snapshot, its initial trainable weights {model: [arrays]}) after config.train_steps steps."""
-    from engine.run import build
-
-    trainer = build.run(config, strategy)
-    initial = {name: [v.numpy() for v in model.trainable_variables] for name, model in trainer.models.items()}
-    trainer.program.run_steps(trainer.program.train_iterator(), config.train_steps)
-    return trainer, helpers.updates_snapshot(trainer), initial
-
-
 @pytest.fixture(scope="module")
 def one_device_run(data_dir, one_device):
-    return train(helpers.make_config(data_dir, **CASE), one_device)
+    return helpers.train_and_snapshot_updates(helpers.make_config(data_dir, **CASE), one_device)
 
 
 # ---- The reference: WGAN-GP's math as a plain TensorFlow loop -------------------------------------------------
@@ -103,7 +93,7 @@ def reference_run(initial, config, steps):
 
 
 def test_matches_a_plain_tensorflow_loop_of_its_math(one_device_run):
-    trainer, _, initial = one_device_run
+    _, _, trainer, initial = one_device_run
     repeat = trainer.config.wgan_critic_steps
     assert repeat == 5  # the paper's n_critic, the default
     expected, counts = reference_run(initial, trainer.config, STEPS)
@@ -126,10 +116,10 @@ def test_matches_a_plain_tensorflow_loop_of_its_math(one_device_run):
 
 
 def test_mirrored_matches_one_device(data_dir, mirrored, one_device_run):
-    trainer, snap, _ = train(helpers.make_config(data_dir, **CASE), mirrored)
+    snap, _, trainer, _ = helpers.train_and_snapshot_updates(helpers.make_config(data_dir, **CASE), mirrored)
     for name, copies in snap.items():  # the two replicas hold identical values
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
-    reference_trainer, reference, _ = one_device_run
+    reference, _, reference_trainer, _ = one_device_run
     assert snap.keys() == reference.keys()
     differences = {k: float(np.max(np.abs(snap[k][0] - reference[k][0]))) for k in snap}
     worst = max(differences, key=differences.get)

@@ -32,7 +32,7 @@ from engine.state import checkpoint, report
 from engine.state import lock as lock_lib
 from research import ensemble
 from tests import forkserver, helpers
-from tests.helpers import ROOT, logged_steps
+from tests.helpers import DOC_PAGES, ROOT, bash_blocks, logged_steps
 
 
 def files(workdir, names=("config.json", "metrics.jsonl", "eval.jsonl", "summary.json")):
@@ -118,11 +118,12 @@ def test_with_a_compile_cache_a_run_with_nothing_left_to_train_traces_nothing(
 def _readme_commands():
     """Every `python launch.py` command of the bash blocks of the README and then of the docs/ pages, in order, as
     argument lists."""
-    pages = ["README.md", *sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")))]
-    text = "\n".join(open(os.path.join(ROOT, page)).read() for page in pages)
+    pages = [page for page in DOC_PAGES if page != "BUILD.md"]  # BUILD.md: cluster commands, one per host
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as f:
+            lines = [line for block in bash_blocks(f.read()) for line in block]
+        for line in lines:
             words = shlex.split(line.split(" #")[0])
             if "launch.py" in words:
                 commands.append(words[words.index("launch.py") + 1 :])
