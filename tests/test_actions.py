@@ -57,7 +57,7 @@ def _fired(config, stopping_at=None):
     evaluate = builtin.Evaluate(config.eval_every, config.train_steps)
     checkpoint = builtin.Checkpoint(config.checkpoint_every, config.train_steps)
     while current < config.train_steps:
-        current = controller.next_boundary(config, current)
+        current = controller.next_boundary(config, [evaluate, checkpoint], current)
         ends.append(current)
         stopping = current == stopping_at
         if evaluate.due(current, stopping):

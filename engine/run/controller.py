@@ -2,9 +2,10 @@
 
 Inner loop in graph: one tf.function runs a round of replica steps (engine/run/program.py). Outer loop in Python:
 after each round the actions that are due act on it, in order (engine/run/actions/: log, warnings, the NaN policy,
-evaluation, checkpoints, a signal's stop, profiling, and any a fork adds). Round boundaries are multiples of
---steps_per_loop, --eval_every and --checkpoint_every, so a resumed run cuts its rounds exactly where an
-uninterrupted one does (and at --profile_steps, so a trace covers exactly those steps).
+evaluation, checkpoints, a signal's stop, profiling, and any a fork adds). Round boundaries are the multiples of
+--steps_per_loop and of each action's period (--eval_every, --checkpoint_every, a fork's), and each action's steps
+(--profile_steps, so a trace covers exactly those steps): functions of the absolute step, so a resumed run cuts its
+rounds exactly where an uninterrupted one does.
 """
 
 import dataclasses
@@ -74,7 +75,7 @@ class Controller:
         report.line(header(run))
         # The training iterator, alone in a list: a finished one is deleted off the loop's thread (inputs.release).
         iterators, current, last, outcome = [run.program.train_iterator()], int(run.state.step.numpy()), None, None
-        report.count_losses(last_round_start(config.loop), current)
+        report.count_losses(last_round_start(config.loop, run.actions), current)
         # From here on a signal stops the loop at a step, saved; the training iterator is released when the loop ends
         # (a signal or an error included): the final evaluation and the exit do not wait for its deletion.
         with SIGNALS.watch(run.program.stop), inputs.releasing(iterators):
@@ -102,7 +103,8 @@ class Controller:
 
     def _round(self, iterator, current):
         """The round of steps from `current` to the next boundary; None when it must run again (Recompiled)."""
-        run, end = self.run, next_boundary(self.run.config.loop, current)
+        run = self.run
+        end = next_boundary(run.config.loop, run.actions, current)
         extras = frozenset().union(*(a.needs for a in run.actions if a.needs and a.due(end, False)))
         around = _around(run.actions, current, end, self.context)
         tic = time.perf_counter()
@@ -222,20 +224,21 @@ def evaluates_on_resume(loop, step):
     return bool(loop.eval_every) and 0 < step < loop.train_steps and step % loop.eval_every == 0
 
 
-def last_round_start(loop):
+def last_round_start(loop, actions):
     """The step after which the last round of an uninterrupted run begins: the steps whose mean loss is the
     summary's train_loss. Rounds end at the boundaries of next_boundary."""
     last = loop.train_steps - 1
-    starts = [0, *((last // every) * every for every in _periods(loop))]
-    return max([*starts, *(step for step in loop.profile_steps if step <= last)])
+    starts = [0, *((last // every) * every for every in _periods(loop, actions))]
+    return max([*starts, *(step for action in actions for step in action.steps if step <= last)])
 
 
-def _periods(loop):
-    """The periods whose multiples end a round: the round's length, and every evaluation and checkpoint."""
-    return [every for every in (loop.steps_per_loop, loop.eval_every, loop.checkpoint_every) if every]
+def _periods(loop, actions):
+    """The periods whose multiples end a round: the round's length, and each action's (an evaluation's, ...)."""
+    return [every for every in (loop.steps_per_loop, *(action.every for action in actions)) if every]
 
 
-def next_boundary(loop, current):
-    """Where the round that starts at `current` ends: a function of the absolute step only."""
-    ends = [loop.train_steps, *((current // every + 1) * every for every in _periods(loop))]
-    return min([*ends, *(step for step in loop.profile_steps if step > current)])
+def next_boundary(loop, actions, current):
+    """Where the round that starts at `current` ends: a function of the absolute step only (the run's `actions` are
+    the same whenever it resumes)."""
+    ends = [loop.train_steps, *((current // every + 1) * every for every in _periods(loop, actions))]
+    return min([*ends, *(step for action in actions for step in action.steps if step > current)])

@@ -1,12 +1,13 @@
 """The interface of the controller's actions: what the outer loop does after a round of steps.
 
-The controller (engine/run/loop.py) runs a round, then hands it to each action in turn. An action says when it is
-due (`due`: a function of the step the round ended at, and whether the run is stopping there), what it needs from
-the step besides its scalars (`needs`: "gradients" asks the round's last step to return its all-reduced, clipped
-gradients; the step returns them only on the rounds where an action that needs them is due), and what it does
-(`__call__`). The engine's own duties (log, warnings, the NaN policy, evaluate, checkpoint, stop on a signal,
-profile) are actions (engine/run/actions/builtin.py); a fork's is one file beside them, named by --actions or by its
-task's `actions`.
+The controller (engine/run/controller.py) runs a round, then hands it to each action in turn. An action says when
+rounds must end for it (`every`: a period, whose multiples end a round, as --eval_every's do; `steps`: steps that
+end one, as --profile_steps' do), when it is due (`due`: a function of the step the round ended at, and whether the run
+is stopping there), what it needs from the step besides its scalars (`needs`: "gradients" asks the round's last step
+to return its all-reduced, clipped gradients; the step returns them only on the rounds where an action that needs
+them is due), and what it does (`__call__`). The engine's own duties (log, warnings, the NaN policy, evaluate,
+checkpoint, stop on a signal, profile) are actions (engine/run/actions/builtin.py); a fork's is one file beside them,
+named by --actions or by its task's `ACTIONS`.
 """
 
 import contextlib
@@ -43,12 +44,14 @@ class Stop:
 
 
 class Action:
-    """One duty of the controller after a round. `context` (engine/run/loop.py Context): the run (its models,
+    """One duty of the controller after a round. `context` (engine/run/controller.py Context): the run (its models,
     weights, evaluator, program), its report (console, metrics, TensorBoard), its checkpoints and the rounds'
     timing. A fork's action subclasses this as `class Action(base.Action)` in engine/run/actions/<name>.py, built as
     `Action(config)`; its settings are declared in its file (`SETTINGS`) like a model's."""
 
     needs = frozenset()  # what it reads from the step on the rounds it is due at: {"gradients"}
+    every = 0  # a period in steps: a round ends at each of its multiples, so the action can be due there (0: none)
+    steps = ()  # steps a round ends at, for the same reason (--profile_steps: a trace of exactly those steps)
 
     def due(self, step, stopping):
         """Whether it acts after a round that ended at `step` (`stopping`: the run stops there on a signal; asked as

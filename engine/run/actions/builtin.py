@@ -157,7 +157,7 @@ class Profile(Action):
     """--profile_steps=A,B: the chief traces steps A+1..B into workdir/profile for TensorBoard's Profile tab."""
 
     def __init__(self, steps):
-        self.steps, self.running = steps, False
+        self.steps, self.running = steps, False  # rounds end at A and B (Action.steps)
 
     def _logdir(self, context):
         return os.path.join(context.run.config.workdir, "profile")

@@ -5,9 +5,10 @@ gradient, every --histogram_every steps, in TensorBoard (the train run's Histogr
 
     python launch.py --actions=histograms --histogram_every=100
 
-It needs the step's gradients (`needs`), which the step returns only on the rounds it is due at: the last step's
+A round ends at every multiple of --histogram_every (`every`), whatever --steps_per_loop, and the action is due
+there. It needs the step's gradients (`needs`), which the step returns only on the rounds it is due at: that step's
 all-reduced, unscaled and clipped gradients, identical on every replica. The weights are read from the variables
-after the round. Only the chief writes.
+after that step. Only the chief writes.
 """
 
 import numpy as np
