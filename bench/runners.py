@@ -37,7 +37,7 @@ def create_strategy(config, gpu_mirrored=False):
 
 
 class EngineRunner:
-    """The engine as a user runs it: Trainer.run_steps(iterator, n), one call per window."""
+    """The engine as a user runs it: the train program's run_steps(iterator, n), one call per window."""
 
     def __init__(self, config, strategy):
         from engine.run import build

@@ -153,15 +153,15 @@ def checked_loss(per_example, batch, what):
     return tf.cast(per_example, tf.float32)
 
 
-def forward_backward(built, plan, batch, step, replica, draw, loss, shift, values, repetition=0):
+def forward_backward(setup, plan, batch, step, replica, draw, loss, shift, values, repetition=0):
     """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
     grads, the statistics' new values). `values` of the statistics, or None to read them; `shift`: weights + shift."""
-    config, task, scale = built.config, built.task, plan.loss_scale.scale if built.float16 else None
+    config, task, scale = setup.config, setup.task, plan.loss_scale.scale if setup.float16 else None
     variables, global_batch, accumulate = plan.variables, config.global_batch_size, config.grad_accum_steps
     params = [v.value for v in variables]
     at = params if shift is None else [p + tf.cast(s, p.dtype) for p, s in zip(params, shift)]
     weights = () if shift is None else tuple(zip(variables, at))
-    values = [v.value for v in built.statistics] if values is None else values
+    values = [v.value for v in setup.statistics] if values is None else values
     # --grad_accum_steps=K: K microbatches in turn, each its own forward and backward pass, their gradients
     # summed before the one all-reduce: the update of the whole batch in 1/K of the activation memory.
     # Dynamic: a multi-worker strategy's distributed batches have no static batch dimension.
@@ -173,7 +173,7 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
             if shift is not None:
                 tape.watch(at)
             outputs, values, pass_losses = stateless_forward(
-                task, built.models, part, built.statistics, values, built.seeds, step, replica * accumulate + k,
+                task, setup.models, part, setup.statistics, values, setup.seeds, step, replica * accumulate + k,
                 draw, loss, weights, repetition,
             )  # fmt: skip
             per_example = checked_loss(task.loss(outputs, part) if loss is None else outputs, part, plan.what)
@@ -185,12 +185,12 @@ def forward_backward(built, plan, batch, step, replica, draw, loss, shift, value
                 # penalty by that batch): the mean over the step's num_replicas x accumulate equal passes is the
                 # estimate over the global batch, one device's number.
                 pass_total = tf.add_n([tf.cast(x, tf.float32) for x in pass_losses])
-                part_loss += pass_total / (built.num_replicas * accumulate)
+                part_loss += pass_total / (setup.num_replicas * accumulate)
             penalty = weight_penalty(variables, None if shift is None else at) if k == 0 else None
             if penalty is not None:
                 # The weights' penalty is every replica's whole term, once per step: the SUM all-reduce would
                 # count it once per replica.
-                part_loss += penalty / built.num_replicas
+                part_loss += penalty / setup.num_replicas
             scaled = part_loss * scale if scale is not None else part_loss
         found = tape.gradient(scaled, at)
         if all(g is None for g in found):  # a constant, or a loss of other variables: it would train nothing

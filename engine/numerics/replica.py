@@ -82,15 +82,15 @@ class ReplicaStep:
     per repetition, Update.fresh); gradients(..., repetition=r) tells an update's loss its repetition.
     """
 
-    def __init__(self, built, count, replica, batches=()):
-        self.updates = [plan.update for plan in built.plans.values()]
+    def __init__(self, setup, count, replica, batches=()):
+        self.updates = [plan.update for plan in setup.plans.values()]
         self.batches = batches  # the step's training batches: one, or an update's fresh batch per repetition
-        self.count, self._built, self._replica = count, built, replica
+        self.count, self._setup, self._replica = count, setup, replica
         self._ctx = tf.distribute.get_replica_context()
-        self._file = f"tasks/{built.config.task}.py: replica_step"
+        self._file = f"tasks/{setup.config.task}.py: replica_step"
         self._draws, self._stop, self._statistics = 0, None, None
-        self._pending = {name: [] for name in built.plans}
-        self._applied = {name: [] for name in built.plans}  # each apply's (loss, norm, finite, scale, rates)
+        self._pending = {name: [] for name in setup.plans}
+        self._applied = {name: [] for name in setup.plans}  # each apply's (loss, norm, finite, scale, rates)
 
     @tf.autograph.experimental.do_not_convert
     def _plan(self, name, primitive):
@@ -102,19 +102,19 @@ class ReplicaStep:
                 f"{self._file}: step.{primitive}({name!r}, ...) called outside the replica step it was handed to; "
                 "call the primitives inside replica_step(step, batch) only"
             )
-        if name not in self._built.plans:
+        if name not in self._setup.plans:
             raise TaskError(
                 f"{self._file}: step.{primitive}({name!r}, ...): no update {name!r}; the task's updates are "
-                f"{', '.join(self._built.plans)}"
+                f"{', '.join(self._setup.plans)}"
             )
-        return self._built.plans[name]
+        return self._setup.plans[name]
 
     @tf.autograph.experimental.do_not_convert
     def variables(self, name):
         return [v.value for v in self._plan(name, "variables").variables]
 
     def gradients(self, name, batch, loss=None, shift=None, repetition=0):
-        built, plan = self._built, self._plan(name, "gradients")
+        setup, plan = self._setup, self._plan(name, "gradients")
         if shift is not None and len(shift) != len(plan.variables):
             raise TaskError(
                 f"{self._file}: step.gradients({name!r}, ..., shift=...): {len(shift)} shifts for the "
@@ -123,25 +123,25 @@ class ReplicaStep:
         draw, self._draws = self._draws, self._draws + 1
         local = _maybe_jit(
             lambda b, c, r, s, v: forward_backward(
-                built, plan, b, c, r, draw, loss or plan.update.loss, s, v, repetition
+                setup, plan, b, c, r, draw, loss or plan.update.loss, s, v, repetition
             ),
-            built.jit,
+            setup.jit,
         )
         total, grads, self._statistics = local(batch, self.count, self._replica, shift, self._statistics)
         if self._stop is None:  # the stop flag rides the step's first all-reduce
-            total, stop, *grads = self._ctx.all_reduce(SUM, [total, tf.cast(built.stop_flag, tf.float32), *grads])
+            total, stop, *grads = self._ctx.all_reduce(SUM, [total, tf.cast(setup.stop_flag, tf.float32), *grads])
             self._stop = stop
         else:
             total, *grads = self._ctx.all_reduce(SUM, [total, *grads])  # this evaluation's one all-reduce
-        scale = plan.loss_scale.scale if built.float16 else None
-        grads, norm, finite = _maybe_jit(lambda g: process_gradients(g, scale, plan.clipping), built.jit)(grads)
+        scale = plan.loss_scale.scale if setup.float16 else None
+        grads, norm, finite = _maybe_jit(lambda g: process_gradients(g, scale, plan.clipping), setup.jit)(grads)
         gradients = Gradients(self, name, total, grads, norm, finite)
         self._pending[name].append(gradients)
         return gradients
 
     @tf.autograph.experimental.do_not_convert
     def apply(self, name, gradients, when=None):
-        built, plan = self._built, self._plan(name, "apply")
+        setup, plan = self._setup, self._plan(name, "apply")
         if not isinstance(gradients, Gradients) or gradients.owner is not self or gradients.name != name:
             raise TaskError(
                 f"{self._file}: step.apply({name!r}, ...) takes the Gradients of step.gradients({name!r}, ...) of "
@@ -154,17 +154,17 @@ class ReplicaStep:
             )
         pending, self._pending[name] = self._pending[name], []
         finite = pending[0].finite if len(pending) == 1 else tf.reduce_all([g.finite for g in pending])
-        scale = plan.loss_scale.scale.value() if built.float16 else tf.constant(0.0)  # the scale before
+        scale = plan.loss_scale.scale.value() if setup.float16 else tf.constant(0.0)  # the scale before
 
         def new_values(grads, finite, when, statistics, step):
             return plan.new_values(
-                grads, finite, when, statistics, built.statistics, built.float16, built.asynchronous, step
+                grads, finite, when, statistics, setup.statistics, setup.float16, setup.asynchronous, step
             )
 
-        update = _maybe_jit(new_values, built.jit)
+        update = _maybe_jit(new_values, setup.jit)
         values, rates = update(gradients.grads, finite, when, self._statistics, self.count)
-        assign = _assign_add if built.asynchronous else _assign
-        targets = plan.targets(built.statistics, built.float16)
+        assign = _assign_add if setup.asynchronous else _assign
+        targets = plan.targets(setup.statistics, setup.float16)
 
         def assign_all(strategy, values):
             for variable, value in zip(tf.nest.flatten(targets), tf.nest.flatten(values)):
@@ -181,7 +181,7 @@ class ReplicaStep:
         apply, by <model>/<path>, under "gradients"."""
         out, losses, finites, grads = {}, [], [], {}
         for name, applied in self._applied.items():
-            plan = self._built.plans[name]
+            plan = self._setup.plans[name]
             if not applied:
                 raise TaskError(
                     f"{self._file}: never applies update {name!r}; every update is applied once a step at least "
@@ -233,7 +233,7 @@ def make_train_step(
     config,
     num_replicas,
     stop_flag,
-    step,
+    counter,
     float16,
     asynchronous=False,
     jit_compile=False,
@@ -243,7 +243,7 @@ def make_train_step(
     the engine's, over `plans` (engine/numerics/updates.py).
 
     `stop_flag` (a boolean variable, set on preemption) rides the step's first all-reduce, so every replica and
-    worker learns that any of them is stopping after this step. `step` (the run's step counter) seeds the dropout
+    worker learns that any of them is stopping after this step. `counter` (the run's step counter) seeds the dropout
     masks. `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
     applies atomically, so concurrent workers never lose each other's updates or update counts. `jit_compile`:
     compile it with XLA (engine/run/xla.py decides). `extras`: {"gradients"} adds the gradients each update last
@@ -252,10 +252,10 @@ def make_train_step(
     # One replica (and no parameter server): the whole step, all-reduces and assignments included, is one XLA
     # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
     whole = jit_compile and num_replicas == 1 and not asynchronous
-    built = Setup(
+    setup = Setup(
         task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit_compile and not whole
     )
-    warning = accumulation_warning(models, built.statistics, config.grad_accum_steps)
+    warning = accumulation_warning(models, setup.statistics, config.grad_accum_steps)
     if warning:
         print(warning, flush=True)
     body = task.replica_step or engine_step
@@ -264,7 +264,7 @@ def make_train_step(
         # A step reading several batches (Update.fresh) is handed them as a tuple: the first is the step's batch.
         batches = batch if isinstance(batch, tuple) else (batch,)
         replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-        replica_step = ReplicaStep(built, tf.convert_to_tensor(step), replica, batches)
+        replica_step = ReplicaStep(setup, tf.convert_to_tensor(counter), replica, batches)
         body(replica_step, batches[0])
         return replica_step.outputs(extras)
 
@@ -274,7 +274,7 @@ def make_train_step(
 def make_eval_sums(task, models, jit_compile=False):
     """Returns sums(batch) -> ({metric: sum of weight x metric}, sum of weights) over one replica's batch: the task's
     forward pass and metrics, no all-reduce. With `jit_compile`, a tf.function compiled with XLA, under any number
-    of replicas unless a metric synchronizes them (Trainer._evaluate then evaluates without); without, the plain
+    of replicas unless a metric synchronizes them (the evaluator then evaluates without); without, the plain
     function (a nested tf.function could not hold such a metric). Padding examples carry weight 0, so every real
     example counts once."""
 

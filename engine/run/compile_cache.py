@@ -7,7 +7,7 @@ compilation cache does the work (TF_XLA_FLAGS=--tf_xla_persistent_cache_director
 traced function's name: another model, batch or setting compiles anew, and a changed one is never served a stale
 program. A traced function's name counts the functions traced before it in the process, and a resumed run restores
 its checkpoint (and may evaluate) before it trains: so with a cache the round's loop and the evaluation are traced
-first, before anything is restored (Trainer.trace), and a resumed run reads back what its first run compiled
+first, before anything is restored (engine/run/loop.py trace), and a resumed run reads back what its first run compiled
 (before that, a run stopped by SIGTERM at step 10 and resumed wrote a second entry). Not a first run that prepared
 its tensorflow-datasets dataset: the preparation traces functions of its own first, so its entries serve no later
 run (they compile once more).

@@ -112,11 +112,11 @@ def follow(config, strategy=None, poll_seconds=2.0):
         step = int(run.state.step.numpy())
         result = {"step": step, "checkpoint": latest, **run.evaluator.evaluate()}
         results.append(result)
-        print(f"continuous_eval step={step} {format_metrics(trainer_results(result))}", flush=True)
+        print(f"continuous_eval step={step} {format_metrics(evaluation_results(result))}", flush=True)
         append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
         writer = writer or tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
         with writer.as_default(step=step):
-            for name, value in trainer_results(result).items():
+            for name, value in evaluation_results(result).items():
                 if name != "examples":
                     tf.summary.scalar(name, value)
         writer.flush()
@@ -150,7 +150,7 @@ def _wait_for_run(config, directory, poll_seconds):
         time.sleep(poll_seconds)
 
 
-def trainer_results(result):
+def evaluation_results(result):
     """The evaluation's own numbers in a continuous_eval record (without step and checkpoint)."""
     return {k: v for k, v in result.items() if k not in ("step", "checkpoint")}
 

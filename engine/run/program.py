@@ -93,7 +93,7 @@ class TrainProgram:
 
     def _loop(self, extras):
         if extras not in self._loops:
-            step = replica.make_train_step(
+            train_step = replica.make_train_step(
                 self.task,
                 self.models,
                 self.plans,
@@ -108,9 +108,9 @@ class TrainProgram:
             )
 
             def train_loop(iterator, steps, first_batch):
-                return self._train_loop(step, extras, iterator, steps, first_batch)
+                return self._train_loop(train_step, extras, iterator, steps, first_batch)
 
-            self._loops[extras] = step, tf.function(train_loop)
+            self._loops[extras] = train_step, tf.function(train_loop)
         return self._loops[extras]
 
     @property
