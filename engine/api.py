@@ -16,8 +16,9 @@ For a data source (sources/<name>.py):
     sharded         a split streamed from counted TFRecord files
     tfds_source     the Source of a tensorflow-datasets dataset (prepared into --data_dir on first use)
     image_decoder   the per-example decode of photos of any size (random-resized crop and flip, centre crop)
-For an action (engine/run/actions/<name>.py): Action (the interface: due, needs, around, __call__, close),
-    Round (what a round hands it), ROLLED_BACK and Stop (what it may answer)
+For code outside engine/ that handles actions (an action's own file, engine/run/actions/<name>.py, subclasses
+base.py beside it): Action (the interface: every, steps, due, needs, around, __call__, close), Round (what a round
+    hands it), ROLLED_BACK and Stop (what it may answer)
 To hold a fork's step against a reference (a plain TensorFlow loop of its math, as the tests do):
     weights         {model: {variable path: array}} of a run's checkpoint (a workdir's newest, or a prefix);
                     --save_initial writes step 0's, the initial weights
