@@ -72,7 +72,7 @@ def load_run(workdir, member_config, splits, reference):
         task = run.task
         predict = tf.function(lambda batch: task.predictions(task.forward(run.models, batch, False)))
         predictions, examples = {}, {}
-        with run.evaluator.averaged_weights():
+        with run.weights.averaged():
             for split in splits:
                 own = split == splits[0]
                 ctx = tf.distribute.InputContext()

@@ -6,6 +6,7 @@ to restore and the evaluator, without optimizers or a train program. Nothing her
 the data receives its task, a model factory receives its input's spec and the source's info."""
 
 import collections
+import contextlib
 import dataclasses
 import re
 
@@ -34,6 +35,27 @@ class Weights:
     variables: list
     names: list
     averages: list
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """With --ema_decay: the variables hold their moving averages inside the block (what evaluation reads and
+        export serves)."""
+        if not self.averages:
+            yield
+            return
+        saved = [tf.identity(v.value) for v in self.variables]
+        for v, average in zip(self.variables, self.averages):
+            v.assign(average)
+        try:
+            yield
+        finally:
+            for v, value in zip(self.variables, saved):
+                v.assign(value)
+
+    def restart_averages(self):
+        """Starts the moving averages at the current weights (after a warm start)."""
+        for v, average in zip(self.variables, self.averages):
+            average.assign(v.value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,6 @@ summed over replicas and workers, then reported as the task says; with --ema_dec
 weights, beside the trained weights' own. The forward pass and metrics compile with XLA where the train step does;
 metrics XLA cannot compile are evaluated without it, saying so."""
 
-import contextlib
 import functools
 
 import tensorflow as tf
@@ -102,14 +101,14 @@ class Evaluator:
         if not self.weights.averages:
             return self._evaluate()
         raw = self._evaluate()
-        with self.averaged_weights():
+        with self.weights.averaged():
             averaged = self._evaluate()
         examples = averaged.pop("examples")
         return {**averaged, **{f"raw_{k}": v for k, v in raw.items() if k != "examples"}, "examples": examples}
 
     def pictures(self):
         """The task's pictures (Task.pictures), drawn with the weights evaluation reads (the averages, --ema_decay)."""
-        with self.averaged_weights():
+        with self.weights.averaged():
             return self.task.pictures(self.models)
 
     def _evaluate(self):
@@ -154,27 +153,6 @@ class Evaluator:
         if "xla" in (error.message or "").lower():  # its compile's own failure (tf2xla, an XLA pass)
             return f"XLA could not compile the task's forward pass or metrics: {error.message.splitlines()[0]}"
         return ""
-
-    @contextlib.contextmanager
-    def averaged_weights(self):
-        """With --ema_decay: the trained variables hold their moving averages inside the block."""
-        variables, averages = self.weights.variables, self.weights.averages
-        if not averages:
-            yield
-            return
-        saved = [tf.identity(v.value) for v in variables]
-        for v, average in zip(variables, averages):
-            v.assign(average)
-        try:
-            yield
-        finally:
-            for v, value in zip(variables, saved):
-                v.assign(value)
-
-    def reset_averages(self):
-        """Starts the moving averages at the current weights (after a warm start)."""
-        for v, average in zip(self.weights.variables, self.weights.averages):
-            average.assign(v.value)
 
     @tf.function
     def _on_chief(self, dataset):

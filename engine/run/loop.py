@@ -51,7 +51,7 @@ def train(config, strategy=None, on_eval=None):
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
             trainable = {name: model for name, model in run.models.items() if model.trainable}
             warm_start.warm_start(trainable, config.init_checkpoint)
-            run.evaluator.reset_averages()
+            run.weights.restart_averages()
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
         if chief:

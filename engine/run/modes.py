@@ -178,7 +178,7 @@ def export(config):
     if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
         with tf.device("/cpu:0"):  # strings have no GPU kernels
             module.class_names = tf.Variable(names, trainable=False, name="class_names")
-    with run.evaluator.averaged_weights():  # --ema_decay: the moving averages are what the run evaluated
+    with run.weights.averaged():  # --ema_decay: the moving averages are what the run evaluated
         try:
             tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve})
         except (tf.errors.OpError, OSError) as e:
@@ -204,7 +204,7 @@ def sample(config):
     if run.task.sample is None:
         raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
     path = _restore(checkpoint, config, paths)
-    with run.evaluator.averaged_weights():
+    with run.weights.averaged():
         text = run.task.sample(run.models, config)
     print(text, flush=True)
     print(f"(sampled {config.sample_length} tokens from step {int(run.state.step.numpy())}, {path})", flush=True)
