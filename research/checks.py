@@ -5,7 +5,7 @@ launch.py runs them before TensorFlow starts, and tune() and ensemble() again be
 import importlib.util
 import re
 
-from engine.settings.checks import fail
+from engine.settings.checks import fail, strategy_plan
 
 
 def check(config):
@@ -21,6 +21,14 @@ def check(config):
 
 
 def _check_tune(config):
+    name, said = strategy_plan(config)
+    if name in ("multi_worker", "parameter_server"):  # else each process would run a tuner of its own
+        fail(
+            "strategy",
+            config.strategy,
+            f"--mode=tune runs its trials in one process (one_device, mirrored or tpu), not with {said}: on "
+            "several machines start one tuner on each, sharing a study through --tune_storage",
+        )
     if not config.tune_space:
         fail("tune_space", "", "--mode=tune needs a search-space file, e.g. experiments/digits_mlp.space")
     if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):

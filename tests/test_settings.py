@@ -44,13 +44,6 @@ def _refused(config, message):
             "job): asynchronous workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
         ),
         (
-            {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}},
-            dict(mode="tune"),
-            "--strategy=: --mode=tune runs its trials in one process (one_device, mirrored or tpu), not with the "
-            "multi_worker strategy (TF_CONFIG has a cluster): on several machines start one tuner on each, sharing "
-            "a study through --tune_storage",
-        ),
-        (
             None,
             dict(cluster_resolver="tpu"),
             "--tpu=: the tpu strategy (--cluster_resolver=tpu) needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)",

@@ -43,6 +43,18 @@ def tune_config(data_dir, workdir, space, **overrides):
     return config
 
 
+def test_a_tuner_refuses_the_multi_worker_strategy_the_run_would_use(monkeypatch, data_dir, tmp_path):
+    cluster = {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cluster))
+    with pytest.raises(ConfigError) as error:
+        tune_config(data_dir, tmp_path, write_space(tmp_path, "learning_rate log 1e-3 1e-1\n"))
+    assert str(error.value) == (
+        "--strategy=: --mode=tune runs its trials in one process (one_device, mirrored or tpu), not with the "
+        "multi_worker strategy (TF_CONFIG has a cluster): on several machines start one tuner on each, sharing "
+        "a study through --tune_storage"
+    )
+
+
 def enqueue(config, *learning_rates):
     """Puts known trials first in the study the tuner will open, opened as the tuner opens it (so with the
     direction the tuner gives it, which the tests then check)."""

@@ -209,21 +209,13 @@ def check_local_workers(config):
 def check_strategy(config):
     """The refusals that depend on the strategy, judged on the one the run will use (planned_strategy), whether
     --strategy, TF_CONFIG or --cluster_resolver chose it."""
-    name, origin = _plan(config)
-    said = origin if config.strategy else f"the {name} strategy ({origin})"  # the flag, or what chose it
+    name, said = strategy_plan(config)
     if name == "parameter_server" and config.precision == "mixed_float16":
         fail(
             "precision",
             config.precision,
             f"is not supported with {said}: asynchronous "
             "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
-        )
-    if config.mode == "tune" and name in ("multi_worker", "parameter_server"):  # else each process would tune
-        fail(
-            "strategy",
-            config.strategy,
-            f"--mode=tune runs its trials in one process (one_device, mirrored or tpu), not with {said}: on "
-            "several machines start one tuner on each, sharing a study through --tune_storage",
         )
     if name == "tpu" and not config.tpu:
         fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
@@ -250,6 +242,13 @@ def _plan(config):
     if config.num_cpu_devices > 1:
         return "mirrored", f"--num_cpu_devices={config.num_cpu_devices}"
     return None, "the devices"
+
+
+def strategy_plan(config):
+    """(planned_strategy, what chose it in words: the flag "--strategy=multi_worker", or "the multi_worker strategy
+    (TF_CONFIG has a cluster)"), for a refusal to name."""
+    name, origin = _plan(config)
+    return name, origin if config.strategy else f"the {name} strategy ({origin})"
 
 
 def planned_strategy(config):

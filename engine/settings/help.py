@@ -106,22 +106,7 @@ HELP_GROUPS = {
         "checkpoint",
         "export_dir",
         "eval_timeout",
-        "tune_space",
-        "tune_trials",
-        "tune_objective",
-        "tune_direction",
-        "tune_sampler",
-        "tune_pruner",
-        "tune_startup_trials",
-        "tune_timeout",
-        "tune_storage",
-        "tune_study",
-        "validation_split",
-        "members",
-        "ensemble_search",
-        "ensemble_samples",
-        "ensemble_mean",
-    ),
+    ),  # and research's modes' own settings, declared in their files (_DECLARED_GROUP)
 }
 _DECLARED_GROUP = {
     "model": "Model",

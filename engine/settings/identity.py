@@ -66,8 +66,8 @@ EVALUATION_SETTINGS = ("data_dir", "global_batch_size", "train_steps")
 IDENTITY_SETTINGS = tuple(
     f.name
     for f in dataclasses.fields(Config)
-    if f.name not in EXECUTION_SETTINGS | CADENCE_SETTINGS | {"train_steps", "members", "validation_split"}
-    and not f.name.startswith(("tune_", "ensemble_"))
+    if f.name not in EXECUTION_SETTINGS | CADENCE_SETTINGS | {"train_steps"}
+    and f.metadata.get("owner", (None,))[0] != "mode"  # research's modes' own (--tune_trials): they drive trials
 )
 
 KINDS = {  # what a config.json value must be, in words, by the type of its setting
