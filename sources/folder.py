@@ -39,6 +39,8 @@ SETTINGS = {
     ),
 }
 READS = ("image_size",)  # the engine's setting: the side of the crops the photos decode to
+# What follows the source's name in --dataset, and what it names: --help says so.
+ARGUMENT = ("PATH", "a sub-folder of JPEG/PNG files per class")
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 HELD_OUT = ("test", "validation")  # the names of a carved PATH's held-out part
 

@@ -20,6 +20,8 @@ import tensorflow as tf
 
 from engine.api import ConfigError, Source, in_memory
 
+# What follows the source's name in --dataset, and what it names: --help says so.
+ARGUMENT = ("PATH", "a NumPy .npz of <split>/<feature> arrays")
 MANY_CLASSES = 1 << 16  # classes a label may imply beyond the file's examples (a subset of a large label set)
 _CLASS = "a label is a class, an integer 0 .. N-1"
 

@@ -54,6 +54,8 @@ SETTINGS = {
     "tfrecord_classes": (0, "number of classes of an int64 `label` (labels 0 .. N-1), at least 2", (0, 2147483647)),
 }
 READS = ("image_size",)  # the engine's setting: the side encoded images decode to
+# What follows the source's name in --dataset, and what it names: --help says so.
+ARGUMENT = ("GLOB", "tf.train.Example files, {split} in the glob")
 IMAGES = ("jpeg", "png", "image")  # encoded, any size: decoded to --image_size by engine/data/images.py
 SCALARS = {"int64": tf.int64, "float32": tf.float32, "string": tf.string}
 CACHE = "tfrecord_counts.json"  # in --data_dir: {path: {"size", "mtime_nsec", "fingerprint", "records"}}

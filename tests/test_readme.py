@@ -3,6 +3,7 @@ the README, BUILD.md and the docs/ pages rendered as CommonMark does."""
 
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -162,3 +163,19 @@ def test_a_pages_commands_pasted_in_order_train_in_workdirs_of_their_own(name):
         for line, args in commands:
             workdir = flag(args, "workdir", ROOT) or "runs/default"
             assert seen.setdefault(workdir, args) == args, f"{name}: {line!r} trains in {workdir}, as an earlier line"
+
+
+@pytest.mark.parametrize("kind", ["model", "task", "dataset"])
+def test_the_readmes_layout_names_every_plugin_of_this_checkout(kind):
+    """The layout's line for models/, tasks/ and sources/ (with its continuation lines) names each file of the kind
+    that --help lists: a plugin added or removed shows in the map."""
+    from engine.settings import plugins
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        layout = f.read().split("\n## Layout\n", 1)[1].split("```", 2)[1]
+    folder = plugins.FOLDERS[kind][0] + "/"
+    lines = layout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(folder))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    named = set(re.findall(r"[a-z_0-9]+", " ".join(lines[start:end])))
+    assert set(plugins.names(kind)) - named == set(), folder

@@ -121,8 +121,9 @@ class _RunSettings(sections.Sectioned):
     # Data.
     dataset: str = _data(
         "",
-        "a source of sources/ (--help lists them; those reading your files as folder:PATH, tfrecord:GLOB, "
-        "npz:PATH) or any tensorflow-datasets name; empty: the task's own",
+        "a source of sources/ (--help lists them; those reading your files as "
+        + ", ".join(f"{name}:{argument}" for name, (argument, _) in plugins.file_sources().items())
+        + ") or any tensorflow-datasets name; empty: the task's own",
     )
     data_dir: str = _data(
         "",

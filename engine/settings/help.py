@@ -19,10 +19,8 @@ USAGE = (
     "Resuming: a run resumes from the latest checkpoint in its --workdir without being asked: after a crash, Ctrl-C "
     "or a preemption, run the same command again. A workdir holds one run: other model settings there are refused "
     "(start them in a new --workdir); a finished run says so and does nothing.",
-    "Datasets (--dataset): {bundled} (bundled, no network; digits is the default), folder:PATH (a sub-folder of "
-    "JPEG/PNG files per class), tfrecord:GLOB (tf.train.Example files, {{split}} in the glob), npz:PATH (a NumPy "
-    ".npz of <split>/<feature> arrays), or any tensorflow-datasets name (mnist, cifar10, ...: downloaded into "
-    "--data_dir on first use).",
+    "Datasets (--dataset): {bundled} (bundled, no network; digits is the default), {files}, or any "
+    "tensorflow-datasets name (mnist, cifar10, ...: downloaded into --data_dir on first use).",
     "GPUs: with no --strategy a run mirrors over every visible GPU (else one device); choose them with "
     "CUDA_VISIBLE_DEVICES=0,1 python launch.py ..., or one with --strategy=one_device. Several workers, TPUs: "
     "BUILD.md.",
@@ -38,7 +36,6 @@ PLUGINS = (
     ),
     ("Actions after each round (--actions=NAME: engine/run/actions/NAME.py)", "actions"),
 )
-_PATH_SOURCES = ("folder", "tfrecord", "npz")  # the bundled sources that read your files: USAGE says how
 
 # Every engine setting by what it is about; the settings a model, task or data source declares in its own file
 # join the group of what declares them (_group). tests/test_newcomer.py checks each flag is shown exactly once.
@@ -161,10 +158,12 @@ def plugin_lines(width=110, column=34):
 
 def usage(width=110, column=34):
     """The text of --help: USAGE, the plugins, then each group's flags with their defaults and help."""
-    bundled = ", ".join(name for name in BUNDLED_DATASETS if name not in _PATH_SOURCES)
+    files = plugins.file_sources()  # the sources that read your files, as their files say
+    bundled = ", ".join(name for name in BUNDLED_DATASETS if name not in files)
+    files = ", ".join(f"{name}:{argument} ({what})" for name, (argument, what) in files.items())
     lines = []
     for paragraph in USAGE:
-        lines += [*textwrap.wrap(paragraph.format(bundled=bundled), width, subsequent_indent="  "), ""]
+        lines += [*textwrap.wrap(paragraph.format(bundled=bundled, files=files), width, subsequent_indent="  "), ""]
     lines += plugin_lines(width, column)
     fields = dataclasses.fields(Config)
     for title, names in HELP_GROUPS.items():

@@ -55,6 +55,13 @@ def read_constant(file, name, default):
     return default
 
 
+def file_sources():
+    """{source: (its argument, what the argument names)} of the sources that read a user's files, named
+    --dataset=<source>:<argument> (folder:PATH): those whose file declares its `ARGUMENT`."""
+    found = {name: constant("dataset", name, "ARGUMENT", None) for name in names("dataset")}
+    return {name: argument for name, argument in found.items() if argument}
+
+
 def constant(kind, name, literal, default):
     """`literal` of the plugin `name` of `kind`, read from its file (read_constant)."""
     return read_constant(path(kind, name), literal, default)
