@@ -7,11 +7,12 @@ import pytest
 import tensorflow as tf
 
 from engine.cluster.signals import SIGNALS
-from engine.run import controller
+from engine.run import actions, controller
 from engine.run.actions import builtin
 from engine.run.actions.base import ROLLED_BACK, Round, Stop
 from engine.run.controller import Timing
-from engine.settings.errors import Preempted, TrainingError
+from engine.settings.errors import Preempted, TaskError, TrainingError
+from tests import helpers
 
 
 class Lines:
@@ -288,3 +289,37 @@ def test_an_evaluation_reports_and_tells_whether_the_tuner_stops_there(prune):
     assert seen == report.evals == [(10, {"accuracy": 0.5, "examples": 4})] and report.drawn == [(10, {"p": 1})]
     assert outcome is None or outcome.results == {"accuracy": 0.5, "examples": 4}
     assert builtin.Evaluate(10, 100)(_round(0, 10), _context(trainer)) is None  # no tuner: never stops
+
+
+class _Needing(builtin.Action):
+    def __init__(self, needs=frozenset(), every=0, steps=()):
+        self.needs, self.every, self.steps = needs, every, steps
+
+
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        (
+            _Needing(needs={"gradients", "activations"}),
+            "engine/run/actions/mine.py: needs 'activations': a step returns gradients alone",
+        ),
+        (
+            _Needing(needs="gradients"),
+            "engine/run/actions/mine.py: needs='gradients': must be a set of names, as needs = {'gradients'}",
+        ),
+        (_Needing(every=2.5), "engine/run/actions/mine.py: every=2.5, steps=(): must be steps, 0 or more"),
+        (_Needing(steps=(10, -1)), "engine/run/actions/mine.py: every=0, steps=(10, -1): must be steps, 0 or more"),
+    ],
+)
+def test_an_action_asking_for_what_no_step_returns_is_refused_in_one_line_naming_its_file(action, message):
+    with pytest.raises(TaskError) as error:
+        actions.checked(action, "mine")
+    assert str(error.value) == message
+
+
+def test_the_worked_example_and_a_plain_action_pass_the_check(data_dir):
+    from engine.run.actions import histograms
+
+    example = histograms.Action(helpers.make_config(data_dir, actions="histograms", histogram_every=7))
+    assert actions.checked(example, "histograms") is example and example.every == 7
+    assert actions.checked(_Needing(needs={"gradients"}, every=5, steps=(1, 3)), "mine").steps == (1, 3)

@@ -19,6 +19,8 @@ from engine.numerics.forward import accumulation_warning, forward_backward, proc
 from engine.settings.errors import TaskError
 
 SUM = tf.distribute.ReduceOp.SUM
+# What a step returns beside its scalars when an action needs it (Action.needs; ReplicaStep.outputs' `extras`).
+EXTRAS = ("gradients",)
 # The engine's functions marked do_not_convert are tensor code without Python control flow on tensors: autograph
 # has nothing to convert in them, and converting them cost every process's start measurably (bench/RESULTS.md,
 # "Start-up: autograph"), ReplicaStep's apply and outputs the most. What calls a task's or a fork's code stays
