@@ -307,8 +307,22 @@ class _Needing(builtin.Action):
             _Needing(needs="gradients"),
             "engine/run/actions/mine.py: needs='gradients': must be a set of names, as needs = {'gradients'}",
         ),
-        (_Needing(every=2.5), "engine/run/actions/mine.py: every=2.5, steps=(): must be steps, 0 or more"),
-        (_Needing(steps=(10, -1)), "engine/run/actions/mine.py: every=0, steps=(10, -1): must be steps, 0 or more"),
+        (
+            _Needing(every=2.5),
+            "engine/run/actions/mine.py: every=2.5, steps=(): must be a number of steps and a tuple of steps",
+        ),
+        (
+            _Needing(steps=(10, -1)),
+            "engine/run/actions/mine.py: every=0, steps=(10, -1): must be a number of steps and a tuple of steps",
+        ),
+        (
+            _Needing(steps=100),
+            "engine/run/actions/mine.py: every=0, steps=100: must be a number of steps and a tuple of steps",
+        ),
+        (
+            _Needing(needs=None),
+            "engine/run/actions/mine.py: needs=None: must be a set of names, as needs = {'gradients'}",
+        ),
     ],
 )
 def test_an_action_asking_for_what_no_step_returns_is_refused_in_one_line_naming_its_file(action, message):

@@ -89,6 +89,15 @@ def test_a_source_reading_a_tasks_setting_makes_it_part_of_the_run():
     assert readers == {("task", "language_model"), ("dataset", "shakespeare")}
 
 
+def test_an_actions_own_setting_is_cadence_not_the_runs_identity():
+    """--histogram_every says when the histograms action writes, as --actions says whether it does: a run resumed
+    with another interval is the same run; its model settings still are identity."""
+    saved = validate(Config(actions="histograms", histogram_every=3))
+    assert identity_changes(saved, validate(Config(actions="histograms", histogram_every=5))) == []
+    changed = validate(Config(actions="histograms", histogram_every=5, hidden_sizes=(16,)))
+    assert identity_changes(saved, changed) == [("hidden_sizes", (512, 512), (16,))]
+
+
 def test_an_old_config_json_resumes_and_is_checked_with_the_readers(tmp_path):
     """A config.json written before the readers were declared (a bool jit_compile, a setting since removed, an
     ignored --image_size, newer settings missing) still resumes, and its identity is judged by what the run reads."""
@@ -122,6 +131,15 @@ def test_two_files_declaring_one_setting_are_one_error_naming_both(tmp_path):
     assert errors == [
         "tasks/clash.py: declares the setting width, which models/wide.py declares already: rename one of them",
         "sources/odd.py: READS no_such, which no file declares",
+    ]
+
+
+def test_a_source_whose_argument_is_not_a_name_and_its_meaning_is_one_error_naming_it(tmp_path):
+    sources = {"mine": 'ARGUMENT = "PATH"', "good": 'ARGUMENT = ("GLOB", "record files")'}
+    packages = [("dataset", *_package(tmp_path, "sources", sources))]
+    _, _, errors = declared_settings(packages, str(tmp_path), {"dropout"})
+    assert errors == [
+        'sources/mine.py: ARGUMENT must be ("NAME", "what it names"), as ("PATH", "a folder"), not \'PATH\''
     ]
 
 

@@ -36,6 +36,11 @@ def declared_settings(packages, root, engine_names, reserved=()):
     ]
     for flag, module, path in files:
         where = os.path.relpath(path, root)
+        argument = read_constant(path, "ARGUMENT", None) if flag == "dataset" else None
+        if argument is not None and not plugins.is_argument(argument):
+            errors.append(
+                f'{where}: ARGUMENT must be ("NAME", "what it names"), as ("PATH", "a folder"), not {argument!r}'
+            )
         declared = read_constant(path, "SETTINGS", {})
         if not isinstance(declared, dict):
             errors.append(f"{where}: SETTINGS must be a dict of name: (default, help), not {type(declared).__name__}")

@@ -67,7 +67,9 @@ IDENTITY_SETTINGS = tuple(
     f.name
     for f in dataclasses.fields(Config)
     if f.name not in EXECUTION_SETTINGS | CADENCE_SETTINGS | {"train_steps"}
-    and f.metadata.get("owner", (None,))[0] != "mode"  # research's modes' own (--tune_trials): they drive trials
+    # Research's modes' own (--tune_trials: they drive trials) and actions' own (--histogram_every: what an action
+    # does after a round, as --actions, which names them, is cadence).
+    and f.metadata.get("owner", (None,))[0] not in ("mode", "actions")
 )
 
 KINDS = {  # what a config.json value must be, in words, by the type of its setting

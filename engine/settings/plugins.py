@@ -57,9 +57,15 @@ def read_constant(file, name, default):
 
 def file_sources():
     """{source: (its argument, what the argument names)} of the sources that read a user's files, named
-    --dataset=<source>:<argument> (folder:PATH): those whose file declares its `ARGUMENT`."""
+    --dataset=<source>:<argument> (folder:PATH): those whose file declares its `ARGUMENT` (one that is not a pair of
+    strings is left out here, and refused by engine/settings/declared.py)."""
     found = {name: constant("dataset", name, "ARGUMENT", None) for name in names("dataset")}
-    return {name: argument for name, argument in found.items() if argument}
+    return {name: argument for name, argument in found.items() if is_argument(argument)}
+
+
+def is_argument(argument):
+    """Whether a source's `ARGUMENT` is what --help reads: ("PATH", "what it names")."""
+    return isinstance(argument, tuple) and len(argument) == 2 and all(isinstance(s, str) and s for s in argument)
 
 
 def constant(kind, name, literal, default):

@@ -4,6 +4,7 @@ action a fork adds as engine/run/actions/<name>.py, named by --actions=<name>,..
 starts)."""
 
 import importlib
+import numbers
 
 from engine.numerics.replica import EXTRAS
 from engine.settings.errors import TaskError
@@ -23,12 +24,13 @@ def checked(action, name):
     """`action` (of engine/run/actions/<name>.py), once what it needs is what a step can return (EXTRAS) and its
     schedule is steps; else TaskError, one line naming the file, before the run writes anything."""
     where = f"engine/run/actions/{name}.py"
-    if isinstance(action.needs, str) or not all(isinstance(need, str) for need in action.needs):
-        raise TaskError(f"{where}: needs={action.needs!r}: must be a set of names, as needs = {{'gradients'}}")
-    unknown = sorted(set(action.needs) - set(EXTRAS))
+    needs, every, steps = action.needs, action.every, action.steps
+    if not isinstance(needs, (set, frozenset, list, tuple)) or not all(isinstance(need, str) for need in needs):
+        raise TaskError(f"{where}: needs={needs!r}: must be a set of names, as needs = {{'gradients'}}")
+    unknown = sorted(set(needs) - set(EXTRAS))
     if unknown:
         raise TaskError(f"{where}: needs {', '.join(map(repr, unknown))}: a step returns {', '.join(EXTRAS)} alone")
-    for value in (action.every, *action.steps):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise TaskError(f"{where}: every={action.every!r}, steps={action.steps!r}: must be steps, 0 or more")
+    whole = [every, *steps] if isinstance(steps, (list, tuple)) else None
+    if whole is None or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in whole):
+        raise TaskError(f"{where}: every={every!r}, steps={steps!r}: must be a number of steps and a tuple of steps")
     return action
