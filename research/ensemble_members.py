@@ -193,7 +193,7 @@ def write_predictions(path, predictions, weights, reference, config):
         arrays.update({f"member{i}_{split}": p for i, p in enumerate(members)})
     buffer = io.BytesIO()  # zipfile reads back what it writes, which a GFile (any file system) cannot
     np.savez(buffer, **arrays)
-    workdir_lib.replace_text(path, buffer.getvalue())  # never through a link planted at the name
+    workdir_lib.write_text(path, buffer.getvalue())  # never through a link planted at the name
 
 
 def _first_difference(ours, theirs):

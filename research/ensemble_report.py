@@ -43,7 +43,7 @@ def plot(path, summary):
     """Writes ensemble_report.png (see figure), never through a link planted at the name."""
     buffer = io.BytesIO()
     figure(summary).savefig(buffer, dpi=80, format="png")
-    workdir_lib.replace_text(path, buffer.getvalue())
+    workdir_lib.write_text(path, buffer.getvalue())
 
 
 def figure(summary):

@@ -16,7 +16,7 @@ def plot(path, config, trials, space, best, importances, objective, direction):
     """Writes tune_report.png (see figure), never through a link planted at the name."""
     buffer = io.BytesIO()
     figure(config, trials, space, best, importances, objective, direction).savefig(buffer, dpi=80, format="png")
-    workdir_lib.replace_text(path, buffer.getvalue())
+    workdir_lib.write_text(path, buffer.getvalue())
 
 
 def figure(config, trials, space, best, importances, objective, direction):

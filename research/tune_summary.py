@@ -117,4 +117,4 @@ def write_flagfile(path, config, best, space, objective):
         f"#   python launch.py --flagfile={path}",
         f"# reruns it with {exact}; add --eval_split=test (after the flagfile) for its held-out {objective}.",
     ]
-    workdir_lib.replace_text(path, "\n".join(header + lines) + "\n")  # never through a link planted at the name
+    workdir_lib.write_text(path, "\n".join(header + lines) + "\n")  # never through a link planted at the name

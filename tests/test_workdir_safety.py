@@ -336,3 +336,28 @@ def test_a_picture_that_cannot_be_encoded_fails_as_a_write_naming_it(tmp_path):
     with pytest.raises(CheckpointError, match=f"^cannot write {tmp_path / 'digits.png'}: "):
         out.pictures(5, {"digits": tf.zeros([8, 8, 5], tf.uint8)})
     assert not (tmp_path / "digits.png").exists()
+
+
+class _Figure:
+    def savefig(self, buffer, **kwargs):
+        buffer.write(b"a picture")
+
+
+@pytest.mark.parametrize("writer", ["tune_report", "ensemble_report", "predictions"])
+def test_researchs_files_fail_as_writes_naming_them(tmp_path, monkeypatch, writer):
+    """tune_report.png, ensemble_report.png and predictions.npz that cannot be written (a folder at the name) stop the
+    run as a failed write of the file (CheckpointError, exit 4), as the engine's own files do."""
+    from research import ensemble_members, ensemble_report, tune_report
+
+    path = tmp_path / "taken"
+    path.mkdir()
+    monkeypatch.setattr(tune_report, "figure", lambda *args: _Figure())
+    monkeypatch.setattr(ensemble_report, "figure", lambda *args: _Figure())
+    write = {
+        "tune_report": lambda: tune_report.plot(str(path), *[None] * 7),
+        "ensemble_report": lambda: ensemble_report.plot(str(path), None),
+        "predictions": lambda: ensemble_members.write_predictions(str(path), {}, [], None, None),
+    }[writer]
+    with pytest.raises(CheckpointError, match=f"^cannot write {path}: "):
+        write()
+    assert path.is_dir()
