@@ -6,11 +6,12 @@ import importlib.util
 import re
 
 from engine.settings.checks import fail, strategy_plan
+from engine.settings.plugins import RESEARCH_MODES
 
 
 def check(config):
     """The mode's own checks, for --mode=tune or --mode=ensemble; nothing for another mode."""
-    if config.mode not in ("tune", "ensemble"):
+    if config.mode not in RESEARCH_MODES:
         return
     if config.validation_split.split("[")[0] == "test":
         fail("validation_split", config.validation_split, "tuning and ensemble fitting never look at the test split")

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from engine.settings import checks, sections
 from engine.settings.errors import ConfigError, TaskError
-from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES
+from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES, readers
 from engine.settings.identity import KINDS, holds
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
@@ -100,7 +100,7 @@ def slot_dtypes(hp, dtype):
 def rule_settings(rule):
     """The settings update rule `rule` ("sgd") reads of its own, in the order engine/settings/fields.py declares
     them: those declared with `readers={"optimizer": (..., rule)}`."""
-    return [name for name, field in FIELD_BY_NAME.items() if ("optimizer", rule) in field.metadata.get("readers", ())]
+    return [name for name in FIELD_BY_NAME if ("optimizer", rule) in (readers(name) or ())]
 
 
 def checked_settings(optimization, overrides, what):

@@ -150,7 +150,7 @@ class Controller:
             # A run of several updates: each one's loss and gradient norm over the last round, its last rates, and the
             # settings each trained with.
             **(_update_metrics(program, last) if len(run.plans) > 1 and last else {}),
-            **({"updates": updates.effective_settings(run.plans)} if len(run.plans) > 1 else {}),
+            **({"updates": settings} if (settings := updates.effective_settings(run.plans)) else {}),
             "skipped_steps": int(run.state.skipped.numpy()),
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
             "wall_seconds": time.time() - self.started,

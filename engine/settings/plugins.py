@@ -5,6 +5,7 @@ literals (its SETTINGS, READS, a task's DATASET, MODEL and ACTIONS) are read fro
 against the plugins before TensorFlow starts, and the engine imports a plugin only to run it."""
 
 import ast
+import functools
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
@@ -47,9 +48,7 @@ def path(kind, name):
 def read_constant(file, name, default):
     """The literal value a module assigns to `name` at its top level, read from its file without importing it
     (no TensorFlow starts), or `default`."""
-    with open(file) as f:
-        tree = ast.parse(f.read(), file)
-    for node in tree.body:
+    for node in _parsed(file, os.stat(file).st_mtime_ns).body:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
             return ast.literal_eval(node.value)
     return default
@@ -66,6 +65,13 @@ def file_sources():
 def is_argument(argument):
     """Whether a source's `ARGUMENT` is what --help reads: ("PATH", "what it names")."""
     return isinstance(argument, tuple) and len(argument) == 2 and all(isinstance(s, str) and s for s in argument)
+
+
+@functools.cache
+def _parsed(file, mtime):
+    """A plugin file's syntax tree, parsed once for the several literals read of it (a file changed since: again)."""
+    with open(file) as f:
+        return ast.parse(f.read(), file)
 
 
 def constant(kind, name, literal, default):

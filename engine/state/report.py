@@ -255,8 +255,7 @@ class Report:
 
     def _append(self, name, record):
         path = os.path.join(self.workdir, name)
-        with writing(path):
-            append_text(path, json.dumps(record) + "\n")
+        append_text(path, json.dumps(record) + "\n")
 
     def _scalars(self, writer, step, values):
         with writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):

@@ -158,12 +158,12 @@ def write_json(path, obj):
 def append_text(path, text):
     """Appends `text` to the log `path`, created if missing; a link there is refused (CheckpointError, like any
     failed write of the run's files), never appended through."""
-    try:
+    path = local_path(path)  # a remote path as it is
+    with writing(path):
         if not is_local(path):
             with tf.io.gfile.GFile(path, "a") as f:
                 f.write(text)
             return
-        path = local_path(path)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -172,8 +172,6 @@ def append_text(path, text):
             raise
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             f.write(text)
-    except OSError as e:
-        raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def make_workdir(path):

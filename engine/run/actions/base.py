@@ -55,8 +55,9 @@ class Action:
 
     def due(self, step, stopping):
         """Whether it acts after a round that ended at `step` (`stopping`: the run stops there on a signal; asked as
-        False before the round runs, when the controller asks what the step must return)."""
-        return True
+        False before the round runs, when the controller asks what the step must return): at each multiple of
+        `every`, after every round without one."""
+        return not self.every or step % self.every == 0
 
     def around(self, start, end, context):
         """A context manager around the round from `start` to `end` (a profiler's trace); none by default."""

@@ -22,10 +22,7 @@ class Action(base.Action):
     needs = frozenset({"gradients"})
 
     def __init__(self, config):
-        self.every = config.histogram_every
-
-    def due(self, step, stopping):
-        return step % self.every == 0
+        self.every = config.histogram_every  # due at its multiples (Action.due), where rounds end
 
     def __call__(self, round, context):
         run = context.run
