@@ -50,7 +50,7 @@ import json, sys, os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import launch
 from engine.cluster import distribute
-from engine.run import build, memory
+from engine.run import build, inputs, memory
 
 def hwm():
     with open("/proc/self/status") as f:
@@ -59,7 +59,7 @@ def hwm():
 launch._parse_flags(["launch.py", *sys.argv[2:]])
 config = launch._config_from_flags()
 strategy = distribute.create_strategy(config)
-source, task = build.source_and_task(config)
+source, task = inputs.source_and_task(config)
 from engine.data import datasets
 datasets.prepare(config, source, task)
 before = hwm()

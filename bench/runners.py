@@ -70,12 +70,12 @@ class FitRunner:
         import keras
         import tensorflow as tf
 
-        from engine.run import build
+        from engine.run import inputs
 
         keras.mixed_precision.set_global_policy(config.precision)
         keras.utils.set_random_seed(config.seed)
 
-        data = build.inputs(config)
+        data = inputs.run_data(config)
         # The engine's own pipeline, one replica, as the (inputs, labels) pairs fit reads.
         self.dataset = data.train_fn(tf.distribute.InputContext()).map(lambda b: (b["image"], b["label"]))
         module = importlib.import_module(f"models.{config.model}")

@@ -33,7 +33,7 @@ from engine.data.tfds_source import load as tfds_source
 from engine.numerics.replica import Gradients, ReplicaStep
 from engine.numerics.updates import DEFAULT, Update
 from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
-from engine.run.build import training_batches
+from engine.run.inputs import training_batches
 from engine.settings.config import first_line
 from engine.settings.errors import ConfigError, TaskError
 from engine.state.warm_start import weights

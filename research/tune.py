@@ -140,7 +140,7 @@ def objective_of(config):
 def _check_reported(config, name, strategy):
     """Refuses, before any trial, an objective that an evaluation of this task does not report: the task's metrics
     as its report() names them, then what its probe() adds."""
-    run = build.run(with_values(config, {}), strategy, training=False)
+    run = build.run(with_values(config, {}), strategy, "evaluate")
     # Ones, not zeros: a report may take a logarithm or divide.
     reported = set(run.task.report({metric: 1.0 for metric in run.evaluator.metric_names}))
     if name not in reported:

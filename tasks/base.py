@@ -122,6 +122,10 @@ class Task:
             input_signature=signature,
         )
 
+    # What each class index means, for a task whose outputs are classes (classification: a tuple of names): written
+    # to config.json and summary.json and served beside each predicted index by the export. None: no classes.
+    class_names = None
+
     # A task that generates (language_model) defines sample(self, models, config) -> text, for --mode=sample.
     sample = None
 

@@ -6,6 +6,7 @@ every row was measured and is a finite number, so the benchmark cannot rot.
 
 import json
 import math
+import re
 
 import pytest
 
@@ -180,7 +181,7 @@ def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tm
     """bench/pytorch.py's prepare: what bench/torch_gpt.py starts from is the engine's own run, not a copy."""
     import numpy as np
 
-    from engine.run import build
+    from engine.run import inputs
     from engine.settings.config import validate
     from engine.settings.fields import Config
 
@@ -206,7 +207,7 @@ def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tm
     batches = np.load(tmp_path / "batches.npy")
     assert batches.shape == (3, 4, 17)
     config = validate(Config(task="language_model", workdir=str(tmp_path / "unused"), **TINY_GPT))
-    engine = build.inputs(config)
+    engine = inputs.run_data(config)
     for k in range(3):
         np.testing.assert_array_equal(batches[k], engine.gather(np.int64(k), 0, 1)["tokens"].numpy())
     # Every validation character is a target exactly once.
@@ -230,3 +231,21 @@ def test_pytorch_rows_give_the_median_and_range_of_paired_ratios():
     assert cells[6] == "0.70x (0.67-1.00)"  # the median of 60/90, 80/80, 70/100; not 70/90
     assert cells[7:10] == ["25.0", "30.0", "1.00x (0.50-1.00)"]  # 20/40, 30/30, 25/25
     assert cells[10] == "1.0-3.0"
+
+
+@pytest.mark.slow  # about 15 s: writes 16 record files and reads them back
+def test_resume_quick_reads_each_byte_once_per_epoch_and_restarts_by_arithmetic():
+    result = forkserver.run(["-m", "bench.resume", "--quick"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    # Each of 1, 2 and 4 pipelines reads its share of the split's bytes: together, each byte once.
+    totals = [line.rsplit("(total ", 1)[1] for line in lines if "of the split's bytes in one epoch" in line]
+    assert totals == ["1.000)"] * 3
+    # Restarting by the files' record counts reads less than an epoch's bytes, near the start and 100,000 steps
+    # (8,000 epochs) in: replaying the stream would read every byte before the position.
+    split = float(next(line for line in lines if " files x " in line).split("records, ")[1].split(" MiB")[0])
+    read = [float(line.split("batch")[1].split("MiB")[0]) for line in lines if line.startswith("files   restart")]
+    assert len(read) == 2 and all(0 < r < split for r in read), (read, split)
+    # The replay's ratio compares a far restart with a near one.
+    far, near = re.search(r"^replay: step ([\d,]+) / step ([\d,]+):", result.stdout, re.M).groups()
+    assert int(far.replace(",", "")) > int(near.replace(",", ""))

@@ -5,6 +5,7 @@ model, and what a checkpoint holds is one named State."""
 import dataclasses
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import tensorflow as tf
 import models
 from engine.data import datasets as data
 from engine.numerics.updates import Update
-from engine.run import build, loop
+from engine.run import build, inputs, loop
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir
@@ -98,19 +99,20 @@ def test_a_factory_of_the_older_form_gets_the_shape_as_a_tuple(model_file, data_
 
 def test_the_data_receives_the_task_built_before_it(data_dir):
     config = helpers.make_config(data_dir)
-    source, task = build.source_and_task(config)
+    source, task = inputs.source_and_task(config)
     assert type(task) is classification.Task and task.info is source.info
     prepared = data.prepare(config, source, task)
     assert prepared.task is task and task.spec == prepared.spec
     assert prepared.spec["image"] == tf.TensorSpec([8, 8, 1], tf.float32)  # the task's prepare: scaled floats
-    loaded = build.inputs(config)  # what evaluation and research read: built the same way
+    loaded = inputs.run_data(config)  # what evaluation and research read: built the same way
     assert type(loaded.task) is classification.Task and loaded.spec == prepared.spec
 
 
 def test_a_trained_model_of_another_task_is_refused_naming_the_flag(data_dir, tmp_path):
     other = str(tmp_path / "other")
     os.makedirs(other)
-    workdir.write_config(helpers.make_config(data_dir, other, task="regression", dataset="synthetic"), object())
+    regression = types.SimpleNamespace(class_names=None)  # a task without classes, as a regression run's
+    workdir.write_config(helpers.make_config(data_dir, other, task="regression", dataset="synthetic"), regression)
     create = build.Create(helpers.make_config(data_dir), {})
     with pytest.raises(ConfigError, match=rf"^--teacher={other}: a --task=regression run; the teacher must be a "):
         create.trained(other, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from engine.cluster import distribute, launcher
 from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE, SLURM_VARIABLES, PeerLost
-from engine.run import build, loop
+from engine.run import build, inputs, loop
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint
@@ -376,10 +376,10 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
     )
     try:
         config = helpers.make_config(data_dir)
-        direct = [b["image"].numpy() for b in build.inputs(config).train_fn(tf.distribute.InputContext()).take(5)]
+        direct = [b["image"].numpy() for b in inputs.run_data(config).train_fn(tf.distribute.InputContext()).take(5)]
         served_config = dataclasses.replace(config, tf_data_service=dispatcher.target)
         served = [
-            b["image"].numpy() for b in build.inputs(served_config).train_fn(tf.distribute.InputContext()).take(5)
+            b["image"].numpy() for b in inputs.run_data(served_config).train_fn(tf.distribute.InputContext()).take(5)
         ]
     finally:
         # The worker first: left to garbage collection, the dispatcher could go first, and a worker stopping

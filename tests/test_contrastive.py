@@ -196,7 +196,7 @@ def test_settings_that_would_break_the_global_negatives_are_refused(data_dir):
 def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
     import tensorflow as tf
 
-    from engine.run import build
+    from engine.run import build, inputs
     from tasks.contrastive import linear_probe
 
     # Measured (test split, 360 examples): raw pixels 0.9528; this encoder untrained 0.9611 (random features of a
@@ -212,7 +212,7 @@ def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
     )
 
     def pixels(split):
-        batches = list(build.inputs(config, split).eval_fn(tf.distribute.InputContext()))
+        batches = list(inputs.run_data(config, split).eval_fn(tf.distribute.InputContext()))
         real = np.concatenate([b["weight"].numpy() > 0 for b in batches])
         images = np.concatenate([b["image"].numpy().reshape(len(b["image"]), -1) for b in batches])[real]
         return images.astype(np.float64), np.concatenate([b["label"].numpy() for b in batches])[real]

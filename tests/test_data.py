@@ -12,7 +12,7 @@ import tensorflow as tf
 from engine.data import datasets as data
 from engine.data import tfds_source
 from engine.data.records import Source, in_memory
-from engine.run import build
+from engine.run import build, inputs
 from sources import digits
 from tests import helpers
 
@@ -36,7 +36,7 @@ def _store(storage, monkeypatch):
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])
 def test_workers_split_each_global_batch_exactly(data_dir, dataset):
     config = helpers.make_config(data_dir, dataset=dataset, synthetic_shape=(4, 4, 1), synthetic_examples=256)
-    loaded = build.inputs(config)
+    loaded = inputs.run_data(config)
     one = _batches(loaded.train_fn(tf.distribute.InputContext()), 30)  # spans several epochs
     workers = [_batches(loaded.train_fn(tf.distribute.InputContext(2, i, 2)), 30) for i in range(2)]
     for step in range(30):
@@ -55,7 +55,7 @@ def _examples(dataset):
 
 def test_one_epoch_of_two_workers_is_the_dataset_without_overlap(data_dir):
     # The eval pipeline reads each example once: pointed at the training split it shows one epoch.
-    loaded = build.inputs(helpers.make_config(data_dir, eval_split="train", eval_batch_size=2))
+    loaded = inputs.run_data(helpers.make_config(data_dir, eval_split="train", eval_batch_size=2))
     workers = [_examples(loaded.eval_fn(tf.distribute.InputContext(2, i, 2))) for i in range(2)]
     everything = _examples(loaded.eval_fn(tf.distribute.InputContext()))
     assert len(everything) == 1257 and abs(len(workers[0]) - len(workers[1])) <= 1
@@ -65,7 +65,7 @@ def test_one_epoch_of_two_workers_is_the_dataset_without_overlap(data_dir):
 @pytest.mark.parametrize("pipelines", [1, 2])
 def test_eval_padding_counts_each_example_once(data_dir, pipelines):
     config = helpers.make_config(data_dir, eval_batch_size=64)
-    loaded = build.inputs(config)
+    loaded = inputs.run_data(config)
     assert (loaded.eval_examples, loaded.eval_steps) == (360, 6)
     total, batches = 0.0, 0
     for i in range(pipelines):
@@ -102,8 +102,8 @@ def test_synthetic_is_deterministic_and_learnable_shape(data_dir):
     config = helpers.make_config(
         data_dir, dataset="synthetic", synthetic_shape=(5, 3), synthetic_classes=4, synthetic_examples=128
     )
-    a = _batches(build.inputs(config).train_fn(tf.distribute.InputContext()), 2)
-    b = _batches(build.inputs(config).train_fn(tf.distribute.InputContext()), 2)
+    a = _batches(inputs.run_data(config).train_fn(tf.distribute.InputContext()), 2)
+    b = _batches(inputs.run_data(config).train_fn(tf.distribute.InputContext()), 2)
     np.testing.assert_array_equal(a[1][0], b[1][0])
     assert a[0][0].shape == (64, 5, 3) and set(np.unique(a[0][1])) <= {0, 1, 2, 3}
     assert len(np.unique(np.concatenate([a[0][1], a[1][1]]))) > 1
@@ -112,7 +112,7 @@ def test_synthetic_is_deterministic_and_learnable_shape(data_dir):
 @pytest.mark.parametrize("storage,pipelines", [("in_memory", 1), ("in_memory", 2), ("streamed", 1)])
 def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(data_dir, pipelines, storage, monkeypatch):
     _store(storage, monkeypatch)
-    loaded = build.inputs(helpers.make_config(data_dir))
+    loaded = inputs.run_data(helpers.make_config(data_dir))
     for i in range(pipelines):
         ctx = tf.distribute.InputContext(pipelines, i, pipelines)
         straight = _batches(loaded.train_fn(ctx, 0), 45)
@@ -124,7 +124,7 @@ def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(data_dir, pip
 
 def test_each_epoch_is_a_permutation(data_dir):
     config = helpers.make_config(data_dir, dataset="synthetic", synthetic_shape=(3,), synthetic_examples=256)
-    loaded = build.inputs(config)
+    loaded = inputs.run_data(config)
     epochs = [
         np.concatenate([b[0] for b in _batches(loaded.train_fn(tf.distribute.InputContext(), e * 4), 4)])
         for e in range(2)
@@ -136,10 +136,10 @@ def test_each_epoch_is_a_permutation(data_dir):
 
 def test_streamed_epochs_are_new_permutations_of_the_split(data_dir, monkeypatch):
     config = helpers.make_config(data_dir, eval_split="train", eval_batch_size=2)
-    in_memory = build.inputs(config)
+    in_memory = inputs.run_data(config)
     split = _examples(in_memory.eval_fn(tf.distribute.InputContext()))  # the training split, each example once
     _store("streamed", monkeypatch)
-    streamed = build.inputs(config)
+    streamed = inputs.run_data(config)
     n = streamed.train_examples
     stream = [
         (x.tobytes(), int(y))
@@ -157,7 +157,7 @@ def test_a_gathered_share_is_the_pipelines_batch(data_dir, pipelines):
     """What a step gathers for itself (data.gather) is, batch for batch, what each worker's pipeline gives it,
     across epochs (digits: 1,437 training examples, 40 batches of 64 run into the second epoch)."""
     config = helpers.make_config(data_dir)
-    loaded = build.inputs(config)
+    loaded = inputs.run_data(config)
     for worker in range(pipelines):
         dataset = loaded.train_fn(tf.distribute.InputContext(pipelines, worker, pipelines), 3)
         for k, batch in enumerate(dataset.take(40), start=3):
@@ -175,7 +175,6 @@ def test_steps_gather_their_batches_on_one_cpu_replica_and_train_as_the_pipeline
 ):
     """One CPU replica per worker and a split held in memory: each step gathers its own batch (no pipeline to wait
     on). Rounds that do match rounds fed by the pipeline, and a run resumed at another batch reads on from it."""
-    from engine.run import build
 
     config = helpers.make_config(data_dir, train_steps=30)
     gathering = build.run(config, one_device)
@@ -215,7 +214,7 @@ def test_a_replayed_tfds_stream_reshuffles_each_epoch_reproducibly_from_the_seed
     config = helpers.make_config(str(tmp_path), train_split=f"train[:{n}]")
 
     def stream(config, start=0, batches=8):
-        loaded = build.inputs(config)
+        loaded = inputs.run_data(config)
         assert (loaded.gather, loaded.sharded, loaded.train_examples) == (None, False, n)  # replayed, not gathered
         return [
             _key(x) for xs, _ in _batches(loaded.train_fn(tf.distribute.InputContext(), start), batches) for x in xs
@@ -240,7 +239,7 @@ def test_an_empty_tfds_split_is_refused_in_one_line(data_dir, flag, split):
     from engine.settings.errors import ConfigError
 
     with pytest.raises(ConfigError) as raised:
-        build.inputs(helpers.make_config(data_dir, **{flag: split}))
+        inputs.run_data(helpers.make_config(data_dir, **{flag: split}))
     assert str(raised.value) == f"--{flag}={split}: holds no examples of digits"
 
 
@@ -253,5 +252,5 @@ def test_any_source_with_an_empty_evaluation_split_is_refused(monkeypatch):
     source = Source(split(64), split(0), spec, {"num_classes": 2})
     monkeypatch.setattr(data, "load_source", lambda config, features, split=None: source)
     with pytest.raises(ConfigError) as raised:
-        build.inputs(helpers.make_config("", dataset="synthetic"), "validation")
+        inputs.run_data(helpers.make_config("", dataset="synthetic"), "validation")
     assert str(raised.value) == "--dataset=synthetic: the split validation it evaluates holds no examples"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.run import build, loop
+from engine.run import inputs, loop
 from engine.settings.errors import ConfigError
 from engine.state import lock
 from research import checks, ensemble, ensemble_weights
@@ -240,7 +240,7 @@ def write_centroid_member(data_dir, path, splits=("validation", "test"), shuffle
     each example's position in the split (the evaluation batches' `index`), as a model outside the engine might."""
 
     def examples(split):
-        batches = build.inputs(helpers.make_config(data_dir), split).eval_fn(tf.distribute.InputContext())
+        batches = inputs.run_data(helpers.make_config(data_dir), split).eval_fn(tf.distribute.InputContext())
         real = [{k: v.numpy()[b["weight"].numpy() > 0] for k, v in b.items()} for b in batches]
         return {k: np.concatenate([b[k] for b in real]) for k in ("image", "label", "index")}
 
@@ -286,7 +286,7 @@ def test_a_file_of_another_models_predictions_joins_two_nets_in_a_geometric_mean
     splits = {"validation": "validation", "test": "test"}
     labels = {}
     for key, split in splits.items():
-        reference = build.inputs(helpers.make_config(data_dir), split).eval_fn(tf.distribute.InputContext())
+        reference = inputs.run_data(helpers.make_config(data_dir), split).eval_fn(tf.distribute.InputContext())
         labels[key] = np.concatenate([b["label"].numpy()[b["weight"].numpy() > 0] for b in reference])
         probabilities = in_split_order(centroids, split)
         accuracy = np.mean(np.argmax(probabilities, axis=1) == labels[key])

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from engine.data.pipeline import UNDECODABLE
 from engine.data.records import sharded, unreadable
-from engine.run import build, loop
+from engine.run import inputs, loop
 from engine.settings.errors import ConfigError
 from sources import folder, tfrecord
 from tests import helpers
@@ -57,7 +57,7 @@ def _refused(config, why):
     """The one-line ConfigError that loading `config`'s data raises; it starts with --dataset=... unless `why`
     names another flag."""
     with pytest.raises(ConfigError) as caught:
-        build.inputs(config)
+        inputs.run_data(config)
     message = str(caught.value)
     assert "\n" not in message and why in message, message
     return message
@@ -436,7 +436,7 @@ def test_a_record_unlike_the_features_stops_the_stream_naming_its_file_and_recor
             writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
     glob = f"{tmp_path}/{{split}}-*"
     config = _config(data_dir, glob, "tfrecord", tfrecord_features=features, tfrecord_classes=3, eval_split="train")
-    loaded = build.inputs(dataclasses.replace(config, global_batch_size=4, eval_batch_size=4))
+    loaded = inputs.run_data(dataclasses.replace(config, global_batch_size=4, eval_batch_size=4))
     dataset = loaded.train_fn if training else loaded.eval_fn
     with pytest.raises(tf.errors.InvalidArgumentError, match=UNDECODABLE):
         next(iter(dataset(tf.distribute.InputContext())))
@@ -533,7 +533,7 @@ def test_an_npz_file_whose_name_is_not_utf8_is_read(data_dir, tmp_path):
     with open(path, "wb") as f:
         np.savez(f, **{"train/image": np.ones((16, 4), np.float32), "train/label": np.arange(16) % 2,
                        "test/image": np.ones((4, 4), np.float32), "test/label": np.arange(4) % 2})  # fmt: skip
-    loaded = build.inputs(helpers.make_config(data_dir, dataset=f"npz:{os.fsdecode(path)}", global_batch_size=4))
+    loaded = inputs.run_data(helpers.make_config(data_dir, dataset=f"npz:{os.fsdecode(path)}", global_batch_size=4))
     assert (loaded.train_examples, loaded.eval_examples) == (16, 4)
     # As a user runs it: the run's lines name the file by its bytes (stdout and stderr escape nothing away).
     from tests import forkserver

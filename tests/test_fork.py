@@ -91,3 +91,18 @@ def test_a_custom_step_is_one_more_task_file(fork, binary, tmp_path):
     served = tf.saved_model.load(str(tmp_path / "mixup" / "export" / str(STEPS))).signatures["serving_default"]
     logits = served(point=tf.constant([[0.0, 0.0], [0.3, -0.2], [-0.5, 0.5]]))["outputs"].numpy()
     assert logits.shape == (3, 1) and np.isfinite(logits).all()
+
+
+def test_the_public_face_loads_no_part_of_the_run_that_builds_plugins():
+    # Every bundled task and source imports engine.api; the run's composition (engine/run/build.py and what it
+    # builds) imports the tasks and sources. The face that plugins import reaches only the wings below the run's
+    # composition, so loading a plugin never loads the machinery that loads it.
+    code = (
+        "import sys, engine.api, tasks.classification, sources.digits; "
+        "print(sorted(m for m in sys.modules if m.startswith('engine.run.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    # The action interface and a run's inputs (training_batches), nothing that composes or drives a run.
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert loaded == "['engine.run.actions', 'engine.run.actions.base', 'engine.run.inputs']"

@@ -3,12 +3,13 @@ validation loss, sampling, and mirrored parity."""
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.run import build
+from engine.run import inputs
 from engine.settings.errors import ConfigError
 from sources import shakespeare
 from tests import helpers
@@ -87,7 +88,7 @@ def test_evaluation_weighs_each_real_target_position_once_and_padding_not_at_all
     """The per-position weights the metrics use, window by window of the evaluation batches: 1 on a real target, 0
     on the padded end of the last window and on the weight-0 windows that fill the last batch."""
 
-    loaded = build.inputs(_config(eval_batch_size=512))
+    loaded = inputs.run_data(_config(eval_batch_size=512))
     targets = len(shakespeare.text()) - shakespeare.boundary()
     weights = np.concatenate(
         [loaded.task.target_weights(batch).numpy() for batch in loaded.eval_fn(tf.distribute.InputContext())]
@@ -176,6 +177,29 @@ def test_sample_prints_the_prompt_and_sample_length_characters_of_the_vocabulary
     # From the likeliest token only, the draw is the argmax whatever the seed.
     greedy = dataclasses.replace(config, sample_top_k=1, sample_length=50)
     assert evaluate.sample(greedy) == evaluate.sample(dataclasses.replace(greedy, seed=4))
+
+
+def test_sample_and_export_build_the_models_and_their_state_alone(trained, tmp_path, monkeypatch):
+    # What these modes never use is never built: no optimizer, train program, evaluator or XLA choice.
+    from engine.run import build
+    from engine.run import modes as evaluate
+
+    def built(what):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{what} was built")
+
+        return refuse
+
+    monkeypatch.setattr(build, "Evaluator", built("an evaluator"))
+    monkeypatch.setattr(build, "TrainProgram", built("a train program"))
+    monkeypatch.setattr(build.updates, "build_plans", built("an optimizer"))
+    monkeypatch.setattr(build.xla, "resolve", built("an XLA choice"))
+    workdir, _ = trained
+    config = _config(workdir=workdir, mode="sample", sample_length=20, sample_prompt="ROMEO:", seed=3)
+    assert len(evaluate.sample(config)) == len("ROMEO:") + 20
+    export_dir = str(tmp_path / "export")
+    assert evaluate.export(dataclasses.replace(config, mode="export", seed=0, export_dir=export_dir)) == export_dir
+    assert tf.io.gfile.exists(os.path.join(export_dir, "saved_model.pb"))
 
 
 def test_sample_refuses_a_prompt_with_characters_outside_the_vocabulary(trained):

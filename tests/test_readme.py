@@ -179,3 +179,26 @@ def test_the_readmes_layout_names_every_plugin_of_this_checkout(kind):
     end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
     named = set(re.findall(r"[a-z_0-9]+", " ".join(lines[start:end])))
     assert set(plugins.names(kind)) - named == set(), folder
+
+
+def _pins(name):
+    """The requirements a requirement file names itself (its -r includes left out), as written."""
+    with open(os.path.join(ROOT, name)) as f:
+        lines = [line.split("#")[0].strip() for line in f]
+    return sorted(line for line in lines if line and not line.startswith("-"))
+
+
+def test_the_package_extras_pin_what_the_requirement_files_pin():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    extras = project["optional-dependencies"]
+    assert sorted(project["dependencies"]) == _pins("requirements.txt")
+    assert sorted(extras["research"]) == _pins("requirements-research.txt")
+    assert sorted(extras["test"]) == _pins("requirements-test.txt")
+    assert sorted(extras["gpu"]) == _pins("requirements-gpu.txt")
+    assert extras["dev"] == ["tf-training-engine[research,test]"]
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        includes = [line.split()[1] for line in f if line.startswith("-r ")]
+    assert includes == ["requirements.txt", "requirements-research.txt", "requirements-test.txt"]

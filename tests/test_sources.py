@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.run import build, loop
+from engine.run import inputs, loop
 from engine.settings.errors import ConfigError
 from tests import helpers
 
@@ -39,7 +39,7 @@ def test_an_npz_file_trains_and_evaluates_every_example_once(data_dir, tmp_path,
         hidden_sizes=(16,),
         learning_rate=1e-2,
     )
-    loaded = build.inputs(config)
+    loaded = inputs.run_data(config)
     assert (loaded.train_examples, loaded.eval_examples, loaded.task.outputs) == (300, 70, 3)
     seen = [b for b in loaded.eval_fn(tf.distribute.InputContext())]
     weights = np.concatenate([b["weight"].numpy() for b in seen])
@@ -67,7 +67,7 @@ def test_a_bad_npz_file_is_refused_naming_it(data_dir, tmp_path, contents, why):
         np.savez(path, **contents)
     config = helpers.make_config(data_dir, dataset=f"npz:{path}")
     with pytest.raises(ConfigError, match=why):
-        build.inputs(config)
+        inputs.run_data(config)
 
 
 def test_a_missing_npz_file_ends_in_one_line(data_dir, tmp_path):
@@ -80,7 +80,7 @@ def test_a_missing_npz_file_ends_in_one_line(data_dir, tmp_path):
 
 def test_npz_needs_a_path(data_dir):
     with pytest.raises(ConfigError, match=r"--dataset=npz: name the file, --dataset=npz:PATH"):
-        build.inputs(dataclasses.replace(helpers.make_config(data_dir), dataset="npz"))
+        inputs.run_data(dataclasses.replace(helpers.make_config(data_dir), dataset="npz"))
 
 
 _GOOD = {
@@ -156,7 +156,7 @@ def test_a_bad_npz_array_is_refused_naming_the_file_and_the_array(data_dir, tmp_
     np.savez(path, **{**_GOOD, **arrays})
     config = helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_batch_size=4)
     with pytest.raises(ConfigError) as raised:
-        build.inputs(config)
+        inputs.run_data(config)
     assert str(raised.value) == f"--dataset=npz:{path}: {why}"
 
 
@@ -164,5 +164,7 @@ def test_a_good_npz_file_of_few_examples_and_many_classes_is_accepted(data_dir, 
     """A label may name classes no example has (a subset of a large label set), up to 2**16 of them."""
     path = tmp_path / "subset.npz"
     np.savez(path, **{**_GOOD, "train/label": np.array([0, 1, 2, 999, 0, 1, 2, 0])})
-    loaded = build.inputs(helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_batch_size=4))
+    loaded = inputs.run_data(
+        helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_batch_size=4)
+    )
     assert (loaded.train_examples, loaded.eval_examples, loaded.task.outputs) == (8, 4, 1000)

@@ -15,7 +15,7 @@ import tensorflow as tf
 from engine.data import datasets as data
 from engine.data.pipeline import Pipelines
 from engine.data.records import Source, in_memory, sharded
-from engine.run import build
+from engine.run import build, inputs
 from engine.run.actions.builtin import INPUT_WINDOW_STEPS
 from engine.settings.errors import ConfigError
 from tests import helpers
@@ -67,7 +67,7 @@ def _ids(batches):
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelines", [2, 4])
 def test_each_pipeline_reads_only_its_own_files(records, pipelines):
-    loaded = build.inputs(_config())
+    loaded = inputs.run_data(_config())
     sizes = {f: os.path.getsize(path) for f, (path, _) in enumerate(records)}
     total = sum(sizes.values())
     owned, read = [], []
@@ -106,7 +106,7 @@ def test_a_restart_reads_as_little_at_step_100000_as_at_step_100(records):
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelines", [1, 2])
 def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(records, pipelines):
-    loaded = build.inputs(_config())
+    loaded = inputs.run_data(_config())
     for i in range(pipelines):
         ctx = tf.distribute.InputContext(pipelines, i, pipelines)
         straight = list(loaded.train_fn(ctx, 0).take(45))
@@ -119,7 +119,7 @@ def test_resuming_at_a_batch_reads_what_an_uninterrupted_run_reads(records, pipe
 
 def test_stream_positions_match_the_random_access_convention(records):
     """`index` is the global stream position, as in memory: a pipeline's share of batch k is every n-th of it."""
-    loaded = build.inputs(_config())
+    loaded = inputs.run_data(_config())
     seen = []
     for i in range(2):
         for k, batch in enumerate(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 3).take(2)):
@@ -163,7 +163,7 @@ def test_a_changed_worker_count_is_refused_for_files_and_exact_in_memory(records
     trainer.state.batches.assign(5)
     assert trainer.program.train_iterator() is None  # not refused; each step gathers its batch from the data position
     batch = trainer.data.gather(tf.constant(5, tf.int64), tf.constant(0, tf.int64), trainer.program.pipelines)
-    loaded = build.inputs(helpers.make_config(data_dir))
+    loaded = inputs.run_data(helpers.make_config(data_dir))
     halves = [next(iter(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 5))) for i in range(2)]
     assert sorted(batch["index"].numpy()) == sorted(np.concatenate([h["index"] for h in halves]))
     assert int(trainer.state.input_pipelines.numpy()) == 1  # what the next checkpoint says
@@ -258,7 +258,7 @@ def test_two_workers_resumed_as_one_are_refused_on_files_and_continue_in_memory(
 def test_a_parameter_server_workers_stream_is_built_inside_a_traced_function(records):
     """Under parameter servers each worker builds its dataset in a traced function, its stream number a tensor (the
     servers' counter): the streamed split places its start by graph arithmetic, alike to the eager build."""
-    loaded = build.inputs(_config())
+    loaded = inputs.run_data(_config())
     ctx = tf.distribute.InputContext()
     traced = tf.function(lambda stream: loaded.train_fn(ctx, 7, stream))(tf.constant(2, tf.int64))
     eager = loaded.train_fn(ctx, 7, 2)

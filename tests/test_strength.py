@@ -12,7 +12,7 @@ import tensorflow as tf
 if __name__ == "__main__":  # run as a script: the parameter-server probe below
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.run import build
+from engine.run import build, inputs
 from tests import forkserver, helpers  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def _epochs(loaded, stream, count):
 
 def test_each_stream_is_its_own_order_of_the_training_set(data_dir):
     config = helpers.make_config(data_dir, dataset="synthetic", synthetic_shape=(3,), synthetic_examples=256)
-    loaded = build.inputs(config)
+    loaded = inputs.run_data(config)
     streams = {stream: _epochs(loaded, stream, 2) for stream in (0, 1, 2)}
     examples = sorted(streams[0][0])
     assert len(set(examples)) == 256

@@ -28,8 +28,8 @@ A tensorflow-datasets dataset is prepared once into --data_dir (tfds's default w
 the prepared files, tfds's download cache (<data_dir>/downloads) and the lock that lets one process of a job
 prepare it (<data_dir>/<dataset>/.prepare.lock).
 
-The streams are engine/data/pipeline.py's, the splits and their record files engine/data/records.py's; their names a
-source uses (Split, in_memory, sharded) are importable from here too.
+The streams are engine/data/pipeline.py's, the splits and their record files engine/data/records.py's (a source
+imports what it uses of them from engine/api.py).
 """
 
 import dataclasses
@@ -42,8 +42,6 @@ from engine.data import tfds_source
 from engine.data.pipeline import AUTOTUNE, Pipelines
 from engine.settings import plugins
 from engine.settings.errors import ConfigError
-
-_Pipelines = Pipelines  # the name tests/test_streamed.py and bench/resume.py build one by
 
 
 class DecodeError(ConfigError):

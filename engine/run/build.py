@@ -1,8 +1,9 @@
 """One place builds a run, top to bottom (`run`): the source and its task, the task's data, the seed, the
 models, the variables they train with their moving averages, the updates with their optimizers and loss scales,
 the state a checkpoint holds, the train program (the step and its loop), the evaluator and the actions. Every mode
-takes what it needs from it: training all of it, evaluation, export, sampling and research the models, the state
-to restore and the evaluator, without optimizers or a train program. Nothing here builds what is upstream of it:
+takes what it needs from it (PURPOSES): training all of it; evaluation and research the models, the state to
+restore and the evaluator, without optimizers or a train program; export and sampling the models and their state
+alone. Nothing here builds what is upstream of it:
 the data receives its task, a model factory receives its input's spec and the source's info."""
 
 import collections
@@ -20,7 +21,7 @@ from engine.run import actions, memory, xla
 from engine.run.actions.builtin import engine_actions
 from engine.run.create import Create
 from engine.run.evaluator import Evaluator
-from engine.run.inputs import batches
+from engine.run.inputs import examples, source_and_task
 from engine.run.program import TrainProgram
 from engine.settings.checks import check_batch
 from engine.settings.errors import ConfigError
@@ -62,8 +63,9 @@ class Weights:
 class Run:
     """A run as `run` built it. `plans`: the updates as built (engine/numerics/updates.py; [] outside training);
     `state`: what a checkpoint holds (engine/state/checkpoint.py State); `program`: the step and its loop (None
-    outside training); `actions`: what the controller does after each round, in order; `placement`: where its steps
-    execute (engine/cluster/distribute.py), worked out once from its strategy."""
+    outside training); `evaluator`: None for export and sample; `actions`: what the controller does after each
+    round, in order; `placement`: where its steps execute (engine/cluster/distribute.py), worked out once from its
+    strategy."""
 
     config: object
     placement: distribute.Placement
@@ -87,10 +89,18 @@ class Run:
         return next(iter(self.models.values()))
 
 
-def run(config, strategy, training=True, on_eval=None):
+# What a run is built for: training builds all of it; evaluation (eval, continuous_eval, research) no updates, train
+# program or actions; "weights" (export, sample) the models and what a checkpoint restores into them, no evaluator.
+PURPOSES = ("train", "evaluate", "weights")
+
+
+def run(config, strategy, purpose="train", on_eval=None):
     """The run `config` describes on `strategy`, built in order, every variable under the strategy's scope before
-    the first trace. `training`: with its updates, train program and actions (`on_eval`: the Evaluate action's
-    callback, a tuner's pruning); else what evaluation, export and research read."""
+    the first trace, with what `purpose` (PURPOSES) reads and nothing more. `on_eval`: the Evaluate action's
+    callback (a tuner's pruning)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose={purpose!r}: one of {', '.join(PURPOSES)}")
+    training, evaluating = purpose == "train", purpose != "weights"
     where = distribute.placement(strategy, distribute.strategy_name(config))
     check_batch(config, where.replicas)
     tf.config.run_functions_eagerly(config.run_eagerly)
@@ -108,19 +118,15 @@ def run(config, strategy, training=True, on_eval=None):
         state = checkpointed_state(models, plans, weights)
     # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy) if where.parameter_server else None
-    jit = xla.Choice(*xla.resolve(config.numerics, where, models))
+    jit = xla.Choice(*xla.resolve(config.numerics, where, models)) if evaluating else None
     program = TrainProgram(config, where, task, models, plans, data, state, jit, coordinator) if training else None
-    evaluator = Evaluator(config, where, task, models, data, weights, jit, examples(config), coordinator)
+    evaluator = (
+        Evaluator(config, where, task, models, data, weights, jit, examples(config), coordinator)
+        if evaluating
+        else None
+    )
     run_actions = [*engine_actions(config.loop, on_eval), *actions.load(config)] if training else []
     return Run(config, where, task, data, models, weights, plans, state, program, evaluator, run_actions)
-
-
-def source_and_task(config, split=None):
-    """The source `config.dataset` names, keeping the features its task reads (its evaluation split `split`, else
-    --eval_split), and the task built from what the source gives: its examples' spec and its info."""
-    cls = datasets.task_class(config)
-    source = datasets.load_source(config, cls.features, split)
-    return source, cls(config, source.spec, source.info)
 
 
 def shape_and_outputs(task):
@@ -132,27 +138,6 @@ def shape_and_outputs(task):
     except NotImplementedError:  # a task that builds its own models
         outputs = None
     return (tuple(spec.shape) if spec else (1,)), outputs or 2
-
-
-def inputs(config, split=None):
-    """The Data of the run `config` describes, its source and task built as a run builds them: what evaluation,
-    research and tests read without building a run. Its `task` is the task it was prepared for."""
-    source, task = source_and_task(config, split)
-    return datasets.prepare(config, source, task, split)
-
-
-def training_batches(config, start=0):
-    """The global batches the run `config` describes trains on, in order from batch `start` (each a dict of prepared
-    tensors with `index`, the examples' positions in the training stream), as one device reads them: what a fork
-    holds its step against. A step of an update that reads a fresh batch per repetition takes several in turn."""
-    return batches(inputs(config).train_fn(tf.distribute.InputContext(), start))
-
-
-def examples(config):
-    """examples(split): the prepared batches of `split`, each example once (weight 0 marks padding), on this host:
-    one pass of a generator (its tf.data iterator deleted off this thread at the end, engine/run/inputs.py release).
-    What a task's probe reads (Task.probe)."""
-    return lambda split: batches(inputs(config, split).eval_fn(tf.distribute.InputContext()))
 
 
 def seed(config):

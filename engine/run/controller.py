@@ -158,7 +158,7 @@ class Controller:
             "num_replicas": run.placement.replicas,
             "precision": config.precision,
             "global_batch_size": config.global_batch_size,
-            "class_names": list(run.task.class_names) if hasattr(run.task, "class_names") else None,
+            "class_names": None if run.task.class_names is None else list(run.task.class_names),
         }
         report.summary(summary)
         return summary

@@ -23,7 +23,7 @@ class Evaluator:
         self.config, self.placement, self.strategy = config, placement, placement.strategy
         self.task, self.models, self.data = task, models, data
         self.weights, self.coordinator = weights, coordinator
-        # examples(split): the prepared batches of a split, each example once, for Task.probe (build.examples).
+        # examples(split): the prepared batches of a split, each example once, for Task.probe (inputs.examples).
         self.examples = examples
         self.step_jit = jit  # what the step chose; `self.jit`: what the evaluation was built with
         self.followed = jit.compile  # the step's choice the evaluation was last built for

@@ -1,4 +1,6 @@
-"""How a run's steps get their training batches: one interface, four paths.
+"""A run's inputs: its source and task with their prepared Data, as the run builds them (what evaluation, research,
+tests and a fork's reference read without building a run), and how its steps get their training batches: one
+interface, four paths.
 
 `open(start)` gives what the traced inner loop reads from, from data position `start` on; `step` runs one replica
 step inside that loop with its batch; `run` runs a round of the loop from the host. The paths: each replica
@@ -14,7 +16,7 @@ import threading
 import tensorflow as tf
 
 from engine.cluster import distribute
-from engine.data.datasets import DecodeError
+from engine.data import datasets
 from engine.data.pipeline import UNDECODABLE
 from engine.data.records import unreadable
 
@@ -47,6 +49,35 @@ def batches(dataset):
     """The batches of a finite `dataset`, iterated in Python; its iterator deleted off this thread at the end."""
     with releasing([iter(dataset)]) as iterators:
         yield from iterators[0]
+
+
+def source_and_task(config, split=None):
+    """The source `config.dataset` names, keeping the features its task reads (its evaluation split `split`, else
+    --eval_split), and the task built from what the source gives: its examples' spec and its info."""
+    cls = datasets.task_class(config)
+    source = datasets.load_source(config, cls.features, split)
+    return source, cls(config, source.spec, source.info)
+
+
+def run_data(config, split=None):
+    """The Data of the run `config` describes, its source and task built as a run builds them: what evaluation,
+    research and tests read without building a run. Its `task` is the task it was prepared for."""
+    source, task = source_and_task(config, split)
+    return datasets.prepare(config, source, task, split)
+
+
+def training_batches(config, start=0):
+    """The global batches the run `config` describes trains on, in order from batch `start` (each a dict of prepared
+    tensors with `index`, the examples' positions in the training stream), as one device reads them: what a fork
+    holds its step against. A step of an update that reads a fresh batch per repetition takes several in turn."""
+    return batches(run_data(config).train_fn(tf.distribute.InputContext(), start))
+
+
+def examples(config):
+    """examples(split): the prepared batches of `split`, each example once (weight 0 marks padding), on this host:
+    one pass of a generator (its tf.data iterator deleted off this thread at the end, release).
+    What a task's probe reads (Task.probe)."""
+    return lambda split: batches(run_data(config, split).eval_fn(tf.distribute.InputContext()))
 
 
 def gathers_in_step(placement, data, coordinator, service):
@@ -223,13 +254,13 @@ def explain(error, config, strategy, data, training, pipelines):
     found = re.search(rf"{UNDECODABLE}\] \[(\d+)\] \[of stream\] \[(\d+)", error.message or "")
     if found:
         position, stream = int(found.group(1)), int(found.group(2))
-        return DecodeError(
+        return datasets.DecodeError(
             f"{data.origin(position, stream, training, pipelines)}; fix or remove it and run the same "
             "command: the run resumes from its last checkpoint"
         )
     damaged = unreadable(error)
     if damaged:
-        return DecodeError(
+        return datasets.DecodeError(
             f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: the run "
             "resumes from its last checkpoint"
         )

@@ -86,9 +86,8 @@ def check(config, placement, input_shape, outputs):
     if gpu:
         judge(config, input_shape, outputs, gpu, "a GPU's", copies=1, shares=replicas, data=False)
         return
-    workers = placement.workers if placement.multi_worker else 1
-    local = max(1, replicas // workers)
-    judge(config, input_shape, outputs, host_memory_bytes(), "this machine's", copies=local, shares=workers)
+    local = max(1, replicas // placement.workers)  # workers: 1 in one process
+    judge(config, input_shape, outputs, host_memory_bytes(), "this machine's", copies=local, shares=placement.workers)
 
 
 def need(parts):

@@ -29,9 +29,10 @@ def run_config(config):
     return config
 
 
-def _evaluated(config, strategy):
-    """The run `config` rebuilds for evaluation (no optimizers, no train program), and what it restores."""
-    run = build.run(config, strategy or distribute.create_strategy(config), training=False)
+def _evaluated(config, strategy, purpose="evaluate"):
+    """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program), and
+    what it restores."""
+    run = build.run(config, strategy or distribute.create_strategy(config), purpose)
     return run, run.state.evaluated()
 
 
@@ -164,7 +165,7 @@ def export(config):
     config = run_config(config)
     paths = _checkpoint_paths(config)
     run, checkpoint = _evaluated(
-        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
+        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None, "weights"
     )
     path = _restore(checkpoint, config, paths)
     step = int(run.state.step.numpy())
@@ -174,7 +175,7 @@ def export(config):
     module = tf.Module()
     module.variables_by_path = checkpoint_lib.model_state(run.models)  # tracked: the SavedModel holds them
     module.serve = run.task.serve(run.models)
-    names = run.task.class_names if hasattr(run.task, "class_names") else None
+    names = run.task.class_names
     if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
         with tf.device("/cpu:0"):  # strings have no GPU kernels
             module.class_names = tf.Variable(names, trainable=False, name="class_names")
@@ -199,7 +200,7 @@ def sample(config):
     config = run_config(config)
     paths = _checkpoint_paths(config)
     run, checkpoint = _evaluated(
-        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None
+        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None, "weights"
     )
     if run.task.sample is None:
         raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")

@@ -28,7 +28,7 @@ def declared_settings(packages, root, engine_names, reserved=()):
     which validate() refuses, so every command fails with it instead of importing a broken Config."""
     owners = dict.fromkeys(engine_names, "engine/settings/fields.py")
     owners.update(dict.fromkeys(reserved, "engine/settings/sections.py (a section of Config)"))
-    fields, reads, errors = [], {}, []
+    fields, errors = [], []
     files = [
         (flag, module, os.path.join(directory, f"{module}.py"))
         for flag, directory, names in packages
@@ -62,6 +62,13 @@ def declared_settings(packages, root, engine_names, reserved=()):
             metadata = {"help": f"{module}: {help_text}", "bounds": bounds[0] if bounds else None}
             metadata.update(owner=(flag, module), readers=frozenset({(flag, module)}))
             fields.append((name, _TYPES[type(default)], dataclasses.field(default=default, metadata=metadata)))
+    return fields, _readers(files, root, owners, errors), errors
+
+
+def _readers(files, root, owners, errors):
+    """{setting: {(selecting setting, module) of each file whose READS names it}}; a READS that is malformed or
+    names a setting nobody declares (`owners`: {setting: the file that declares it}) is added to `errors`."""
+    reads = {}
     for flag, module, path in files:
         where = os.path.relpath(path, root)
         named = read_constant(path, "READS", ())
@@ -73,7 +80,7 @@ def declared_settings(packages, root, engine_names, reserved=()):
                 errors.append(f"{where}: READS {name}, which no file declares")
                 continue
             reads.setdefault(name, set()).add((flag, module))
-    return fields, reads, errors
+    return reads
 
 
 def packages():

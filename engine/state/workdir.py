@@ -67,8 +67,8 @@ def write_config(config, task, updates=None):
     them, what the labels mean (a classification task's class_names, null for others): no setting, read by
     people and by the programs that use the export; and in a run of several updates the settings each trains with
     (`updates`: engine/numerics/updates.py effective_settings), read by people, not by the engine."""
-    names = list(task.class_names) if hasattr(task, "class_names") else None
-    saved = {**dataclasses.asdict(config), "class_names": names}
+    names = task.class_names
+    saved = {**dataclasses.asdict(config), "class_names": None if names is None else list(names)}
     if updates:
         saved["updates"] = updates
     write_json(os.path.join(config.workdir, "config.json"), saved)
