@@ -160,7 +160,7 @@ def main(argv):
     if isinstance(run, str):
         _exit(run)
     try:
-        if distribute.serve(config):  # a parameter-server job's worker or ps task: serves until stopped
+        if distribute.serve(config.cluster):  # a parameter-server job's worker or ps task: serves until stopped
             return
         result = run(config)
     except ConfigError as e:
@@ -174,7 +174,7 @@ def main(argv):
     except Preempted as e:  # the message says preempted or interrupted, and by what
         _exit(str(e), code=e.exit_code)
     except Exception as e:  # a peer lost outside the steps (a chief reading its servers' variables) is one too
-        lost = distribute.lost_peer(config, e)
+        lost = distribute.lost_peer(config.cluster, e)
         if lost is None:
             raise
         _exit(str(lost), code=LOST_PEER)

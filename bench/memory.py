@@ -58,7 +58,7 @@ def hwm():
 
 launch._parse_flags(["launch.py", *sys.argv[2:]])
 config = launch._config_from_flags()
-strategy = distribute.create_strategy(config)
+strategy = distribute.create_strategy(config.cluster)
 source, task = inputs.source_and_task(config)
 from engine.data import datasets
 datasets.prepare(config, source, task)

@@ -102,7 +102,7 @@ def prepare(argv, out):
 
     launch._parse_flags(["launch.py", *argv])
     config = launch._config_from_flags()
-    trainer = build.run(config, distribute.create_strategy(config), "weights")
+    trainer = build.run(config, distribute.create_strategy(config.cluster), "weights")
     np.savez(os.path.join(out, "weights.npz"), **torch_names(trainer.models["model"]))
     train = iter(trainer.data.train_fn(tf.distribute.InputContext()))
     np.save(os.path.join(out, "batches.npy"), np.stack([next(train)["tokens"] for _ in range(config.train_steps)]))

@@ -33,7 +33,7 @@ def create_strategy(config, gpu_mirrored=False):
         return tf.distribute.MirroredStrategy(
             ["/gpu:0", "/gpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
-    return distribute.create_strategy(config)
+    return distribute.create_strategy(config.cluster)
 
 
 class EngineRunner:

@@ -22,7 +22,7 @@ def check(config):
 
 
 def _check_tune(config):
-    name, said = strategy_plan(config)
+    name, said = strategy_plan(config.cluster)
     if name in ("multi_worker", "parameter_server"):  # else each process would run a tuner of its own
         fail(
             "strategy",

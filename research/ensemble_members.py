@@ -54,7 +54,7 @@ def load_run(workdir, member_config, splits, reference):
     # One device; the run's own evaluation data is the first split (one data load fewer).
     run_config = dataclasses.replace(member_config, strategy="one_device", num_cpu_devices=1, eval_split=splits[0])
     try:  # building the run sets the member's precision: its layers take the policy they are created under
-        run = build.run(run_config, distribute.create_strategy(run_config), "evaluate")
+        run = build.run(run_config, distribute.create_strategy(run_config.cluster), "evaluate")
         if reference is not None:
             described = f"{reference.name} ({_data_name(reference.config)})"
             for feature in sorted(reference.spec.keys() | run.data.spec.keys()):

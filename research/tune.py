@@ -77,14 +77,8 @@ def tune(config, strategy=None):
     checks.check(config)
     space = parse_space(config.tune_space, config)
     objective, direction = objective_of(config)
-    name = distribute.strategy_name(config)
-    if name not in ("one_device", "mirrored", "tpu"):
-        raise ConfigError(
-            f"--strategy={name}: --mode=tune runs its trials in one process (one_device, mirrored or tpu); "
-            "on several machines start one tuner on each, sharing a study through --tune_storage"
-        )
     _check_workdir(config)  # before anything is written
-    strategy = strategy or distribute.create_strategy(config)
+    strategy = strategy or distribute.create_strategy(config.cluster)
     if objective != data_lib.task_class(config).objective[0]:
         _check_reported(config, objective, strategy)
     # Every trial builds its own tf.functions, which TensorFlow would report as excessive retracing.

@@ -1,4 +1,5 @@
-"""The tf.distribute strategy a config asks for, and what the engine asks of it (chief, workers, a lost peer).
+"""The tf.distribute strategy a run's cluster settings (config.cluster: the cluster wing reads no other) ask for,
+and what the engine asks of it (chief, workers, a lost peer).
 
 `create_strategy` must run before any other TensorFlow op in the process:
 logical CPU devices and MultiWorkerMirroredStrategy both have to be set up
@@ -33,20 +34,21 @@ def _setup_cpu_devices(count):
     return [f"/cpu:{i}" for i in range(count)]
 
 
-def strategy_name(config):
-    """The strategy a config runs with: engine/settings/config.py's planned_strategy (what validate judged), completed
-    with this machine's GPUs where only the devices decide."""
-    planned = planned_strategy(config)
+def strategy_name(settings):
+    """The strategy a run's cluster settings (config.cluster) run with: engine/settings/checks.py's planned_strategy
+    (what validate judged), completed with this machine's GPUs where only the devices decide."""
+    planned = planned_strategy(settings)
     if planned:
         return planned
     return "mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "one_device"
 
 
-def create_strategy(config):
-    """Builds the tf.distribute.Strategy for `config`; raises ConfigError on a bad cluster."""
+def create_strategy(settings):
+    """Builds the tf.distribute.Strategy a run's cluster settings (config.cluster) ask for; raises ConfigError on a
+    bad cluster."""
     tf_config()  # before any strategy: TensorFlow's resolvers read TF_CONFIG themselves
-    cpus = _setup_cpu_devices(config.num_cpu_devices)
-    name = strategy_name(config)
+    cpus = _setup_cpu_devices(settings.num_cpu_devices)
+    name = strategy_name(settings)
     gpus = [f"/gpu:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))]
     if name == "one_device":
         return tf.distribute.OneDeviceStrategy(gpus[0] if gpus else "/cpu:0")
@@ -57,14 +59,14 @@ def create_strategy(config):
         # default ring all-reduce (measured: bench/RESULTS.md, "Mirrored CPU devices reduce to one device").
         return tf.distribute.MirroredStrategy(cpus, cross_device_ops=tf.distribute.ReductionToOneDevice())
     if name == "tpu":
-        return cluster.tpu_strategy(config.cluster)
-    resolver = cluster.resolve(config.cluster, name)
-    with cluster.connect_deadline(config.cluster, resolver):
+        return cluster.tpu_strategy(settings)
+    resolver = cluster.resolve(settings, name)
+    with cluster.connect_deadline(settings, resolver):
         if name == "parameter_server":
             strategy = tf.distribute.ParameterServerStrategy(resolver)
-            cluster.watch_servers(resolver.cluster_spec(), config.collective_timeout)
+            cluster.watch_servers(resolver.cluster_spec(), settings.collective_timeout)
             return strategy
-        cluster.detect_dead_peers(resolver.cluster_spec(), config.collective_timeout)
+        cluster.detect_dead_peers(resolver.cluster_spec(), settings.collective_timeout)
         # RING works on every device type; NCCL is faster between GPUs. No timeout_seconds: TensorFlow
         # starts a thread per collective that sleeps for the whole timeout, so a long job runs out of
         # threads (measured: bench/RESULTS.md, "No collective timeout"); the heartbeat above finds a dead peer.
@@ -79,17 +81,18 @@ def create_strategy(config):
         )
 
 
-def cluster_resolver(config):
-    """The cluster of a multi-worker or parameter-server job: from TF_CONFIG (the default), Slurm or Kubernetes."""
-    return cluster.resolve(config.cluster, strategy_name(config))
+def cluster_resolver(settings):
+    """The cluster of a multi-worker or parameter-server job (`settings`: config.cluster): from TF_CONFIG (the
+    default), Slurm or Kubernetes."""
+    return cluster.resolve(settings, strategy_name(settings))
 
 
-def serve(config):
-    """A parameter-server job's worker or ps task: serve the chief until the job ends. Returns False on the
-    chief (and in any other strategy), which then trains."""
-    if strategy_name(config) != "parameter_server":
+def serve(settings):
+    """A parameter-server job's worker or ps task (`settings`: config.cluster): serve the chief until the job ends.
+    Returns False on the chief (and in any other strategy), which then trains."""
+    if strategy_name(settings) != "parameter_server":
         return False
-    resolver = cluster_resolver(config)
+    resolver = cluster_resolver(settings)
     if resolver.task_type not in ("worker", "ps"):
         return False
     server = tf.distribute.Server(
@@ -175,19 +178,20 @@ def task_id(strategy):
     return (resolver.task_id or 0) if resolver is not None else 0
 
 
-def explain_failure(strategy, config, error):
-    """A lost peer on a multi-worker job becomes PeerLost naming it; other errors come back unchanged."""
+def explain_failure(strategy, settings, error):
+    """A lost peer on a multi-worker job becomes PeerLost naming it (`settings`: config.cluster); other errors come
+    back unchanged."""
     if not is_multi_worker(strategy) or not isinstance(error, cluster.LOST_PEER_ERRORS):
         return error
     # ParameterServerStrategy keeps its resolver to itself: its `cluster_resolver` (the extended strategy's) is None.
-    return cluster.peer_lost(strategy.cluster_resolver or strategy._cluster_resolver, config.cluster, error)
+    return cluster.peer_lost(strategy.cluster_resolver or strategy._cluster_resolver, settings, error)
 
 
-def lost_peer(config, error):
+def lost_peer(settings, error):
     """PeerLost for an error of a cluster job's task that a lost peer raised outside the steps (a chief reading
-    its parameter servers' variables), else None."""
-    if strategy_name(config) not in ("multi_worker", "parameter_server") or not isinstance(
+    its parameter servers' variables), else None. `settings`: config.cluster."""
+    if strategy_name(settings) not in ("multi_worker", "parameter_server") or not isinstance(
         error, cluster.LOST_PEER_ERRORS
     ):
         return None
-    return cluster.peer_lost(cluster_resolver(config), config.cluster, error)
+    return cluster.peer_lost(cluster_resolver(settings), settings, error)

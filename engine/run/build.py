@@ -101,7 +101,7 @@ def run(config, strategy, purpose="train", on_eval=None):
     if purpose not in PURPOSES:
         raise ValueError(f"purpose={purpose!r}: one of {', '.join(PURPOSES)}")
     training, evaluating = purpose == "train", purpose != "weights"
-    where = distribute.placement(strategy, distribute.strategy_name(config))
+    where = distribute.placement(strategy, distribute.strategy_name(config.cluster))
     check_batch(config, where.replicas)
     tf.config.run_functions_eagerly(config.run_eagerly)
     memory.check_data(config)

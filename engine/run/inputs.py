@@ -264,4 +264,4 @@ def explain(error, config, strategy, data, training, pipelines):
             f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: the run "
             "resumes from its last checkpoint"
         )
-    return distribute.explain_failure(strategy, config, error)
+    return distribute.explain_failure(strategy, config.cluster, error)

@@ -28,7 +28,7 @@ def train(config, strategy=None, on_eval=None):
     (engine/state/workdir.py): one with other settings is refused, and so is a second process while one trains.
     """
     started = time.time()
-    strategy = strategy or distribute.create_strategy(config)
+    strategy = strategy or distribute.create_strategy(config.cluster)
     saved = workdir_lib.check_same_run(config)
     run = build.run(config, strategy, on_eval=on_eval)
     chief = run.placement.chief

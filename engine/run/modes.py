@@ -32,7 +32,7 @@ def run_config(config):
 def _evaluated(config, strategy, purpose="evaluate"):
     """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program), and
     what it restores."""
-    run = build.run(config, strategy or distribute.create_strategy(config), purpose)
+    run = build.run(config, strategy or distribute.create_strategy(config.cluster), purpose)
     return run, run.state.evaluated()
 
 

@@ -209,7 +209,7 @@ def check_local_workers(config):
 def check_strategy(config):
     """The refusals that depend on the strategy, judged on the one the run will use (planned_strategy), whether
     --strategy, TF_CONFIG or --cluster_resolver chose it."""
-    name, said = strategy_plan(config)
+    name, said = strategy_plan(config.cluster)
     if name == "parameter_server" and config.precision == "mixed_float16":
         fail(
             "precision",
@@ -225,39 +225,40 @@ def check_strategy(config):
         fail("precision", config.precision, f"{computes} in bfloat16, not float16: use --precision=mixed_bfloat16")
 
 
-def _plan(config):
+def _plan(cluster):
     """(strategy name or None, what chose it): see planned_strategy."""
-    if config.strategy:
-        return config.strategy, f"--strategy={config.strategy}"
+    if cluster.strategy:
+        return cluster.strategy, f"--strategy={cluster.strategy}"
 
-    cluster = (tf_config() or {}).get("cluster")
-    if cluster and "ps" in cluster:
+    jobs = (tf_config() or {}).get("cluster")
+    if jobs and "ps" in jobs:
         return "parameter_server", "TF_CONFIG has a 'ps' job"
-    if cluster:
+    if jobs:
         return "multi_worker", "TF_CONFIG has a cluster"
-    if config.cluster_resolver in ("tf_config", "slurm", "kubernetes"):
-        return "multi_worker", f"--cluster_resolver={config.cluster_resolver}"
-    if config.cluster_resolver == "tpu":
+    if cluster.cluster_resolver in ("tf_config", "slurm", "kubernetes"):
+        return "multi_worker", f"--cluster_resolver={cluster.cluster_resolver}"
+    if cluster.cluster_resolver == "tpu":
         return "tpu", "--cluster_resolver=tpu"
-    if config.num_cpu_devices > 1:
-        return "mirrored", f"--num_cpu_devices={config.num_cpu_devices}"
+    if cluster.num_cpu_devices > 1:
+        return "mirrored", f"--num_cpu_devices={cluster.num_cpu_devices}"
     return None, "the devices"
 
 
-def strategy_plan(config):
+def strategy_plan(cluster):
     """(planned_strategy, what chose it in words: the flag "--strategy=multi_worker", or "the multi_worker strategy
     (TF_CONFIG has a cluster)"), for a refusal to name."""
-    name, origin = _plan(config)
-    return name, origin if config.strategy else f"the {name} strategy ({origin})"
+    name, origin = _plan(cluster)
+    return name, origin if cluster.strategy else f"the {name} strategy ({origin})"
 
 
-def planned_strategy(config):
-    """The strategy a run of `config` will use, as its flags and environment decide it: --strategy; else a cluster
-    in TF_CONFIG (parameter_server when it has a 'ps' job, else multi_worker); else --cluster_resolver's (tpu, or
-    multi_worker); else mirrored over --num_cpu_devices; None where only the devices decide (mirrored over several
-    GPUs, else one_device), which needs TensorFlow: engine/cluster/distribute.py's strategy_name completes this.
-    Every check that depends on the strategy reads this one answer, before anything starts."""
-    return _plan(config)[0]
+def planned_strategy(cluster):
+    """The strategy a run will use, as its cluster settings (config.cluster) and environment decide it: --strategy;
+    else a cluster in TF_CONFIG (parameter_server when it has a 'ps' job, else multi_worker); else
+    --cluster_resolver's (tpu, or multi_worker); else mirrored over --num_cpu_devices; None where only the devices
+    decide (mirrored over several GPUs, else one_device), which needs TensorFlow: engine/cluster/distribute.py's
+    strategy_name completes this. Every check that depends on the strategy reads this one answer, before anything
+    starts."""
+    return _plan(cluster)[0]
 
 
 def check_batch(config, num_replicas):
