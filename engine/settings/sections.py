@@ -120,10 +120,7 @@ def section(config, name):
     """The view of section `name` ("optimization", or an owner ("model", "resnet")) of `config`: a Config, or a
     view already (returned as it is when it reads at least that section's settings). A function that may be handed
     either (the optimizer's, which tests give a whole Config) calls this on it, so it reads the same whether given
-    the whole Config or its section; one the run hands its section reads it as it is.
-    Anything else (a test's namespace of the settings a function reads) is returned as it is."""
-    if not (isinstance(config, Section) or dataclasses.is_dataclass(config)):
-        return config
+    the whole Config or its section; one the run hands its section reads it as it is."""
     if not isinstance(name, tuple) and name not in SECTIONS:
         raise ValueError(f"no section {name!r}: the sections are {', '.join(SECTIONS)} and each owner's own")
     whole = config._config if isinstance(config, Section) else config
