@@ -16,7 +16,7 @@ from tests import helpers  # noqa: E402
 
 
 def main(out_dir, data_dir):
-    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
+    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker").cluster)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     save = lambda name, arrays: np.savez(os.path.join(out_dir, f"{name}_worker{task}.npz"), **arrays)  # noqa: E731
     for name, case in helpers.PARITY_CASES.items():

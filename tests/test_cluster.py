@@ -216,7 +216,7 @@ def test_a_lost_parameter_server_is_named(monkeypatch):
         "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while calling "
         "/tensorflow.eager.EagerService/Enqueue:",
     )
-    config = Config(strategy="parameter_server", collective_timeout=5)
+    config = Config(strategy="parameter_server", collective_timeout=5).cluster
     lost = distribute.explain_failure(strategy, config, error)
     assert str(lost) == (
         "lost ps 0 (localhost:1002): failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1002: "
@@ -287,13 +287,14 @@ def test_slurm_allocation_resolves_to_the_cluster(monkeypatch):
     for name, value in {**SLURM, "SLURM_PROCID": "3"}.items():
         monkeypatch.setenv(name, value)
     resolver = distribute.cluster_resolver(
-        Config(strategy="multi_worker", cluster_resolver="slurm", slurm_port_base=9000)
+        Config(strategy="multi_worker", cluster_resolver="slurm", slurm_port_base=9000).cluster
     )
     assert resolver.cluster_spec().as_dict() == {
         "worker": ["gpu-node07:9000", "gpu-node07:9001", "gpu-node08:9000", "gpu-node08:9001"]
     }
     assert (resolver.task_type, resolver.task_id) == ("worker", 3)
-    resolver = distribute.cluster_resolver(Config(strategy="parameter_server", cluster_resolver="slurm", num_ps=1))
+    ps_job = Config(strategy="parameter_server", cluster_resolver="slurm", num_ps=1)
+    resolver = distribute.cluster_resolver(ps_job.cluster)
     assert {job: len(tasks) for job, tasks in resolver.cluster_spec().as_dict().items()} == {
         "chief": 1,
         "ps": 1,
@@ -305,7 +306,7 @@ def test_slurm_outside_srun_is_a_clear_error(monkeypatch):
     for name in SLURM_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="--cluster_resolver=slurm: SLURM_PROCID is not set; run the job under srun"):
-        distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm"))
+        distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm").cluster)
 
 
 @pytest.mark.slow
@@ -344,7 +345,7 @@ def test_tpu_start_up_sequence(monkeypatch):
     monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda r: calls.append(("connect", type(r))))
     monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system", lambda r: calls.append(("initialize", type(r))))
     monkeypatch.setattr(tf.distribute, "TPUStrategy", lambda r: calls.append(("strategy", type(r))) or "strategy")
-    assert distribute.create_strategy(Config(strategy="tpu", tpu="my-tpu")) == "strategy"
+    assert distribute.create_strategy(Config(strategy="tpu", tpu="my-tpu").cluster) == "strategy"
     assert calls == [
         ("resolve", "my-tpu"),
         ("connect", FakeResolver),

@@ -185,7 +185,7 @@ def test_malformed_tf_config_is_refused_before_tensorflow_is_imported(tmp_path, 
 
 def test_empty_tf_config_counts_as_unset(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", "")
-    strategy = distribute.create_strategy(Config(strategy="mirrored", num_cpu_devices=2))
+    strategy = distribute.create_strategy(Config(strategy="mirrored", num_cpu_devices=2).cluster)
     assert strategy.num_replicas_in_sync == 2
     assert "TF_CONFIG" not in os.environ
 

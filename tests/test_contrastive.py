@@ -237,7 +237,7 @@ def worker(out_dir, data_dir):
 
     from engine.cluster import distribute
 
-    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
+    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker").cluster)
     snap, out, results = train_and_evaluate(helpers.make_config(data_dir, **CASE), strategy)
     arrays = {**first_copies(snap), **{f"out/{k}": out[k] for k in ("loss", "grad_norm")}}
     arrays.update({f"eval/{k}": v for k, v in results.items()})

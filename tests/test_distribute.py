@@ -43,11 +43,11 @@ def test_malformed_tf_config_names_the_field(raw, message):
 
 def test_default_strategy_for_the_machine(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert distribute.strategy_name(Config()) == "one_device"
-    assert distribute.strategy_name(Config(num_cpu_devices=2)) == "mirrored"
-    assert distribute.strategy_name(Config(strategy="tpu", tpu="x")) == "tpu"
+    assert distribute.strategy_name(Config().cluster) == "one_device"
+    assert distribute.strategy_name(Config(num_cpu_devices=2).cluster) == "mirrored"
+    assert distribute.strategy_name(Config(strategy="tpu", tpu="x").cluster) == "tpu"
     monkeypatch.setenv("TF_CONFIG", json.dumps(GOOD))
-    assert distribute.strategy_name(Config()) == "multi_worker"
+    assert distribute.strategy_name(Config().cluster) == "multi_worker"
 
 
 def test_one_device_is_chief(one_device, mirrored):

@@ -285,7 +285,7 @@ def worker(out_dir, data_dir):
     """One process of the multi-worker run: trains CASE, saves what the parity test compares."""
     from engine.cluster import distribute
 
-    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
+    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker").cluster)
     snap, out, _, _ = helpers.train_and_snapshot_updates(helpers.make_config(data_dir, **CASE), strategy)
     arrays = {**first_copies(snap), **{f"out/{k}": out[k] for k in ("loss", "discriminator/loss", "generator/loss")}}
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]

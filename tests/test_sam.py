@@ -174,7 +174,7 @@ def test_multi_worker_matches_one_device(data_dir, tmp_path, one_device_runs):
 def multi_worker_main(out_dir, data_dir):
     from engine.cluster import distribute
 
-    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker"))
+    strategy = distribute.create_strategy(helpers.make_config(data_dir, strategy="multi_worker").cluster)
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     for case, settings in CASES.items():
         snap, out = helpers.train_and_snapshot(sam_config(data_dir, **settings), strategy)

@@ -64,17 +64,17 @@ def test_strategy_refusals_judge_the_strategy_the_run_will_use(monkeypatch, tf_c
     _refused(Config(**overrides), message)
     # The refusal and the strategy that would be built read one resolution.
     unrefused = Config(**{**overrides, "precision": "float32", "tpu": "local"})
-    assert distribute.strategy_name(unrefused) == planned_strategy(unrefused)
-    assert planned_strategy(unrefused) in ("parameter_server", "multi_worker", "tpu")
+    assert distribute.strategy_name(unrefused.cluster) == planned_strategy(unrefused.cluster)
+    assert planned_strategy(unrefused.cluster) in ("parameter_server", "multi_worker", "tpu")
 
 
 def test_an_explicit_strategy_is_judged_without_reading_tf_config(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": PS_CLUSTER, "task": {"type": "chief", "index": 0}}))
     config = validate(Config(strategy="one_device", precision="mixed_float16"))
-    assert planned_strategy(config) == "one_device"
+    assert planned_strategy(config.cluster) == "one_device"
     monkeypatch.delenv("TF_CONFIG")
-    assert planned_strategy(Config(num_cpu_devices=2)) == "mirrored"
-    assert planned_strategy(Config()) is None  # the devices decide: one_device, or mirrored over GPUs
+    assert planned_strategy(Config(num_cpu_devices=2).cluster) == "mirrored"
+    assert planned_strategy(Config().cluster) is None  # the devices decide: one_device, or mirrored over GPUs
 
 
 def test_a_source_reading_a_tasks_setting_makes_it_part_of_the_run():

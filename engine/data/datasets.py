@@ -60,7 +60,7 @@ class Data:
     eval_steps: int  # evaluation steps that cover every evaluation example once
     eval_examples: int
     train_examples: int
-    task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/run/build.py, received here)
+    task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/run/inputs.py, received here)
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
     sharded: bool = False  # the training stream depends on the number of input pipelines
     train_bytes: int = 0  # record bytes of the training files, when sharded
@@ -71,8 +71,8 @@ class Data:
 
 
 def task_class(config):
-    """tasks/<config.task>.py's Task class: the builder (engine/run/build.py) reads it here, before the source, whose
-    features it names; this module never builds a task."""
+    """tasks/<config.task>.py's Task class: a run's inputs (engine/run/inputs.py source_and_task) read it here,
+    before the source, whose features it names; this module never builds a task."""
     return importlib.import_module(f"tasks.{config.task}").Task
 
 

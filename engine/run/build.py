@@ -75,8 +75,8 @@ class Run:
     weights: Weights
     plans: list
     state: checkpoint.State
-    program: TrainProgram
-    evaluator: Evaluator
+    program: TrainProgram | None
+    evaluator: Evaluator | None
     actions: list
 
     @property
