@@ -301,7 +301,7 @@ class _Needing(builtin.Action):
     [
         (
             _Needing(needs={"gradients", "activations"}),
-            "engine/run/actions/mine.py: needs 'activations': a step returns gradients alone",
+            "engine/run/actions/mine.py: needs 'activations': a step returns only gradients and updates",
         ),
         (
             _Needing(needs="gradients"),

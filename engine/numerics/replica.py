@@ -19,8 +19,9 @@ from engine.numerics.forward import accumulation_warning, forward_backward, proc
 from engine.settings.errors import TaskError
 
 SUM = tf.distribute.ReduceOp.SUM
-# What a step returns beside its scalars when an action needs it (Action.needs; ReplicaStep.outputs' `extras`).
-EXTRAS = ("gradients",)
+# What a step returns beside its scalars when an action needs it (Action.needs; ReplicaStep.outputs' `extras`):
+# each update's gradients at its last apply of the step, and the change that apply made to its variables.
+EXTRAS = ("gradients", "updates")
 # The engine's functions marked do_not_convert are tensor code without Python control flow on tensors: autograph
 # has nothing to convert in them, and converting them cost every process's start measurably (bench/RESULTS.md,
 # "Start-up: autograph"), ReplicaStep's apply and outputs the most. What calls a task's or a fork's code stays
@@ -84,15 +85,16 @@ class ReplicaStep:
     per repetition, Update.fresh); gradients(..., repetition=r) tells an update's loss its repetition.
     """
 
-    def __init__(self, setup, count, replica, batches=()):
+    def __init__(self, setup, count, replica, batches=(), extras=frozenset()):
         self.updates = [plan.update for plan in setup.plans.values()]
+        self._extras = extras  # what the step returns beside its scalars (EXTRAS): kept from each apply only then
         self.batches = batches  # the step's training batches: one, or an update's fresh batch per repetition
         self.count, self._setup, self._replica = count, setup, replica
         self._ctx = tf.distribute.get_replica_context()
         self._file = f"tasks/{setup.config.task}.py: replica_step"
         self._draws, self._stop, self._statistics = 0, None, None
         self._pending = {name: [] for name in setup.plans}
-        self._applied = {name: [] for name in setup.plans}  # each apply's (loss, norm, finite, scale, rates)
+        self._applied = {name: [] for name in setup.plans}  # each apply's (loss, norm, finite, scale, rates, ...)
 
     @tf.autograph.experimental.do_not_convert
     def _plan(self, name, primitive):
@@ -165,6 +167,10 @@ class ReplicaStep:
 
         update = _maybe_jit(new_values, setup.jit)
         values, rates = update(gradients.grads, finite, when, self._statistics, self.count)
+        changes = None
+        if "updates" in self._extras:  # read before the assignment; asynchronous values are the changes already
+            before = [v.value for v in plan.variables]
+            changes = values["params"] if setup.asynchronous else [n - b for n, b in zip(values["params"], before)]
         assign = _assign_add if setup.asynchronous else _assign
         targets = plan.targets(setup.statistics, setup.float16)
 
@@ -174,14 +180,15 @@ class ReplicaStep:
 
         self._ctx.merge_call(assign_all, args=(values,))
         self._statistics = None  # the next forward pass reads the statistics as assigned
-        self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads))
+        self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads, changes))
 
     @tf.autograph.experimental.do_not_convert
-    def outputs(self, extras=frozenset()):
+    def outputs(self):
         """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale,
-        rates (a one-update run's under the plain names). `extras` {"gradients"}: each update's gradients of its last
-        apply, by <model>/<path>, under "gradients"."""
-        out, losses, finites, grads = {}, [], [], {}
+        rates (a one-update run's under the plain names). The step's `extras`: under "gradients", each update's
+        gradients of its last apply, by <model>/<path>; under "updates", the change that apply made to each variable
+        (zero where it was masked: a skipped float16 step, an update not due)."""
+        out, losses, finites, grads, changes = {}, [], [], {}, {}
         for name, applied in self._applied.items():
             plan = self._setup.plans[name]
             if not applied:
@@ -192,8 +199,9 @@ class ReplicaStep:
             # Its loss and gradient norm alike: their means over the step's applications (repeat).
             loss = applied[0][0] if len(applied) == 1 else tf.add_n([a[0] for a in applied]) / len(applied)
             norm = applied[0][1] if len(applied) == 1 else tf.add_n([a[1] for a in applied]) / len(applied)
-            *_, finite, scale, rates, applied_grads = applied[-1]
+            *_, finite, scale, rates, applied_grads, applied_changes = applied[-1]
             grads.update(zip(plan.names, applied_grads))
+            changes.update(zip(plan.names, applied_changes or ()))
             finite = tf.reduce_all([a[2] for a in applied]) if len(applied) > 1 else finite
             if plan.prefix:
                 out.update({f"{plan.prefix}loss": loss, f"{plan.prefix}finite": finite})
@@ -205,7 +213,7 @@ class ReplicaStep:
         evaluated = [g.finite for pending in self._pending.values() for g in pending]
         finite = finites[0] if len(finites) == 1 and not evaluated else tf.reduce_all([*finites, *evaluated])
         loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
-        extra = {"gradients": grads} if "gradients" in extras else {}
+        extra = {name: {"gradients": grads, "updates": changes}[name] for name in self._extras}
         return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out, **extra}
 
 
@@ -248,8 +256,9 @@ def make_train_step(
     worker learns that any of them is stopping after this step. `counter` (the run's step counter) seeds the dropout
     masks. `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
     applies atomically, so concurrent workers never lose each other's updates or update counts. `jit_compile`:
-    compile it with XLA (engine/run/xla.py decides). `extras`: {"gradients"} adds the gradients each update last
-    applied, {<model>/<path>: gradient} under "gradients" (an action asked for them).
+    compile it with XLA (engine/run/xla.py decides). `extras` (of EXTRAS, what a due action asked for): "gradients"
+    adds the gradients each update last applied, {<model>/<path>: gradient}; "updates" the change that apply made to
+    each variable, {<model>/<path>: change}.
     """
     # One replica (and no parameter server): the whole step, all-reduces and assignments included, is one XLA
     # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
@@ -266,9 +275,9 @@ def make_train_step(
         # A step reading several batches (Update.fresh) is handed them as a tuple: the first is the step's batch.
         batches = batch if isinstance(batch, tuple) else (batch,)
         replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
-        replica_step = ReplicaStep(setup, tf.convert_to_tensor(counter), replica, batches)
+        replica_step = ReplicaStep(setup, tf.convert_to_tensor(counter), replica, batches, extras)
         body(replica_step, batches[0])
-        return replica_step.outputs(extras)
+        return replica_step.outputs()
 
     return tf.function(train_step, jit_compile=True) if whole else train_step
 

@@ -177,7 +177,8 @@ class TrainProgram:
         waited = tf.constant(0.0, tf.float64)
         last = {"stop": False, **{name: 0.0 for name in self.metric_names if name not in summed}}
         timed, feed, state = self.waits_timed, self.input, self.state
-        # The last step's extras (its gradients, for an action that asked for them), carried through the loop.
+        # The last step's extras (its gradients or updates, for an action that asked for them), carried through
+        # the loop.
         carried = {name: _zeros(self.plans) for name in extras}
         for i in tf.range(steps):
             out = feed.step(train_step, iterator, first_batch, i, timed, self.batches_per_step)
@@ -236,7 +237,8 @@ class TrainProgram:
 
     def run_round(self, iterator, steps, extras=frozenset()):
         """run_steps, and the round's last step's `extras` ({"gradients": {<model>/<path>: numpy array}}: the
-        gradients it applied, all-reduced, unscaled and clipped), as an action asked for them. A task's code that
+        gradients it applied, all-reduced, unscaled and clipped; {"updates": ...}: the change each apply made to the
+        variables), as an action asked for them. A task's code that
         cannot run (TaskError, found as the step is traced) is raised as itself: one line, naming the task."""
         with raising_task_errors():
             return self._run_round(iterator, steps, extras)
@@ -297,7 +299,7 @@ def warn_retraced(name, function, warned):
 
 
 def _zeros(plans):
-    """{<model>/<path>: zeros like the variable} of every update's variables: the gradients before the first step."""
+    """{<model>/<path>: zeros like the variable} of every update's variables: the extras before the first step."""
     return {name: tf.zeros(v.shape, v.dtype) for plan in plans for name, v in zip(plan.names, plan.variables)}
 
 

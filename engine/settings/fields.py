@@ -162,7 +162,7 @@ class _RunSettings(sections.Sectioned):
     actions: str = _loop(
         "",
         "comma-separated actions after each round beside the engine's own, each engine/run/actions/<name>.py "
-        "(histograms: the weights' and gradients' histograms in TensorBoard); a task may name its own in ACTIONS",
+        "(listed under Actions); a task may name its own in ACTIONS",
     )
     on_nan: str = _loop(
         "stop",

@@ -193,6 +193,12 @@ class Report:
             for name, value in values.items():
                 tf.summary.histogram(name, value)
 
+    def scalars(self, step, values):
+        """{name: number} as TensorBoard scalars of the train run at `step` (an action's), on the chief; rewound with
+        the run's other records."""
+        if self.chief:
+            self._scalars("train", step, values)
+
     def summary(self, summary):
         """Writes summary.json. A process that resumed at the last step trained nothing itself: the throughput it
         could not measure comes from the records the run logged, and is filled into `summary` too."""

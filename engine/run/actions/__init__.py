@@ -29,7 +29,7 @@ def checked(action, name):
         raise TaskError(f"{where}: needs={needs!r}: must be a set of names, as needs = {{'gradients'}}")
     unknown = sorted(set(needs) - set(EXTRAS))
     if unknown:
-        raise TaskError(f"{where}: needs {', '.join(map(repr, unknown))}: a step returns {', '.join(EXTRAS)} alone")
+        raise TaskError(f"{where}: needs {', '.join(map(repr, unknown))}: a step returns only {' and '.join(EXTRAS)}")
     whole = [every, *steps] if isinstance(steps, (list, tuple)) else None
     if whole is None or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in whole):
         raise TaskError(f"{where}: every={every!r}, steps={steps!r}: must be a number of steps and a tuple of steps")

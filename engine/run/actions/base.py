@@ -4,10 +4,10 @@ The controller (engine/run/controller.py) runs a round, then hands it to each ac
 rounds must end for it (`every`: a period, whose multiples end a round, as --eval_every's do; `steps`: steps that
 end one, as --profile_steps' do), when it is due (`due`: a function of the step the round ended at, and whether the run
 is stopping there), what it needs from the step besides its scalars (`needs`: "gradients" asks the round's last step
-to return its all-reduced, clipped gradients; the step returns them only on the rounds where an action that needs
-them is due), and what it does (`__call__`). The engine's own duties (log, warnings, the NaN policy, evaluate,
-checkpoint, stop on a signal, profile) are actions (engine/run/actions/builtin.py); a fork's is one file beside them,
-named by --actions or by its task's `ACTIONS`.
+to return its all-reduced, clipped gradients, "updates" the change its applies made to the variables; the step
+returns them only on the rounds where an action that needs them is due), and what it does (`__call__`). The
+engine's own duties (log, warnings, the NaN policy, evaluate, checkpoint, stop on a signal, profile) are actions
+(engine/run/actions/builtin.py); a fork's is one file beside them, named by --actions or by its task's `ACTIONS`.
 """
 
 import contextlib
@@ -18,8 +18,8 @@ import dataclasses
 class Round:
     """A round of steps that ran: steps start+1..end, in `seconds`. `out`: the inner loop's numbers (the mean loss,
     each update's last rates, gradient norm and loss scale, the skipped steps); `extras`: what the due actions
-    needed from the round's last step ({"gradients": {<model>/<path>: numpy array}}); `stopping`: a signal stops
-    the run after this round (every worker alike)."""
+    needed from the round's last step ({"gradients": {<model>/<path>: numpy array}}, and alike "updates");
+    `stopping`: a signal stops the run after this round (every worker alike)."""
 
     start: int
     end: int
@@ -49,7 +49,7 @@ class Action:
     timing. A fork's action subclasses this as `class Action(base.Action)` in engine/run/actions/<name>.py, built as
     `Action(config)`; its settings are declared in its file (`SETTINGS`) like a model's."""
 
-    needs = frozenset()  # what it reads from the step on the rounds it is due at: {"gradients"}
+    needs = frozenset()  # what it reads from the step on the rounds it is due at: {"gradients"}, {"updates"}
     every = 0  # a period in steps: a round ends at each of its multiples, so the action can be due there (0: none)
     steps = ()  # steps a round ends at, for the same reason (--profile_steps: a trace of exactly those steps)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.run.actions import base
 
-SETTINGS = {"histogram_every": (100, "histograms: write the weights' and gradients' histograms every this many steps")}
+SETTINGS = {"histogram_every": (100, "write the weights' and gradients' histograms every this many steps")}
 
 
 class Action(base.Action):
