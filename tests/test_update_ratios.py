@@ -17,18 +17,14 @@ from tests import helpers
 SGD = dict(optimizer="sgd", momentum=0.0, learning_rate=0.1, hidden_sizes=(8,), jit_compile="false")
 
 
-def _weights(run):
-    return {name: v.numpy() for name, v in zip(run.weights.names, run.weights.variables)}
-
-
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_the_steps_updates_are_the_weights_change_and_minus_the_rate_times_the_gradients(data_dir, strategy, request):
     run = build.run(helpers.make_config(data_dir, **SGD), request.getfixturevalue(strategy))
     iterator = run.program.train_iterator()
     run.program.run_round(iterator, 2)
-    before = _weights(run)
+    before = run.weights.arrays()
     _, extras = run.program.run_round(iterator, 1, {"gradients", "updates"})
-    after = _weights(run)
+    after = run.weights.arrays()
     assert sorted(extras["updates"]) == sorted(run.weights.names)
     for name in run.weights.names:
         update = extras["updates"][name]
@@ -71,9 +67,9 @@ def test_update_ratios_logs_each_variables_ratio_at_every_update_ratio_every_ste
     iterator = reference.program.train_iterator()
     for step in (3, 6):  # the same run stepped to that step alone: its weights before and after it
         reference.program.run_steps(iterator, 2)
-        before = _weights(reference)
+        before = reference.weights.arrays()
         reference.program.run_steps(iterator, 1)
-        after = _weights(reference)
+        after = reference.weights.arrays()
         for name in names:
             change = np.linalg.norm(after[name] - before[name])
             expected = change / np.linalg.norm(before[name])

@@ -53,6 +53,10 @@ class Weights:
             for v, value in zip(self.variables, saved):
                 v.assign(value)
 
+    def arrays(self):
+        """{<model>/<path>: numpy array} of the trained variables as they stand (what an action reads of them)."""
+        return {name: v.numpy() for name, v in zip(self.names, self.variables)}
+
     def restart_averages(self):
         """Starts the moving averages at the current weights (after a warm start)."""
         for v, average in zip(self.variables, self.averages):

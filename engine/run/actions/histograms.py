@@ -11,8 +11,6 @@ all-reduced, unscaled and clipped gradients, identical on every replica. The wei
 after that step. Only the chief writes.
 """
 
-import numpy as np
-
 from engine.run.actions import base
 
 SETTINGS = {"histogram_every": (100, "write the weights' and gradients' histograms every this many steps")}
@@ -25,7 +23,6 @@ class Action(base.Action):
         self.every = config.histogram_every  # due at its multiples (Action.due), where rounds end
 
     def __call__(self, round, context):
-        run = context.run
-        values = {f"weights/{name}": np.asarray(v.value) for name, v in zip(run.weights.names, run.weights.variables)}
+        values = {f"weights/{name}": value for name, value in context.run.weights.arrays().items()}
         values.update({f"gradients/{name}": g for name, g in round.extras["gradients"].items()})
         context.report.histograms(round.end, values)

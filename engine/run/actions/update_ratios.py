@@ -16,9 +16,7 @@ import numpy as np
 
 from engine.run.actions import base
 
-SETTINGS = {
-    "update_ratio_every": (100, "log each variable's ||update|| / ||weights|| every this many steps")
-}
+SETTINGS = {"update_ratio_every": (100, "log each variable's ||update|| / ||weights|| every this many steps")}
 
 
 def ratios(weights, updates):
@@ -39,9 +37,7 @@ class Action(base.Action):
         self.every = config.update_ratio_every  # due at its multiples (Action.due), where rounds end
 
     def __call__(self, round, context):
-        run = context.run
-        weights = {name: np.asarray(v.value) for name, v in zip(run.weights.names, run.weights.variables)}
-        found = ratios(weights, round.extras["updates"])
+        found = ratios(context.run.weights.arrays(), round.extras["updates"])
         context.report.scalars(round.end, {f"update_ratio/{name}": value for name, value in found.items()})
         largest = max((name for name in found if np.isfinite(found[name])), key=found.get, default=None)
         if largest is not None:
