@@ -168,9 +168,10 @@ class ReplicaStep:
         update = _maybe_jit(new_values, setup.jit)
         values, rates = update(gradients.grads, finite, when, self._statistics, self.count)
         changes = None
-        if "updates" in self._extras:  # read before the assignment; asynchronous values are the changes already
-            before = [v.value for v in plan.variables]
-            changes = values["params"] if setup.asynchronous else [n - b for n, b in zip(values["params"], before)]
+        if "updates" in self._extras:  # asynchronous values are the changes already
+            changes = values["params"]
+            if not setup.asynchronous:  # read before the assignment below
+                changes = [new - v.value for new, v in zip(changes, plan.variables)]
         assign = _assign_add if setup.asynchronous else _assign
         targets = plan.targets(setup.statistics, setup.float16)
 

@@ -4,8 +4,8 @@ The controller (engine/run/controller.py) runs a round, then hands it to each ac
 rounds must end for it (`every`: a period, whose multiples end a round, as --eval_every's do; `steps`: steps that
 end one, as --profile_steps' do), when it is due (`due`: a function of the step the round ended at, and whether the run
 is stopping there), what it needs from the step besides its scalars (`needs`: "gradients" asks the round's last step
-to return its all-reduced, clipped gradients, "updates" the change its applies made to the variables; the step
-returns them only on the rounds where an action that needs them is due), and what it does (`__call__`). The
+to return its all-reduced, clipped gradients, "updates" the change each update's last apply made to its variables;
+the step returns them only on the rounds where an action that needs them is due), and what it does (`__call__`). The
 engine's own duties (log, warnings, the NaN policy, evaluate, checkpoint, stop on a signal, profile) are actions
 (engine/run/actions/builtin.py); a fork's is one file beside them, named by --actions or by its task's `ACTIONS`.
 """
