@@ -323,3 +323,44 @@ def run_workers(args, count, timeout, env=None):
 
 def config_dict(config):
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def bench_measurements(engine_vs_fit=1.41, peak_rss_engine=105):
+    """bench/worker.py's measurements for mlp_1024, every part measured: the engine `engine_vs_fit` times fit's
+    speed, its peak memory `peak_rss_engine` against fit's 100."""
+    speed = {
+        "engine_best": "engine jit=1",
+        "fit_best": "fit spe=50 jit=1",
+        "seconds_per_step": {"engine jit=1": 0.01, "fit spe=50 jit=1": 0.01 * engine_vs_fit},
+        "engine_vs_fit": engine_vs_fit,
+        "window_steps": 1,
+        "parameters": 1000,
+        "precision": "float32",
+        "matmul_seconds_per_step": 0.005,
+        "matmul_flops_per_step": 1e6,
+        "global_batch_size": 256,
+        "input_wait_fraction": 0.01,
+        "precision_seconds_per_step": {"float32": 0.01, "mixed_bfloat16": 0.008, "mixed_float16": 0.02},
+    }
+    return {
+        "speed": {
+            "models": {"mlp_1024": speed},
+            "roofline": {"flops_per_sec": 1.6e8, "by_shape": {"1024x1024x1024": 1.0}, "dtype": "float32"},
+            "tiny": {
+                "seconds_per_step": {"engine spl=1": 1e-3, "engine spl=100": 2e-4},
+                "host_seconds_per_round": 1e-3,
+                "host_seconds_per_step_at_100": 1e-5,
+                "graph_seconds_per_step": 2e-4,
+            },
+        },
+        "mirrored": {
+            "mlp_1024": {
+                "jit": False,
+                "seconds_per_step": {"one_device": 0.01, "mirrored": 0.02},
+                "mirrored_vs_one_device": 0.5,
+            }
+        },
+        "memory": {"mlp_1024": {"engine": {"peak_rss": peak_rss_engine, "baseline_rss": 1}, "fit": {"peak_rss": 100}}},
+        "end_to_end": {"mlp_1024": {"float32": {"engine": [100.0], "fit": {0: [80.0]}, "jit_choice": "false"}}},
+        "errors": {},
+    }

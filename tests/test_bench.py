@@ -11,7 +11,7 @@ import re
 import pytest
 
 from bench import common, end_to_end, rows
-from tests import forkserver
+from tests import forkserver, helpers
 
 QUICK_ROWS = [
     "speed/mlp_1024",
@@ -54,35 +54,12 @@ def test_quick_mode_measures_every_row(tmp_path):
 
 
 def _results(engine_vs_fit, peak_rss_engine):
-    """Measurements for one model as bench/worker.py reports them, with two numbers chosen by the test."""
-    speed = {
-        "engine_best": "engine jit=1",
-        "fit_best": "fit spe=50 jit=1",
-        "seconds_per_step": {"engine jit=1": 0.01, "fit spe=50 jit=1": 0.01 * engine_vs_fit},
-        "engine_vs_fit": engine_vs_fit,
-        "window_steps": 100,
-        "parameters": 1000,
-        "precision": "float32",
-        "matmul_seconds_per_step": 0.005,
-        "matmul_flops_per_step": 1e6,
-        "global_batch_size": 256,
-        "input_wait_fraction": 0.01,
-        "precision_seconds_per_step": {"float32": 0.01, "mixed_bfloat16": 0.0078, "mixed_float16": 0.02},
-    }
-    return {
-        "speed": {
-            "models": {"mlp_1024": speed},
-            "roofline": {"flops_per_sec": 1.6e8, "by_shape": {"1024x1024x1024": 1.0}, "dtype": "float32"},
-            "tiny": {
-                "seconds_per_step": {"engine spl=1": 1e-3, "engine spl=100": 2e-4},
-                "host_seconds_per_round": 1e-3,
-                "host_seconds_per_step_at_100": 1e-5,
-                "graph_seconds_per_step": 2e-4,
-            },
-        },
-        "mirrored": {},
-        "memory": {"mlp_1024": {"engine": {"peak_rss": peak_rss_engine, "baseline_rss": 1}, "fit": {"peak_rss": 100}}},
-    }
+    """Measurements for one model as bench/worker.py reports them, with two numbers chosen by the test, bfloat16's
+    step 1.282x float32's, and the mirrored comparison not measured."""
+    results = helpers.bench_measurements(engine_vs_fit, peak_rss_engine)
+    results["speed"]["models"]["mlp_1024"]["precision_seconds_per_step"]["mixed_bfloat16"] = 0.0078
+    results["mirrored"] = {}
+    return results
 
 
 def test_rows_judge_each_number_against_its_target():

@@ -19,49 +19,9 @@ from tests.helpers import ROOT
 # ---- bench.run --quick: a smoke test, not a verdict ---------------------------------------------------------
 
 
-def _measured(engine_vs_fit=1.41):
-    """bench/worker.py's measurements for mlp_1024, with the engine 1.41x fit's speed."""
-    speed = {
-        "engine_best": "engine jit=1",
-        "fit_best": "fit spe=50 jit=1",
-        "seconds_per_step": {"engine jit=1": 0.01, "fit spe=50 jit=1": 0.01 * engine_vs_fit},
-        "engine_vs_fit": engine_vs_fit,
-        "window_steps": 1,
-        "parameters": 1000,
-        "precision": "float32",
-        "matmul_seconds_per_step": 0.005,
-        "matmul_flops_per_step": 1e6,
-        "global_batch_size": 256,
-        "input_wait_fraction": 0.01,
-        "precision_seconds_per_step": {"float32": 0.01, "mixed_bfloat16": 0.008, "mixed_float16": 0.02},
-    }
-    return {
-        "speed": {
-            "models": {"mlp_1024": speed},
-            "roofline": {"flops_per_sec": 1.6e8, "by_shape": {"1024x1024x1024": 1.0}, "dtype": "float32"},
-            "tiny": {
-                "seconds_per_step": {"engine spl=1": 1e-3, "engine spl=100": 2e-4},
-                "host_seconds_per_round": 1e-3,
-                "host_seconds_per_step_at_100": 1e-5,
-                "graph_seconds_per_step": 2e-4,
-            },
-        },
-        "mirrored": {
-            "mlp_1024": {
-                "jit": False,
-                "seconds_per_step": {"one_device": 0.01, "mirrored": 0.02},
-                "mirrored_vs_one_device": 0.5,
-            }
-        },
-        "memory": {"mlp_1024": {"engine": {"peak_rss": 105, "baseline_rss": 1}, "fit": {"peak_rss": 100}}},
-        "end_to_end": {"mlp_1024": {"float32": {"engine": [100.0], "fit": {0: [80.0]}, "jit_choice": "false"}}},
-        "errors": {},
-    }
-
-
 def test_quick_rows_carry_no_verdict():
     models = {"mlp_1024": common.QUICK_MODELS["mlp_1024"]}
-    table = bench_rows.rows(_measured(), models, quick=True)
+    table = bench_rows.rows(helpers.bench_measurements(), models, quick=True)
     results = {row["id"]: row["result"] for row in table}
     assert not {"PASS", "FALL SHORT"} & set(results.values()), results
     # The rows that have a target say they were not judged; the others stay information.
@@ -70,12 +30,12 @@ def test_quick_rows_carry_no_verdict():
     assert results["end_to_end/mlp_1024/float32"] == "not judged"
     assert results["roofline/peak"] == "info"
     # A full run of the same numbers judges them.
-    full = {row["id"]: row["result"] for row in bench_rows.rows(_measured(), models)}
+    full = {row["id"]: row["result"] for row in bench_rows.rows(helpers.bench_measurements(), models)}
     assert full["speed/mlp_1024"] == "PASS" and full["memory/mlp_1024"] == "PASS"
 
 
 def test_quick_mode_prints_what_it_is(monkeypatch, capsys):
-    monkeypatch.setattr(bench_run, "measure", lambda models, quick, gpu, jobs: _measured())
+    monkeypatch.setattr(bench_run, "measure", lambda models, quick, gpu, jobs: helpers.bench_measurements())
     assert bench_run.main(["--quick"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
@@ -86,7 +46,7 @@ def test_quick_mode_prints_what_it_is(monkeypatch, capsys):
 
 def test_detail_lists_its_figures_in_the_order_of_the_ratio():
     models = {"mlp_1024": common.MODELS["mlp_1024"]}
-    table = {row["id"]: row for row in bench_rows.rows(_measured(), models)}
+    table = {row["id"]: row for row in bench_rows.rows(helpers.bench_measurements(), models)}
     # "mixed_bfloat16 / float32" (a ratio of speeds): the numerator's figure first, each named.
     assert table["precision/mlp_1024/mixed_bfloat16"]["detail"] == ("mixed_bfloat16 8 ms/step vs float32 10 ms/step")
     assert table["mirrored/mlp_1024"]["detail"] == "jit=0: mirrored 20 ms/step vs one_device 10 ms/step"
