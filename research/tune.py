@@ -161,14 +161,20 @@ def _value(results, name, config):
 
 
 def _check_workdir(config):
-    """Refuses a workdir that holds a train run (the study's summary.json would replace the run's) or another
-    study (its study.json names it)."""
+    """Refuses a workdir that holds a train run or another job's results (an ensemble's: the study's summary.json
+    would replace theirs) or another study (its study.json names it)."""
     path = os.path.join(config.workdir, "config.json")
     if tf.io.gfile.exists(path):
         raise ConfigError(
             f"--workdir={config.workdir} holds a train run ({path}): a study needs a --workdir of its own"
         )
     path = os.path.join(config.workdir, workdir_lib.STUDY_NAME)
+    results = os.path.join(config.workdir, "summary.json")
+    if tf.io.gfile.exists(results) and not tf.io.gfile.exists(path):
+        raise ConfigError(
+            f"--workdir={config.workdir} holds another job's results ({results}, and no study.json of a study): a "
+            "study needs a --workdir of its own"
+        )
     try:
         with tf.io.gfile.GFile(path) as f:
             held = json.loads(f.read()).get("study")

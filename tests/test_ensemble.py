@@ -14,7 +14,7 @@ import tensorflow as tf
 from engine.run import inputs, loop
 from engine.settings.errors import ConfigError
 from engine.state import lock
-from research import checks, ensemble, ensemble_weights
+from research import checks, ensemble, ensemble_weights, tune
 from tasks import classification
 from tests import helpers
 
@@ -151,6 +151,34 @@ def top_files(workdir):
             with open(entry.path, "rb") as f:
                 found[entry.name] = f.read()
     return found
+
+
+def test_a_train_run_and_a_tuner_refuse_an_ensembles_workdir(data_dir, members, tmp_path, one_device):
+    # An ensemble's workdir holds its summary.json and predictions, and no config.json or study.json: a train run
+    # or a study there would replace its summary.json.
+    workdirs, _ = members
+    workdir = str(tmp_path / "ensemble")
+    ensemble.ensemble(ensemble_config(data_dir, workdir, [workdirs["mlp"], workdirs["resnet"]]))
+    before = top_files(workdir)
+    summary = f"{workdir}/summary.json"
+    with pytest.raises(ConfigError) as refused:
+        loop.train(helpers.make_config(data_dir, workdir, train_steps=2), one_device)
+    assert str(refused.value) == (
+        f"--workdir={workdir} holds another job's results ({summary}, and no config.json of a train run): a train "
+        "run needs a --workdir of its own"
+    )
+    space = tmp_path / "rate.space"
+    space.write_text("learning_rate  log  1e-4  0.3\n")
+    config = helpers.make_config(
+        data_dir, workdir, mode="tune", tune_trials=1, tune_pruner="none", tune_space=str(space)
+    )
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(config, one_device)
+    assert str(refused.value) == (
+        f"--workdir={workdir} holds another job's results ({summary}, and no study.json of a study): a study needs "
+        "a --workdir of its own"
+    )
+    assert top_files(workdir) == before  # its summary.json and predictions as they were, nothing added
 
 
 def test_an_ensemble_refuses_a_workdir_that_holds_a_run_a_study_or_a_lock(data_dir, members, tmp_path):

@@ -36,8 +36,9 @@ STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), wh
 
 
 def check_same_run(config):
-    """Refuses (ConfigError) a train run in a workdir that holds a tuning study or a run with other identity
-    settings; returns the saved Config, or None in a new workdir."""
+    """Refuses (ConfigError) a train run in a workdir that holds a tuning study, another job's results (an
+    ensemble's summary.json) or a run with other identity settings; returns the saved Config, or None in a new
+    workdir."""
     study = os.path.join(config.workdir, STUDY_NAME)
     if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
         raise ConfigError(
@@ -46,6 +47,14 @@ def check_same_run(config):
         )
     saved = load_run_config(config.workdir)
     if saved is None:
+        results = os.path.join(config.workdir, "summary.json")
+        # Results without a train run's checkpoints (an ensemble's): this run's summary.json would replace them. A
+        # train run's from before config.json has its checkpoints, whose own check speaks as it restores.
+        if tf.io.gfile.exists(results) and not tf.io.gfile.exists(os.path.join(config.workdir, "checkpoints")):
+            raise ConfigError(
+                f"--workdir={config.workdir} holds another job's results ({results}, and no config.json of a train "
+                "run): a train run needs a --workdir of its own"
+            )
         return None
     changes = identity_changes(saved, config)
     if changes:
