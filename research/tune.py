@@ -168,13 +168,8 @@ def _check_workdir(config):
         raise ConfigError(
             f"--workdir={config.workdir} holds a train run ({path}): a study needs a --workdir of its own"
         )
+    workdir_lib.check_no_others_results(config.workdir, workdir_lib.STUDY_NAME, "study.json of a study", "a study")
     path = os.path.join(config.workdir, workdir_lib.STUDY_NAME)
-    results = os.path.join(config.workdir, "summary.json")
-    if tf.io.gfile.exists(results) and not tf.io.gfile.exists(path):
-        raise ConfigError(
-            f"--workdir={config.workdir} holds another job's results ({results}, and no study.json of a study): a "
-            "study needs a --workdir of its own"
-        )
     try:
         with tf.io.gfile.GFile(path) as f:
             held = json.loads(f.read()).get("study")

@@ -1,6 +1,7 @@
 """Shared by the tests and by the worker processes they start (tests/mw_worker.py)."""
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -364,3 +365,17 @@ def bench_measurements(engine_vs_fit=1.41, peak_rss_engine=105):
         "end_to_end": {"mlp_1024": {"float32": {"engine": [100.0], "fit": {0: [80.0]}, "jit_choice": "false"}}},
         "errors": {},
     }
+
+
+def tensorboard_values(directory, keep):
+    """{tag: {step: array}} of the TensorBoard values in the events files of `directory` (a run's train/) for which
+    `keep(value)` holds."""
+    import tensorflow as tf
+
+    found = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if keep(value):
+                    found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
+    return found

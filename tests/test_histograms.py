@@ -2,11 +2,9 @@
 gradients' histograms in TensorBoard at every --histogram_every steps, whatever the round's length, each of the
 weights as they stood at its step."""
 
-import glob
 import os
 
 import numpy as np
-import tensorflow as tf
 
 from engine.run import build, loop
 from tests import helpers
@@ -14,13 +12,9 @@ from tests import helpers
 
 def _histograms(workdir):
     """{tag: {step: buckets [k, 3] (left edge, right edge, count)}} of the train run's TensorBoard events."""
-    found = {}
-    for path in sorted(glob.glob(os.path.join(workdir, "train", "events.out.tfevents.*"))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name == "histograms":
-                    found.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
-    return found
+    return helpers.tensorboard_values(
+        os.path.join(workdir, "train"), lambda value: value.metadata.plugin_data.plugin_name == "histograms"
+    )
 
 
 def test_histograms_of_the_weights_and_gradients_at_every_histogram_every_steps(data_dir, one_device, tmp_path):

@@ -3,12 +3,10 @@ variables, returned by the round's last step, is the weights' change itself (pla
 gradients it applied), the same on two mirrored replicas as on one device; in a real run the action logs each
 variable's ||update|| / ||weights before it|| at every --update_ratio_every steps."""
 
-import glob
 import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from engine.data import datasets
 from engine.numerics.updates import Update
@@ -49,13 +47,8 @@ def test_mirrored_replicas_return_one_devices_updates(data_dir, one_device, mirr
 
 def _scalars(workdir):
     """{tag: {step: value}} of the train run's TensorBoard scalars."""
-    found = {}
-    for path in sorted(glob.glob(os.path.join(workdir, "train", "events.out.tfevents.*"))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag.startswith("update_ratio/"):
-                    found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
-    return found
+    found = helpers.tensorboard_values(os.path.join(workdir, "train"), lambda v: v.tag.startswith("update_ratio/"))
+    return {tag: {step: float(value) for step, value in steps.items()} for tag, steps in found.items()}
 
 
 def test_update_ratios_logs_each_variables_ratio_at_every_update_ratio_every_steps(data_dir, one_device, tmp_path):

@@ -85,7 +85,7 @@ class ReplicaStep:
     per repetition, Update.fresh); gradients(..., repetition=r) tells an update's loss its repetition.
     """
 
-    def __init__(self, setup, count, replica, batches=(), extras=frozenset()):
+    def __init__(self, setup, count, replica, batches, extras):
         self.updates = [plan.update for plan in setup.plans.values()]
         self._extras = extras  # what the step returns beside its scalars (EXTRAS): kept from each apply only then
         self.batches = batches  # the step's training batches: one, or an update's fresh batch per repetition
@@ -214,7 +214,7 @@ class ReplicaStep:
         evaluated = [g.finite for pending in self._pending.values() for g in pending]
         finite = finites[0] if len(finites) == 1 and not evaluated else tf.reduce_all([*finites, *evaluated])
         loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
-        extra = {name: {"gradients": grads, "updates": changes}[name] for name in self._extras}
+        extra = {k: v for k, v in (("gradients", grads), ("updates", changes)) if k in self._extras}
         return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out, **extra}
 
 

@@ -47,14 +47,8 @@ def check_same_run(config):
         )
     saved = load_run_config(config.workdir)
     if saved is None:
-        results = os.path.join(config.workdir, "summary.json")
-        # Results without a train run's checkpoints (an ensemble's): this run's summary.json would replace them. A
-        # train run's from before config.json has its checkpoints, whose own check speaks as it restores.
-        if tf.io.gfile.exists(results) and not tf.io.gfile.exists(os.path.join(config.workdir, "checkpoints")):
-            raise ConfigError(
-                f"--workdir={config.workdir} holds another job's results ({results}, and no config.json of a train "
-                "run): a train run needs a --workdir of its own"
-            )
+        # A train run's from before config.json has its checkpoints, whose own check speaks as it restores.
+        check_no_others_results(config.workdir, "checkpoints", "config.json of a train run", "a train run")
         return None
     changes = identity_changes(saved, config)
     if changes:
@@ -68,6 +62,18 @@ def check_same_run(config):
             f" ({_free_name(config.workdir)} is free){hint}"
         )
     return saved
+
+
+def check_no_others_results(workdir, own, said, job):
+    """Refuses (ConfigError) `job` ("a train run", "a study") in a workdir that holds results (summary.json) but not
+    its own kind's `own` file (checkpoints, study.json; `said`: what the message calls missing): another job's (an
+    ensemble's), which this job's summary.json would replace."""
+    results = os.path.join(workdir, "summary.json")
+    if tf.io.gfile.exists(results) and not tf.io.gfile.exists(os.path.join(workdir, own)):
+        raise ConfigError(
+            f"--workdir={workdir} holds another job's results ({results}, and no {said}): {job} needs a --workdir of "
+            "its own"
+        )
 
 
 def write_config(config, task, updates=None):
