@@ -80,7 +80,7 @@ def decoded(paths, image_size, batch):
     from engine.data import images
     from engine.settings.fields import Config
 
-    decode = images.decoder(Config(image_size=image_size, dataset="folder:bench"))
+    decode = images.decoder(Config(image_size=image_size, dataset="folder:bench").data)
     files = tf.constant(paths)
 
     def example(i):

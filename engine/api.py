@@ -15,7 +15,8 @@ For a data source (sources/<name>.py):
     in_memory       a split held in memory, from {feature: tensor of examples x ...}
     sharded         a split streamed from counted TFRecord files
     tfds_source     the Source of a tensorflow-datasets dataset (prepared into --data_dir on first use)
-    image_decoder   the per-example decode of photos of any size (random-resized crop and flip, centre crop)
+    image_decoder   image_decoder(config.data): the per-example decode of photos of any size (random-resized crop
+                    and flip, centre crop)
 For code outside engine/ that handles actions (an action's own file, engine/run/actions/<name>.py, subclasses
 base.py beside it): Action (the interface: every, steps, due, needs, around, __call__, close), Round (what a round
     hands it), ROLLED_BACK and Stop (what it may answer)

@@ -62,7 +62,7 @@ def load(config, eval_split):
     spec = {"image": tf.TensorSpec([size, size, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
     info = {"num_classes": len(names), "class_names": tuple(names)}
 
-    decode_image = image_decoder(config)
+    decode_image = image_decoder(config.data)
 
     def decode(example, seed, training):
         features = {k: v for k, v in example.items() if k != "path"}

@@ -172,7 +172,7 @@ def _reader(config, features):
     if not images:
         return parse, spec, None
 
-    decoders = [image_decoder(config, feature=name) for name in images]
+    decoders = [image_decoder(config.data, feature=name) for name in images]
 
     def decode(example, seed, training):
         for i, decoder in enumerate(decoders):

@@ -101,7 +101,7 @@ def test_the_data_receives_the_task_built_before_it(data_dir):
     config = helpers.make_config(data_dir)
     source, task = inputs.source_and_task(config)
     assert type(task) is classification.Task and task.info is source.info
-    prepared = data.prepare(config, source, task)
+    prepared = data.prepare(config.data, source, task)
     assert prepared.task is task and task.spec == prepared.spec
     assert prepared.spec["image"] == tf.TensorSpec([8, 8, 1], tf.float32)  # the task's prepare: scaled floats
     loaded = inputs.run_data(config)  # what evaluation and research read: built the same way

@@ -29,7 +29,7 @@ def _png(array):
 
 
 def _decode(size):
-    return images.decoder(helpers.make_config("", image_size=size, dataset="folder:photos"))
+    return images.decoder(helpers.make_config("", image_size=size, dataset="folder:photos").data)
 
 
 def _seed(n):
@@ -38,7 +38,7 @@ def _seed(n):
 
 def test_zero_image_size_is_refused_naming_the_flag():
     with pytest.raises(ConfigError, match=r"^--image_size=0: --dataset=imagenet2012 has encoded images of no fixed"):
-        images.decoder(helpers.make_config("", dataset="imagenet2012"))
+        images.decoder(helpers.make_config("", dataset="imagenet2012").data)
 
 
 def test_same_seed_same_crop_different_seeds_different_crops():

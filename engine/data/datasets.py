@@ -76,12 +76,13 @@ def task_class(config):
     return importlib.import_module(f"tasks.{config.task}").Task
 
 
-def prepare(config, source, task, split=None):
+def prepare(data, source, task, split=None, service=""):
     """The Data of `source` for `task` (built from the source's spec and info), evaluating `split`, default
-    --eval_split. Sets `task.spec` to the prepared example's spec."""
+    --eval_split; `data`: the run's config.data. `service`: the tf.data service that builds the training batches
+    (--tf_data_service), or none. Sets `task.spec` to the prepared example's spec."""
     train, evals = source.train, source.evals
-    _check_sizes(config, train, evals, split)
-    eval_steps = math.ceil(evals.examples / config.per_eval_batch_size)
+    _check_sizes(data, train, evals, split)
+    eval_steps = math.ceil(evals.examples / data.per_eval_batch_size)
 
     def prepared(batch):
         # The task sees its features; the engine's own (index, weight) pass around it.
@@ -90,13 +91,13 @@ def prepare(config, source, task, split=None):
 
     one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
     task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepared).element_spec.items()}
-    pipelines = Pipelines(config.data, source)
+    pipelines = Pipelines(data, source)
 
     def train_fn(ctx, start_batch=0, stream=0, counter=None):
         """Per-replica batches from global batch `start_batch` on. `stream` > 0 gives an independent order (each
         parameter-server worker reads its own)."""
         ds = pipelines.train(ctx, start_batch, stream, counter).map(prepared, num_parallel_calls=AUTOTUNE)
-        return _through_service(config, ds, ctx, stream, start_batch).prefetch(AUTOTUNE)
+        return _through_service(service, ds, ctx, stream, start_batch).prefetch(AUTOTUNE)
 
     def gather(batch, pipeline, num_pipelines):
         return prepared(pipelines.share(batch, pipeline, num_pipelines))
@@ -119,28 +120,26 @@ def prepare(config, source, task, split=None):
     )
 
 
-def _check_sizes(config, train, evals, split):
+def _check_sizes(data, train, evals, split):
     if not evals.examples:  # a mean over nothing: NaN, said as if it were a number
+        split = split or data.eval_split
+        raise ConfigError(f"--dataset={data.dataset}: the split {split} it evaluates holds no examples")
+    if train.examples < data.global_batch_size:
         raise ConfigError(
-            f"--dataset={config.dataset or plugins.default_dataset(config.task)}: the split "
-            f"{split or config.eval_split} it evaluates holds no examples"
-        )
-    if train.examples < config.global_batch_size:
-        raise ConfigError(
-            f"--global_batch_size={config.global_batch_size}: larger than the "
-            f"{train.examples} examples of --train_split={config.train_split}"
+            f"--global_batch_size={data.global_batch_size}: larger than the "
+            f"{train.examples} examples of --train_split={data.train_split}"
         )
 
 
-def _through_service(config, ds, ctx, stream, start_batch):
-    if not config.tf_data_service:
+def _through_service(service, ds, ctx, stream, start_batch):
+    if not service:
         return ds
     # The service's workers build the batches; each is built once (dynamic sharding), but they
     # arrive in the order the service's workers finish them, not always the stream's.
     return ds.apply(
         tf.data.experimental.service.distribute(
             processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
-            service=config.tf_data_service,
+            service=service,
             job_name=f"train-{ctx.input_pipeline_id}-{stream}-{start_batch}",
         )
     )

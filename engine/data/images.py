@@ -24,13 +24,14 @@ ATTEMPTS = 10  # windows drawn before a training crop falls back to the centre c
 CENTRE = 0.875  # evaluation: the centre crop's side / the shorter side (224 of 256)
 
 
-def decoder(config, feature="image"):
+def decoder(data, feature="image"):
     """`decode(example, seed, training) -> example` with `example[feature]` (an encoded image string) replaced by
-    uint8 [S, S, 3]; `seed` is a [2] int64 stateless seed (used when `training`, a Python bool)."""
-    size = config.image_size
+    uint8 [S, S, 3], S the run's --image_size (`data`: its config.data); `seed` is a [2] int64 stateless seed (used
+    when `training`, a Python bool)."""
+    size = data.image_size
     if size <= 0:
         raise ConfigError(
-            f"--image_size={size}: --dataset={config.dataset} has encoded images of no fixed shape ({feature}); "
+            f"--image_size={size}: --dataset={data.dataset} has encoded images of no fixed shape ({feature}); "
             "set --image_size to the side its crops are resized to, e.g. 224"
         )
 

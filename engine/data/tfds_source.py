@@ -31,7 +31,7 @@ def load(config, name, features, eval_split):
     """The Source of the tensorflow-datasets dataset `name` (prepared into --data_dir on first use), keeping
     `features` (all when empty), evaluating `eval_split`."""
     tfds = _tensorflow_datasets()
-    builder = _prepared_builder(config, name)
+    builder = _prepared_builder(config.data, name)
     info = builder.info
     keep = list(features or info.features.keys())
     absent = [f for f in keep if f not in info.features]
@@ -40,7 +40,7 @@ def load(config, name, features, eval_split):
             f"--dataset={name}: --task={config.task} needs the features {', '.join(keep)} "
             f"(it has {', '.join(info.features.keys())})"
         )
-    encoded, decoders, spec, decode = _decoding(config, info, keep)
+    encoded, decoders, spec, decode = _decoding(config.data, info, keep)
     for feature, feature_spec in spec.items():
         if not feature_spec.shape.is_fully_defined():
             raise ConfigError(f"--dataset={name}: {feature} has no fixed shape ({feature_spec.shape})")
@@ -82,7 +82,7 @@ def load(config, name, features, eval_split):
     return Source(train, split_fn("eval_split", eval_split), spec, known, decode)
 
 
-def _decoding(config, info, keep):
+def _decoding(data, info, keep):
     """(encoded features, tfds decoders, {feature: spec} as decoded, per-example decode or None) of the features
     `keep`. Photos of many sizes (imagenet2012 and most photo datasets) are read encoded and decoded per
     example."""
@@ -96,40 +96,40 @@ def _decoding(config, info, keep):
         return encoded, decoders, spec, None
     from engine.data import images  # noqa: PLC0415  only runs that read photos need it
 
-    steps = [images.decoder(config, f) for f in encoded]
+    steps = [images.decoder(data, f) for f in encoded]
 
     def decode(example, seed, training):
         for one in steps:
             example = one(example, seed, training)
         return example
 
-    spec.update({f: tf.TensorSpec([config.image_size, config.image_size, 3], tf.uint8) for f in encoded})
+    spec.update({f: tf.TensorSpec([data.image_size, data.image_size, 3], tf.uint8) for f in encoded})
     return encoded, decoders, spec, decode
 
 
-def _prepared_builder(config, name):
+def _prepared_builder(data, name):
     tfds = _tensorflow_datasets()
-    data_dir = os.path.expanduser(config.data_dir) if config.data_dir else None
+    data_dir = os.path.expanduser(data.data_dir) if data.data_dir else None
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # tfds raises several kinds for names and configs it cannot resolve
         raise ConfigError(f"--dataset={name}: {first_line(e)}") from None
     # What builder.is_prepared() reads, without its warning about the folder it expected.
     if not tf.io.gfile.exists(os.path.join(builder.data_dir, tfds.core.constants.DATASET_INFO_FILENAME)):
-        _check_reachable(config, builder)
+        _check_reachable(data, builder)
     with _prepare_lock(builder.data_dir):
         try:
             builder.download_and_prepare()
         except Exception as e:  # network, disk and checksum failures all end here
             raise ConfigError(
-                f"--dataset={config.dataset}: could not download and prepare it into "
+                f"--dataset={data.dataset}: could not download and prepare it into "
                 f"{builder.data_dir} ({first_line(e)}); without a network, put a prepared "
                 "copy under --data_dir"
             ) from None
     return builder
 
 
-def _check_reachable(config, builder):
+def _check_reachable(data, builder):
     """Refuses in seconds to download a dataset when its download hosts (or the proxy to them) do not answer:
     tfds would retry each file with backoff for minutes (urllib3: 10 tries) before failing."""
     proxies = urllib.request.getproxies()
@@ -143,9 +143,9 @@ def _check_reachable(config, builder):
         try:
             socket.create_connection((host, port), timeout=3).close()
         except OSError as e:
-            where = config.data_dir or _tensorflow_datasets().core.constants.DATA_DIR
+            where = data.data_dir or _tensorflow_datasets().core.constants.DATA_DIR
             raise ConfigError(
-                f"--dataset={config.dataset}: not prepared in --data_dir={where} ({builder.data_dir}) and the "
+                f"--dataset={data.dataset}: not prepared in --data_dir={where} ({builder.data_dir}) and the "
                 f"network is unreachable ({'proxy ' if is_proxy else ''}{host}:{port}: {e.strerror or e}); prepare "
                 "it on a machine with a network and copy it there"
             ) from None

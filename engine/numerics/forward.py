@@ -156,8 +156,8 @@ def checked_loss(per_example, batch, what):
 def forward_backward(setup, plan, batch, step, replica, draw, loss, shift, values, repetition=0):
     """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
     grads, the statistics' new values). `values` of the statistics, or None to read them; `shift`: weights + shift."""
-    config, task, scale = setup.config, setup.task, plan.loss_scale.scale if setup.float16 else None
-    variables, global_batch, accumulate = plan.variables, config.global_batch_size, config.grad_accum_steps
+    loop, task, scale = setup.loop, setup.task, plan.loss_scale.scale if setup.float16 else None
+    variables, global_batch, accumulate = plan.variables, loop.global_batch_size, loop.grad_accum_steps
     params = [v.value for v in variables]
     at = params if shift is None else [p + tf.cast(s, p.dtype) for p, s in zip(params, shift)]
     weights = () if shift is None else tuple(zip(variables, at))

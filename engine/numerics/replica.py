@@ -58,13 +58,13 @@ class Gradients:
 
 class Setup:
     """What make_train_step fixes once for every step: the plans (engine/numerics/updates.py), the statistics a forward
-    pass updates, the seed generators, and how the pieces run."""
+    pass updates, the seed generators, the loop's batch settings, and how the pieces run."""
 
-    def __init__(self, task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit):
-        self.task, self.models, self.config = task, models, config
+    def __init__(self, task, models, plans, loop, freeze, task_file, replicas, stop_flag, float16, asynchronous, jit):
+        self.task, self.models, self.loop, self.task_file = task, models, loop, task_file
         self.plans = {plan.name: plan for plan in plans}
-        self.statistics, self.seeds = split_statistics(models, config.freeze)
-        self.num_replicas, self.stop_flag, self.float16 = num_replicas, stop_flag, float16
+        self.statistics, self.seeds = split_statistics(models, freeze)
+        self.num_replicas, self.stop_flag, self.float16 = replicas, stop_flag, float16
         self.asynchronous, self.jit = asynchronous, jit
 
 
@@ -91,7 +91,7 @@ class ReplicaStep:
         self.batches = batches  # the step's training batches: one, or an update's fresh batch per repetition
         self.count, self._setup, self._replica = count, setup, replica
         self._ctx = tf.distribute.get_replica_context()
-        self._file = f"tasks/{setup.config.task}.py: replica_step"
+        self._file = f"{setup.task_file}: replica_step"
         self._draws, self._stop, self._statistics = 0, None, None
         self._pending = {name: [] for name in setup.plans}
         self._applied = {name: [] for name in setup.plans}  # each apply's (loss, norm, finite, scale, rates, ...)
@@ -241,7 +241,9 @@ def make_train_step(
     task,
     models,
     plans,
-    config,
+    loop,
+    freeze,
+    task_file,
     num_replicas,
     stop_flag,
     counter,
@@ -252,6 +254,9 @@ def make_train_step(
 ):
     """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
     the engine's, over `plans` (engine/numerics/updates.py).
+
+    `loop`: the run's config.loop (the global batch and --grad_accum_steps); `freeze`: --freeze, whose batch-norm
+    statistics keep their values; `task_file`: the task's file, as the primitives' messages name it.
 
     `stop_flag` (a boolean variable, set on preemption) rides the step's first all-reduce, so every replica and
     worker learns that any of them is stopping after this step. `counter` (the run's step counter) seeds the dropout
@@ -265,9 +270,19 @@ def make_train_step(
     # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
     whole = jit_compile and num_replicas == 1 and not asynchronous
     setup = Setup(
-        task, models, plans, config, num_replicas, stop_flag, float16, asynchronous, jit_compile and not whole
+        task,
+        models,
+        plans,
+        loop,
+        freeze,
+        task_file,
+        num_replicas,
+        stop_flag,
+        float16,
+        asynchronous,
+        jit_compile and not whole,
     )
-    warning = accumulation_warning(models, setup.statistics, config.grad_accum_steps)
+    warning = accumulation_warning(models, setup.statistics, loop.grad_accum_steps)
     if warning:
         print(warning, flush=True)
     body = task.replica_step or engine_step

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from engine.numerics import optim, precision
+from engine.settings import sections
 from engine.settings.errors import ConfigError, TaskError
 
 DEFAULT = "train"  # the one update of a task that defines none; its metrics and checkpoint keep the plain names
@@ -181,13 +182,14 @@ def _check(update, task_file):
         raise TaskError(f"{task_file}: update {update.name!r}: trains={update.trains!r}: model names, or a regex")
 
 
-def _say_overrides(update, config, task_file):
+def _say_overrides(update, optimization, task_file):
     """A warning for each setting an update fixes over a value the run was given (not its default): --optimizer=sgd
     on a task whose updates train with adamw would otherwise be ignored in silence."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    given_values = optimization.values()
+    defaults = {f.name: f.default for f in dataclasses.fields(sections.whole(optimization))}
     for name, value in update.optimizer.items():
-        given = getattr(config, name, None)
-        if name in defaults and given != defaults[name] and given != value:
+        given = given_values.get(name)
+        if name in given_values and given != defaults[name] and given != value:
             print(
                 f"warning: {task_file}: update {update.name!r} trains with {name}={value}, not --{name}={given}",
                 flush=True,
@@ -202,11 +204,12 @@ def _selected(update, names):
     return [i for i, name in enumerate(names) if not models or name.split("/", 1)[0] in models]
 
 
-def build_plans(task, weights, config):
+def build_plans(task, weights, optimization, numerics, task_file):
     """The task's updates built for the run: [Plan], in the order they apply. `weights`: the run's trained variables,
-    their <model>/<path> names and their moving averages (--ema_decay, else [])."""
+    their <model>/<path> names and their moving averages (--ema_decay, else []); `optimization` and `numerics`: the
+    run's sections (config.optimization, config.numerics), each update's settings before its own; `task_file`: the
+    task's file, as its messages name it."""
     params, names, averages = weights.variables, weights.names, weights.averages
-    task_file = f"tasks/{config.task}.py"
     updates = tuple(task.updates()) or (Update(DEFAULT, groups=task.optimizer_groups),)
     for update in updates:
         _check(update, task_file)
@@ -235,14 +238,14 @@ def build_plans(task, weights, config):
                 [params[i] for i in chosen],
                 [names[i] for i in chosen],
                 [averages[i] for i in chosen] if averages else [],
-                config.optimization,
-                config.numerics,
+                optimization,
+                numerics,
                 "" if len(updates) == 1 else f"{update.name}/",
                 f"{task_file}: update {update.name!r}",
             )
         )
     for update in updates:
-        _say_overrides(update, config, task_file)
+        _say_overrides(update, optimization, task_file)
     left = [names[i] for i in range(len(names)) if i not in covered]
     if left:
         print(f"warning: {task_file}: no update trains {left[0]}" + (f" and {len(left) - 1} more" if left[1:] else ""))

@@ -23,6 +23,7 @@ from engine.run.create import Create
 from engine.run.evaluator import Evaluator
 from engine.run.inputs import examples, source_and_task
 from engine.run.program import TrainProgram
+from engine.settings import plugins
 from engine.settings.checks import check_batch
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint
@@ -110,7 +111,7 @@ def run(config, strategy, purpose="train", on_eval=None):
     tf.config.run_functions_eagerly(config.run_eagerly)
     memory.check_data(config)
     source, task = source_and_task(config)
-    data = datasets.prepare(config, source, task)
+    data = datasets.prepare(config.data, source, task, service=config.tf_data_service)
     memory.check(config, where, *shape_and_outputs(task))
     # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
     # seeds its initializers from that generator, so seeding after it keeps the weights the same.
@@ -118,7 +119,8 @@ def run(config, strategy, purpose="train", on_eval=None):
     with strategy.scope():
         models = task.models(Create(config, source.info))
         weights = trained_weights(models, config.freeze, config.ema_decay)
-        plans = updates.build_plans(task, weights, config) if training else []
+        task_file = plugins.file("task", config.task)
+        plans = updates.build_plans(task, weights, config.optimization, config.numerics, task_file) if training else []
         state = checkpointed_state(models, plans, weights)
     # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy) if where.parameter_server else None

@@ -63,7 +63,7 @@ def run_data(config, split=None):
     """The Data of the run `config` describes, its source and task built as a run builds them: what evaluation,
     research and tests read without building a run. Its `task` is the task it was prepared for."""
     source, task = source_and_task(config, split)
-    return datasets.prepare(config, source, task, split)
+    return datasets.prepare(config.data, source, task, split, config.tf_data_service)
 
 
 def training_batches(config, start=0):

@@ -10,6 +10,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 
 from engine.numerics import replica, updates
 from engine.run import inputs, xla
+from engine.settings import plugins
 from engine.settings.errors import ConfigError, raising_task_errors
 
 
@@ -97,7 +98,9 @@ class TrainProgram:
                 self.task,
                 self.models,
                 self.plans,
-                self.config,
+                self.config.loop,
+                self.config.freeze,
+                plugins.file("task", self.config.task),
                 self.placement.replicas,
                 self.stop,
                 self.state.step,

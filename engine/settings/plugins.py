@@ -45,6 +45,11 @@ def path(kind, name):
     return os.path.join(directory(kind), f"{name}.py")
 
 
+def file(kind, name):
+    """A plugin's file as a message names it, from the checkout: file("task", "gan") -> "tasks/gan.py"."""
+    return f"{FOLDERS[kind][0]}/{name}.py".replace(os.sep, "/")
+
+
 def read_constant(file, name, default):
     """The literal value a module assigns to `name` at its top level, read from its file without importing it
     (no TensorFlow starts), or `default`."""

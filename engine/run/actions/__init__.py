@@ -7,6 +7,7 @@ import importlib
 import numbers
 
 from engine.numerics.replica import EXTRAS
+from engine.settings import plugins
 from engine.settings.errors import TaskError
 from engine.settings.fields import named_actions
 
@@ -23,7 +24,7 @@ def load(config):
 def checked(action, name):
     """`action` (of engine/run/actions/<name>.py), once what it needs is what a step can return (EXTRAS) and its
     schedule is steps; else TaskError, one line naming the file, before the run writes anything."""
-    where = f"engine/run/actions/{name}.py"
+    where = plugins.file("actions", name)
     needs, every, steps = action.needs, action.every, action.steps
     if not isinstance(needs, (set, frozenset, list, tuple)) or not all(isinstance(need, str) for need in needs):
         raise TaskError(f"{where}: needs={needs!r}: must be a set of names, as needs = {{'gradients'}}")
