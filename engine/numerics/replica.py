@@ -58,14 +58,26 @@ class Gradients:
 
 class Setup:
     """What make_train_step fixes once for every step: the plans (engine/numerics/updates.py), the statistics a forward
-    pass updates, the seed generators, the loop's batch settings, and how the pieces run."""
+    pass updates, the seed generators, the loop's batch settings, and how the pieces run.
 
-    def __init__(self, task, models, plans, loop, freeze, task_file, replicas, stop_flag, float16, asynchronous, jit):
+    `loop`: the run's config.loop (the global batch and --grad_accum_steps); `freeze`: --freeze, whose batch-norm
+    statistics keep their values; `task_file`: the task's file, as the primitives' messages name it. `stop_flag` (a
+    boolean variable, set on preemption) rides the step's first all-reduce, so every replica and worker learns that
+    any of them is stopping after this step. `asynchronous` (parameter servers): updates are applied as deltas with
+    assign_add, which the server applies atomically, so concurrent workers never lose each other's updates or update
+    counts. `jit_compile`: compile it with XLA (engine/run/xla.py decides)."""
+
+    def __init__(
+        self, task, models, plans, loop, freeze, task_file, replicas, stop_flag, float16, asynchronous, jit_compile
+    ):
         self.task, self.models, self.loop, self.task_file = task, models, loop, task_file
         self.plans = {plan.name: plan for plan in plans}
         self.statistics, self.seeds = split_statistics(models, freeze)
-        self.num_replicas, self.stop_flag, self.float16 = replicas, stop_flag, float16
-        self.asynchronous, self.jit = asynchronous, jit
+        self.num_replicas, self.stop_flag, self.float16, self.asynchronous = replicas, stop_flag, float16, asynchronous
+        # One replica (and no parameter server): the whole step, all-reduces and assignments included, is one XLA
+        # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
+        self.whole = jit_compile and replicas == 1 and not asynchronous
+        self.jit = jit_compile and not self.whole
 
 
 class ReplicaStep:
@@ -237,55 +249,16 @@ def engine_step(step, batch):
             step.apply(update.name, step.gradients(update.name, read, repetition=repetition), when=when)
 
 
-def make_train_step(
-    task,
-    models,
-    plans,
-    loop,
-    freeze,
-    task_file,
-    num_replicas,
-    stop_flag,
-    counter,
-    float16,
-    asynchronous=False,
-    jit_compile=False,
-    extras=frozenset(),
-):
+def make_train_step(setup, counter, extras=frozenset()):
     """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
-    the engine's, over `plans` (engine/numerics/updates.py).
-
-    `loop`: the run's config.loop (the global batch and --grad_accum_steps); `freeze`: --freeze, whose batch-norm
-    statistics keep their values; `task_file`: the task's file, as the primitives' messages name it.
-
-    `stop_flag` (a boolean variable, set on preemption) rides the step's first all-reduce, so every replica and
-    worker learns that any of them is stopping after this step. `counter` (the run's step counter) seeds the dropout
-    masks. `asynchronous` (parameter servers): updates are applied as deltas with assign_add, which the server
-    applies atomically, so concurrent workers never lose each other's updates or update counts. `jit_compile`:
-    compile it with XLA (engine/run/xla.py decides). `extras` (of EXTRAS, what a due action asked for): "gradients"
-    adds the gradients each update last applied, {<model>/<path>: gradient}; "updates" the change that apply made to
-    each variable, {<model>/<path>: change}.
+    the engine's, over the plans of `setup` (a Setup). `counter` (the run's step counter) seeds the dropout masks.
+    `extras` (of EXTRAS, what a due action asked for): "gradients" adds the gradients each update last applied,
+    {<model>/<path>: gradient}; "updates" the change that apply made to each variable, {<model>/<path>: change}.
     """
-    # One replica (and no parameter server): the whole step, all-reduces and assignments included, is one XLA
-    # program, faster than compiling its pieces (bench/RESULTS.md). Several replicas: only the pieces.
-    whole = jit_compile and num_replicas == 1 and not asynchronous
-    setup = Setup(
-        task,
-        models,
-        plans,
-        loop,
-        freeze,
-        task_file,
-        num_replicas,
-        stop_flag,
-        float16,
-        asynchronous,
-        jit_compile and not whole,
-    )
-    warning = accumulation_warning(models, setup.statistics, loop.grad_accum_steps)
+    warning = accumulation_warning(setup.models, setup.statistics, setup.loop.grad_accum_steps)
     if warning:
         print(warning, flush=True)
-    body = task.replica_step or engine_step
+    body = setup.task.replica_step or engine_step
 
     def train_step(batch):
         # A step reading several batches (Update.fresh) is handed them as a tuple: the first is the step's batch.
@@ -295,7 +268,7 @@ def make_train_step(
         body(replica_step, batches[0])
         return replica_step.outputs()
 
-    return tf.function(train_step, jit_compile=True) if whole else train_step
+    return tf.function(train_step, jit_compile=True) if setup.whole else train_step
 
 
 def make_eval_sums(task, models, jit_compile=False):

@@ -94,7 +94,7 @@ class TrainProgram:
 
     def _loop(self, extras):
         if extras not in self._loops:
-            train_step = replica.make_train_step(
+            setup = replica.Setup(
                 self.task,
                 self.models,
                 self.plans,
@@ -103,12 +103,11 @@ class TrainProgram:
                 plugins.file("task", self.config.task),
                 self.placement.replicas,
                 self.stop,
-                self.state.step,
                 self.float16,
                 asynchronous=self.coordinator is not None,
                 jit_compile=self.jit_compile,
-                extras=extras,
             )
+            train_step = replica.make_train_step(setup, self.state.step, extras)
 
             def train_loop(iterator, steps, first_batch):
                 return self._train_loop(train_step, extras, iterator, steps, first_batch)
