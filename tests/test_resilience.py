@@ -146,8 +146,8 @@ def _poison(monkeypatch, bad_batches):
     """Global batches `bad_batches` of the training stream carry a NaN (one device: one batch per step)."""
     real_prepare = data.prepare
 
-    def prepare(config, source, task, split=None):
-        loaded = real_prepare(config, source, task, split)
+    def prepare(*args, **kwargs):
+        loaded = real_prepare(*args, **kwargs)
 
         def train_fn(ctx, start_batch=0, **kwargs):
             ds = loaded.train_fn(ctx, start_batch, **kwargs).enumerate(start_batch)
