@@ -9,15 +9,17 @@ from engine.settings.checks import fail, strategy_plan
 from engine.settings.plugins import RESEARCH_MODES
 
 
-def check(config):
-    """The mode's own checks, for --mode=tune or --mode=ensemble; nothing for another mode."""
-    if config.mode not in RESEARCH_MODES:
+def check(config, mode=None):
+    """The checks of research's `mode` ("tune", "ensemble"; default --mode): nothing for another mode. tune() and
+    ensemble() name theirs, so a Config handed to them at another --mode (a notebook's) is checked alike."""
+    mode = mode or config.mode
+    if mode not in RESEARCH_MODES:
         return
     if config.validation_split.split("[")[0] == "test":
         fail("validation_split", config.validation_split, "tuning and ensemble fitting never look at the test split")
-    if config.mode == "tune":
+    if mode == "tune":
         _check_tune(config)
-    if config.mode == "ensemble":
+    if mode == "ensemble":
         _check_ensemble(config)
 
 

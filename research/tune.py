@@ -74,7 +74,7 @@ def tune(config, strategy=None):
     """Runs (or resumes) the study until --tune_trials trials finished or --tune_timeout passed; returns the
     summary, also written to workdir/summary.json, with best.flags and tune_report.png beside it."""
     started = time.time()
-    checks.check(config)
+    checks.check(config, "tune")
     space = parse_space(config.tune_space, config)
     objective, direction = objective_of(config)
     _check_workdir(config)  # before anything is written

@@ -97,6 +97,16 @@ def test_the_teacher_stays_as_trained_and_export_serves_the_student(data_dir, te
     )
 
 
+def test_export_called_directly_serves_the_student_whatever_the_configs_mode(data_dir, teacher, distilled, tmp_path):
+    # A notebook hands export() the run's Config as it trained (--mode=train): the function is the mode, so the
+    # SavedModel holds the student alone, as --mode=export's does.
+    workdir, _ = distilled
+    export_dir = evaluate.export(student_config(data_dir, workdir, teacher, export_dir=str(tmp_path / "served")))
+    stored = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables")).get_variable_to_shape_map()
+    assert [k for k in stored if "teacher" in k] == []
+    assert len([k for k in stored if k.startswith("variables_by_path/model/")]) == 4
+
+
 @pytest.mark.parametrize(
     "flags, error",
     [

@@ -19,7 +19,7 @@ import pytest
 from engine.run import loop
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint, lock
-from research import checks, tune, tune_study
+from research import checks, ensemble, tune, tune_study
 from research.space import parse_space
 from tests import forkserver, helpers
 from tests.helpers import ROOT, launch
@@ -355,6 +355,28 @@ def test_tuning_refuses_the_test_split_and_pruning_without_evaluations(data_dir,
         tune_config(data_dir, tmp_path, space, validation_split="test")
     with pytest.raises(ConfigError, match=r"--eval_every=0: --tune_pruner=hyperband judges trials"):
         tune_config(data_dir, tmp_path, space, eval_every=0)
+
+
+def test_tune_and_ensemble_called_directly_run_their_checks_whatever_the_configs_mode(data_dir, tmp_path):
+    # A notebook calls tune(config) or ensemble(config) with a Config left at --mode=train: the checks are the
+    # function's, not the flag's, and the test split is refused before any trial or member is read.
+    space = write_space(tmp_path, "learning_rate log 1e-4 1e-1\n")
+    config = helpers.make_config(
+        data_dir,
+        str(tmp_path / "tune"),
+        **{**TUNE_DEFAULTS, "mode": "train"},
+        tune_space=space,
+        validation_split="test",
+        tune_trials=1,
+    )
+    with pytest.raises(ConfigError, match="^--validation_split=test: tuning and ensemble fitting never look"):
+        tune.tune(config)
+    assert not (tmp_path / "tune").exists()
+    members = f"{tmp_path / 'a'},{tmp_path / 'b'}"
+    config = helpers.make_config(data_dir, str(tmp_path / "ensemble"), members=members, validation_split="test")
+    with pytest.raises(ConfigError, match="^--validation_split=test: tuning and ensemble fitting never look"):
+        ensemble.ensemble(config)
+    assert not (tmp_path / "ensemble").exists()
 
 
 def test_a_tuner_holds_the_lock_a_train_run_takes(data_dir, one_device, tmp_path, monkeypatch):
