@@ -61,7 +61,7 @@ config = launch._config_from_flags()
 strategy = distribute.create_strategy(config.cluster)
 source, task = inputs.source_and_task(config)
 from engine.data import datasets
-datasets.prepare(config.data, source, task)
+datasets.prepare(config.data, source, task, service=config.tf_data_service)
 before = hwm()
 run = build.run(config, strategy)
 run.program.run_steps(run.program.train_iterator(), config.train_steps)

@@ -15,7 +15,6 @@ from engine.cluster import distribute
 from engine.numerics import precision
 from engine.run import build
 from engine.run.inputs import batches
-from engine.settings import plugins
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint as checkpoint_lib
@@ -212,7 +211,7 @@ def _outputs_text(shape, task):
 
 
 def _data_name(config):
-    name = config.dataset or plugins.default_dataset(config.task)
+    name = config.dataset_name
     if name == "synthetic":
         shape = ",".join(str(d) for d in config.synthetic_shape)
         return f"synthetic {shape} with {config.synthetic_classes} classes"

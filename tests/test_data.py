@@ -246,6 +246,7 @@ def test_an_empty_tfds_split_is_refused_in_one_line(data_dir, flag, split):
 def test_any_source_with_an_empty_evaluation_split_is_refused(monkeypatch):
     """Whatever the source (here one built in the test), no evaluation reports a mean over no examples."""
     from engine.settings.errors import ConfigError
+    from engine.settings.fields import Config
 
     split = lambda n: in_memory({"image": tf.zeros([n, 4]), "label": tf.zeros([n], tf.int64)})  # noqa: E731
     spec = {"image": tf.TensorSpec([4], tf.float32), "label": tf.TensorSpec([], tf.int64)}
@@ -254,3 +255,6 @@ def test_any_source_with_an_empty_evaluation_split_is_refused(monkeypatch):
     with pytest.raises(ConfigError) as raised:
         inputs.run_data(helpers.make_config("", dataset="synthetic"), "validation")
     assert str(raised.value) == "--dataset=synthetic: the split validation it evaluates holds no examples"
+    with pytest.raises(ConfigError) as raised:  # a fork's Config, not validated: no --dataset, the task's own
+        inputs.run_data(Config(), "validation")
+    assert str(raised.value) == "--dataset=digits: the split validation it evaluates holds no examples"

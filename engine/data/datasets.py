@@ -123,7 +123,7 @@ def prepare(data, source, task, split=None, service=""):
 def _check_sizes(data, train, evals, split):
     if not evals.examples:  # a mean over nothing: NaN, said as if it were a number
         split = split or data.eval_split
-        raise ConfigError(f"--dataset={data.dataset}: the split {split} it evaluates holds no examples")
+        raise ConfigError(f"--dataset={data.dataset_name}: the split {split} it evaluates holds no examples")
     if train.examples < data.global_batch_size:
         raise ConfigError(
             f"--global_batch_size={data.global_batch_size}: larger than the "
@@ -148,7 +148,7 @@ def _through_service(service, ds, ctx, stream, start_batch):
 def load_source(config, features, split=None):
     """The Source `config.dataset` names, keeping `features` (all when empty); its eval split is `split`, else
     --eval_split."""
-    name = config.dataset or plugins.default_dataset(config.task)
+    name = config.dataset_name
     kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is sources/KIND.py's to read
     if kind in plugins.names("dataset"):
         source = importlib.import_module(f"sources.{kind}").load(config, split or config.eval_split)

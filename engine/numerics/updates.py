@@ -210,6 +210,7 @@ def build_plans(task, weights, optimization, numerics, task_file):
     run's sections (config.optimization, config.numerics), each update's settings before its own; `task_file`: the
     task's file, as its messages name it."""
     params, names, averages = weights.variables, weights.names, weights.averages
+    optimization, numerics = sections.section(optimization, "optimization"), sections.section(numerics, "numerics")
     updates = tuple(task.updates()) or (Update(DEFAULT, groups=task.optimizer_groups),)
     for update in updates:
         _check(update, task_file)

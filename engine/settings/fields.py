@@ -235,8 +235,13 @@ class _RunSettings(sections.Sectioned):
     run_eagerly: bool = _numerics(False, "run the loop and step without graphs (print and pdb work in a task); slow")
 
     @property
-    def per_eval_batch_size(self):
+    def per_eval_batch_size(self) -> int:
         return self.eval_batch_size or self.global_batch_size
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset the run reads: --dataset, or its task's own where that is empty (a Config not validated)."""
+        return self.dataset or plugins.default_dataset(self.task)
 
 
 _FIELDS, _READS, DECLARATION_ERRORS = declared_settings(

@@ -25,7 +25,7 @@ SECTIONS = {
 # Names no model, task or source may declare as a setting: Config's sections, and what a view answers itself.
 RESERVED = frozenset(SECTIONS) | {"own", "READ_BY", "names", "values", "replace", "fields"}
 # Derived values a section answers too (a property of Config computed from that section's settings).
-DERIVED = {"per_eval_batch_size": "data"}
+DERIVED = {"per_eval_batch_size": "data", "dataset_name": "data"}
 
 
 def home(field):
@@ -144,7 +144,8 @@ def _typed(config_type, name, names):
         doc = f"the settings {name[0]} {name[1]} declares in its file, and those its READS names"
     else:
         title, doc = name.title(), SECTIONS[name]
-    annotations = {n: fields.get(n, int) for n in sorted(names)}  # a derived value (per_eval_batch_size): an int
+    # A derived value (per_eval_batch_size) is annotated with what its property returns.
+    annotations = {n: fields.get(n) or getattr(config_type, n).fget.__annotations__["return"] for n in sorted(names)}
     return type(title, (Section,), {"__doc__": f"{title}: {doc}.", "__annotations__": annotations, "NAMES": names})
 
 
