@@ -254,6 +254,12 @@ def _parse_flags(argv):
         read = [f.f_locals["filename"] for f, _ in frames if f.f_code.co_name == "_get_flag_file_lines"]
         given = [a.split("=", 1)[1] for a in argv if a.startswith(("--flagfile=", "-flagfile="))]
         _exit(f"--flagfile={(read or given or ['?'])[-1]}: not a text file of flags (byte {e.start} is not UTF-8)")
+    except ValueError as e:  # absl's for a negated boolean given a value: "--nodeterministic=true does not take ..."
+        given, _, why = str(e).partition(" ")
+        name = given.split("=", 1)[0].removeprefix("--").removeprefix("-").removeprefix("no")
+        if not given.startswith("-") or "does not take an argument" not in why:
+            raise
+        _exit(f"{given}: --no{name} takes no value (write --{name}=true or --{name}=false)")
     except SystemExit:  # absl's --help, --helpfull and --helpxml print what was asked for and exit 1: no error
         sys.exit(0)
 

@@ -38,6 +38,10 @@ CASES = [
     (["--train_steps=99999999999999999999999"], "--train_steps=99999999999999999999999"),
     (["--num_cpu_devices=100000"], "--num_cpu_devices=100000"),
     (["--compile_cache=/dev/null/cache"], "--compile_cache=/dev/null/cache"),
+    (["--nodeterministic=true"], "--nodeterministic=true"),
+    (["--flagfile={tmp}/negated.flags"], "--nosave_initial=1"),
+    (["--tf_data_service=notaurl"], "--tf_data_service=notaurl"),
+    (["--tf_data_service=grpc://localhost:1", "--connect_timeout=1"], "--tf_data_service=grpc://localhost:1"),
 ]
 # Downloads go through a proxy that refuses connections: the network is unreachable, on any machine.
 OFFLINE = {name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
@@ -48,6 +52,7 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
     (tmp_path / "binary").write_bytes(bytes(range(256)) * 4)
     (tmp_path / "inf.space").write_text("learning_rate float 1e-4 inf\n")
     (tmp_path / "model.space").write_text("model choice ..x mlp\n")
+    (tmp_path / "negated.flags").write_text("--nosave_initial=1\n")
 
     def attempt(index):
         args = [a.format(tmp=tmp_path) for a in CASES[index][0]]

@@ -5,6 +5,8 @@ numbers, a retraced round function is named once, and a task's optimizer groups 
 import inspect
 import json
 import linecache
+import os
+import pathlib
 import re
 import types
 
@@ -214,7 +216,7 @@ def _averaged_model(data_dir, one_device, tensors):
     return trainer
 
 
-def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run):
+def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run, tmp_path):
     config, summary = ema_run
     _, tensors = helpers.checkpoint_tensors(config.workdir)
     trainer = _averaged_model(data_dir, one_device, tensors)
@@ -236,6 +238,13 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run):
     served = tf.saved_model.load(export_dir).signatures["serving_default"](images=images)["logits"].numpy()
     reference = _averaged_model(data_dir, one_device, tensors).model(images, training=False).numpy()
     np.testing.assert_allclose(served, reference, rtol=0, atol=1e-5)
+    for taken in (tmp_path / "afile", export_dir):  # a file, a SavedModel already there: refused, untouched
+        if taken != export_dir:
+            taken.write_text("mine")
+        before = sorted(os.walk(taken)) if os.path.isdir(taken) else pathlib.Path(taken).read_text()
+        with pytest.raises(ConfigError, match=f"^--export_dir={taken}: exists and is not an empty directory"):
+            evaluate.export(helpers.make_config(data_dir, config.workdir, mode="export", export_dir=str(taken)))
+        assert before == (sorted(os.walk(taken)) if os.path.isdir(taken) else pathlib.Path(taken).read_text())
 
 
 # ---- --run_eagerly ---------------------------------------------------------------------------------------------

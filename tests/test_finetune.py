@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from engine import api
 from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.run.controller import Controller
@@ -201,3 +202,19 @@ def test_a_workdir_saved_before_variables_were_keyed_by_path_is_named_so(data_di
     old.write(str(tmp_path / "checkpoints" / "ckpt-1"))
     with pytest.raises(ConfigError, match="saved before this engine keyed variables by path"):
         loop.train(config, one_device)
+
+
+def test_a_truncated_checkpoint_to_start_from_is_refused_in_one_line(data_dir, source, tmp_path, one_device):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    data = next((damaged / "checkpoints").glob("ckpt-20.data-*"))
+    with open(data, "r+b") as f:  # the index reads, the weights do not: a copy cut short
+        f.truncate(100)
+    workdir = tmp_path / "run"
+    with pytest.raises(
+        ConfigError, match=rf"^--init_checkpoint={damaged}: unreadable checkpoint {damaged}/checkpoints"
+    ):
+        loop.train(make_config(data_dir, str(workdir), init_checkpoint=str(damaged), train_steps=2), one_device)
+    assert not workdir.exists()
+    with pytest.raises(ConfigError, match=rf"^--checkpoint={damaged}: unreadable checkpoint {damaged}/checkpoints"):
+        api.weights(str(damaged))

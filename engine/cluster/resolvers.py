@@ -17,6 +17,7 @@ import time
 
 import tensorflow as tf
 
+from engine.settings.checks import data_service_address
 from engine.settings.config import first_line
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
@@ -250,6 +251,25 @@ def detect_dead_peers(cluster_spec, seconds):
 # process that is stopped (SIGSTOP, a debugger) or a host cut off sends nothing, though its port may still accept.
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # and an empty SETTINGS
 _PROBE_INTERVAL = 1.0  # seconds between rounds of probes
+
+
+def reach_data_service(settings):
+    """Waits up to --connect_timeout for the tf.data service's dispatcher (--tf_data_service; `settings`: the run's
+    config.cluster) to accept a connection, as a job's tasks may start before it: TensorFlow would wait for one that
+    never comes forever. ConfigError naming the flag when none answered."""
+    host, port = data_service_address(settings.tf_data_service)
+    deadline = time.monotonic() + settings.connect_timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(3.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"--tf_data_service={settings.tf_data_service}: no dispatcher answered at {host}:{port} within "
+                    f"--connect_timeout={settings.connect_timeout:g}s ({e.strerror or e})"
+                ) from None
+        time.sleep(min(_PROBE_INTERVAL, max(0.0, deadline - time.monotonic())))
 
 
 def _silent(address, seconds):

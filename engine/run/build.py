@@ -14,7 +14,7 @@ import re
 import keras
 import tensorflow as tf
 
-from engine.cluster import distribute
+from engine.cluster import distribute, resolvers
 from engine.data import datasets
 from engine.numerics import precision, updates
 from engine.run import actions, memory, xla
@@ -110,6 +110,8 @@ def run(config, strategy, purpose="train", on_eval=None):
     check_batch(config, where.replicas)
     tf.config.run_functions_eagerly(config.run_eagerly)
     memory.check_data(config)
+    if config.tf_data_service:  # before anything is written: a dispatcher that never answers is refused
+        resolvers.reach_data_service(config.cluster)
     source, task = source_and_task(config)
     data = datasets.prepare(config.data, source, task, service=config.tf_data_service)
     memory.check(config, where, *shape_and_outputs(task))

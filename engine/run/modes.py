@@ -173,8 +173,8 @@ def export(config):
     path = _restore(checkpoint, config, paths)
     step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
-    if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
-        raise ConfigError(f"--export_dir={export_dir}: exists and is not empty; refusing to overwrite it")
+    if tf.io.gfile.exists(export_dir) and (not tf.io.gfile.isdir(export_dir) or tf.io.gfile.listdir(export_dir)):
+        raise ConfigError(f"--export_dir={export_dir}: exists and is not an empty directory; refusing to overwrite it")
     module = tf.Module()
     module.variables_by_path = checkpoint_lib.model_state(run.models)  # tracked: the SavedModel holds them
     module.serve = run.task.serve(run.models)

@@ -219,10 +219,20 @@ def check_strategy(config):
         )
     if name == "tpu" and not config.tpu:
         fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
+    if config.tf_data_service and data_service_address(config.tf_data_service) is None:
+        fail("tf_data_service", config.tf_data_service, "must be grpc://host:port or host:port of its dispatcher")
     if name == "tpu" and config.precision == "mixed_float16":
         # An explicit --strategy=tpu keeps the words it has always been refused with.
         computes = "TPUs compute" if config.strategy else f"{said} computes"
         fail("precision", config.precision, f"{computes} in bfloat16, not float16: use --precision=mixed_bfloat16")
+
+
+def data_service_address(service):
+    """(host, port) of a --tf_data_service value ([grpc://]host:port), or None when it is not one."""
+    found = re.fullmatch(r"(?:grpc://)?(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):(\d{1,5})", service)
+    if not found or not 0 < int(found.group(2)) < 65536:
+        return None
+    return found.group(1).strip("[]"), int(found.group(2))
 
 
 def _plan(cluster):

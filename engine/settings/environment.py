@@ -7,6 +7,8 @@ import os
 
 from engine.settings.errors import ConfigError
 
+JOBS = ("chief", "worker", "ps", "evaluator")  # the jobs a cluster may have (TensorFlow's multi_worker_util)
+
 
 def tf_config():
     """TF_CONFIG as a dict, checked; None when it is not set. Set but empty counts as not set (job scripts
@@ -35,6 +37,8 @@ def parse_tf_config(raw):
     if not isinstance(cluster, dict) or not cluster:
         bad("'cluster' must be an object mapping a job name to a list of host:port addresses")
     for job, addresses in cluster.items():
+        if job not in JOBS:  # TensorFlow's ClusterSpec refuses any other with a traceback
+            bad(f"job {job!r} in 'cluster' is none of {', '.join(JOBS)}")
         if not isinstance(addresses, list) or not addresses:
             bad(f"cluster['{job}'] must be a non-empty list of host:port addresses")
         for address in addresses:
@@ -48,6 +52,8 @@ def parse_tf_config(raw):
     task_type, index = task.get("type"), task.get("index")
     if task_type not in cluster:
         bad(f"task type {task_type!r} is not a job in 'cluster' ({', '.join(cluster)})")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task_type]):
+    if not isinstance(index, int) or isinstance(index, bool):
+        bad(f"task index {index!r} is not a whole number")
+    if not 0 <= index < len(cluster[task_type]):
         bad(f"task index {index!r} is out of range for job '{task_type}' with {len(cluster[task_type])} tasks")
     return parsed

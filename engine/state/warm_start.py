@@ -3,6 +3,7 @@ run's weights (--init_checkpoint, a distillation's teacher) and engine.api.weigh
 Finding, saving and restoring a run's own checkpoints is engine/state/checkpoint.py's.
 """
 
+import contextlib
 import os
 
 import tensorflow as tf
@@ -29,13 +30,9 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
     where the run kept one (what it evaluated), else the weights. Variables it lacks, or holds in another shape,
     keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
     prefix = find(source, flag)
-    try:
+    with _reading(source, prefix, flag):
         reader = tf.train.load_checkpoint(prefix)
         shapes = reader.get_variable_to_shape_map()
-    except (tf.errors.OpError, IndexError) as e:
-        if not is_damage(e):
-            raise storage_error(prefix, e) from None
-        raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
     saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
     for kind, name, path, key in _model_variables(shapes):
         (saved if kind == "models" else averaged)[name, path] = key
@@ -59,7 +56,8 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
                 result["reshaped"].append(f"{v.path} {shapes[key]} -> {list(v.shape)}")
                 used.add(v.path)
             else:
-                v.assign(reader.get_tensor(key))
+                with _reading(source, prefix, flag):
+                    v.assign(reader.get_tensor(key))
                 result["matched"].append(v.path)
                 used.add(v.path)
     result["unused"] = sorted(paths - used)
@@ -84,11 +82,25 @@ def weights(source, flag="checkpoint"):
     """{model name: {variable path: numpy array}} of the checkpoint `source` names (a checkpoint prefix, or a workdir:
     its newest): every model's weights and statistics by the Keras paths the models give them (mlp/dense/kernel),
     and their moving averages under "ema/<model>" where the run kept them. What a fork holds its step against."""
-    reader = tf.train.load_checkpoint(find(source, flag))
+    prefix = find(source, flag)
     found = {}
-    for kind, name, path, key in _model_variables(reader.get_variable_to_shape_map()):
-        found.setdefault(name if kind == "models" else f"ema/{name}", {})[path] = reader.get_tensor(key)
+    with _reading(source, prefix, flag):
+        reader = tf.train.load_checkpoint(prefix)
+        for kind, name, path, key in _model_variables(reader.get_variable_to_shape_map()):
+            found.setdefault(name if kind == "models" else f"ema/{name}", {})[path] = reader.get_tensor(key)
     return found
+
+
+@contextlib.contextmanager
+def _reading(source, prefix, flag):
+    """Reads the checkpoint `prefix` (of --`flag`=`source`) inside the block: a damaged file (a truncated data file
+    fails only as a tensor is read) is ConfigError naming the flag, a storage failure CheckpointError."""
+    try:
+        yield
+    except (tf.errors.OpError, IndexError) as e:
+        if not is_damage(e):
+            raise storage_error(prefix, e) from None
+        raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
 
 
 def _model_variables(keys):
