@@ -234,3 +234,26 @@ def test_a_resumed_run_evaluates_the_step_it_stopped_at_and_keeps_the_train_loss
     # over the last window, steps 6-10, as the run never interrupted reports it.
     assert records[0]["loss"] == uninterrupted[0]["loss"] and records[2]["loss"] != uninterrupted[1]["loss"]
     assert summary["train_loss"] == straight[1]["train_loss"] == uninterrupted[1]["loss"]
+
+
+def test_a_run_stopped_where_its_own_actions_are_due_keeps_their_records(data_dir, one_device, tmp_path, monkeypatch):
+    # A fork's actions (here histograms and update ratios, due every 5 steps) record the round a signal stops the run
+    # at, before the checkpoint and the stop: the resumed run starts after that step and never records it again.
+    settings = dict(WINDOWS, actions="histograms,update_ratios", histogram_every=5, update_ratio_every=5)
+
+    def recorded(workdir):
+        values = helpers.tensorboard_values(os.path.join(workdir, "train"), lambda v: "/" in v.tag)
+        return {tag: sorted(steps) for tag, steps in values.items() if tag.startswith(("weights/", "update_ratio/"))}
+
+    straight = str(tmp_path / "straight")
+    loop.train(helpers.make_config(data_dir, straight, **settings), one_device)
+    config = helpers.make_config(data_dir, str(tmp_path / "stopped"), **settings)
+    monkeypatch.setattr(program, "stops_each_step", lambda strategy: False)  # an accelerator's: at the round's end
+    _stop_at_round(monkeypatch, 0)
+    with pytest.raises(Preempted, match="at step 5;"):
+        loop.train(config, one_device)
+    monkeypatch.undo()
+    loop.train(config, one_device)
+    expected = recorded(straight)
+    assert expected and all(steps == [5, 10] for steps in expected.values()), expected
+    assert recorded(config.workdir) == expected

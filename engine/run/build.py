@@ -133,7 +133,7 @@ def run(config, strategy, purpose="train", on_eval=None):
         if evaluating
         else None
     )
-    run_actions = [*engine_actions(config.loop, on_eval), *actions.load(config)] if training else []
+    run_actions = engine_actions(config.loop, actions.load(config), on_eval) if training else []
     return Run(config, where, task, data, models, weights, plans, state, program, evaluator, run_actions)
 
 

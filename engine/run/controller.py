@@ -1,11 +1,11 @@
 """The outer loop: rounds of steps, each handed to the run's actions, then the final evaluation and the summary.
 
 Inner loop in graph: one tf.function runs a round of replica steps (engine/run/program.py). Outer loop in Python:
-after each round the actions that are due act on it, in order (engine/run/actions/: log, warnings, the NaN policy,
-evaluation, checkpoints, a signal's stop, profiling, and any a fork adds). Round boundaries are the multiples of
---steps_per_loop and of each action's period (--eval_every, --checkpoint_every, a fork's), and each action's steps
-(--profile_steps, so a trace covers exactly those steps): functions of the absolute step, so a resumed run cuts its
-rounds exactly where an uninterrupted one does.
+after each round the actions that are due act on it, in order (engine/run/actions/builtin.py engine_actions:
+warnings, the NaN policy, log, profiling, any a fork adds, evaluation, checkpoints, a signal's stop). Round boundaries
+are the multiples of --steps_per_loop and of each action's period (--eval_every, --checkpoint_every, a fork's), and
+each action's steps (--profile_steps, so a trace covers exactly those steps): functions of the absolute step, so a
+resumed run cuts its rounds exactly where an uninterrupted one does.
 """
 
 import dataclasses

@@ -1,6 +1,7 @@
 """The engine's own actions after a round, in the order the controller calls them: warn when the steps waited for
-input, apply the NaN policy (stop, or roll back), warn when float16 skipped most steps, log, profile, evaluate,
-checkpoint, stop on a signal. Each is an engine/run/actions/base.py Action; `engine_actions` builds them."""
+input, apply the NaN policy (stop, or roll back), warn when float16 skipped most steps, log, profile, then the run's
+own (--actions, its task's ACTIONS), then evaluate, checkpoint, stop on a signal. Each is an
+engine/run/actions/base.py Action; `engine_actions` puts them in that order."""
 
 import os
 
@@ -18,15 +19,19 @@ INPUT_BOUND = 0.10
 INPUT_WINDOW_STEPS = 50
 
 
-def engine_actions(loop, on_eval=None):
-    """The engine's actions for a run of `loop` (its config.loop), in order; `on_eval(step, results)` returning True
-    stops the run at that evaluation (a tuner's pruning)."""
+def engine_actions(loop, own=(), on_eval=None):
+    """The actions of a run of `loop` (its config.loop) in order: the engine's, with the run's `own` after the round's
+    log and before its evaluation, checkpoint and stop, so a round a signal stops the run at (or a kill right after
+    its checkpoint) is recorded by every action due at it: the resumed run starts after it. A diverged round is
+    recorded by none (the NaN policy comes first). `on_eval(step, results)` returning True stops the run at that
+    evaluation (a tuner's pruning)."""
     return [
         InputBoundWarning(),
         NanPolicy(loop.on_nan),
         SkippedWarning(),
         Log(),
         Profile(loop.profile_steps),
+        *own,
         Evaluate(loop.eval_every, loop.train_steps, on_eval),
         Checkpoint(loop.checkpoint_every, loop.train_steps),
         StopOnSignal(),
