@@ -195,6 +195,22 @@ def test_sigkill_and_restart_equals_uninterrupted(data_dir, tmp_path, capsys):
     assert summaries[0]["eval"] == summaries[1]["eval"]
 
 
+def test_a_run_killed_after_its_last_checkpoint_writes_the_summary_with_each_updates_numbers(
+    data_dir, one_device, tmp_path
+):
+    from engine.run import loop
+
+    config = helpers.make_config(data_dir, str(tmp_path), **dict(CASE, train_steps=4, steps_per_loop=2))
+    straight = loop.train(config, one_device)
+    os.remove(tmp_path / "summary.json")  # killed after its last checkpoint, before the summary
+    resumed = loop.train(config, one_device)  # trains nothing: the step is --train_steps
+    timing = ("wall_seconds", "examples_per_sec", "input_wait_fraction")
+    assert "generator/loss" in straight and "discriminator/grad_norm" in straight
+    assert {k: v for k, v in resumed.items() if k not in timing} == {
+        k: v for k, v in straight.items() if k not in timing
+    }
+
+
 # ---- What a run reports, writes and exports ----------------------------------------------------------------------
 
 

@@ -139,6 +139,7 @@ class Controller:
         run, report = self.run, self.context.report
         config, program = run.config, run.program
         examples_per_sec, input_wait = self.context.timing.summary(config.global_batch_size, program.waits_timed)
+        numbers = last or report.logged_at(current)
         summary = {
             "step": current,
             "train_loss": report.train_loss(),
@@ -147,9 +148,9 @@ class Controller:
             # The share of the timed rounds' time the steps waited for their batches.
             "input_wait_fraction": input_wait,
             "input_bytes_read": int(program.bytes_read.numpy()) if run.data.sharded else None,
-            # A run of several updates: each one's loss and gradient norm over the last round, its last rates, and the
-            # settings each trained with.
-            **(_update_metrics(program, last) if len(run.plans) > 1 and last else {}),
+            # A run of several updates: each one's loss and gradient norm over the last round, its last rates (as
+            # logged, where this process resumed at the end and ran no round), and the settings each trained with.
+            **(_update_metrics(program, numbers) if len(run.plans) > 1 and numbers else {}),
             **({"updates": settings} if (settings := updates.effective_settings(run.plans)) else {}),
             "skipped_steps": int(run.state.skipped.numpy()),
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,

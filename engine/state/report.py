@@ -247,6 +247,12 @@ class Report:
         lines = _read_lines(os.path.join(self.workdir, "metrics.jsonl"))
         return [json.loads(line) for line in lines if line.endswith("\n") and _step_of(line) <= step]
 
+    def logged_at(self, step):
+        """metrics.jsonl's record of `step`, or None: a round's numbers as the run logged them, for a process that
+        resumed at the last step and ran no round itself."""
+        records = self._records(step)
+        return records[-1] if records and records[-1]["step"] == step else None
+
     def _logged(self, step):
         """The throughput after the first round, from metrics.jsonl."""
         records = self._records(step)
