@@ -27,6 +27,7 @@ import tensorflow as tf
 from engine.cluster import distribute
 from engine.data import datasets as data_lib
 from engine.run import build, loop
+from engine.settings.config import validate
 from engine.settings.errors import ConfigError, Preempted, TrainingError
 from engine.settings.fields import show
 from engine.state import lock
@@ -74,6 +75,7 @@ def tune(config, strategy=None):
     """Runs (or resumes) the study until --tune_trials trials finished or --tune_timeout passed; returns the
     summary, also written to workdir/summary.json, with best.flags and tune_report.png beside it."""
     started = time.time()
+    config = validate(config)  # a notebook's Config too, as launch.py checks flags
     checks.check(config, "tune")
     space = parse_space(config.tune_space, config)
     objective, direction = objective_of(config)

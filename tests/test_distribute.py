@@ -31,7 +31,8 @@ def test_good_tf_config_parses():
         ),
         (json.dumps({**GOOD, "task": {"type": "evaluator", "index": 0}}), "task type 'evaluator' is not a job"),
         (json.dumps({**GOOD, "task": {"type": "worker", "index": 2}}), "task index 2 is out of range"),
-        (json.dumps({**GOOD, "task": {"type": "worker", "index": "0"}}), "task index '0' is out of range"),
+        (json.dumps({**GOOD, "task": {"type": "worker", "index": "0"}}), "task index '0' is not a whole number"),
+        (json.dumps({**GOOD, "cluster": {"worker": ["h:1"], "bogus": ["x:2"]}}), "job 'bogus' in 'cluster' is none of"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "task"}), "'task' must be an object"),
     ],
 )

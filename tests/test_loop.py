@@ -188,3 +188,23 @@ def test_reduced_precisions_match_float32_accuracy(data_dir, one_device, tmp_pat
     assert accuracy["float32"] > 0.95
     for precision in ("mixed_float16", "mixed_bfloat16"):
         assert abs(accuracy[precision] - accuracy["float32"]) <= 0.01, accuracy
+
+
+def test_a_notebooks_config_is_checked_as_flags_are(data_dir, one_device, tmp_path):
+    # A Config built in a notebook and handed to train() or evaluate(), never through launch.py: a bad setting is one
+    # ConfigError naming it before anything is written, and an empty --model is the task's own, as on the command line.
+    from engine.run import modes
+    from engine.settings.fields import Config
+
+    workdir = tmp_path / "run"
+    for overrides, message in [
+        (dict(optimizer="bogus"), "--optimizer=bogus: must be one of"),
+        (dict(freeze="["), "--freeze=[: not a regular expression"),
+        (dict(keep_checkpoints=0), "--keep_checkpoints=0: must be a positive number"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            loop.train(Config(data_dir=data_dir, workdir=str(workdir), train_steps=2, **overrides), one_device)
+        assert str(raised.value).startswith(message) and not workdir.exists()
+    trained = loop.train(Config(data_dir=data_dir, workdir=str(workdir), train_steps=2), one_device)
+    evaluated = modes.evaluate(Config(data_dir=data_dir, workdir=str(workdir)), one_device)
+    assert evaluated["eval"] == trained["eval"]

@@ -13,6 +13,7 @@ from engine.cluster import distribute
 from engine.numerics import updates
 from engine.run import build
 from engine.run.controller import Controller, evaluates_on_resume
+from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import lock, warm_start
@@ -26,8 +27,10 @@ def train(config, strategy=None, on_eval=None):
     Returns the summary, also written to workdir/summary.json. `on_eval(step, results)` is called after
     every evaluation; returning True stops training there (a tuner's pruning). A workdir holds one run
     (engine/state/workdir.py): one with other settings is refused, and so is a second process while one trains.
+    `config` is checked as launch.py checks flags (a notebook's Config too): a bad setting is ConfigError naming it.
     """
     started = time.time()
+    config = validate(config)
     strategy = strategy or distribute.create_strategy(config.cluster)
     saved = workdir_lib.check_same_run(config)
     run = build.run(config, strategy, on_eval=on_eval)

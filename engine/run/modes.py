@@ -23,7 +23,7 @@ def run_config(config, mode):
     contradicts the run is refused (engine/settings/config.py for_evaluation). Without a config.json, the command
     line as given. Its --mode is `mode` whatever `config` says: a Config handed to export() (a notebook's, left at
     --mode=train) builds what --mode=export builds (a distilled student without its teacher)."""
-    config = dataclasses.replace(config, mode=mode)
+    config = config_lib.validate(dataclasses.replace(config, mode=mode))  # a notebook's Config too, as flags are
     runs = [os.path.dirname(os.path.dirname(config.checkpoint))] if config.checkpoint else []
     for workdir in [*runs, config.workdir]:
         saved = config_lib.load_run_config(workdir) if workdir else None
