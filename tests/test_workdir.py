@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -25,11 +26,12 @@ from engine.run import modes as evaluate
 from engine.run.controller import Controller
 from engine.run.program import TrainProgram
 from engine.settings import plugins
-from engine.settings.config import validate
+from engine.settings.config import load_run_config, validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint, report
 from engine.state import lock as lock_lib
+from engine.state import workdir as workdir_lib
 from research import ensemble
 from tests import forkserver, helpers
 from tests.helpers import DOC_PAGES, ROOT, bash_blocks, logged_steps
@@ -426,3 +428,32 @@ def test_a_disk_full_between_checkpoints_ends_in_one_error_line(data_dir, tmp_pa
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert len(lines) == 1 and re.fullmatch(rf"error: cannot write {tmp_path}/\S+: File too large", lines[0]), lines
     assert not (tmp_path / "train.lock").exists()
+
+
+def test_a_run_that_saved_no_checkpoint_leaves_its_workdir_to_a_corrected_command(data_dir, one_device, tmp_path):
+    # A run refused as its first batches load (bad data, a source setting to correct) has written its config.json and
+    # nothing it could resume from: the corrected command trains there, as a second try of the first would.
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=4, hidden_sizes=(8,))
+    os.makedirs(tmp_path, exist_ok=True)
+    workdir_lib.write_config(config, types.SimpleNamespace(class_names=None))  # what it left: settings, no checkpoint
+    corrected = dataclasses.replace(config, hidden_sizes=(16,))
+    summary = loop.train(corrected, one_device)
+    assert summary["step"] == 4 and load_run_config(str(tmp_path)).hidden_sizes == (16,)
+    with pytest.raises(ConfigError, match="holds a run with other settings"):  # now it has a checkpoint
+        loop.train(config, one_device)
+
+
+def test_eval_of_another_runs_checkpoint_never_replaces_this_workdirs_results(data_dir, one_device, tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    loop.train(helpers.make_config(data_dir, str(ours), train_steps=2), one_device)
+    loop.train(helpers.make_config(data_dir, str(theirs), train_steps=2, seed=3), one_device)
+    evaluate.evaluate(helpers.make_config(data_dir, str(ours), mode="eval"), one_device)
+    before = files(ours, ("config.json", "summary.json", "eval_test.json"))
+    other = str(theirs / "checkpoints" / "ckpt-2")
+    for mode in ("eval", "export"):
+        given = helpers.make_config(data_dir, str(ours), mode=mode, checkpoint=other)
+        with pytest.raises(ConfigError, match=rf"^--checkpoint={other}: a checkpoint of {theirs}, not of --workdir"):
+            (evaluate.evaluate(given, one_device) if mode == "eval" else evaluate.export(given))
+        assert (
+            files(ours, ("config.json", "summary.json", "eval_test.json")) == before and not (ours / "export").exists()
+        )

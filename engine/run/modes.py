@@ -32,6 +32,18 @@ def run_config(config, mode):
     return config
 
 
+def _check_workdir_is_the_checkpoints(config):
+    """Refuses --checkpoint of another run than the one --workdir holds: the results (eval_<split>.json, an export
+    under --workdir) go into --workdir, where they would replace, or stand as, that run's own."""
+    theirs = os.path.dirname(os.path.dirname(config.checkpoint.rstrip("/")))
+    same = os.path.normpath(os.path.abspath(theirs)) == os.path.normpath(os.path.abspath(config.workdir))
+    if config.checkpoint and not same and tf.io.gfile.exists(os.path.join(config.workdir, "config.json")):
+        raise ConfigError(
+            f"--checkpoint={config.checkpoint}: a checkpoint of {theirs}, not of --workdir={config.workdir}'s run, "
+            f"whose results this would replace; use --workdir={theirs}"
+        )
+
+
 def _evaluated(config, strategy, purpose="evaluate"):
     """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program), and
     what it restores."""
@@ -70,6 +82,7 @@ def _restore(checkpoint, config, paths):
 def evaluate(config, strategy=None):
     """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest readable in --workdir) of the run
     rebuilt from its config.json."""
+    _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "eval")
     paths = _checkpoint_paths(config)
     run, checkpoint = _evaluated(config, strategy)
@@ -165,6 +178,8 @@ def export(config):
     the weights of --checkpoint (or the latest readable in --workdir). It computes in float32 whatever the
     training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
     TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
+    if not config.export_dir:  # else the export goes where it is told
+        _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "export")
     paths = _checkpoint_paths(config)
     run, checkpoint = _evaluated(

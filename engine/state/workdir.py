@@ -31,6 +31,7 @@ from engine.settings.config import first_line, load_run_config
 from engine.settings.errors import CheckpointError, ConfigError
 from engine.settings.fields import show
 from engine.settings.identity import identity_changes
+from engine.state.checkpoint import list_checkpoints
 
 STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), which a train run is refused
 
@@ -38,7 +39,8 @@ STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), wh
 def check_same_run(config):
     """Refuses (ConfigError) a train run in a workdir that holds a tuning study, another job's results (an
     ensemble's summary.json) or a run with other identity settings; returns the saved Config, or None in a new
-    workdir."""
+    workdir. A run that saved no checkpoint (refused as its first batches loaded: bad data, a source setting to
+    correct) left nothing to resume: its workdir is new to a command with other settings."""
     study = os.path.join(config.workdir, STUDY_NAME)
     if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
         raise ConfigError(
@@ -51,6 +53,8 @@ def check_same_run(config):
         check_no_others_results(config.workdir, "checkpoints", "config.json of a train run", "a train run")
         return None
     changes = identity_changes(saved, config)
+    if changes and not list_checkpoints(os.path.join(config.workdir, "checkpoints")):
+        return None
     if changes:
         listed = "; ".join(f"--{name}={show(old)} there, {show(new)} here" for name, old, new in changes)
         hint = ""
