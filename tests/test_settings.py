@@ -105,6 +105,8 @@ def test_an_old_config_json_resumes_and_is_checked_with_the_readers(tmp_path):
     # --image_size was accepted and ignored on a source that does not read it: the run is what it was without it.
     saved.update(jit_compile=False, steps_per_epoch=10, image_size=32)
     (tmp_path / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-10.index").write_bytes(b"")  # it trained: its checkpoints are there
     same = validate(Config(task="classification", dataset="shakespeare", workdir=str(tmp_path)))
     resumed = workdir.check_same_run(same)
     assert (resumed.jit_compile, resumed.image_size, resumed.sequence_length) == ("false", 0, 64)
