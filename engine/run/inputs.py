@@ -248,6 +248,11 @@ class PerWorker(Distributed):
         }
 
 
+# What a rerun does after a data error: a run that saved no checkpoint starts again (engine/state/workdir.py
+# check_same_run), and may then correct its settings too.
+RESUMES = "the run resumes from its last checkpoint (one that saved none starts again, its settings corrected too)"
+
+
 def explain(error, config, strategy, data, training, pipelines):
     """An example the pipeline could not decode becomes DecodeError naming its file; a lost peer, PeerLost; any
     other error comes back as it is."""
@@ -256,12 +261,11 @@ def explain(error, config, strategy, data, training, pipelines):
         position, stream = int(found.group(1)), int(found.group(2))
         return datasets.DecodeError(
             f"{data.origin(position, stream, training, pipelines)}; fix or remove it and run the same "
-            "command: the run resumes from its last checkpoint"
+            f"command: {RESUMES}"
         )
     damaged = unreadable(error)
     if damaged:
         return datasets.DecodeError(
-            f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: the run "
-            "resumes from its last checkpoint"
+            f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: {RESUMES}"
         )
     return distribute.explain_failure(strategy, config.cluster, error)
