@@ -114,8 +114,10 @@ def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worke
     summary = json.load(open(tmp_path / "ps" / "summary.json"))
     assert summary["step"] == 400 and summary["strategy"] == "parameter_server"
     reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "ps" / "checkpoints")[0])
-    # assign_add on the servers: no update lost between the asynchronous workers.
-    assert reader.get_tensor("optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE") == 400
+    # assign_add on the servers: no update lost between the asynchronous workers. The killed worker's function in
+    # flight runs again on worker 0 (TensorFlow's at least once): the updates it applied before it died apply twice,
+    # at most one function's steps (100 // (4 * 2) = 12; docs/cluster.md).
+    assert 400 <= reader.get_tensor("optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE") < 400 + 12
     config = helpers.make_config(
         data_dir,
         str(tmp_path / "one"),
