@@ -9,10 +9,10 @@ from engine.settings.checks import fail, strategy_plan
 from engine.settings.plugins import RESEARCH_MODES
 
 
-def check(config, mode=None):
-    """The checks of research's `mode` ("tune", "ensemble"; default --mode): nothing for another mode. tune() and
-    ensemble() name theirs, so a Config handed to them at another --mode (a notebook's) is checked alike."""
-    mode = mode or config.mode
+def check(config):
+    """The mode's own checks, for --mode=tune or --mode=ensemble; nothing for another mode. tune() and ensemble()
+    set their own mode first, so a Config handed to them at another --mode (a notebook's) is checked alike."""
+    mode = config.mode
     if mode not in RESEARCH_MODES:
         return
     if config.validation_split.split("[")[0] == "test":

@@ -72,8 +72,8 @@ def ensemble(config, strategy=None):
     also written to workdir/summary.json with ensemble_report.png and predictions.npz beside it."""
     del strategy  # members predict in the main process, batch by batch: nothing to distribute
     started = time.time()
-    config = config_lib.validate(config)  # a notebook's Config too, as launch.py checks flags
-    checks.check(config, "ensemble")
+    config = config_lib.validate(dataclasses.replace(config, mode="ensemble"))  # a notebook's too, as flags are
+    checks.check(config)
     _check_own_workdir(config)  # before the slow part
     splits = (config.validation_split, config.eval_split)
     members, reference, kind = _members(config, splits)

@@ -16,6 +16,7 @@ Every task is tuned alike: the objective is a metric the task reports, by defaul
 says how it looks. research/tune_study.py opens the study; research/tune_summary.py writes what it leaves.
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -75,8 +76,8 @@ def tune(config, strategy=None):
     """Runs (or resumes) the study until --tune_trials trials finished or --tune_timeout passed; returns the
     summary, also written to workdir/summary.json, with best.flags and tune_report.png beside it."""
     started = time.time()
-    config = validate(config)  # a notebook's Config too, as launch.py checks flags
-    checks.check(config, "tune")
+    config = validate(dataclasses.replace(config, mode="tune"))  # a notebook's Config too, as launch.py checks flags
+    checks.check(config)
     space = parse_space(config.tune_space, config)
     objective, direction = objective_of(config)
     _check_workdir(config)  # before anything is written

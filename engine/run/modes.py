@@ -24,7 +24,7 @@ def run_config(config, mode):
     line as given. Its --mode is `mode` whatever `config` says: a Config handed to export() (a notebook's, left at
     --mode=train) builds what --mode=export builds (a distilled student without its teacher)."""
     config = config_lib.validate(dataclasses.replace(config, mode=mode))  # a notebook's Config too, as flags are
-    runs = [os.path.dirname(os.path.dirname(config.checkpoint))] if config.checkpoint else []
+    runs = [_run_of(config.checkpoint)] if config.checkpoint else []
     for workdir in [*runs, config.workdir]:
         saved = config_lib.load_run_config(workdir) if workdir else None
         if saved is not None:
@@ -32,12 +32,19 @@ def run_config(config, mode):
     return config
 
 
+def _run_of(checkpoint):
+    """The workdir of the run a checkpoint prefix (<workdir>/checkpoints/ckpt-N) belongs to."""
+    return os.path.dirname(os.path.dirname(checkpoint.rstrip("/")))
+
+
 def _check_workdir_is_the_checkpoints(config):
     """Refuses --checkpoint of another run than the one --workdir holds: the results (eval_<split>.json, an export
     under --workdir) go into --workdir, where they would replace, or stand as, that run's own."""
-    theirs = os.path.dirname(os.path.dirname(config.checkpoint.rstrip("/")))
-    same = os.path.normpath(os.path.abspath(theirs)) == os.path.normpath(os.path.abspath(config.workdir))
-    if config.checkpoint and not same and tf.io.gfile.exists(os.path.join(config.workdir, "config.json")):
+    if not config.checkpoint:
+        return
+    theirs = _run_of(config.checkpoint)
+    same = os.path.abspath(theirs) == os.path.abspath(config.workdir)
+    if not same and tf.io.gfile.exists(os.path.join(config.workdir, "config.json")):
         raise ConfigError(
             f"--checkpoint={config.checkpoint}: a checkpoint of {theirs}, not of --workdir={config.workdir}'s run, "
             f"whose results this would replace; use --workdir={theirs}"
