@@ -59,6 +59,25 @@ class Outside(classification.Task):
         return {}
 
 
+class Branched(classification.Task):
+    def replica_step(self, step, batch):
+        gradients = step.gradients(DEFAULT, batch)
+        if step.count % 2 == 0:  # a tensor: autograph makes it a tf.cond, tracing both applies
+            step.apply(DEFAULT, gradients)
+        else:
+            step.apply(DEFAULT, gradients, when=False)
+
+
+class EveryOther(classification.Task):
+    def replica_step(self, step, batch):
+        step.apply(DEFAULT, step.gradients(DEFAULT, batch), when=step.count % 2)
+
+
+class PerExample(classification.Task):
+    def replica_step(self, step, batch):
+        step.apply(DEFAULT, step.gradients(DEFAULT, batch), when=batch["label"] > 3)
+
+
 @pytest.mark.parametrize(
     "task, message",
     [
@@ -67,8 +86,15 @@ class Outside(classification.Task):
         (Unknown, "replica_step: step.gradients('trian', ...): no update 'trian'; the task's updates are train"),
         (Crossed, "replica_step: step.apply('head', ...) takes the Gradients of step.gradients('head', ...) of this "),
         (Shifted, "replica_step: step.gradients('train', ..., shift=...): 1 shifts for the 4 variables update"),
+        (Branched, "replica_step: step.apply('train', ...) inside an `if` or loop on a tensor (graph mode runs it "),
+        (EveryOther, "replica_step: step.apply('train', ..., when=...) takes a boolean scalar (True, False or a "
+                     "tf.bool tensor of shape []), whether the update is due on every replica alike, not a tensor "
+                     "of int64, shape ()"),
+        (PerExample, "replica_step: step.apply('train', ..., when=...) takes a boolean scalar (True, False or a "
+                     "tf.bool tensor of shape []), whether the update is due on every replica alike, not a tensor "
+                     "of bool, shape (64,)"),
     ],
-    ids=["twice", "never", "unknown", "crossed", "shift"],
+    ids=["twice", "never", "unknown", "crossed", "shift", "tensor_if", "when_int", "when_per_example"],
 )
 def test_a_misused_primitive_is_one_line(data_dir, one_device, monkeypatch, task, message):
     monkeypatch.setattr(data_lib, "task_class", lambda config: task)

@@ -372,6 +372,42 @@ def test_the_float16_growth_interval_counts_an_updates_finite_applications(data_
     assert [body for body, _ in scales] == [8.0] * 10 + [16.0, 16.0]  # applied at steps 1, 3, ..., 11
 
 
+class Overflowing(Split):
+    """Two float16 updates whose skips are routine above the loss scale's floor: the body's loss is 1e30 times the
+    task's (past float16's range at any scale) and applies every 2nd step; the head's first of 2 repetitions a step
+    is infinite."""
+
+    def body_loss(self, models, batch, seed):
+        return 1e30 * self.loss(self.forward(models, batch, True), batch)
+
+    def head_loss(self, models, batch, seed, repetition):
+        weight = tf.where(tf.equal(repetition, 0), float("inf"), 1.0)  # the head computes in float32
+        return weight * self.loss(self.forward(models, batch, True), batch)
+
+    def updates(self):
+        return (
+            Update("body", loss=self.body_loss, trains=r"/dense/", every=2),
+            Update("head", loss=self.head_loss, trains=r"/dense_1/", repeat=2),
+        )
+
+
+def test_float16_skips_are_divergence_only_where_a_due_update_skipped_at_the_scales_floor(
+    data_dir, one_device, monkeypatch
+):
+    """A step skipped by an update not due there, or by a repetition above the floor whose next one was finite, is
+    how the loss scale learns; a run stops for divergence only on a due apply skipped with the scale at 1."""
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Overflowing)
+    for initial, at_floor, scales in ((2.0**10, 0, [2.0**8, 2.0**6]), (1.0, 4, [1.0, 1.0])):
+        config = helpers.make_config(
+            data_dir, precision="mixed_float16", initial_loss_scale=initial, loss_scale_growth_interval=10**6, **SGD
+        )
+        trainer = build.run(config, one_device)
+        out = trainer.program.run_steps(trainer.program.train_iterator(), 4)
+        assert (out["steps"], out["skipped"], out["floor_skipped"]) == (4, 4, at_floor), initial
+        # The body halved at its 2 due steps, the head at each step's first repetition.
+        assert [float(plan.loss_scale.scale.numpy()) for plan in trainer.plans] == scales
+
+
 def test_two_float16_updates_each_unscale_with_their_own_scale(data_dir, one_device, monkeypatch):
     """Two updates whose loss scales were driven far apart (one high, one at 1): each scales and unscales with its
     own, and both train as in float32."""

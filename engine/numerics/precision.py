@@ -3,6 +3,8 @@
 import keras
 import tensorflow as tf
 
+FLOOR = 1.0  # the loss scale halves on a non-finite step down to this, and no lower
+
 
 def set_policy(precision):
     """Sets Keras's global dtype policy. The policy is thread-local: call it in the main thread,
@@ -26,6 +28,6 @@ class LossScale(tf.Module):
         """(scale, good_steps) after a step whose gradients were all finite or not."""
         good = self.good_steps + 1
         grow = good >= self.growth_interval
-        scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale), tf.maximum(self.scale / 2.0, 1.0))
+        scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale), tf.maximum(self.scale / 2.0, FLOOR))
         good = tf.where(finite & ~grow, good, tf.zeros_like(good))
         return scale, good

@@ -16,6 +16,7 @@ step, whatever the replica count and the microbatching.
 import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
+from engine.numerics.precision import FLOOR
 from engine.settings.errors import TaskError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -103,6 +104,7 @@ class ReplicaStep:
         self.batches = batches  # the step's training batches: one, or an update's fresh batch per repetition
         self.count, self._setup, self._replica = count, setup, replica
         self._ctx = tf.distribute.get_replica_context()
+        self._graph = tf.compat.v1.get_default_graph()  # the step's: an apply in a tf.cond or loop of its own is not
         self._file = f"{setup.task_file}: replica_step"
         self._draws, self._stop, self._statistics = 0, None, None
         self._pending = {name: [] for name in setup.plans}
@@ -163,14 +165,26 @@ class ReplicaStep:
                 f"{self._file}: step.apply({name!r}, ...) takes the Gradients of step.gradients({name!r}, ...) of "
                 f"this step, not {_described(gradients, self)}"
             )
+        if tf.compat.v1.get_default_graph() is not self._graph:  # autograph traces both branches of a tensor `if`
+            raise TaskError(
+                f"{self._file}: step.apply({name!r}, ...) inside an `if` or loop on a tensor (graph mode runs it as "
+                "tf.cond or tf.while_loop and traces every branch); apply in replica_step's body and say whether the "
+                "update is due with when="
+            )
         if not any(g is gradients for g in self._pending[name]):  # taken before the weights its apply moved
             raise TaskError(
                 f"{self._file}: step.apply({name!r}, ...): these gradients were applied already; take new "
                 f"step.gradients({name!r}, ...)"
             )
+        when = self._checked_when(name, when)
         pending, self._pending[name] = self._pending[name], []
         finite = pending[0].finite if len(pending) == 1 else tf.reduce_all([g.finite for g in pending])
         scale = plan.loss_scale.scale.value() if setup.float16 else tf.constant(0.0)  # the scale before
+        # float16: a skip that could not lower the scale (due, non-finite, the scale at its floor already) is
+        # divergence; one above the floor, or of an update not due (its scale kept), is how the scale learns.
+        at_floor = tf.logical_and(~finite, scale <= FLOOR) if setup.float16 else None
+        if setup.float16 and when is not None:
+            at_floor = tf.logical_and(at_floor, when)
 
         def new_values(grads, finite, when, statistics, step):
             return plan.new_values(
@@ -193,7 +207,26 @@ class ReplicaStep:
 
         self._ctx.merge_call(assign_all, args=(values,))
         self._statistics = None  # the next forward pass reads the statistics as assigned
-        self._applied[name].append((pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads, changes))
+        self._applied[name].append(
+            (pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads, changes, at_floor)
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def _checked_when(self, name, when):
+        """`when` as apply reads it: None, or a boolean scalar; TaskError for anything else, named."""
+        if when is None or isinstance(when, bool):
+            return when
+        try:
+            tensor = tf.convert_to_tensor(when)
+        except (TypeError, ValueError):
+            tensor = None
+        if tensor is None or tensor.dtype != tf.bool or tensor.shape.rank not in (0, None):
+            kind = type(when).__name__ if tensor is None else f"tensor of {tensor.dtype.name}, shape {tensor.shape}"
+            raise TaskError(
+                f"{self._file}: step.apply({name!r}, ..., when=...) takes a boolean scalar (True, False or a tf.bool "
+                f"tensor of shape []), whether the update is due on every replica alike, not a {kind}"
+            )
+        return tensor
 
     @tf.autograph.experimental.do_not_convert
     def outputs(self):
@@ -201,7 +234,7 @@ class ReplicaStep:
         rates (a one-update run's under the plain names). The step's `extras`: under "gradients", each update's
         gradients of its last apply, by <model>/<path>; under "updates", the change that apply made to each variable
         (zero where it was masked: a skipped float16 step, an update not due)."""
-        out, losses, finites, grads, changes = {}, [], [], {}, {}
+        out, losses, finites, grads, changes, floors = {}, [], [], {}, {}, []
         for name, applied in self._applied.items():
             plan = self._setup.plans[name]
             if not applied:
@@ -212,7 +245,8 @@ class ReplicaStep:
             # Its loss and gradient norm alike: their means over the step's applications (repeat).
             loss = applied[0][0] if len(applied) == 1 else tf.add_n([a[0] for a in applied]) / len(applied)
             norm = applied[0][1] if len(applied) == 1 else tf.add_n([a[1] for a in applied]) / len(applied)
-            *_, finite, scale, rates, applied_grads, applied_changes = applied[-1]
+            *_, finite, scale, rates, applied_grads, applied_changes, _ = applied[-1]
+            floors.extend(a[-1] for a in applied)
             grads.update(zip(plan.names, applied_grads))
             changes.update(zip(plan.names, applied_changes or ()))
             finite = tf.reduce_all([a[2] for a in applied]) if len(applied) > 1 else finite
@@ -227,6 +261,8 @@ class ReplicaStep:
         finite = finites[0] if len(finites) == 1 and not evaluated else tf.reduce_all([*finites, *evaluated])
         loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
         extra = {k: v for k, v in (("gradients", grads), ("updates", changes)) if k in self._extras}
+        if self._setup.float16:  # whether a due apply was skipped with its loss scale at the floor
+            extra["at_floor"] = floors[0] if len(floors) == 1 else tf.reduce_any(floors)
         return {"loss": loss, "stop": self._stop > 0, "finite": finite, **out, **extra}
 
 

@@ -188,11 +188,8 @@ class TrainProgram:
             carried = {name: out.pop(name) for name in extras}
             sums = {k: v + tf.where(out["finite"], tf.cast(out[k], tf.float64), 0.0) for k, v in sums.items()}
             finite_steps += tf.cast(out["finite"], tf.float32)
-            if self.float16:  # each update's scale against its scale after the step: a skip at the floor leaves it
-                at_floor = [
-                    ~out[p.prefix + "finite"] & (p.loss_scale.scale == out[p.prefix + "loss_scale"]) for p in self.plans
-                ]
-                floor_skipped += tf.cast(tf.reduce_any(at_floor), tf.float32)
+            if self.float16:  # a due apply skipped with its loss scale at the floor (ReplicaStep.outputs)
+                floor_skipped += tf.cast(out.pop("at_floor"), tf.float32)
             last = {k: out[k] for k in last}
             ran += 1
             state.step.assign_add(1)
