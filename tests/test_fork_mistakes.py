@@ -87,12 +87,18 @@ class PerExample(classification.Task):
         (Crossed, "replica_step: step.apply('head', ...) takes the Gradients of step.gradients('head', ...) of this "),
         (Shifted, "replica_step: step.gradients('train', ..., shift=...): 1 shifts for the 4 variables update"),
         (Branched, "replica_step: step.apply('train', ...) inside an `if` or loop on a tensor (graph mode runs it "),
-        (EveryOther, "replica_step: step.apply('train', ..., when=...) takes a boolean scalar (True, False or a "
-                     "tf.bool tensor of shape []), whether the update is due on every replica alike, not a tensor "
-                     "of int64, shape ()"),
-        (PerExample, "replica_step: step.apply('train', ..., when=...) takes a boolean scalar (True, False or a "
-                     "tf.bool tensor of shape []), whether the update is due on every replica alike, not a tensor "
-                     "of bool, shape (64,)"),
+        (
+            EveryOther,
+            "replica_step: step.apply('train', ..., when=...) takes a boolean scalar (True, False or a "
+            "tf.bool tensor of shape []), whether the update is due on every replica alike, not a tensor "
+            "of int64, shape ()",
+        ),
+        (
+            PerExample,
+            "replica_step: step.apply('train', ..., when=...) takes a boolean scalar (True, False or a "
+            "tf.bool tensor of shape []), whether the update is due on every replica alike, not a tensor "
+            "of bool, shape (64,)",
+        ),
     ],
     ids=["twice", "never", "unknown", "crossed", "shift", "tensor_if", "when_int", "when_per_example"],
 )
