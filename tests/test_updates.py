@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -519,3 +520,35 @@ def test_the_progress_line_of_a_run_of_two_updates_shows_each_ones_loss(tmp_path
     assert "train step=10 body/loss=0.25 body/learning_rate=0.1 body/grad_norm=1 head/loss=2.5 " in out
     assert "head/grad_norm=2 head/loss_scale=8 examples_per_sec=50.0" in out
     assert "step 10/20 body/loss 0.2500 head/loss 2.5000 50 ex/s" in out
+
+
+class Tied(classification.Task):
+    """Two models sharing their hidden layer: its variables are trained, counted and clipped once, named by the first
+    model ("a"), so an update can train them by that name."""
+
+    def models(self, create):
+        inputs = keras.Input(tuple(self.spec["image"].shape))
+        hidden = keras.layers.Dense(8, activation="relu")
+        flat = keras.layers.Flatten()(inputs)
+        return {name: keras.Model(inputs, keras.layers.Dense(10)(hidden(flat)), name=name) for name in ("a", "b")}
+
+    def forward(self, models, batch, training):
+        return models["a"](batch["image"], training=training) + models["b"](batch["image"], training=training)
+
+
+def test_a_variable_two_models_share_is_trained_once(data_dir, one_device, monkeypatch):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Tied)
+    trainer = build.run(helpers.make_config(data_dir, **SGD, learning_rate=0.1), one_device)
+    assert trainer.weights.names == [
+        "a/dense/kernel", "a/dense/bias", "a/dense_1/kernel", "a/dense_1/bias", "b/dense_2/kernel", "b/dense_2/bias"
+    ]  # fmt: skip
+    initial = [v.numpy() for v in trainer.weights.variables]
+    (batch,) = _batches(trainer, 1)
+    with tf.GradientTape() as tape:
+        outputs = trainer.task.forward(trainer.models, batch, True)
+        loss = tf.reduce_mean(trainer.task.loss(outputs, batch))
+    grads = tape.gradient(loss, trainer.weights.variables)
+    out = helpers.one_step(trainer, batch)
+    assert float(out["grad_norm"]) == pytest.approx(float(tf.linalg.global_norm(grads)), rel=1e-5)
+    for v, before, g in zip(trainer.weights.variables, initial, grads):
+        np.testing.assert_allclose(v.numpy(), before - 0.1 * g.numpy(), atol=1e-6)  # one step of SGD, not two

@@ -17,13 +17,17 @@ from engine.settings.errors import TaskError
 def split_statistics(models, freeze=""):
     """(statistics, seeds): the models' non-trainable variables a forward pass updates (batch-norm statistics),
     and their random seed-generator states (Keras names them so), which the step derives instead. A frozen
-    model (a teacher) and the statistics whose <model>/<path> matches --freeze keep their values."""
+    model (a teacher) and the statistics whose <model>/<path> matches --freeze keep their values. A variable that
+    several models share is listed once, under the first."""
     pattern = re.compile(freeze) if freeze else None
-    statistics, seeds = [], []
+    statistics, seeds, seen = [], [], set()
     for name, model in models.items():
         if not model.trainable:  # only read: nothing of it changes, nothing is assigned
             continue
         for v in model.non_trainable_variables:
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
             if v.path.endswith("seed_generator_state"):
                 seeds.append(v)
             elif not (pattern and pattern.search(f"{name}/{v.path}")):

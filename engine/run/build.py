@@ -158,14 +158,24 @@ def seed(config):
 
 def trained_variables(models, freeze):
     """The variables the step trains: every model's trainable ones whose <model name>/<path> (model/mlp/dense/kernel)
-    --freeze does not match."""
-    pattern = re.compile(freeze) if freeze else None
-    return [
-        v
-        for name, model in models.items()
-        for v in model.trainable_variables
-        if not (pattern and pattern.search(f"{name}/{v.path}"))
-    ]
+    --freeze does not match, each once (owners)."""
+    pattern, owner = re.compile(freeze) if freeze else None, owners(models)
+    trained = {}
+    for model in models.values():
+        for v in model.trainable_variables:
+            if not (pattern and pattern.search(f"{owner[id(v)]}/{v.path}")):
+                trained.setdefault(id(v), v)
+    return list(trained.values())
+
+
+def owners(models):
+    """{id(variable): the model it is named by} of every trainable variable: a variable that several models share (an
+    encoder inside a classifier) is the first one's that holds it, and is trained, counted and averaged once."""
+    found = {}
+    for name, model in models.items():
+        for v in model.trainable_variables:
+            found.setdefault(id(v), name)
+    return found
 
 
 def trained_weights(models, freeze, ema_decay):
@@ -174,7 +184,7 @@ def trained_weights(models, freeze, ema_decay):
     variables = trained_variables(models, freeze)
     if not variables:
         raise ConfigError(f"--freeze={freeze}: matches every trainable variable; nothing to train")
-    owner = {id(v): name for name, model in models.items() for v in model.trainable_variables}
+    owner = owners(models)
     averages = [tf.Variable(v.value, trainable=False, name="ema") for v in variables if ema_decay]
     return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages)
 
