@@ -1,16 +1,18 @@
 """The outer loop's actions (engine/run/actions/), each on its own: at which steps they fire, what they write, what
 they restore. Host logic on stand-ins for the run and the report; the rollback restores a real checkpoint."""
 
+import sys
 import types
 
 import pytest
 import tensorflow as tf
 
 from engine.cluster.signals import SIGNALS
-from engine.run import actions, controller
-from engine.run.actions import builtin
+from engine.run import actions, controller, loop
+from engine.run.actions import base, builtin
 from engine.run.actions.base import ROLLED_BACK, Round, Stop
 from engine.run.controller import Timing
+from engine.settings import plugins
 from engine.settings.errors import Preempted, TaskError, TrainingError
 from tests import helpers
 
@@ -337,3 +339,53 @@ def test_the_worked_example_and_a_plain_action_pass_the_check(data_dir):
     example = histograms.Action(helpers.make_config(data_dir, actions="histograms", histogram_every=7))
     assert actions.checked(example, "histograms") is example and example.every == 7
     assert actions.checked(_Needing(needs={"gradients"}, every=5, steps=(1, 3)), "mine").steps == (1, 3)
+
+
+class _Answers(base.Action):
+    every = 2
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __call__(self, round, context):
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (True, "its Action returned True after step 2; an action returns None to go on, ROLLED_BACK or Stop(results)"),
+        (
+            Stop({"loss": 1.0}),
+            "its Action returned Stop({'loss': 1.0}) after step 2: the run ends with these results, which lack "
+            "accuracy and examples; Stop takes an evaluation's (context.run.evaluator.evaluate())",
+        ),
+    ],
+    ids=["true", "stop_without_results"],
+)
+def test_an_action_answering_what_the_controller_does_not_know_is_one_line(
+    data_dir, one_device, tmp_path, monkeypatch, answer, message
+):
+    # Taken as "go on" it would have skipped the round's evaluation, checkpoint and stop on a signal, unsaid.
+    monkeypatch.setattr(actions, "load", lambda config: [_Answers(answer)])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=4, steps_per_loop=2, hidden_sizes=(8,))
+    with pytest.raises(TaskError) as error:
+        loop.train(config, one_device)
+    assert str(error.value) == f"tests/test_actions.py: {message}"
+
+
+class _Configless(base.Action):
+    def __init__(self):
+        pass
+
+
+def test_a_plugin_file_without_what_the_engine_runs_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tasks.empty", types.ModuleType("tasks.empty"))
+    with pytest.raises(TaskError) as error:
+        plugins.member("task", "empty")
+    assert str(error.value) == (
+        "tasks/empty.py: defines no Task: a task file defines class Task(base.Task), the protocol of tasks/base.py"
+    )
+    with pytest.raises(TaskError) as error:
+        actions.built(_Configless, None, "mine")
+    assert str(error.value) == "engine/run/actions/mine.py: Action(): the engine builds it as Action(config)"

@@ -33,7 +33,6 @@ imports what it uses of them from engine/api.py).
 """
 
 import dataclasses
-import importlib
 import math
 
 import tensorflow as tf
@@ -73,7 +72,7 @@ class Data:
 def task_class(config):
     """tasks/<config.task>.py's Task class: a run's inputs (engine/run/inputs.py source_and_task) read it here,
     before the source, whose features it names; this module never builds a task."""
-    return importlib.import_module(f"tasks.{config.task}").Task
+    return plugins.member("task", config.task)
 
 
 def prepare(data, source, task, split=None, service=""):
@@ -151,7 +150,7 @@ def load_source(config, features, split=None):
     name = config.dataset_name
     kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is sources/KIND.py's to read
     if kind in plugins.names("dataset"):
-        source = importlib.import_module(f"sources.{kind}").load(config, split or config.eval_split)
+        source = plugins.member("dataset", kind)(config, split or config.eval_split)
     else:
         source = tfds_source.load(config, name, features, split or config.eval_split)
     missing = [f for f in features if f not in source.spec]

@@ -20,6 +20,7 @@ from engine.run.actions.base import ROLLED_BACK, Round, Stop
 from engine.run.actions.builtin import Evaluate, stop
 from engine.run.program import Recompiled
 from engine.settings.config import show
+from engine.settings.errors import TaskError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Controller:
             if action.due(ran.end, ran.stopping):
                 outcome = action(ran, self.context)
                 if outcome is not None:
-                    return outcome
+                    return _checked_outcome(outcome, action, ran.end, self.run.task.headline)
         return None
 
     def _final_evaluation(self, step):
@@ -163,6 +164,28 @@ class Controller:
         }
         report.summary(summary)
         return summary
+
+
+def _checked_outcome(outcome, action, step, headline):
+    """An action's outcome, once it is one the controller knows (Action.__call__) and a Stop's results are an
+    evaluation's (the run ends with them: its `headline` and `examples`); TaskError naming the action's file else:
+    an outcome it did not mean would skip the round's evaluation, checkpoint and stop on a signal."""
+    where = type(action).__module__.replace(".", "/") + ".py"
+    if isinstance(outcome, Stop):
+        results = outcome.results
+        missing = [k for k in (headline, "examples") if not isinstance(results, dict) or k not in results]
+        if missing:
+            raise TaskError(
+                f"{where}: its Action returned Stop({results!r}) after step {step}: the run ends with these results, "
+                f"which lack {' and '.join(missing)}; Stop takes an evaluation's (context.run.evaluator.evaluate())"
+            )
+        return outcome
+    if isinstance(outcome, str) and outcome == ROLLED_BACK:
+        return outcome
+    raise TaskError(
+        f"{where}: its Action returned {outcome!r} after step {step}; an action returns None to go on, ROLLED_BACK "
+        "or Stop(results)"
+    )
 
 
 def stopping(out, program):

@@ -3,12 +3,12 @@ receives), every variable built before the first trace, layers named afresh so t
 path; and another run's trained model, frozen (a distillation teacher)."""
 
 import collections
-import importlib
 import inspect
 
 import tensorflow as tf
 from keras.src.backend.common import global_state
 
+from engine.settings import plugins
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError
 from engine.state.warm_start import warm_start
@@ -19,7 +19,7 @@ def create_model(config, family, spec, outputs, info=None):
     (a text's `vocabulary`, a label's `num_classes`), with every variable built (call under strategy.scope()). Its
     layers are named afresh (dense, dense_1, ...), whatever was built before in this process: checkpoints key
     variables by these paths."""
-    factory = importlib.import_module(f"models.{family}").create
+    factory = plugins.member("model", family)
     uids = global_state.get_global_attribute("object_name_uids")
     global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
     try:

@@ -2,11 +2,14 @@
 (models/NAME.py, --model), tasks (tasks/NAME.py, --task), data sources (sources/NAME.py, --dataset), actions
 (engine/run/actions/NAME.py, --actions) and research's modes (research/NAME.py, --mode). A file's module-level
 literals (its SETTINGS, READS, a task's DATASET, MODEL and ACTIONS) are read from its text, so flags are checked
-against the plugins before TensorFlow starts, and the engine imports a plugin only to run it."""
+against the plugins before TensorFlow starts, and the engine imports a plugin only to run it (`member`)."""
 
 import ast
 import functools
+import importlib
 import os
+
+from engine.settings.errors import TaskError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 # Each kind: the folder of its files, and the files there that are not plugins of the kind (a protocol, the
@@ -43,6 +46,25 @@ def names(kind):
 
 def path(kind, name):
     return os.path.join(directory(kind), f"{name}.py")
+
+
+# What each kind's file defines for the engine to run, as a message names it.
+MEMBERS = {
+    "model": ("create", "def create(config, spec, outputs, info) returning the model"),
+    "task": ("Task", "class Task(base.Task), the protocol of tasks/base.py"),
+    "dataset": ("load", "def load(config, eval_split) returning the Source"),
+    "actions": ("Action", "class Action(base.Action), built as Action(config)"),
+}
+
+
+def member(kind, name):
+    """What plugin `name` of `kind` defines for the engine to run (MEMBERS: a task file's Task), imported now;
+    TaskError naming the file where it defines none."""
+    attribute, shape = MEMBERS[kind]
+    found = getattr(importlib.import_module(f"{FOLDERS[kind][0].replace(os.sep, '.')}.{name}"), attribute, None)
+    if found is None:
+        raise TaskError(f"{file(kind, name)}: defines no {attribute}: a {kind} file defines {shape}")
+    return found
 
 
 def file(kind, name):

@@ -3,7 +3,7 @@ action a fork adds as engine/run/actions/<name>.py, named by --actions=<name>,..
 (`ACTIONS = ("<name>",)`), like histograms.py (engine/settings/declared.py finds them by path, before TensorFlow
 starts)."""
 
-import importlib
+import inspect
 import numbers
 
 from engine.numerics.replica import EXTRAS
@@ -15,10 +15,18 @@ from engine.settings.fields import named_actions
 def load(config):
     """The actions a run of `config` adds (engine/settings/fields.py named_actions), each built as
     engine/run/actions/<name>.py's Action(config)."""
-    return [
-        checked(importlib.import_module(f"engine.run.actions.{name}").Action(config), name)
-        for name in named_actions(config)
-    ]
+    return [checked(built(plugins.member("actions", name), config, name), name) for name in named_actions(config)]
+
+
+def built(cls, config, name):
+    """`cls(config)`; TaskError naming the file where the class takes other arguments."""
+    try:
+        inspect.signature(cls).bind(config)
+    except TypeError:
+        raise TaskError(
+            f"{plugins.file('actions', name)}: Action{inspect.signature(cls)}: the engine builds it as Action(config)"
+        ) from None
+    return cls(config)
 
 
 def checked(action, name):
