@@ -2,12 +2,15 @@
 the update or primitive and the value: misused primitives, an update's settings checked as the flags are, a loss
 that breaks the per-example contract, updates that share variables unsaid."""
 
+import json
+
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from engine.api import DEFAULT, Update
 from engine.data import datasets as data_lib
-from engine.run import build
+from engine.run import build, loop
 from engine.settings.errors import ConfigError, TaskError
 from tasks import classification
 from tests import helpers
@@ -219,3 +222,59 @@ def test_launch_ends_a_forks_mistake_in_one_line_with_exit_2(tmp_path):
         "error: tasks/twice.py: replica_step: step.apply('train', ...): these gradients were applied already; "
         "take new step.gradients('train', ...)"
     ], result.stderr
+
+
+def _metrics(extra):
+    class Task(classification.Task):
+        def metrics(self, outputs, batch):
+            found = super().metrics(outputs, batch)
+            return {**found, **extra(found)}
+
+    return Task
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (lambda m: {"column": m["accuracy"][:, None]}, "'column' has shape [64, 1], not one value per example of the "),
+        (lambda m: {"mean": tf.reduce_mean(m["accuracy"])}, "'mean' has shape [], not one value per example of the "),
+        (lambda m: {"examples": m["accuracy"]}, "a metric named 'examples' would replace the engine's count of the "),
+    ],
+    ids=["per_example_column", "batch_mean", "examples"],
+)
+def test_a_metric_that_is_not_one_value_per_example_is_one_line(data_dir, one_device, monkeypatch, extra, message):
+    # A [batch, 1] metric broadcast against the weights to [batch, batch] (10.9 for an accuracy of 0.09); a batch
+    # mean counted the padding examples; "examples" vanished behind the engine's count.
+    monkeypatch.setattr(data_lib, "task_class", lambda config: _metrics(extra))
+    trainer = build.run(helpers.make_config(data_dir, **SGD, eval_batch_size=64), one_device)
+    with pytest.raises(TaskError) as raised:
+        trainer.evaluator.evaluate()
+    assert str(raised.value).startswith(f"{FILE}: metrics: {message}"), str(raised.value)
+
+
+class NumpyReport(classification.Task):
+    def report(self, means):
+        return {**means, "error": np.float32(1.0) - np.float32(means["accuracy"])}
+
+    def probe(self, models, examples):
+        return {"kernel_norm": tf.norm(models["model"].trainable_variables[0]), "steps_seen": np.int64(0)}
+
+
+class ArrayReport(classification.Task):
+    def probe(self, models, examples):
+        return {"norms": tf.stack([tf.norm(v) for v in models["model"].trainable_variables])}
+
+
+def test_a_reports_numpy_and_tensor_scalars_are_reported_as_numbers(data_dir, one_device, monkeypatch, tmp_path):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: NumpyReport)
+    config = helpers.make_config(data_dir, str(tmp_path), **SGD, train_steps=2)
+    summary = loop.train(config, one_device)  # it ended in a traceback writing eval.jsonl
+    results = summary["eval"]
+    assert type(results["error"]) is float and results["error"] == pytest.approx(1.0 - results["accuracy"])
+    assert type(results["kernel_norm"]) is float and results["kernel_norm"] > 0 and results["steps_seen"] == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["eval"] == results
+    monkeypatch.setattr(data_lib, "task_class", lambda config: ArrayReport)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    with pytest.raises(TaskError) as raised:
+        trainer.evaluator.evaluate()
+    assert str(raised.value) == f"{FILE}: probe: 'norms' is an array of shape [4], not one number"

@@ -307,21 +307,40 @@ def make_train_step(setup, counter, extras=frozenset()):
     return tf.function(train_step, jit_compile=True) if setup.whole else train_step
 
 
-def make_eval_sums(task, models, jit_compile=False):
+def make_eval_sums(task, models, task_file, jit_compile=False):
     """Returns sums(batch) -> ({metric: sum of weight x metric}, sum of weights) over one replica's batch: the task's
-    forward pass and metrics, no all-reduce. With `jit_compile`, a tf.function compiled with XLA, under any number
-    of replicas unless a metric synchronizes them (the evaluator then evaluates without); without, the plain
-    function (a nested tf.function could not hold such a metric). Padding examples carry weight 0, so every real
-    example counts once."""
+    forward pass and metrics (checked_metric), no all-reduce. With `jit_compile`, a tf.function compiled with XLA,
+    under any number of replicas unless a metric synchronizes them (the evaluator then evaluates without); without,
+    the plain function (a nested tf.function could not hold such a metric). Padding examples carry weight 0, so every
+    real example counts once."""
 
     def sums(batch):
         weights = batch["weight"]
         values = task.metrics(task.forward(models, batch, training=False), batch)
-        return {name: tf.reduce_sum(weights * tf.cast(v, tf.float32)) for name, v in values.items()}, tf.reduce_sum(
-            weights
-        )
+        values = {name: checked_metric(name, v, weights, task_file) for name, v in values.items()}
+        return {name: tf.reduce_sum(weights * v) for name, v in values.items()}, tf.reduce_sum(weights)
 
     return tf.function(sums, jit_compile=True) if jit_compile else sums
+
+
+def checked_metric(name, value, weights, task_file):
+    """A metric of Task.metrics as float32, once it is one value per example of the batch (`weights`' shape) and not
+    named as the engine's own count; TaskError naming the task's file else: a batch mean would count the padding
+    examples, a [batch, 1] broadcast against the weights to [batch, batch]."""
+    if name == "examples":
+        raise TaskError(
+            f"{task_file}: metrics: a metric named 'examples' would replace the engine's count of the examples "
+            "evaluated; name it otherwise"
+        )
+    value = tf.convert_to_tensor(value)
+    shape, size = value.shape, weights.shape[0]
+    if shape.rank != 1 or (size is not None and shape[0] is not None and shape[0] != size):
+        raise TaskError(
+            f"{task_file}: metrics: {name!r} has shape {shape.as_list() if shape.rank is not None else shape}, not "
+            f"one value per example of the batch ([{size}]): the engine averages it over the real examples (padding "
+            "weighs 0); never average or keep other axes"
+        )
+    return tf.cast(value, tf.float32)
 
 
 def make_eval_step(sums, names):

@@ -5,11 +5,14 @@ metrics XLA cannot compile are evaluated without it, saying so."""
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 
 from engine.numerics import replica
 from engine.run import inputs
 from engine.run.program import unsupported_ops, warn_retraced
+from engine.settings import plugins
+from engine.settings.errors import TaskError, raising_task_errors
 
 
 class Evaluator:
@@ -51,7 +54,7 @@ class Evaluator:
         that synchronizes replicas, an op without an XLA kernel."""
         if self.jit is None:  # not on a parameter server's chief: XLA reads no remote variable
             self.jit = bool(self.step_jit.compile) and self.coordinator is None
-        return replica.make_eval_sums(self.task, self.models, self.jit)
+        return replica.make_eval_sums(self.task, self.models, plugins.file("task", self.config.task), self.jit)
 
     @functools.cached_property
     def metric_names(self):
@@ -89,7 +92,7 @@ class Evaluator:
         persistent cache names it as the first run did)."""
         self._follow_step()
         try:
-            with inputs.releasing([self.iterator()]) as iterators:
+            with raising_task_errors(), inputs.releasing([self.iterator()]) as iterators:
                 self.eval_loop.get_concrete_function(iterators[0], tf.TensorSpec([], tf.int32))
         except RuntimeError as e:  # metrics XLA cannot compile: the evaluation is rebuilt without it (no entry)
             if not self._without_xla(e):
@@ -98,11 +101,12 @@ class Evaluator:
     def evaluate(self):
         """The task's reported metrics over the evaluation split. With --ema_decay, of the averaged weights (what
         export serves), and beside them, as raw_<metric>, of the trained weights themselves."""
-        if not self.weights.averages:
-            return self._evaluate()
-        raw = self._evaluate()
-        with self.weights.averaged():
-            averaged = self._evaluate()
+        with raising_task_errors():  # a task's metrics, report or probe that cannot run: one line
+            if not self.weights.averages:
+                return self._evaluate()
+            raw = self._evaluate()
+            with self.weights.averaged():
+                averaged = self._evaluate()
         examples = averaged.pop("examples")
         return {**averaged, **{f"raw_{k}": v for k, v in raw.items() if k != "examples"}, "examples": examples}
 
@@ -163,6 +167,32 @@ class Evaluator:
 
     def _results(self, totals):
         *sums, examples = totals.numpy()
+        where = plugins.file("task", self.config.task)
         results = self.task.report({name: float(total / examples) for name, total in zip(self.metric_names, sums)})
-        results.update(self.task.probe(self.models, self.examples))
+        results = reported(results, f"{where}: report")
+        results.update(reported(self.task.probe(self.models, self.examples), f"{where}: probe"))
         return {**results, "examples": int(examples)}
+
+
+def reported(numbers, where):
+    """{name: number} a task's report or probe gave, as plain Python numbers (a numpy or tensor scalar's value), for
+    eval.jsonl and summary.json; TaskError naming `where` for anything that is not one number, or a name the engine
+    keeps for its own ("examples")."""
+    if not isinstance(numbers, dict):
+        raise TaskError(f"{where}: returned a {type(numbers).__name__}, not a dict of numbers by name")
+    plain = {}
+    for name, value in numbers.items():
+        if name == "examples":
+            raise TaskError(
+                f"{where}: a number named 'examples' would replace the engine's count of the examples evaluated; name "
+                "it otherwise"
+            )
+        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, np.generic)):
+            array = np.asarray(value)
+            if array.ndim:
+                raise TaskError(f"{where}: {name!r} is an array of shape {list(array.shape)}, not one number")
+            value = array.item()
+        if not (value is None or isinstance(value, (int, float))):
+            raise TaskError(f"{where}: {name!r} is a {type(value).__name__}, not a number")
+        plain[name] = value
+    return plain
