@@ -212,3 +212,15 @@ def test_the_data_pipelines_read_their_section_as_they_read_every_setting(data_d
         batches.append([next(iter(stream.take(1)))])
     for key in batches[0][0]:
         np.testing.assert_array_equal(batches[0][0][key], batches[1][0][key])
+
+
+def test_a_file_may_not_declare_a_setting_named_as_a_value_config_derives(tmp_path):
+    # config.dataset_name is the dataset a run reads: a task's setting so named replaced it for every run.
+    os.makedirs(tmp_path / "tasks")
+    (tmp_path / "tasks" / "odd.py").write_text('SETTINGS = {"dataset_name": ("mine", "its own dataset")}')
+    packages = [("task", str(tmp_path / "tasks"), ["odd"])]
+    fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"}, sections.RESERVED)
+    assert fields == [] and errors == [
+        "tasks/odd.py: declares the setting dataset_name, which engine/settings/sections.py (a value Config derives) "
+        "declares already: rename one of them"
+    ]

@@ -12,7 +12,7 @@ from engine.settings.plugins import read_constant
 _TYPES = {bool: bool, int: int, float: float, str: str, tuple: tuple}
 
 
-def declared_settings(packages, root, engine_names, reserved=()):
+def declared_settings(packages, root, engine_names, reserved=None):
     """The settings each model family, task and bundled source declares in its own file, and who else reads them.
 
     A file declares its own settings as `SETTINGS = {"name": (default, "help")}`, `(default, "help", (low, high))`
@@ -21,13 +21,13 @@ def declared_settings(packages, root, engine_names, reserved=()):
     reads language_model's --sequence_length, folder the engine's --image_size) names it in its own
     `READS = ("name", ...)`, so a run that selects it depends on that setting too. `packages` is
     ((selecting setting, directory, module names), ...); `engine_names` the engine's own settings; `reserved` the
-    names no setting may have (Config's sections: config.loop).
+    names no setting may have, each with what it is (Config's sections: config.loop).
 
     Returns (fields for the Config, {setting: {(selecting setting, module) of each READS}}, errors): a name two
     files declare, or that a READS names and nobody declares, is a fork's mistake, one line naming the files,
     which validate() refuses, so every command fails with it instead of importing a broken Config."""
     owners = dict.fromkeys(engine_names, "engine/settings/fields.py")
-    owners.update(dict.fromkeys(reserved, "engine/settings/sections.py (a section of Config)"))
+    owners.update({name: f"engine/settings/sections.py ({what})" for name, what in (reserved or {}).items()})
     fields, errors = [], []
     files = [
         (flag, module, os.path.join(directory, f"{module}.py"))

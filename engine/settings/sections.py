@@ -22,10 +22,15 @@ SECTIONS = {
     "numerics": "precision, the loss scale, XLA, determinism and eager execution",
     "cluster": "where the run executes: the strategy, devices, cluster resolvers, timeouts, tf.data service",
 }
-# Names no model, task or source may declare as a setting: Config's sections, and what a view answers itself.
-RESERVED = frozenset(SECTIONS) | {"own", "READ_BY", "names", "values", "replace", "fields"}
 # Derived values a section answers too (a property of Config computed from that section's settings).
 DERIVED = {"per_eval_batch_size": "data", "dataset_name": "data"}
+# Names no model, task, source or action may declare as a setting, with what each is: Config's sections, what a view
+# answers itself, and the values Config derives (a setting so named would hide the engine's).
+RESERVED = {
+    **dict.fromkeys(SECTIONS, "a section of Config"),
+    **dict.fromkeys(("own", "READ_BY", "names", "values", "replace", "fields"), "a name a section answers itself"),
+    **dict.fromkeys(DERIVED, "a value Config derives"),
+}
 
 
 def home(field):
