@@ -2,6 +2,7 @@
 
 import dataclasses
 import glob
+import io
 import json
 import os
 import re
@@ -12,6 +13,14 @@ import numpy as np
 
 from engine.cluster.launcher import free_ports
 from tests import forkserver
+
+
+class Terminal(io.StringIO):
+    """A console stream that says it is a terminal (a run then draws its live progress line)."""
+
+    def isatty(self):
+        return True
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The documentation pages, as a reader meets them: the README, BUILD.md, then docs/ by name.

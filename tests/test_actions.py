@@ -389,3 +389,31 @@ def test_a_plugin_file_without_what_the_engine_runs_is_one_line(monkeypatch):
     with pytest.raises(TaskError) as error:
         actions.built(_Configless, None, "mine")
     assert str(error.value) == "engine/run/actions/mine.py: Action(): the engine builds it as Action(config)"
+
+
+class _Recorder(base.Action):
+    """Records each round's `traced` and, at the end, the steps the throughput counts."""
+
+    def __init__(self):
+        self.traced, self.timed_steps = [], None
+
+    def __call__(self, round, context):
+        self.traced.append((round.end, round.traced))
+
+    def close(self, context):
+        self.timed_steps = context.timing.steps
+
+
+class _NeedsUpdates(base.Action):
+    needs, every = frozenset({"updates"}), 10
+
+
+def test_the_throughput_leaves_out_every_round_that_traced_a_step(data_dir, one_device, tmp_path, monkeypatch):
+    # The round to step 10 traced the step that returns the action's updates: its seconds are mostly compiling, and
+    # counted in summary.json's examples_per_sec they made it 13 times too low.
+    recorder = _Recorder()
+    monkeypatch.setattr(actions, "load", lambda config: [recorder, _NeedsUpdates()])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=30, steps_per_loop=5, hidden_sizes=(8,))
+    loop.train(config, one_device)
+    assert recorder.traced == [(5, True), (10, True), (15, False), (20, False), (25, False), (30, False)]
+    assert recorder.timed_steps == 20

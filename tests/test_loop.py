@@ -3,6 +3,7 @@ and reduced precisions that train as well as float32."""
 
 import json
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -208,3 +209,19 @@ def test_a_notebooks_config_is_checked_as_flags_are(data_dir, one_device, tmp_pa
     trained = loop.train(Config(data_dir=data_dir, workdir=str(workdir), train_steps=2), one_device)
     evaluated = modes.evaluate(Config(data_dir=data_dir, workdir=str(workdir)), one_device)
     assert evaluated["eval"] == trained["eval"]
+
+
+def test_the_eta_is_timed_after_the_first_line_whose_round_traced_the_step(tmp_path, monkeypatch):
+    # The first round took 10 s (tracing, compiling), each later one 1 s for 10 steps: at step 20 of 100 the time left
+    # is 8 s. Timed from the start, the ETA said 44 s there.
+    now = [0.0]  # the run starts at 0 s; its first line at 10 s, then one a second
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    stream = helpers.Terminal()
+    report = Report(str(tmp_path), True, 100, stream=stream)
+    etas = []
+    for step, at in ((10, 10.0), (20, 11.0), (30, 12.0)):
+        now[0] = at
+        report.train(step, {"loss": 1.0, "learning_rate": 0.1, "grad_norm": 1.0, "loss_scale": None,
+                            "examples_per_sec": 50.0, "skipped_steps": 0})  # fmt: skip
+        etas.append(stream.getvalue().rsplit("ETA ", 1)[1][:8])
+    assert etas == ["--:--:--", "00:00:08", "00:00:07"]

@@ -3,7 +3,6 @@ clipping and
 frequency, against a plain TensorFlow loop of the same math; and a checkpoint from before updates existed."""
 
 import dataclasses
-import io
 import json
 import os
 import shutil
@@ -505,13 +504,8 @@ def test_an_updates_loss_and_gradient_norm_are_reduced_alike(data_dir, one_devic
         assert round_[name] == pytest.approx(np.mean([s[name] for s in steps]), rel=1e-5), name
 
 
-class _Terminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
 def test_the_progress_line_of_a_run_of_two_updates_shows_each_ones_loss(tmp_path):
-    stream = _Terminal()
+    stream = helpers.Terminal()
     report = Report(str(tmp_path), True, 20, stream=stream)
     metrics = {"loss": None, "body/loss": 0.25, "body/grad_norm": 1.0, "body/loss_scale": None}
     metrics.update({"body/learning_rate": 0.1, "head/loss": 2.5, "head/grad_norm": 2.0, "head/loss_scale": 8.0})

@@ -36,7 +36,8 @@ class Context:
 
 
 class Timing:
-    """The rounds' steps, seconds and input wait, the first round left out: it includes tracing and compilation."""
+    """The rounds' steps, seconds and input wait, the first round and any other that traced a step left out: they
+    include tracing and compilation."""
 
     def __init__(self):
         self.first = None  # (steps, seconds) of the first round
@@ -45,6 +46,8 @@ class Timing:
     def add(self, round):
         if self.first is None:
             self.first = (round.steps, round.seconds)
+            return
+        if round.traced:  # the first round that returned an action's extras: another step, traced and compiled
             return
         self.steps, self.seconds = self.steps + round.steps, self.seconds + round.seconds
         self.waited += round.out["input_wait"]
@@ -108,15 +111,15 @@ class Controller:
         end = next_boundary(run.config.loop, run.actions, current)
         extras = frozenset().union(*(a.needs for a in run.actions if a.needs and a.due(end, False)))
         around = _around(run.actions, current, end, self.context)
-        tic = time.perf_counter()
+        traces, tic = run.program.traces(), time.perf_counter()
         try:
             with around:
                 out, extra = run.program.run_round(iterator, end - current, extras)
         except Recompiled as e:
             self.context.report.line(str(e))
             return None
-        seconds = time.perf_counter() - tic
-        return Round(current, current + int(out["steps"]), seconds, out, extra, stopping(out, run.program))
+        seconds, traced = time.perf_counter() - tic, run.program.traces() != traces
+        return Round(current, current + int(out["steps"]), seconds, out, extra, stopping(out, run.program), traced)
 
     def _act(self, ran):
         """The round's bookkeeping, then each due action in turn: ROLLED_BACK or Stop ends the round's actions."""

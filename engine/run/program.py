@@ -67,6 +67,11 @@ class TrainProgram:
         benchmark's batches of another shape)."""
         self.input = self._path(in_step=False)
 
+    def traces(self):
+        """How often the rounds' loops were traced so far: a round that traced one (a new variant, the extras an
+        action asked for first) compiled it too."""
+        return sum(loop.experimental_get_tracing_count() for _, loop in self._loops.values())
+
     @property
     def in_step(self):
         """Whether each replica gathers its own batch inside the step (engine/run/inputs.py gathers_in_step)."""

@@ -102,7 +102,9 @@ class Report:
         self.stream = stream or sys.stdout
         self.live = chief and self.stream.isatty()
         self._progress_shown = False
-        self._start, self._start_step = time.perf_counter(), resume_step
+        # (time, step) of this process's first train line: its round traced and compiled the step, so the ETA is
+        # timed from there on, evaluations and checkpoints included.
+        self._timed_from = None
         self._writers = {}
         # The lines of the last logging window (count_losses): the step the first of them counts from (its previous
         # line's), and (step, mean loss, skipped steps) of each line since.
@@ -154,16 +156,23 @@ class Report:
         self._append("metrics.jsonl", record)
         self._scalars("train", step, metrics)
         if self.live:
-            elapsed = time.perf_counter() - self._start
-            eta = elapsed / max(1, step - self._start_step) * (self.total_steps - step)
             self.stream.write(
                 f"\r\033[K[{100 * step // self.total_steps:3d}%] step {step}/{self.total_steps} "
                 f"{_live_loss(metrics)} "
                 f"{metrics['examples_per_sec']:,.0f} ex/s "
-                f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+                f"ETA {self._eta(step)}"
             )
             self.stream.flush()
             self._progress_shown = True
+
+    def _eta(self, step):
+        """The time left at `step`, at the pace since this process's first train line; --:--:-- at that line."""
+        now = time.perf_counter()
+        if self._timed_from is None or step <= self._timed_from[1]:
+            self._timed_from = self._timed_from or (now, step)
+            return "--:--:--"
+        since, first = self._timed_from
+        return time.strftime("%H:%M:%S", time.gmtime((now - since) / (step - first) * (self.total_steps - step)))
 
     def eval(self, step, results):
         """results: the task's reported metrics and the example count."""

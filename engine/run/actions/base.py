@@ -19,7 +19,9 @@ class Round:
     """A round of steps that ran: steps start+1..end, in `seconds`. `out`: the inner loop's numbers (the mean loss,
     each update's last rates, gradient norm and loss scale, the skipped steps); `extras`: what the due actions
     needed from the round's last step ({"gradients": {<model>/<path>: numpy array}}, and alike "updates");
-    `stopping`: a signal stops the run after this round (every worker alike)."""
+    `stopping`: a signal stops the run after this round (every worker alike); `traced`: the round traced (and
+    compiled) a step it had not run before, the first round's or the one that returns an action's extras, so its
+    seconds are not the steps' own."""
 
     start: int
     end: int
@@ -27,6 +29,7 @@ class Round:
     out: dict
     extras: dict = dataclasses.field(default_factory=dict)
     stopping: bool = False
+    traced: bool = False
 
     @property
     def steps(self):
