@@ -186,7 +186,11 @@ def _mode(mode):
     tools (Optuna, SciPy, Matplotlib), and runs where they are not installed. Where a research mode's are missing,
     the line that says so instead."""
     if mode in RESEARCH_MODES:
+        from research import TOOLS
+
         try:
+            for tool in TOOLS[mode]:
+                importlib.import_module(tool)
             research = importlib.import_module(f"research.{mode}")
         except ImportError as e:  # Optuna, SciPy, Matplotlib: research's own requirements
             return f"--mode={mode} needs research's tools: pip install -r requirements-research.txt ({e})"

@@ -6,3 +6,7 @@ models' predictions) as their task says. They use the engine and the task protoc
 the engine never imports them (config validation reads a search space through `space.py`, which imports no
 TensorFlow).
 """
+
+# Each mode's own requirements (requirements-research.txt), imported as the mode starts (launch.py): a missing one is
+# one line then, not a traceback after the trials ran or the members predicted (they are imported where used, late).
+TOOLS = {"tune": ("optuna", "matplotlib"), "ensemble": ("scipy", "matplotlib")}

@@ -52,7 +52,7 @@ def test_train_eval_export_and_sample_run_without_the_research_tools(tmp_path, d
         assert not any(f"{name} is not installed" in result.stderr for name in HIDDEN)
 
 
-def test_a_tuning_run_without_optuna_says_so(tmp_path):
+def test_a_research_run_without_its_tools_says_so_before_it_starts(tmp_path):
     space = tmp_path / "space"
     space.write_text("learning_rate log 1e-4 1e-1\n")
     tuned = _launch(
@@ -61,3 +61,12 @@ def test_a_tuning_run_without_optuna_says_so(tmp_path):
     assert tuned.returncode == 2 and tuned.stderr.splitlines() == [
         "error: --mode=tune needs research's tools: pip install -r requirements-research.txt (optuna is not installed)"
     ]
+    # SciPy and Matplotlib are imported where they are used: without them an ensemble ended in a traceback after
+    # every member predicted, leaving its files behind.
+    members = f"--members={tmp_path / 'a'},{tmp_path / 'b'}"
+    combined = _launch(tmp_path, "--mode=ensemble", members, f"--workdir={tmp_path / 'ensemble'}")
+    assert combined.returncode == 2 and combined.stderr.splitlines() == [
+        "error: --mode=ensemble needs research's tools: pip install -r requirements-research.txt (scipy is not "
+        "installed)"
+    ]
+    assert not (tmp_path / "ensemble").exists()
