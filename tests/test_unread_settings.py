@@ -21,8 +21,15 @@ from tests.helpers import launch
         (["--warmup_steps=5000"], "--warmup_steps=5000: must be less than --train_steps=1000"),
         (["--histogram_every=10"], "--histogram_every=10: no part of this run "
          "reads it (read by --actions=histograms)"),
+        # Without --strategy=tpu the run trained on this machine's CPU, saying nothing of the TPU it was given.
+        (["--tpu=local"], "--tpu=local: no part of this run reads it (read by --cluster_resolver=tpu and "
+         "--strategy=tpu)"),
+        (["--strategy=multi_worker", "--local_workers=2", "--num_ps=2"], "--num_ps=2: no part of this run reads it "
+         "(read by --strategy=parameter_server)"),
+        (["--slurm_port_base=9000"], "--slurm_port_base=9000: no part of this run reads it (read by "
+         "--cluster_resolver=slurm)"),
     ],
-    ids=["task", "model", "optimizer", "source", "sam_rho", "gan_latent", "warmup", "action"],
+    ids=["task", "model", "optimizer", "source", "sam_rho", "gan_latent", "warmup", "action", "tpu", "num_ps", "slurm"],
 )  # fmt: skip
 def test_a_setting_no_part_of_the_run_reads_is_refused_naming_its_readers(tmp_path, args, line):
     result = launch(*args, f"--workdir={tmp_path / 'run'}")

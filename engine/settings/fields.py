@@ -44,7 +44,16 @@ class Switch(str):
 
 TFDS_NAMES = "tensorflow-datasets"  # the --dataset kind of every name that is not a bundled source
 # The settings that select what a run reads: a setting's readers are values of these (applies() below).
-SELECTORS = ("model", "task", "dataset", "optimizer", "precision", "mode")  # and each of a run's actions
+SELECTORS = (
+    "model",
+    "task",
+    "dataset",
+    "optimizer",
+    "precision",
+    "mode",
+    "strategy",
+    "cluster_resolver",
+)  # and actions
 
 
 def _setting(section, default, help_text, readers=None, shared=()):
@@ -88,7 +97,11 @@ class _RunSettings(sections.Sectioned):
     num_cpu_devices: int = _cluster(
         1, "split the host CPU into this many logical devices (mirrored on a CPU-only machine)"
     )
-    tpu: str = _cluster("", "TPU name or grpc:// address for --strategy=tpu; 'local' on a TPU VM")
+    tpu: str = _cluster(
+        "",
+        "TPU name or grpc:// address for --strategy=tpu; 'local' on a TPU VM",
+        {"strategy": ("tpu",), "cluster_resolver": ("tpu",)},
+    )
     cluster_resolver: str = _cluster(
         "", "where a cluster comes from: tf_config|slurm|kubernetes|tpu; empty: TF_CONFIG when it is set"
     )
@@ -106,9 +119,17 @@ class _RunSettings(sections.Sectioned):
         "the network of --local_workers' tasks: loopback (a network namespace of their own, holding only loopback; "
         "Linux) or host (this machine's: their servers listen on every interface, unauthenticated)",
     )
-    num_ps: int = _cluster(1, "parameter_server: parameter-server tasks (for --local_workers and Slurm)")
-    slurm_port_base: int = _cluster(8888, "slurm: first port of the tasks' servers on each node")
-    kubernetes_selector: str = _cluster("", "kubernetes: label selector of the worker pods, e.g. job-name=w")
+    num_ps: int = _cluster(
+        1,
+        "parameter_server: parameter-server tasks (for --local_workers and Slurm)",
+        {"strategy": ("parameter_server",)},
+    )
+    slurm_port_base: int = _cluster(
+        8888, "slurm: first port of the tasks' servers on each node", {"cluster_resolver": ("slurm",)}
+    )
+    kubernetes_selector: str = _cluster(
+        "", "kubernetes: label selector of the worker pods, e.g. job-name=w", {"cluster_resolver": ("kubernetes",)}
+    )
     tf_data_service: str = _cluster("", "grpc://host:port of a tf.data service dispatcher to preprocess on")
 
     # Task (tasks/<task>.py): what is trained, its loss and its metrics.
