@@ -144,8 +144,37 @@ def _with_updates(monkeypatch, *updates):
         (Update("a", optimizer={"epsilon": 0.0}), "update 'a': epsilon=0.0: must be a positive number"),
         (Update("a", optimizer={"beta_2": "0.9"}), "update 'a': beta_2='0.9': must be a number"),
         (Update("a", trains="["), "update 'a': trains='[': not a regular expression (unterminated character set"),
+        # Accepted and read by nothing: the moving average is the run's, clipping the update's whole gradient's.
+        (
+            Update("a", optimizer={"ema_decay": 0.5}),
+            "update 'a': ema_decay=0.5: the setting is the run's "
+            "(--ema_decay: one moving average of every trained variable); nothing reads it here",
+        ),
+        (
+            Update("a", optimizer={"global_batch_size": 7}),
+            "update 'a': global_batch_size=7: the setting is the run's "
+            "(--global_batch_size: every update reads the step's batch); nothing reads it here",
+        ),
+        (
+            Update("a", groups=((r"bias", {"clip_norm": 1.0}),)),
+            "update 'a': optimizer group 'bias': clip_norm=1.0: "
+            "the setting is an update's (Update(clip_norm=...): clipping is of its whole gradient); nothing reads it "
+            "here",
+        ),
     ],
-    ids=["clip_norm", "clip_value", "both_clips", "beta_1", "momentum", "epsilon", "a_string", "regex"],
+    ids=[
+        "clip_norm",
+        "clip_value",
+        "both_clips",
+        "beta_1",
+        "momentum",
+        "epsilon",
+        "a_string",
+        "regex",
+        "ema_decay",
+        "global_batch_size",
+        "group_clip_norm",
+    ],
 )
 def test_an_updates_settings_are_checked_as_the_flags_are(data_dir, one_device, monkeypatch, update, message):
     _with_updates(monkeypatch, update)

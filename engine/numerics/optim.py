@@ -103,13 +103,29 @@ def rule_settings(rule):
     return [name for name in FIELD_BY_NAME if ("optimizer", rule) in (readers(name) or ())]
 
 
-def checked_settings(optimization, overrides, what):
+# The optimization settings an update's or a group's own would be read by nothing: {name: whose it is}. A group's
+# clipping too: clipping is of an update's whole gradient (Update(clip_norm=...)).
+RUNS_ALONE = {
+    "ema_decay": "the run's (--ema_decay: one moving average of every trained variable)",
+    "global_batch_size": "the run's (--global_batch_size: every update reads the step's batch)",
+}
+UPDATES_ALONE = {
+    "clip_norm": "an update's (Update(clip_norm=...): clipping is of its whole gradient)",
+    "clip_value": "an update's (Update(clip_value=...): clipping is of its whole gradient)",
+}
+
+
+def checked_settings(optimization, overrides, what, group=False):
     """The run's optimizer settings (config.optimization) with `overrides` (an optimizer group's, an update's),
-    checked like flags: a fork's typo is one clear line naming `what` it came from."""
+    checked like flags: a fork's typo, or a setting that is not its to set (RUNS_ALONE, a `group`'s UPDATES_ALONE),
+    is one clear line naming `what` it came from."""
     hp = sections.section(optimization, "optimization")
     unknown = set(overrides) - set(sections.every_setting(hp))
     if unknown:
         raise ConfigError(f"{what}: no setting {', '.join(sorted(unknown))}")
+    fixed = {**RUNS_ALONE, **(UPDATES_ALONE if group else {})}
+    for name in sorted(set(overrides) & set(fixed)):
+        raise TaskError(f"{what}: {name}={overrides[name]!r}: the setting is {fixed[name]}; nothing reads it here")
     for name in sorted(set(overrides) - set(hp.names)):
         try:
             getattr(hp, name)
@@ -145,13 +161,18 @@ class Optimizer(tf.Module):
 
     `paths` name the parameters: slots are checkpointed by them. `groups` (a task's optimizer_groups):
     ((regex, {setting: value}), ...); a parameter whose path matches a group's regex (the first that does) is
-    updated with those settings instead of the run's (its own learning rate, rule, weight decay).
+    updated with those settings instead of the run's (its own learning rate, rule, weight decay). `what`: whose
+    optimizer it is, as a refusal of a group's settings names it.
     """
 
-    def __init__(self, optimization, params, paths, groups=()):
+    def __init__(self, optimization, params, paths, groups=(), what=""):
         super().__init__(name="optimizer")
         optimization = sections.section(optimization, "optimization")
-        group_settings = [checked_settings(optimization, o, f"optimizer group {pattern!r}") for pattern, o in groups]
+        where = f"{what}: " if what else ""  # whose groups they are, for a message (an update's, in its task's file)
+        group_settings = [
+            checked_settings(optimization, o, f"{where}optimizer group {pattern!r}", group=True)
+            for pattern, o in groups
+        ]
         # Each parameter's settings (0: the run's, k: the k-th group's), and the name its learning rate is logged
         # under: the run's `learning_rate`, a group's `learning_rate/<its regex>`.
         chosen = [

@@ -78,7 +78,7 @@ class Plan:
         # Its clipping and optimizer settings over the run's, checked as the flags are (engine/numerics/optim.py).
         clipping = {k: getattr(update, k) for k in ("clip_norm", "clip_value") if getattr(update, k) is not None}
         self.settings = optim.checked_settings(optimization, {**update.optimizer, **clipping}, what)
-        self.optimizer = optim.Optimizer(self.settings, [v.value for v in variables], names, update.groups)
+        self.optimizer = optim.Optimizer(self.settings, [v.value for v in variables], names, update.groups, what)
         # Created in every precision so a checkpoint fits any of them; only float16 uses it.
         self.loss_scale = precision.LossScale(numerics.initial_loss_scale, numerics.loss_scale_growth_interval)
         self.clipping = Clipping(self.settings.clip_norm, self.settings.clip_value)
