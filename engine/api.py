@@ -25,7 +25,8 @@ To hold a fork's step against a reference (a plain TensorFlow loop of its math, 
                     --save_initial writes step 0's, the initial weights
     training_batches  the global batches a run trains on, in order, as one device reads them
 Errors: ConfigError (bad input: the message names the flag or file and the value), TaskError (a task's code that
-cannot run: the message names the task's file, the update or primitive, and what was wrong), first_line.
+cannot run: the message names the task's file, the update or primitive, and what was wrong), Undefined (what the
+task protocol needs and a task does not define), first_line.
 """
 
 from engine.data.images import decoder as image_decoder
@@ -36,7 +37,7 @@ from engine.numerics.updates import DEFAULT, Update
 from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
 from engine.run.inputs import training_batches
 from engine.settings.config import first_line
-from engine.settings.errors import ConfigError, TaskError
+from engine.settings.errors import ConfigError, TaskError, Undefined
 from engine.state.warm_start import weights
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "Source",
     "Split",
     "TaskError",
+    "Undefined",
     "Update",
     "first_line",
     "image_decoder",

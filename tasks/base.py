@@ -20,6 +20,8 @@ import math
 
 import tensorflow as tf
 
+from engine.api import Undefined
+
 
 class Task:
     features = ()  # the source features a batch needs, checked to exist; the others are dropped before batching
@@ -77,7 +79,7 @@ class Task:
     @property
     def outputs(self):
         """Width of the default model's last layer."""
-        raise NotImplementedError(f"{type(self).__module__}: say the model's outputs, or override models()")
+        raise _undefined(self, "outputs (the width of its default model's last layer), nor models() of its own")
 
     def forward(self, models, batch, training):
         """The models' outputs for a batch (any structure `loss` and `metrics` read)."""
@@ -89,7 +91,7 @@ class Task:
         """Per-example loss, float32, shape [batch]. The engine sums it and divides by the GLOBAL batch: never
         average it here. A loss that needs the whole global batch (contrastive negatives) gathers what it needs
         with tf.distribute.get_replica_context().all_gather; nothing else here may know about replicas."""
-        raise NotImplementedError
+        raise _undefined(self, "loss(outputs, batch), the per-example loss its updates train on")
 
     def metrics(self, outputs, batch):
         """{name: per-example float32 values} on an evaluation batch. The engine sums weight x value and the
@@ -133,11 +135,16 @@ class Task:
 
     def predictions(self, outputs):
         """What an ensemble averages, from one member's outputs (probabilities, predicted values)."""
-        raise NotImplementedError
+        raise _undefined(self, "predictions(outputs), what an ensemble of its runs averages")
 
     def score(self, predictions, batch):
         """{name: per-example values} of averaged predictions, like `metrics` (numpy in, numpy out)."""
-        raise NotImplementedError
+        raise _undefined(self, "score(predictions, batch), how an ensemble's averaged predictions are scored")
+
+
+def _undefined(task, what):
+    """The error for a method of this protocol that a run needs and `task` does not define."""
+    return Undefined(f"{type(task).__module__.replace('.', '/')}.py: defines no {what}")
 
 
 def first_output(outputs):

@@ -417,3 +417,21 @@ def test_the_throughput_leaves_out_every_round_that_traced_a_step(data_dir, one_
     loop.train(config, one_device)
     assert recorder.traced == [(5, True), (10, True), (15, False), (20, False), (25, False), (30, False)]
     assert recorder.timed_steps == 20
+
+
+class _Unasked(base.Action):
+    every = 2
+
+    def __call__(self, round, context):
+        return round.extras["gradients"]  # without needs = {"gradients"}: a KeyError, a traceback
+
+
+def test_an_action_reading_what_it_did_not_ask_for_is_one_line(data_dir, one_device, tmp_path, monkeypatch):
+    monkeypatch.setattr(actions, "load", lambda config: [_Unasked()])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=4, steps_per_loop=2, hidden_sizes=(8,))
+    with pytest.raises(TaskError) as error:
+        loop.train(config, one_device)
+    assert str(error.value) == (
+        "tests/test_actions.py: round.extras['gradients']: the step returns it only on the rounds where an action that "
+        "needs it is due; say needs = {'gradients'} in the action's class"
+    )

@@ -12,7 +12,7 @@ from engine.api import DEFAULT, Update
 from engine.data import datasets as data_lib
 from engine.run import build, loop
 from engine.settings.errors import ConfigError, TaskError
-from tasks import classification
+from tasks import base, classification
 from tests import helpers
 
 FILE = "tasks/classification.py"
@@ -125,6 +125,14 @@ def test_a_primitive_called_outside_its_step_is_one_line(data_dir, one_device, m
     )
 
 
+def _returning(value):
+    class Task(classification.Task):
+        def updates(self):
+            return value
+
+    return Task
+
+
 def _with_updates(monkeypatch, *updates):
     class Task(classification.Task):
         def updates(self):
@@ -161,6 +169,21 @@ def _with_updates(monkeypatch, *updates):
             "the setting is an update's (Update(clip_norm=...): clipping is of its whole gradient); nothing reads it "
             "here",
         ),
+        (Update("a", optimizer="sgd"), "update 'a': optimizer='sgd': a dict of settings, as {'optimizer': 'sgd'}"),
+        (
+            Update("a", groups=(r"bias", {"learning_rate": 0.1})),
+            "update 'a': groups=('bias', {'learning_rate': 0.1}): must be pairs of (regex, {setting: value}), as "
+            "((r'^head/', {'learning_rate': 1e-4}),)",
+        ),
+        (
+            Update("a", loss="my_loss"),
+            "update 'a': loss='my_loss': must be a function loss(models, batch, seed[, repetition])",
+        ),
+        (
+            Update("a", loss=lambda models, batch: 0.0),
+            "update 'a': loss(models, batch) is called as loss(models, batch, seed) or loss(models, batch, seed, "
+            "repetition)",
+        ),
     ],
     ids=[
         "clip_norm",
@@ -174,6 +197,10 @@ def _with_updates(monkeypatch, *updates):
         "ema_decay",
         "global_batch_size",
         "group_clip_norm",
+        "optimizer_string",
+        "groups_unpaired",
+        "loss_string",
+        "loss_arity",
     ],
 )
 def test_an_updates_settings_are_checked_as_the_flags_are(data_dir, one_device, monkeypatch, update, message):
@@ -307,3 +334,37 @@ def test_a_reports_numpy_and_tensor_scalars_are_reported_as_numbers(data_dir, on
     with pytest.raises(TaskError) as raised:
         trainer.evaluator.evaluate()
     assert str(raised.value) == f"{FILE}: probe: 'norms' is an array of shape [4], not one number"
+
+
+class Unpaired(classification.Task):
+    optimizer_groups = (r"^model/mlp/dense_1/", {"learning_rate": 1e-2})  # the enclosing tuple forgotten
+
+
+class OneStep(classification.Task):
+    def replica_step(self, step):
+        pass
+
+
+class Lossless(base.Task):
+    input, outputs = "image", 10
+
+
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        (_returning(Update("a")), f"{FILE}: updates() returned Update(name='a', "),
+        (_returning(None), f"{FILE}: updates() returned None, not a tuple of engine.api.Update"),
+        (Unpaired, f"{FILE}: optimizer_groups=('^model/mlp/dense_1/', {{'learning_rate': 0.01}}): must be pairs of "),
+        (OneStep, f"{FILE}: replica_step(step) is called as replica_step(step, batch) (the task's own method, with "),
+        (Lossless, "tests/test_fork_mistakes.py: defines no loss(outputs, batch), the per-example loss its updates "),
+    ],
+    ids=["a_bare_update", "none", "groups_unpaired", "replica_step_signature", "no_loss"],
+)
+def test_a_task_that_breaks_the_protocol_is_one_line(data_dir, one_device, monkeypatch, task, message):
+    # Each ended in a Python traceback: "'Update' object is not iterable", "too many values to unpack", a bare
+    # NotImplementedError.
+    monkeypatch.setattr(data_lib, "task_class", lambda config: task)
+    with pytest.raises(TaskError) as raised:
+        trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)

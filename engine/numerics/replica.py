@@ -13,6 +13,8 @@ own losses (weight and activity regularizers, add_loss) join the loss once per
 step, whatever the replica count and the microbatching.
 """
 
+import inspect
+
 import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
@@ -285,6 +287,21 @@ def engine_step(step, batch):
             step.apply(update.name, step.gradients(update.name, read, repetition=repetition), when=when)
 
 
+def _check_signature(replica_step, task_file):
+    """A task's replica_step, once it is called as replica_step(step, batch); TaskError naming the file else."""
+    try:
+        signature = inspect.signature(replica_step)
+    except (TypeError, ValueError):  # no signature to read: called as it is
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TaskError(
+            f"{task_file}: replica_step{signature} is called as replica_step(step, batch) (the task's own method, "
+            "with self)"
+        ) from None
+
+
 def make_train_step(setup, counter, extras=frozenset()):
     """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
     the engine's, over the plans of `setup` (a Setup). `counter` (the run's step counter) seeds the dropout masks.
@@ -295,6 +312,8 @@ def make_train_step(setup, counter, extras=frozenset()):
     if warning:
         print(warning, flush=True)
     body = setup.task.replica_step or engine_step
+    if setup.task.replica_step is not None:
+        _check_signature(body, setup.task_file)
 
     def train_step(batch):
         # A step reading several batches (Update.fresh) is handed them as a tuple: the first is the step's batch.

@@ -11,6 +11,7 @@ primitives of engine/numerics/replica.py's ReplicaStep.
 """
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 
@@ -178,8 +179,50 @@ def _check(update, task_file):
             raise TaskError(
                 f"{task_file}: update {update.name!r}: trains={update.trains!r}: not a regular expression ({e})"
             ) from None
-    elif not all(isinstance(name, str) for name in update.trains):
+    elif not isinstance(update.trains, (tuple, list)) or not all(isinstance(name, str) for name in update.trains):
         raise TaskError(f"{task_file}: update {update.name!r}: trains={update.trains!r}: model names, or a regex")
+    what = f"{task_file}: update {update.name!r}"
+    if not isinstance(update.optimizer, dict):
+        raise TaskError(f"{what}: optimizer={update.optimizer!r}: a dict of settings, as {{'optimizer': 'sgd'}}")
+    _check_groups(update.groups, f"{what}: groups")
+    if update.loss is not None:
+        _check_loss(update.loss, what)
+
+
+def _check_groups(groups, what):
+    """Optimizer groups, ((regex, {setting: value}), ...): TaskError naming `what` for anything else (a single pair
+    without its enclosing tuple, the commonest slip)."""
+    pairs = isinstance(groups, (tuple, list)) and all(
+        isinstance(g, (tuple, list)) and len(g) == 2 and isinstance(g[0], str) and isinstance(g[1], dict)
+        for g in groups
+    )
+    if not pairs:
+        raise TaskError(
+            f"{what}={groups!r}: must be pairs of (regex, {{setting: value}}), as ((r'^head/', {{'learning_rate': "
+            "1e-4}),)"
+        )
+
+
+def _check_loss(loss, what):
+    """An update's loss: a callable of (models, batch, seed) or (models, batch, seed, repetition)."""
+    if not callable(loss):
+        raise TaskError(f"{what}: loss={loss!r}: must be a function loss(models, batch, seed[, repetition])")
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # a builtin without one: called as it is
+        return
+    if not any(_binds(signature, n) for n in (3, 4)):
+        raise TaskError(
+            f"{what}: loss{signature} is called as loss(models, batch, seed) or loss(models, batch, seed, repetition)"
+        )
+
+
+def _binds(signature, count):
+    try:
+        signature.bind(*range(count))
+        return True
+    except TypeError:
+        return False
 
 
 def _say_overrides(update, optimization, task_file):
@@ -211,7 +254,11 @@ def build_plans(task, weights, optimization, numerics, task_file):
     task's file, as its messages name it."""
     params, names, averages = weights.variables, weights.names, weights.averages
     optimization, numerics = sections.section(optimization, "optimization"), sections.section(numerics, "numerics")
-    updates = tuple(task.updates()) or (Update(DEFAULT, groups=task.optimizer_groups),)
+    updates = task.updates()
+    if not isinstance(updates, (tuple, list)):
+        raise TaskError(f"{task_file}: updates() returned {updates!r}, not a tuple of engine.api.Update")
+    _check_groups(task.optimizer_groups, f"{task_file}: optimizer_groups")
+    updates = tuple(updates) or (Update(DEFAULT, groups=task.optimizer_groups),)
     for update in updates:
         _check(update, task_file)
     taken = [u.name for u in updates]

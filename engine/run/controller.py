@@ -16,7 +16,7 @@ import tensorflow as tf
 from engine.cluster.signals import SIGNALS
 from engine.numerics import updates
 from engine.run import inputs
-from engine.run.actions.base import ROLLED_BACK, Round, Stop
+from engine.run.actions.base import ROLLED_BACK, Extras, NotAsked, Round, Stop
 from engine.run.actions.builtin import Evaluate, stop
 from engine.run.program import Recompiled
 from engine.settings.config import show
@@ -119,7 +119,8 @@ class Controller:
             self.context.report.line(str(e))
             return None
         seconds, traced = time.perf_counter() - tic, run.program.traces() != traces
-        return Round(current, current + int(out["steps"]), seconds, out, extra, stopping(out, run.program), traced)
+        ended = current + int(out["steps"])
+        return Round(current, ended, seconds, out, Extras(extra), stopping(out, run.program), traced)
 
     def _act(self, ran):
         """The round's bookkeeping, then each due action in turn: ROLLED_BACK or Stop ends the round's actions."""
@@ -127,7 +128,10 @@ class Controller:
         self.run.state.skipped.assign_add(int(ran.out["skipped"]))
         for action in self.run.actions:
             if action.due(ran.end, ran.stopping):
-                outcome = action(ran, self.context)
+                try:
+                    outcome = action(ran, self.context)
+                except NotAsked as e:
+                    raise TaskError(f"{_file(action)}: {e}") from None
                 if outcome is not None:
                     return _checked_outcome(outcome, action, ran.end, self.run.task.headline)
         return None
@@ -173,7 +177,7 @@ def _checked_outcome(outcome, action, step, headline):
     """An action's outcome, once it is one the controller knows (Action.__call__) and a Stop's results are an
     evaluation's (the run ends with them: its `headline` and `examples`); TaskError naming the action's file else:
     an outcome it did not mean would skip the round's evaluation, checkpoint and stop on a signal."""
-    where = type(action).__module__.replace(".", "/") + ".py"
+    where = _file(action)
     if isinstance(outcome, Stop):
         results = outcome.results
         missing = [k for k in (headline, "examples") if not isinstance(results, dict) or k not in results]
@@ -189,6 +193,11 @@ def _checked_outcome(outcome, action, step, headline):
         f"{where}: its Action returned {outcome!r} after step {step}; an action returns None to go on, ROLLED_BACK "
         "or Stop(results)"
     )
+
+
+def _file(action):
+    """The file that defines `action`'s class, as a message names it (engine/run/actions/<name>.py)."""
+    return type(action).__module__.replace(".", "/") + ".py"
 
 
 def stopping(out, program):

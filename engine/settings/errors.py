@@ -18,6 +18,11 @@ class TaskError(ConfigError):
     message names the task's file, the update or primitive, and what was wrong. A ConfigError: nothing was written."""
 
 
+class Undefined(TaskError, NotImplementedError):
+    """What a run needs of the task protocol (tasks/base.py) and the task does not define: its loss, its model's
+    outputs. A NotImplementedError too, as a protocol's missing method is in Python."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss in float32 or bfloat16; float16 steps skipped with the loss scale at
     its floor); the message says where."""

@@ -13,6 +13,22 @@ engine's own duties (log, warnings, the NaN policy, evaluate, checkpoint, stop o
 import contextlib
 import dataclasses
 
+from engine.settings.errors import TaskError
+
+
+class NotAsked(TaskError):
+    """An action read what the step returns only to the actions that need it, without saying that it does."""
+
+
+class Extras(dict):
+    """A round's extras, {need: value}: reading one no due action asked for is NotAsked, saying how to ask."""
+
+    def __missing__(self, key):
+        raise NotAsked(
+            f"round.extras[{key!r}]: the step returns it only on the rounds where an action that needs it is due; "
+            f"say needs = {{{key!r}}} in the action's class"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Round:
