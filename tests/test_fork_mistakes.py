@@ -368,3 +368,25 @@ def test_a_task_that_breaks_the_protocol_is_one_line(data_dir, one_device, monke
         trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
         trainer.program.run_steps(trainer.program.train_iterator(), 1)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)
+
+
+class Unreached(classification.Task):
+    def models(self, create):
+        return {**super().models(create), "head": create(self.config.model, self.spec[self.input], self.outputs)}
+
+
+def test_a_model_no_gradient_reaches_is_named_once(data_dir, one_device, monkeypatch, capsys):
+    # Its forward pass never calls "head": it trained with zero gradients, silently.
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Unreached)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    head = [v.numpy() for v in trainer.models["head"].trainable_variables]
+    for _ in range(2):
+        trainer.program.run_steps(trainer.program.train_iterator(), 2)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "no gradient reaches" in line]
+    assert warnings == [
+        f"warning: {FILE}: update 'train': no gradient reaches head/mlp/dense/kernel and 3 more (its loss does not "
+        "depend on them): they train with zero gradients; freeze them (--freeze, model.trainable = False) or leave "
+        "them out of the update (Update(trains=...))"
+    ]
+    for before, v in zip(head, trainer.models["head"].trainable_variables):
+        np.testing.assert_array_equal(v.numpy(), before)

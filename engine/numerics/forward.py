@@ -157,6 +157,9 @@ def checked_loss(per_example, batch, what):
     return tf.cast(per_example, tf.float32)
 
 
+_SAID = set()  # (update, variables) no gradient reaches, said once in this process
+
+
 def forward_backward(setup, plan, batch, step, replica, draw, loss, shift, values, repetition=0):
     """One replica's loss and gradients of `plan`'s update over its batch, before the all-reduce; returns (loss,
     grads, the statistics' new values). `values` of the statistics, or None to read them; `shift`: weights + shift."""
@@ -201,6 +204,16 @@ def forward_backward(setup, plan, batch, step, replica, draw, loss, shift, value
             raise TaskError(
                 f"{plan.what}: its loss does not depend on the variables it trains ({plan.names[0]}"
                 f"{f' and {len(plan.names) - 1} more' if plan.names[1:] else ''}): no gradient reaches them"
+            )
+        unreached = tuple(name for name, g in zip(plan.names, found) if g is None)
+        if unreached and (plan.what, unreached) not in _SAID:  # said once, at the first trace: later ones say it again
+            _SAID.add((plan.what, unreached))
+            print(
+                f"warning: {plan.what}: no gradient reaches {unreached[0]}"
+                f"{f' and {len(unreached) - 1} more' if unreached[1:] else ''} (its loss does not depend on them): "
+                "they train with zero gradients; freeze them (--freeze, model.trainable = False) or leave them out of "
+                "the update (Update(trains=...))",
+                flush=True,
             )
         part_grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for p, g in zip(at, found)]
         grads = part_grads if grads is None else [g + d for g, d in zip(grads, part_grads)]
