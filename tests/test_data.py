@@ -258,3 +258,18 @@ def test_any_source_with_an_empty_evaluation_split_is_refused(monkeypatch):
     with pytest.raises(ConfigError) as raised:  # a fork's Config, not validated: no --dataset, the task's own
         inputs.run_data(Config(), "validation")
     assert str(raised.value) == "--dataset=digits: the split validation it evaluates holds no examples"
+
+
+def test_an_order_setting_the_training_split_does_not_read_is_said(data_dir, monkeypatch, capsys):
+    # Held in memory, the split is read in a permutation by (seed, epoch): --shuffle_buffer and --interleave_files
+    # were accepted and read by nothing, unsaid. Streamed from files, both are read.
+    config = helpers.make_config(data_dir, shuffle_buffer=5, interleave_files=2)
+    inputs.run_data(config)
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --")] == [
+        f"warning: --{name}: the training split of --dataset=digits is held in memory, read in a permutation by "
+        "(seed, epoch): nothing reads it"
+        for name in ("shuffle_buffer=5", "interleave_files=2")
+    ]
+    _store("streamed", monkeypatch)
+    inputs.run_data(config)
+    assert "warning: --" not in capsys.readouterr().out

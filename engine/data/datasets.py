@@ -41,6 +41,7 @@ from engine.data import tfds_source
 from engine.data.pipeline import AUTOTUNE, Pipelines
 from engine.settings import plugins
 from engine.settings.errors import ConfigError
+from engine.settings.fields import FIELD_BY_NAME
 
 
 class DecodeError(ConfigError):
@@ -81,6 +82,7 @@ def prepare(data, source, task, split=None, service=""):
     (--tf_data_service), or none. Sets `task.spec` to the prepared example's spec."""
     train, evals = source.train, source.evals
     _check_sizes(data, train, evals, split)
+    _say_unread_order(data, train)
     eval_steps = math.ceil(evals.examples / data.per_eval_batch_size)
 
     def prepared(batch):
@@ -117,6 +119,22 @@ def prepare(data, source, task, split=None, service=""):
         origin=pipelines.origin,
         gather=gather if train.fetch is not None and source.decode is None else None,
     )
+
+
+def _say_unread_order(data, train):
+    """A warning for each order setting given (not its default) that the training split does not read: one held in
+    memory is a permutation by (seed, epoch); only record files interleave, and a stream without either shuffles in
+    a buffer."""
+    reads = {"shuffle_buffer": train.fetch is None, "interleave_files": bool(train.files)}
+    for name, read in reads.items():
+        value = getattr(data, name)
+        if not read and value != FIELD_BY_NAME[name].default:
+            held = "held in memory, read in a permutation by (seed, epoch)" if train.fetch is not None else "one stream"
+            print(
+                f"warning: --{name}={value}: the training split of --dataset={data.dataset_name} is {held}: nothing "
+                "reads it",
+                flush=True,
+            )
 
 
 def _check_sizes(data, train, evals, split):
