@@ -156,7 +156,7 @@ def main(argv):
         from engine.cluster.resolvers import PeerLost
         from engine.settings.errors import CheckpointError, Preempted, TrainingError
 
-        run = _mode(config.mode)
+        run = _mode(config)
     if isinstance(run, str):
         _exit(run)
     try:
@@ -181,15 +181,16 @@ def main(argv):
     _print_result(config, result)
 
 
-def _mode(mode):
-    """The function that runs --mode=`mode`, imported as it is asked for: a training run needs none of research/'s
-    tools (Optuna, SciPy, Matplotlib), and runs where they are not installed. Where a research mode's are missing,
-    the line that says so instead."""
+def _mode(config):
+    """The function that runs the run's --mode, imported as it is asked for: a training run needs none of research/'s
+    tools (Optuna, SciPy, Matplotlib), and runs where they are not installed. Where those a research run will use
+    are missing, the line that says so instead."""
+    mode = config.mode
     if mode in RESEARCH_MODES:
-        from research import TOOLS
+        from research import tools
 
         try:
-            for tool in TOOLS[mode]:
+            for tool in tools(config):
                 importlib.import_module(tool)
             research = importlib.import_module(f"research.{mode}")
         except ImportError as e:  # Optuna, SciPy, Matplotlib: research's own requirements

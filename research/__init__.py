@@ -7,6 +7,11 @@ the engine never imports them (config validation reads a search space through `s
 TensorFlow).
 """
 
-# Each mode's own requirements (requirements-research.txt), imported as the mode starts (launch.py): a missing one is
-# one line then, not a traceback after the trials ran or the members predicted (they are imported where used, late).
-TOOLS = {"tune": ("optuna", "matplotlib"), "ensemble": ("scipy", "matplotlib")}
+
+def tools(config):
+    """The modules of research's requirements (requirements-research.txt) that a run of `config` will import, late,
+    where it uses them: launch.py imports them as the mode starts, so a missing one is one line then, not a traceback
+    after the trials ran or the members predicted."""
+    if config.mode == "tune":
+        return ("optuna", "matplotlib.figure")
+    return ("matplotlib.figure", *(("scipy.optimize",) if config.ensemble_search == "nelder_mead" else ()))

@@ -4,6 +4,8 @@ runs: it takes a second."""
 
 import numpy as np
 
+from engine.run.evaluator import reported
+
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
 
 
@@ -23,7 +25,8 @@ def scores(task, predictions, examples):
     """The task's reported numbers for `predictions` of `examples`, like an evaluation: the means of its
     per-example scores, through its report; with the example count."""
     means = {name: float(np.mean(values)) for name, values in task.score(predictions, examples).items()}
-    return {**task.report(means), "examples": int(len(predictions))}
+    where = f"{type(task).__module__.replace('.', '/')}.py: report"
+    return {**reported(task.report(means), where), "examples": int(len(predictions))}
 
 
 def fit_weights(predictions, examples, task, config):

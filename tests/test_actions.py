@@ -253,7 +253,7 @@ def test_the_stop_policy_names_the_steps_and_the_last_good_checkpoint(tmp_path):
 
 def test_float16_diverges_only_on_skips_with_the_scale_at_its_floor():
     def divergence(done):
-        return builtin.divergence(done, float16=True, scale=1.0, precision="mixed_float16")
+        return builtin.divergence(done, float16=True, precision="mixed_float16")
 
     assert divergence(_round(0, 10, skipped=9.0)) is None  # the scale was still finding its level
     assert divergence(_round(0, 10, skipped=9.0, floor_skipped=2.0)) == (
@@ -432,6 +432,34 @@ def test_an_action_reading_what_it_did_not_ask_for_is_one_line(data_dir, one_dev
     with pytest.raises(TaskError) as error:
         loop.train(config, one_device)
     assert str(error.value) == (
-        "tests/test_actions.py: round.extras['gradients']: the step returns it only on the rounds where an action that "
-        "needs it is due; say needs = {'gradients'} in the action's class"
+        "tests/test_actions.py: round.extras['gradients']: not returned this round; say needs = {'gradients'} in the "
+        "action's class"
     )
+
+
+class _Optional(base.Action):
+    """Reads the gradients where a round has them, handling their absence as Python's dicts let it (KeyError)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, round, context):
+        try:
+            self.seen.append(sorted(round.extras["gradients"])[:1])
+        except KeyError:
+            self.seen.append(None)
+
+
+def test_an_action_may_handle_extras_a_round_does_not_have(data_dir, one_device, tmp_path, monkeypatch):
+    optional = _Optional()
+    monkeypatch.setattr(actions, "load", lambda config: [optional, _NeedsGradientsAt4()])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=6, steps_per_loop=2, hidden_sizes=(8,))
+    loop.train(config, one_device)
+    assert optional.seen == [None, ["model/mlp/dense/bias"], None]
+
+
+class _NeedsGradientsAt4(base.Action):
+    needs = frozenset({"gradients"})
+
+    def due(self, step, stopping):
+        return step == 4

@@ -129,6 +129,11 @@ def test_help_exits_zero():
         ),
         (dict(dataset="folder:photos", image_size=32), None),
         (dict(slurm_port_base=65536), "--slurm_port_base=65536: must be a port, in [1, 65535]"),
+        (
+            dict(initial_loss_scale=0.5),
+            "--initial_loss_scale=0.5: must be at least 1, the dynamic loss scale's floor (below it float16's small "
+            "gradients only underflow)",
+        ),
     ],
 )
 def test_bounds(overrides, message):

@@ -412,3 +412,28 @@ def test_values_average_and_score_as_the_regression_task_reports():
         "rmse": 1.0,
         "examples": 4,
     }
+
+
+def test_an_ensemble_needs_scipy_only_for_its_nelder_mead_search():
+    from engine.settings.fields import Config
+    from research import tools
+
+    assert tools(Config(mode="ensemble", ensemble_search="random")) == ("matplotlib.figure",)
+    assert tools(Config(mode="ensemble")) == ("matplotlib.figure", "scipy.optimize")
+    assert tools(Config(mode="tune")) == ("optuna", "matplotlib.figure")
+
+
+class _NumpyReport:
+    def score(self, predictions, batch):
+        return {"accuracy": np.array([1.0, 0.0, 1.0, 1.0])}
+
+    def report(self, means):
+        return {**means, "error": np.float32(1.0) - np.float32(means["accuracy"])}
+
+
+def test_an_ensembles_scores_report_numpy_scalars_as_numbers():
+    # As an evaluation reports them: summary.json could not hold a numpy float32, after every member had predicted.
+    from research.ensemble_weights import scores
+
+    found = scores(_NumpyReport(), np.zeros((4, 2)), None)
+    assert found == {"accuracy": 0.75, "error": 0.25, "examples": 4} and type(found["error"]) is float

@@ -3,6 +3,7 @@ the update or primitive and the value: misused primitives, an update's settings 
 that breaks the per-example contract, updates that share variables unsaid."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -159,15 +160,10 @@ def _with_updates(monkeypatch, *updates):
             "(--ema_decay: one moving average of every trained variable); nothing reads it here",
         ),
         (
-            Update("a", optimizer={"global_batch_size": 7}),
-            "update 'a': global_batch_size=7: the setting is the run's "
-            "(--global_batch_size: every update reads the step's batch); nothing reads it here",
-        ),
-        (
             Update("a", groups=((r"bias", {"clip_norm": 1.0}),)),
             "update 'a': optimizer group 'bias': clip_norm=1.0: "
-            "the setting is an update's (Update(clip_norm=...): clipping is of its whole gradient); nothing reads it "
-            "here",
+            "the setting is an update's (--clip_norm, or Update(clip_norm=...): clipping is of its whole gradient); "
+            "nothing reads it here",
         ),
         (Update("a", optimizer="sgd"), "update 'a': optimizer='sgd': a dict of settings, as {'optimizer': 'sgd'}"),
         (
@@ -195,7 +191,6 @@ def _with_updates(monkeypatch, *updates):
         "a_string",
         "regex",
         "ema_decay",
-        "global_batch_size",
         "group_clip_norm",
         "optimizer_string",
         "groups_unpaired",
@@ -390,3 +385,46 @@ def test_a_model_no_gradient_reaches_is_named_once(data_dir, one_device, monkeyp
     ]
     for before, v in zip(head, trainer.models["head"].trainable_variables):
         np.testing.assert_array_equal(v.numpy(), before)
+
+
+class Lenient(classification.Task):
+    """What the protocol's checks must still take: updates() as a generator, trains as a set, settings as a read-only
+    mapping, a loss with keyword-only or **kwargs parameters (called with three arguments)."""
+
+    def body_loss(self, models, batch, seed, *, weight=1.0):
+        return weight * self.loss(self.forward(models, batch, True), batch)
+
+    def head_loss(self, models, batch, seed, **options):
+        return self.loss(self.forward(models, batch, True), batch)
+
+    def updates(self):
+        yield Update("body", loss=self.body_loss, trains=r"/dense/", optimizer=types.MappingProxyType({"beta_1": 0.5}))
+        yield Update("head", loss=self.head_loss, trains={"model"}, shares=True)
+
+
+def test_the_protocol_checks_take_what_the_protocol_allows(data_dir, one_device, monkeypatch):
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Lenient)
+    trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 2)
+    assert out["steps"] == 2 and np.isfinite(out["body/loss"]) and np.isfinite(out["head/loss"])
+    assert [plan.settings.beta_1 for plan in trainer.plans] == [0.5, 0.9]
+
+
+def test_a_metric_of_unknown_rank_is_taken_as_it_is():
+    from engine.numerics.replica import checked_metric
+
+    @tf.function
+    def metric(x):  # a numpy_function's result has no shape: the engine cannot check it, nor refuse it
+        value = tf.numpy_function(lambda a: (a > 0).astype(np.float32), [x], tf.float32)
+        return tf.reduce_sum(checked_metric("positive", value, tf.ones_like(x), FILE))
+
+    assert float(metric(tf.constant([1.0, -1.0, 2.0]))) == 2.0
+
+
+def test_an_update_may_set_the_runs_values_and_its_own_batch_for_the_rate(data_dir):
+    from engine.numerics import optim
+
+    config = helpers.make_config(data_dir, lr_scaling="linear", base_batch_size=128, learning_rate=0.1)
+    run = config.optimization
+    settings = optim.checked_settings(run, {"global_batch_size": 1024, "ema_decay": run.ema_decay}, "update 'a'")
+    assert float(optim.learning_rate(settings, 0)) == pytest.approx(0.8)  # 0.1 x 1024 / 128: the rate reads it

@@ -66,7 +66,7 @@ def test_a_research_run_without_its_tools_says_so_before_it_starts(tmp_path):
     members = f"--members={tmp_path / 'a'},{tmp_path / 'b'}"
     combined = _launch(tmp_path, "--mode=ensemble", members, f"--workdir={tmp_path / 'ensemble'}")
     assert combined.returncode == 2 and combined.stderr.splitlines() == [
-        "error: --mode=ensemble needs research's tools: pip install -r requirements-research.txt (scipy is not "
+        "error: --mode=ensemble needs research's tools: pip install -r requirements-research.txt (matplotlib is not "
         "installed)"
     ]
     assert not (tmp_path / "ensemble").exists()

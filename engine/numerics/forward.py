@@ -42,9 +42,14 @@ def pass_seed(step, replica, draw=0):
 
 
 def takes_repetition(loss):
-    """Whether an update's `loss` is told its repetition: loss(models, batch, seed, repetition)."""
-    parameters = inspect.signature(loss).parameters
-    return "repetition" in parameters or len(parameters) >= 4
+    """Whether an update's `loss` is told its repetition, loss(models, batch, seed, repetition): it has a fourth
+    positional parameter, or one named `repetition` (keyword-only and **kwargs ones are not passed)."""
+    positional = [
+        p.name
+        for p in inspect.signature(loss).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return "repetition" in positional or len(positional) >= 4
 
 
 def stateless_forward(
@@ -92,7 +97,10 @@ def accumulation_warning(models, statistics, accumulate):
     """The warning line for --grad_accum_steps with statistics a forward pass updates (batch norm), or None."""
     if accumulate == 1 or not statistics:
         return None
-    owner = {id(v): name for name, model in models.items() for v in model.variables}
+    owner = {}
+    for name, model in models.items():  # a variable several models share is the first one's, as everywhere
+        for v in model.variables:
+            owner.setdefault(id(v), name)
     names = [f"{owner[id(v)]}/{v.path}" for v in statistics]
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (

@@ -103,15 +103,12 @@ def rule_settings(rule):
     return [name for name in FIELD_BY_NAME if ("optimizer", rule) in (readers(name) or ())]
 
 
-# The optimization settings an update's or a group's own would be read by nothing: {name: whose it is}. A group's
-# clipping too: clipping is of an update's whole gradient (Update(clip_norm=...)).
-RUNS_ALONE = {
-    "ema_decay": "the run's (--ema_decay: one moving average of every trained variable)",
-    "global_batch_size": "the run's (--global_batch_size: every update reads the step's batch)",
-}
+# The optimization settings an update's or a group's own value would be read by nothing: {name: whose it is}. A
+# group's clipping too: clipping is of an update's whole gradient.
+RUNS_ALONE = {"ema_decay": "the run's (--ema_decay: one moving average of every trained variable)"}
 UPDATES_ALONE = {
-    "clip_norm": "an update's (Update(clip_norm=...): clipping is of its whole gradient)",
-    "clip_value": "an update's (Update(clip_value=...): clipping is of its whole gradient)",
+    "clip_norm": "an update's (--clip_norm, or Update(clip_norm=...): clipping is of its whole gradient)",
+    "clip_value": "an update's (--clip_value, or Update(clip_value=...): clipping is of its whole gradient)",
 }
 
 
@@ -125,7 +122,8 @@ def checked_settings(optimization, overrides, what, group=False):
         raise ConfigError(f"{what}: no setting {', '.join(sorted(unknown))}")
     fixed = {**RUNS_ALONE, **(UPDATES_ALONE if group else {})}
     for name in sorted(set(overrides) & set(fixed)):
-        raise TaskError(f"{what}: {name}={overrides[name]!r}: the setting is {fixed[name]}; nothing reads it here")
+        if overrides[name] != getattr(hp, name):  # the value it has already (a copy of the run's settings) is no change
+            raise TaskError(f"{what}: {name}={overrides[name]!r}: the setting is {fixed[name]}; nothing reads it here")
     for name in sorted(set(overrides) - set(hp.names)):
         try:
             getattr(hp, name)

@@ -353,9 +353,9 @@ def checked_metric(name, value, weights, task_file):
         )
     value = tf.convert_to_tensor(value)
     shape, size = value.shape, weights.shape[0]
-    if shape.rank != 1 or (size is not None and shape[0] is not None and shape[0] != size):
-        raise TaskError(
-            f"{task_file}: metrics: {name!r} has shape {shape.as_list() if shape.rank is not None else shape}, not "
+    if shape.rank is not None and (shape.rank != 1 or (size is not None and shape[0] not in (None, size))):
+        raise TaskError(  # of an unknown rank (a tf.numpy_function's): taken as it is
+            f"{task_file}: metrics: {name!r} has shape {shape.as_list()}, not "
             f"one value per example of the batch ([{size}]): the engine averages it over the real examples (padding "
             "weighs 0); never average or keep other axes"
         )

@@ -13,11 +13,12 @@ primitives of engine/numerics/replica.py's ReplicaStep.
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import tensorflow as tf
 
 from engine.numerics import optim, precision
+from engine.numerics.forward import takes_repetition
 from engine.settings import sections
 from engine.settings.errors import ConfigError, TaskError
 
@@ -179,10 +180,12 @@ def _check(update, task_file):
             raise TaskError(
                 f"{task_file}: update {update.name!r}: trains={update.trains!r}: not a regular expression ({e})"
             ) from None
-    elif not isinstance(update.trains, (tuple, list)) or not all(isinstance(name, str) for name in update.trains):
+    elif not isinstance(update.trains, (tuple, list, set, frozenset)) or not all(
+        isinstance(name, str) for name in update.trains
+    ):
         raise TaskError(f"{task_file}: update {update.name!r}: trains={update.trains!r}: model names, or a regex")
     what = f"{task_file}: update {update.name!r}"
-    if not isinstance(update.optimizer, dict):
+    if not isinstance(update.optimizer, Mapping):
         raise TaskError(f"{what}: optimizer={update.optimizer!r}: a dict of settings, as {{'optimizer': 'sgd'}}")
     _check_groups(update.groups, f"{what}: groups")
     if update.loss is not None:
@@ -193,7 +196,7 @@ def _check_groups(groups, what):
     """Optimizer groups, ((regex, {setting: value}), ...): TaskError naming `what` for anything else (a single pair
     without its enclosing tuple, the commonest slip)."""
     pairs = isinstance(groups, (tuple, list)) and all(
-        isinstance(g, (tuple, list)) and len(g) == 2 and isinstance(g[0], str) and isinstance(g[1], dict)
+        isinstance(g, (tuple, list)) and len(g) == 2 and isinstance(g[0], str) and isinstance(g[1], Mapping)
         for g in groups
     )
     if not pairs:
@@ -211,18 +214,12 @@ def _check_loss(loss, what):
         signature = inspect.signature(loss)
     except (TypeError, ValueError):  # a builtin without one: called as it is
         return
-    if not any(_binds(signature, n) for n in (3, 4)):
+    try:
+        signature.bind(*range(4 if takes_repetition(loss) else 3))  # as the forward pass will call it
+    except TypeError:
         raise TaskError(
             f"{what}: loss{signature} is called as loss(models, batch, seed) or loss(models, batch, seed, repetition)"
-        )
-
-
-def _binds(signature, count):
-    try:
-        signature.bind(*range(count))
-        return True
-    except TypeError:
-        return False
+        ) from None
 
 
 def _say_overrides(update, optimization, task_file):
@@ -255,7 +252,7 @@ def build_plans(task, weights, optimization, numerics, task_file):
     params, names, averages = weights.variables, weights.names, weights.averages
     optimization, numerics = sections.section(optimization, "optimization"), sections.section(numerics, "numerics")
     updates = task.updates()
-    if not isinstance(updates, (tuple, list)):
+    if updates is None or isinstance(updates, (Update, str, bytes, Mapping)) or not isinstance(updates, Iterable):
         raise TaskError(f"{task_file}: updates() returned {updates!r}, not a tuple of engine.api.Update")
     _check_groups(task.optimizer_groups, f"{task_file}: optimizer_groups")
     updates = tuple(updates) or (Update(DEFAULT, groups=task.optimizer_groups),)

@@ -131,7 +131,7 @@ class Controller:
                 try:
                     outcome = action(ran, self.context)
                 except NotAsked as e:
-                    raise TaskError(f"{_file(action)}: {e}") from None
+                    raise TaskError(f"{_file(action)}: {e}; {_asking(action, e.key)}") from None
                 if outcome is not None:
                     return _checked_outcome(outcome, action, ran.end, self.run.task.headline)
         return None
@@ -192,6 +192,16 @@ def _checked_outcome(outcome, action, step, headline):
     raise TaskError(
         f"{where}: its Action returned {outcome!r} after step {step}; an action returns None to go on, ROLLED_BACK "
         "or Stop(results)"
+    )
+
+
+def _asking(action, key):
+    """How an action gets `key` of round.extras: asking for it, or being due where the round's end was chosen."""
+    if key not in action.needs:
+        return f"say needs = {{{key!r}}} in the action's class"
+    return (
+        "the step returns it on the rounds where the action's due(step, False) holds at the round's end, as the "
+        "controller asks before the round runs"
     )
 
 

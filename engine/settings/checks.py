@@ -163,6 +163,12 @@ def check_limits(config):
         )
     if config.slurm_port_base > 65535:
         fail("slurm_port_base", config.slurm_port_base, "must be a port, in [1, 65535]")
+    if config.initial_loss_scale < 1:
+        fail(
+            "initial_loss_scale",
+            config.initial_loss_scale,
+            "must be at least 1, the dynamic loss scale's floor (below it float16's small gradients only underflow)",
+        )
     for name in ("beta_1", "beta_2", "dropout", "ema_decay", "momentum"):
         if not 0 <= getattr(config, name) < 1:
             fail(name, getattr(config, name), "must be in [0, 1)")

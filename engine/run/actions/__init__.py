@@ -21,10 +21,14 @@ def load(config):
 def built(cls, config, name):
     """`cls(config)`; TaskError naming the file where the class takes other arguments."""
     try:
-        inspect.signature(cls).bind(config)
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # none to read: built as it is
+        return cls(config)
+    try:
+        signature.bind(config)
     except TypeError:
         raise TaskError(
-            f"{plugins.file('actions', name)}: Action{inspect.signature(cls)}: the engine builds it as Action(config)"
+            f"{plugins.file('actions', name)}: Action{signature}: the engine builds it as Action(config)"
         ) from None
     return cls(config)
 

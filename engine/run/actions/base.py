@@ -16,18 +16,22 @@ import dataclasses
 from engine.settings.errors import TaskError
 
 
-class NotAsked(TaskError):
-    """An action read what the step returns only to the actions that need it, without saying that it does."""
+class NotAsked(TaskError, KeyError):
+    """An action read what the step did not return this round (a KeyError too, for an action that handles one)."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self):
+        return f"round.extras[{self.key!r}]: not returned this round"
 
 
 class Extras(dict):
-    """A round's extras, {need: value}: reading one no due action asked for is NotAsked, saying how to ask."""
+    """A round's extras, {need: value}: reading one the step did not return this round is NotAsked."""
 
     def __missing__(self, key):
-        raise NotAsked(
-            f"round.extras[{key!r}]: the step returns it only on the rounds where an action that needs it is due; "
-            f"say needs = {{{key!r}}} in the action's class"
-        )
+        raise NotAsked(key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ import os
 import tensorflow as tf
 
 from engine.cluster.signals import SIGNALS
+from engine.numerics.precision import FLOOR
 from engine.run.actions.base import ROLLED_BACK, Action, Stop
 from engine.settings.errors import Preempted, TrainingError
 from engine.state import checkpoint as checkpoint_lib
@@ -58,11 +59,11 @@ class InputBoundWarning(Action):
         )
 
 
-def divergence(round, float16, scale, precision):
+def divergence(round, float16, precision):
     """What went wrong in the round, as the error or rollback line says it; None when it trained. In float32 and
     bfloat16: any non-finite step. In float16 a skipped step is how the loss scale finds a scale that fits, except
     one skipped with the scale at its floor (a skip that could not lower it): no scale fits, and the run can make
-    no more progress. `scale`: the first update's loss scale now."""
+    no more progress (whichever update's scale it was: each has its own, and the same floor)."""
     out, steps, first = round.out, round.steps, round.start + 1
     if not float16:
         if not out["skipped"]:
@@ -75,7 +76,7 @@ def divergence(round, float16, scale, precision):
         return None
     return (
         f"{int(out['floor_skipped'])} of the {steps} steps {first}-{round.end} had non-finite gradients with the "
-        f"loss scale at its floor ({scale:g}), which no loss scale can fix (mixed_float16)"
+        f"loss scale at its floor ({FLOOR:g}), which no loss scale can fix (mixed_float16)"
     )
 
 
@@ -90,7 +91,7 @@ class NanPolicy(Action):
     def __call__(self, round, context):
         run = context.run
         float16 = run.program.float16
-        diverged = divergence(round, float16, _first_scale(run) if float16 else None, run.config.precision)
+        diverged = divergence(round, float16, run.config.precision)
         if not diverged:
             return None
         last_good = context.checkpoints.saved_path
