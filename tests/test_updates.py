@@ -522,9 +522,12 @@ class Tied(classification.Task):
 
     def models(self, create):
         inputs = keras.Input(tuple(self.spec["image"].shape))
-        hidden = keras.layers.Dense(8, activation="relu")
+        hidden = keras.layers.Dense(8, activation="relu", name="hidden")  # named: paths not counted by the process
         flat = keras.layers.Flatten()(inputs)
-        return {name: keras.Model(inputs, keras.layers.Dense(10)(hidden(flat)), name=name) for name in ("a", "b")}
+        return {
+            name: keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_out")(hidden(flat)), name=name)
+            for name in ("a", "b")
+        }
 
     def forward(self, models, batch, training):
         return models["a"](batch["image"], training=training) + models["b"](batch["image"], training=training)
@@ -534,7 +537,7 @@ def test_a_variable_two_models_share_is_trained_once(data_dir, one_device, monke
     monkeypatch.setattr(data_lib, "task_class", lambda config: Tied)
     trainer = build.run(helpers.make_config(data_dir, **SGD, learning_rate=0.1), one_device)
     assert trainer.weights.names == [
-        "a/dense/kernel", "a/dense/bias", "a/dense_1/kernel", "a/dense_1/bias", "b/dense_2/kernel", "b/dense_2/bias"
+        "a/hidden/kernel", "a/hidden/bias", "a/a_out/kernel", "a/a_out/bias", "b/b_out/kernel", "b/b_out/bias"
     ]  # fmt: skip
     initial = [v.numpy() for v in trainer.weights.variables]
     (batch,) = _batches(trainer, 1)
