@@ -77,13 +77,8 @@ class TrainProgram:
         """Whether each replica gathers its own batch inside the step (engine/run/inputs.py gathers_in_step)."""
         return isinstance(self.input, inputs.InStep)
 
-    @property
-    def jit_compile(self):
-        return self.jit.compile
-
-    @property
-    def jit_reason(self):
-        return self.jit.reason
+    jit_compile = property(lambda self: self.jit.compile)  # whether the step compiles with XLA now
+    jit_reason = property(lambda self: self.jit.reason)  # why, as the run's header says it
 
     def _fall_back(self, synchronizes=False, unsupported=""):
         """The step rebuilt as --jit_compile=auto decides knowing what XLA could not compile."""
@@ -242,8 +237,8 @@ class TrainProgram:
     def run_round(self, iterator, steps, extras=frozenset()):
         """run_steps, and the round's last step's `extras` ({"gradients": {<model>/<path>: numpy array}}: the
         gradients it applied, all-reduced, unscaled and clipped; {"updates": ...}: the change each apply made to the
-        variables), as an action asked for them. A task's code that
-        cannot run (TaskError, found as the step is traced) is raised as itself: one line, naming the task."""
+        variables), as an action asked for them. A task's code that cannot run (TaskError, found as the step is
+        traced) is raised as itself: one line, naming the task."""
         with raising_task_errors():
             return self._run_round(iterator, steps, extras)
 
