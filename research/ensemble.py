@@ -31,7 +31,7 @@ from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import lock
 from engine.state import workdir as workdir_lib
-from engine.state.workdir import write_json
+from engine.state.files import write_json
 from research import checks
 from research.ensemble_members import align, load_run, read_file, write_predictions
 from research.ensemble_report import plot, table

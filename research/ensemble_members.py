@@ -18,7 +18,7 @@ from engine.run.inputs import batches
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint as checkpoint_lib
-from engine.state import workdir as workdir_lib
+from engine.state.files import write_text
 from research.ensemble_weights import combine
 
 
@@ -192,7 +192,7 @@ def write_predictions(path, predictions, weights, reference, config):
         arrays.update({f"member{i}_{split}": p for i, p in enumerate(members)})
     buffer = io.BytesIO()  # zipfile reads back what it writes, which a GFile (any file system) cannot
     np.savez(buffer, **arrays)
-    workdir_lib.write_text(path, buffer.getvalue())  # never through a link planted at the name
+    write_text(path, buffer.getvalue())  # never through a link planted at the name
 
 
 def _first_difference(ours, theirs):

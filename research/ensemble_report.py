@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from engine.state import workdir as workdir_lib
+from engine.state.files import write_text
 
 
 def metric_names(summary):
@@ -43,7 +43,7 @@ def plot(path, summary):
     """Writes ensemble_report.png (see figure), never through a link planted at the name."""
     buffer = io.BytesIO()
     figure(summary).savefig(buffer, dpi=80, format="png")
-    workdir_lib.write_text(path, buffer.getvalue())
+    write_text(path, buffer.getvalue())
 
 
 def figure(summary):

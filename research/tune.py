@@ -33,7 +33,7 @@ from engine.settings.errors import ConfigError, Preempted, TrainingError
 from engine.settings.fields import show
 from engine.state import lock
 from engine.state import workdir as workdir_lib
-from engine.state.workdir import write_json
+from engine.state.files import write_json
 from research import checks, tune_summary
 from research.space import parse_space, with_values
 from research.tune_study import FINISHED, RESUMES, best_trial, masked, open_study, requeue, storage_url, trial_config

@@ -9,14 +9,14 @@ import numpy as np
 import optuna
 
 from engine.settings.fields import show
-from engine.state import workdir as workdir_lib
+from engine.state.files import write_text
 
 
 def plot(path, config, trials, space, best, importances, objective, direction):
     """Writes tune_report.png (see figure), never through a link planted at the name."""
     buffer = io.BytesIO()
     figure(config, trials, space, best, importances, objective, direction).savefig(buffer, dpi=80, format="png")
-    workdir_lib.write_text(path, buffer.getvalue())
+    write_text(path, buffer.getvalue())
 
 
 def figure(config, trials, space, best, importances, objective, direction):

@@ -8,8 +8,7 @@ import warnings
 import optuna
 
 from engine.settings.fields import Config, show
-from engine.state import workdir as workdir_lib
-from engine.state.workdir import write_json
+from engine.state.files import write_json, write_text
 from research import tune_report
 from research.tune_study import FINISHED, best_trial, masked, storage_url, trial_config
 
@@ -117,4 +116,4 @@ def write_flagfile(path, config, best, space, objective):
         f"#   python launch.py --flagfile={path}",
         f"# reruns it with {exact}; add --eval_split=test (after the flagfile) for its held-out {objective}.",
     ]
-    workdir_lib.write_text(path, "\n".join(header + lines) + "\n")  # never through a link planted at the name
+    write_text(path, "\n".join(header + lines) + "\n")  # never through a link planted at the name

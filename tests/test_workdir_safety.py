@@ -17,10 +17,10 @@ from engine.run import modes as evaluate
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
-from engine.state import checkpoint, lock, workdir
+from engine.state import checkpoint, files, lock
 from engine.state.checkpoint import CheckpointError
+from engine.state.files import make_workdir
 from engine.state.report import Report
-from engine.state.workdir import make_workdir
 from tests import forkserver, helpers
 
 
@@ -187,7 +187,7 @@ def test_a_planted_link_is_never_written_through(tmp_path, planted):
     run.mkdir()
     os.symlink(target, run / planted)
     make_workdir(str(run))
-    workdir.write_json(str(run / "summary.json"), {"step": 1})
+    files.write_json(str(run / "summary.json"), {"step": 1})
     assert target.read_text() == "keep me\n"
     assert json.loads((run / "summary.json").read_text()) == {"step": 1} and not (run / "summary.json").is_symlink()
     assert sorted(os.listdir(run)) == sorted({"summary.json", planted})
@@ -196,7 +196,7 @@ def test_a_planted_link_is_never_written_through(tmp_path, planted):
 def test_bytes_replace_a_link_too(tmp_path):
     target = outside(tmp_path)
     os.symlink(target, tmp_path / "report.png")
-    workdir.replace_text(str(tmp_path / "report.png"), b"\x89PNG\r\n")
+    files.replace_text(str(tmp_path / "report.png"), b"\x89PNG\r\n")
     assert target.read_text() == "keep me\n" and (tmp_path / "report.png").read_bytes() == b"\x89PNG\r\n"
     assert sorted(os.listdir(tmp_path)) == ["outside.txt", "report.png"]
 
@@ -207,7 +207,7 @@ def test_a_link_at_a_log_is_refused_not_appended_through(tmp_path):
     run.mkdir()
     os.symlink(target, run / "metrics.jsonl")
     with pytest.raises(CheckpointError) as refused:
-        workdir.append_text(str(run / "metrics.jsonl"), '{"step": 1}\n')
+        files.append_text(str(run / "metrics.jsonl"), '{"step": 1}\n')
     assert str(refused.value) == (
         f"cannot write {run}/metrics.jsonl: it is a symbolic link (to {target}); a run writes only inside its "
         "workdir: remove the link"

@@ -12,8 +12,8 @@ from engine.run import build
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
+from engine.state.files import append_text, write_json
 from engine.state.report import format_metrics
-from engine.state.workdir import append_text, write_json
 
 
 def run_config(config, mode):

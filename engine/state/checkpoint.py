@@ -18,6 +18,7 @@ from google.protobuf import text_format
 from engine.numerics import updates
 from engine.settings.config import first_line
 from engine.settings.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
+from engine.state.files import replace_text
 
 
 def model_state(models):
@@ -154,7 +155,6 @@ class Checkpoints:
             lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
             lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
             lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
-            from engine.state.workdir import replace_text  # deferred: engine/state/workdir.py imports this module
 
             replace_text(state_file, "\n".join(lines) + "\n")
 

@@ -22,7 +22,7 @@ import uuid
 import tensorflow as tf
 
 from engine.settings.errors import ConfigError
-from engine.state.workdir import is_local, local_path, make_workdir, missing_directories, open_new, replace_text
+from engine.state.files import is_local, local_path, make_workdir, missing_directories, open_new, replace_text
 
 LOCK_NAME = "train.lock"
 HEARTBEAT_SECONDS = 10.0  # how often the holder rewrites its heartbeat

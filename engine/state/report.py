@@ -15,7 +15,7 @@ import uuid
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine.state.workdir import append_text, make_workdir, replace_text, write_json, write_text, writing
+from engine.state.files import append_text, make_workdir, replace_text, write_json, write_text, writing
 
 
 def _updates(metrics):
