@@ -219,9 +219,13 @@ def test_the_eta_is_timed_after_the_first_line_whose_round_traced_the_step(tmp_p
     stream = helpers.Terminal()
     report = Report(str(tmp_path), True, 100, stream=stream)
     etas = []
-    for step, at in ((10, 10.0), (20, 11.0), (30, 12.0)):
+    # A rollback to step 20 after step 30 (60 s spent there) times afresh: the undone steps are not the pace.
+    for step, at in ((10, 10.0), (20, 11.0), (30, 12.0), ("rewind", 20), (30, 72.0), (40, 73.0)):
         now[0] = at
+        if step == "rewind":
+            report.rewind(at)
+            continue
         report.train(step, {"loss": 1.0, "learning_rate": 0.1, "grad_norm": 1.0, "loss_scale": None,
                             "examples_per_sec": 50.0, "skipped_steps": 0})  # fmt: skip
         etas.append(stream.getvalue().rsplit("ETA ", 1)[1][:8])
-    assert etas == ["--:--:--", "00:00:08", "00:00:07"]
+    assert etas == ["--:--:--", "00:00:08", "00:00:07", "--:--:--", "00:00:06"]

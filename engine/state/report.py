@@ -116,8 +116,10 @@ class Report:
     def rewind(self, step, redo_eval=False):
         """Drops records after `step` (logged before a crash or a rollback): no step is logged twice. A run at
         its last step evaluates it again, so that step's final evaluation goes too, and so does the evaluation of
-        `step` with `redo_eval`."""
+        `step` with `redo_eval`. The ETA is timed afresh from the next line: the time of the steps undone (a
+        rollback) is not the pace of the steps left."""
         self._window = [line for line in self._window if line[0] <= step]
+        self._timed_from = None
         if not self.chief:
             return
         evaluated = step - 1 if step >= self.total_steps or redo_eval else step
