@@ -147,10 +147,14 @@ def test_the_skip_warning_needs_more_than_half_of_the_rounds_steps_skipped():
     assert len(report.lines) == 1  # float32: a skipped step is divergence, the NaN policy's
 
 
-def test_the_log_counts_skipped_steps_and_writes_the_train_line():
+@pytest.mark.parametrize("batches, rate", [(1, 80.0), (3, 240.0)])
+def test_the_log_counts_skipped_steps_and_writes_the_train_line(batches, rate):
+    # 10 steps of 16 examples in 2 s; a step that reads 3 batches (WGAN-GP's critic) reads 3 times the examples.
     trainer = types.SimpleNamespace(
         state=types.SimpleNamespace(skipped=tf.Variable(2, dtype=tf.int64)),
-        program=types.SimpleNamespace(metric_names=["learning_rate", "grad_norm", "loss_scale"], float16=False),
+        program=types.SimpleNamespace(
+            metric_names=["learning_rate", "grad_norm", "loss_scale"], float16=False, batches_per_step=batches
+        ),
         config=types.SimpleNamespace(global_batch_size=16),
         plans=[None],  # one update: its loss is the run's
         actions=[builtin.Log()],
@@ -165,7 +169,7 @@ def test_the_log_counts_skipped_steps_and_writes_the_train_line():
     assert report.trains == [
         (
             20,
-            dict(loss=0.5, learning_rate=0.1, grad_norm=2.0, loss_scale=None, examples_per_sec=80.0, skipped_steps=3.0),
+            dict(loss=0.5, learning_rate=0.1, grad_norm=2.0, loss_scale=None, examples_per_sec=rate, skipped_steps=3.0),
         )
     ]
 

@@ -52,10 +52,10 @@ class Timing:
         self.steps, self.seconds = self.steps + round.steps, self.seconds + round.seconds
         self.waited += round.out["input_wait"]
 
-    def summary(self, global_batch_size, waits_timed):
+    def summary(self, examples_per_step, waits_timed):
         """(examples_per_sec, input_wait_fraction) for the summary: of the first round when it was the only one."""
         steps, seconds = (self.steps, self.seconds) if self.steps or not self.first else self.first
-        examples_per_sec = steps * global_batch_size / seconds if steps else None
+        examples_per_sec = steps * examples_per_step / seconds if steps else None
         return examples_per_sec, self.waited / seconds if seconds and waits_timed else None
 
 
@@ -146,7 +146,8 @@ class Controller:
     def _summary(self, current, results, last):
         run, report = self.run, self.context.report
         config, program = run.config, run.program
-        examples_per_sec, input_wait = self.context.timing.summary(config.global_batch_size, program.waits_timed)
+        read = config.global_batch_size * program.batches_per_step  # the examples a step reads
+        examples_per_sec, input_wait = self.context.timing.summary(read, program.waits_timed)
         numbers = last or report.logged_at(current)
         summary = {
             "step": current,

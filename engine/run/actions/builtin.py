@@ -146,6 +146,7 @@ class Log(Action):
         run, out = context.run, round.out
         names = run.program.metric_names
         scales = [name for name in names if name.endswith("loss_scale")]
+        read = run.program.batches_per_step * run.config.global_batch_size  # the examples a step reads
         metrics = {
             # Several updates' losses summed mean nothing (a critic's and a generator's): each is logged, not their sum.
             "loss": out["loss"] if len(run.plans) == 1 else None,
@@ -153,7 +154,8 @@ class Log(Action):
             # for each group), gradient norm and loss scale; prefixed <update>/ and with its loss in a run of several.
             **{name: out[name] for name in names if name not in scales},
             **{name: out[name] if run.program.float16 else None for name in scales},
-            "examples_per_sec": round.steps * run.config.global_batch_size / round.seconds,
+            # Every example the steps read: a step whose update reads a fresh batch per repetition reads several.
+            "examples_per_sec": round.steps * read / round.seconds,
             "skipped_steps": out["skipped"],
         }
         context.report.train(round.end, metrics)
