@@ -218,3 +218,16 @@ def test_a_truncated_checkpoint_to_start_from_is_refused_in_one_line(data_dir, s
     assert not workdir.exists()
     with pytest.raises(ConfigError, match=rf"^--checkpoint={damaged}: unreadable checkpoint {damaged}/checkpoints"):
         api.weights(str(damaged))
+
+
+def test_the_header_counts_every_parameter_and_names_the_trained_ones_beside(data_dir, one_device):
+    # It summed the trained variables alone: a ResNet without its batch-norm statistics, a frozen run's head alone.
+    from engine.run.controller import parameters
+
+    config = make_config(data_dir, model="resnet", freeze=r"^model/resnet/(?!dense)")
+    run = build.run(config, one_device)
+    total = run.model.count_params()
+    trained = sum(int(np.prod(v.shape)) for v in run.model.trainable_variables if "resnet/dense" in v.path)
+    assert parameters(run) == f"{total} (trained {trained})" and trained < total
+    whole = build.run(make_config(data_dir, hidden_sizes=(16,)), one_device)
+    assert parameters(whole) == str(whole.model.count_params()) == "1210"

@@ -247,13 +247,22 @@ def header(run):
     """The run's first line: what trains, where, in what precision, how the steps get their batches and whether
     they compile with XLA (and why)."""
     config, where, program = run.config, run.placement, run.program
-    params = sum(int(tf.size(v)) for v in run.weights.variables)
     return (
-        f"task={config.task} model={config.model} parameters={params} dataset={config.dataset} "
+        f"task={config.task} model={config.model} parameters={parameters(run)} dataset={config.dataset} "
         f"strategy={where.name} replicas={where.replicas} "
         f"precision={config.precision} global_batch_size={config.global_batch_size} "
         f"input={program.input.label} jit_compile={show(program.jit_compile)} ({program.jit_reason})"
     )
+
+
+def parameters(run):
+    """The run's parameters as the header says them: every model's (Keras's count_params, each variable once,
+    batch-norm statistics and a frozen teacher included), and the trained ones beside them where those are fewer
+    (--freeze, a teacher, statistics)."""
+    held = {id(v): v for model in run.models.values() for v in model.weights}
+    total = sum(int(tf.size(v)) for v in held.values())
+    trained = sum(int(tf.size(v)) for v in run.weights.variables)
+    return str(total) if trained == total else f"{total} (trained {trained})"
 
 
 def _update_metrics(program, last):
