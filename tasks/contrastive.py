@@ -3,7 +3,9 @@
 Contrastive learning, SimCLR-style: two random views of each image; an encoder and a projection head learn
 to tell an image's other view from every other view of the GLOBAL batch (NT-Xent). Reports the loss and the
 linear-probe accuracy of the frozen encoder (a logistic regression on its embeddings, fitted on the training
-split, scored on the evaluation split).
+split, scored on the evaluation split). The evaluation's loss takes its negatives from each evaluation batch, so it
+depends on --eval_batch_size (a larger batch holds more negatives: a higher loss for the same encoder): compare
+losses at one batch size; the probe's accuracy does not depend on it.
 
 A batch holds `image` (any fixed height x width x channels; uint8 is scaled to [0, 1]) and `label`, which only
 the probe reads. Each view is a function of (--seed, the example's `index`, the view) alone: the same example
