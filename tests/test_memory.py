@@ -101,3 +101,12 @@ def test_a_sources_own_data_is_refused_before_it_is_made(monkeypatch):
         "--synthetic_examples=1000000000: its data needs about 3.93 TB of memory, more than this machine's 1 GB"
     )
     memory.check_data(dataclasses.replace(config, synthetic_examples=4096))
+
+
+def test_a_task_that_builds_its_own_models_is_said_to_be_estimated_as_one_of_the_model(capsys):
+    # A GAN's generator and discriminator, a contrastive encoder and head: the estimate knows one --model alone.
+    memory.check(validate(Config(task="gan")), _on("CPU", 1), (8, 8, 1), None)
+    assert capsys.readouterr().out == (
+        "memory: tasks/gan.py builds its own models: estimated as one models/mlp.py of 2 outputs, which its models "
+        "may exceed\n"
+    )

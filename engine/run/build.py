@@ -139,13 +139,14 @@ def run(config, strategy, purpose="train", on_eval=None):
 
 def shape_and_outputs(task):
     """(the shape of one prepared example of the task's input, the width of its default model's outputs) for the
-    memory check; (1,) and 2 for a task without an input feature or one that builds its own models."""
+    memory check; (1,) for a task without an input feature, None for the width of one that builds its own models
+    (it defines no outputs)."""
     spec = task.spec.get(task.input)
     try:
         outputs = task.outputs
     except NotImplementedError:  # a task that builds its own models
         outputs = None
-    return (tuple(spec.shape) if spec else (1,)), outputs or 2
+    return (tuple(spec.shape) if spec else (1,)), outputs
 
 
 def seed(config):

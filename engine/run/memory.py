@@ -77,6 +77,13 @@ def check(config, placement, input_shape, outputs):
     default would shrink it most, or --model when none would); says so where the model family gives no size. A GPU
     holds one replica and its share of the batch; this machine's memory, every local replica (mirrored logical
     devices) and this worker's share. `placement`: the run's engine/cluster/distribute.py Placement."""
+    if outputs is None:  # a task that builds its own models (no outputs): one of --model is all the estimate knows
+        print(
+            f"memory: tasks/{config.task}.py builds its own models: estimated as one models/{config.model}.py of 2 "
+            "outputs, which its models may exceed",
+            flush=True,
+        )
+        outputs = 2
     if model_size(config, input_shape, outputs) is None:
         print(f"memory: models/{config.model}.py has no size(config, input_shape, outputs): not estimated", flush=True)
     device, replicas = placement.device, placement.replicas
