@@ -249,6 +249,9 @@ class TrainProgram:
             out = self.input.run(loop, iterator, steps, position[1])
             if self.coordinator is None:  # a parameter server's workers trace their own
                 warn_retraced("train_loop", loop, self.retraced)
+            else:  # a dead worker's function ran again elsewhere, its counters' increments twice: the chief's count
+                self.state.step.assign(position[0] + int(out["steps"]))  # of the steps that ran is the run's
+                self.state.batches.assign(position[1] + int(out["steps"]) * self.batches_per_step)
         except RuntimeError as e:
             self._untraceable(e)
             return self._run_round(iterator, steps, extras)
