@@ -467,3 +467,27 @@ class _NeedsGradientsAt4(base.Action):
 
     def due(self, step, stopping):
         return step == 4
+
+
+def test_a_summarys_update_numbers_are_the_whole_last_round_where_a_preemption_split_it(tmp_path):
+    # Steps 21-30 are the last round; a preemption at 25 split it: the first process logged 21-25, the resumed one
+    # 26-30. Each update's loss and gradient norm is the mean over all ten steps, as train_loss is (it was the
+    # resumed process's five alone, though the weights were bit-identical to an uninterrupted run's).
+    from engine.state.report import Report
+
+    def line(step, loss, norm):
+        return {"step": step, "loss": None, "d/loss": loss, "d/grad_norm": norm, "d/learning_rate": 0.1,
+                "d/loss_scale": None, "examples_per_sec": 1.0, "skipped_steps": 0}  # fmt: skip
+
+    first = Report(str(tmp_path), True, 30)
+    for step, loss, norm in ((10, 9.0, 9.0), (20, 9.0, 9.0), (25, 1.0, 2.0)):
+        first.train(step, line(step, loss, norm))
+    resumed = Report(str(tmp_path), True, 30, resume_step=25)
+    resumed.count_losses(20, 25)
+    resumed.train(30, line(30, 3.0, 4.0))
+    program = types.SimpleNamespace(metric_names=["d/loss", "d/grad_norm", "d/learning_rate", "d/loss_scale"],
+                                    float16=False)  # fmt: skip
+    last = {"d/loss": 3.0, "d/grad_norm": 4.0, "d/learning_rate": 0.1, "d/loss_scale": 1.0}
+    assert controller._update_metrics(program, last, resumed) == {
+        "d/loss": 2.0, "d/grad_norm": 3.0, "d/learning_rate": 0.1, "d/loss_scale": None
+    }  # fmt: skip

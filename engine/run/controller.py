@@ -159,7 +159,7 @@ class Controller:
             "input_bytes_read": int(program.bytes_read.numpy()) if run.data.sharded else None,
             # A run of several updates: each one's loss and gradient norm over the last round, its last rates (as
             # logged, where this process resumed at the end and ran no round), and the settings each trained with.
-            **(_update_metrics(program, numbers) if len(run.plans) > 1 and numbers else {}),
+            **(_update_metrics(program, numbers, report) if len(run.plans) > 1 and numbers else {}),
             **({"updates": settings} if (settings := updates.effective_settings(run.plans)) else {}),
             "skipped_steps": int(run.state.skipped.numpy()),
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
@@ -265,12 +265,18 @@ def parameters(run):
     return str(total) if trained == total else f"{total} (trained {trained})"
 
 
-def _update_metrics(program, last):
-    """Each update's numbers of the last round, for the summary; its loss scale only in float16, as in the log."""
-    return {
-        name: last[name] if program.float16 or not name.endswith("loss_scale") else None
-        for name in program.metric_names
-    }
+def _update_metrics(program, last, report):
+    """Each update's numbers of the last round, for the summary: its loss and gradient norm the means over the
+    round's finite steps as the run logged them (Report.window_mean: the same numbers where a preemption split the
+    round), its rates as they last were, its loss scale only in float16, as in the log."""
+    found = {}
+    for name in program.metric_names:
+        if name.endswith("loss_scale") and not program.float16:
+            found[name] = None
+            continue
+        stitched = report.window_mean(name) if name.endswith(("/loss", "grad_norm")) else None
+        found[name] = last[name] if stitched is None else stitched
+    return found
 
 
 def evaluates_on_resume(loop, step):

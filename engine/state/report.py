@@ -118,7 +118,7 @@ class Report:
         its last step evaluates it again, so that step's final evaluation goes too, and so does the evaluation of
         `step` with `redo_eval`. The ETA is timed afresh from the next line: the time of the steps undone (a
         rollback) is not the pace of the steps left."""
-        self._window = [line for line in self._window if line[0] <= step]
+        self._window = [record for record in self._window if record["step"] <= step]
         self._timed_from = None
         if not self.chief:
             return
@@ -236,20 +236,25 @@ class Report:
         if record["step"] <= self._last_window:
             self._window_from, self._window = record["step"], []
         else:
-            self._window.append((record["step"], record["loss"], record.get("skipped_steps", 0)))
+            self._window.append(record)
 
     def train_loss(self):
-        """The mean loss over the finite steps of the last logging window (count_losses): one number whether the run
-        went through in one process or was stopped and resumed inside the window. A line holds the mean over its
-        finite steps; the lines' sums add up in float64, as the rounds summed their steps. None before the window's
-        first line."""
+        """The mean loss over the finite steps of the last logging window (count_losses, window_mean)."""
+        return self.window_mean("loss")
+
+    def window_mean(self, name):
+        """The mean of `name` (a loss, a gradient norm: what a line holds as its mean over its finite steps) over the
+        finite steps of the last logging window (count_losses): one number whether the run went through in one
+        process or was stopped and resumed inside the window. The lines' sums add up in float64, as the rounds
+        summed their steps. None before the window's first line."""
         total, finite, counted_from = 0.0, 0, self._window_from
-        for step, loss, skipped in self._window:
-            steps, counted_from = step - counted_from - skipped, step
-            if steps and loss is not None:
-                total, finite = total + loss * steps, finite + steps
+        for record in self._window:
+            steps, counted_from = record["step"] - counted_from - record.get("skipped_steps", 0), record["step"]
+            value = record.get(name)
+            if steps and value is not None:
+                total, finite = total + value * steps, finite + steps
         if len(self._window) == 1:  # the window in one line: its own mean, not the mean remade from its sum
-            return self._window[0][1]
+            return self._window[0].get(name)
         return total / finite if finite else None
 
     def _records(self, step):
