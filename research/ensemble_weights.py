@@ -5,6 +5,7 @@ runs: it takes a second."""
 import numpy as np
 
 from engine.run.evaluator import reported
+from engine.settings import plugins
 
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
 
@@ -25,7 +26,7 @@ def scores(task, predictions, examples):
     """The task's reported numbers for `predictions` of `examples`, like an evaluation: the means of its
     per-example scores, through its report; with the example count."""
     means = {name: float(np.mean(values)) for name, values in task.score(predictions, examples).items()}
-    where = f"{type(task).__module__.replace('.', '/')}.py: report"
+    where = f"{plugins.file_of(task)}: report"
     return {**reported(task.report(means), where), "examples": int(len(predictions))}
 
 

@@ -116,13 +116,22 @@ def test_plugin_settings_sit_under_their_owner():
             assert FIELD_BY_NAME[name].metadata.get("owner") == owner or owner in Config.READ_BY.get(name, ())
 
 
-def test_a_file_may_not_declare_a_setting_named_as_a_section(tmp_path):
-    os.makedirs(tmp_path / "models")
-    (tmp_path / "models" / "odd.py").write_text('SETTINGS = {"loop": (1, "a name Config gives its section")}')
-    packages = [("model", str(tmp_path / "models"), ["odd"])]
+@pytest.mark.parametrize(
+    "kind, folder, name, what",
+    [
+        ("model", "models", "loop", "a section of Config"),
+        # config.dataset_name is the dataset a run reads: a task's setting so named replaced it for every run.
+        ("task", "tasks", "dataset_name", "a value Config derives"),
+    ],
+    ids=["section", "derived"],
+)
+def test_a_file_may_not_declare_a_setting_named_as_config_names_its_own(tmp_path, kind, folder, name, what):
+    os.makedirs(tmp_path / folder)
+    (tmp_path / folder / "odd.py").write_text(f'SETTINGS = {{"{name}": (1, "a name Config has")}}')
+    packages = [(kind, str(tmp_path / folder), ["odd"])]
     fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"}, sections.RESERVED)
     assert fields == [] and errors == [
-        "models/odd.py: declares the setting loop, which engine/settings/sections.py (a section of Config) declares "
+        f"{folder}/odd.py: declares the setting {name}, which engine/settings/sections.py ({what}) declares "
         "already: rename one of them"
     ]
 
@@ -212,15 +221,3 @@ def test_the_data_pipelines_read_their_section_as_they_read_every_setting(data_d
         batches.append([next(iter(stream.take(1)))])
     for key in batches[0][0]:
         np.testing.assert_array_equal(batches[0][0][key], batches[1][0][key])
-
-
-def test_a_file_may_not_declare_a_setting_named_as_a_value_config_derives(tmp_path):
-    # config.dataset_name is the dataset a run reads: a task's setting so named replaced it for every run.
-    os.makedirs(tmp_path / "tasks")
-    (tmp_path / "tasks" / "odd.py").write_text('SETTINGS = {"dataset_name": ("mine", "its own dataset")}')
-    packages = [("task", str(tmp_path / "tasks"), ["odd"])]
-    fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"}, sections.RESERVED)
-    assert fields == [] and errors == [
-        "tasks/odd.py: declares the setting dataset_name, which engine/settings/sections.py (a value Config derives) "
-        "declares already: rename one of them"
-    ]

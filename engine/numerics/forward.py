@@ -93,14 +93,21 @@ def weight_penalty(params, values=None):
     return tf.add_n(terms) if terms else None
 
 
+def owners(models):
+    """{id(variable): the model it is named by} of every variable of `models`: a variable that several models share
+    (an encoder inside a classifier) is the first one's that holds it, and is trained, counted and averaged once."""
+    found = {}
+    for name, model in models.items():
+        for v in model.variables:
+            found.setdefault(id(v), name)
+    return found
+
+
 def accumulation_warning(models, statistics, accumulate):
     """The warning line for --grad_accum_steps with statistics a forward pass updates (batch norm), or None."""
     if accumulate == 1 or not statistics:
         return None
-    owner = {}
-    for name, model in models.items():  # a variable several models share is the first one's, as everywhere
-        for v in model.variables:
-            owner.setdefault(id(v), name)
+    owner = owners(models)
     names = [f"{owner[id(v)]}/{v.path}" for v in statistics]
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (

@@ -17,6 +17,7 @@ import tensorflow as tf
 from engine.cluster import distribute, resolvers
 from engine.data import datasets
 from engine.numerics import precision, updates
+from engine.numerics.forward import owners
 from engine.run import actions, memory, xla
 from engine.run.actions.builtin import engine_actions
 from engine.run.create import Create
@@ -159,7 +160,7 @@ def seed(config):
 
 def trained_variables(models, freeze):
     """The variables the step trains: every model's trainable ones whose <model name>/<path> (model/mlp/dense/kernel)
-    --freeze does not match, each once (owners)."""
+    --freeze does not match, each once (engine/numerics/forward.py owners)."""
     pattern, owner = re.compile(freeze) if freeze else None, owners(models)
     trained = {}
     for model in models.values():
@@ -167,16 +168,6 @@ def trained_variables(models, freeze):
             if not (pattern and pattern.search(f"{owner[id(v)]}/{v.path}")):
                 trained.setdefault(id(v), v)
     return list(trained.values())
-
-
-def owners(models):
-    """{id(variable): the model it is named by} of every trainable variable: a variable that several models share (an
-    encoder inside a classifier) is the first one's that holds it, and is trained, counted and averaged once."""
-    found = {}
-    for name, model in models.items():
-        for v in model.trainable_variables:
-            found.setdefault(id(v), name)
-    return found
 
 
 def trained_weights(models, freeze, ema_decay):

@@ -19,6 +19,7 @@ from engine.run import inputs
 from engine.run.actions.base import ROLLED_BACK, Extras, NotAsked, Round, Stop
 from engine.run.actions.builtin import Evaluate, stop
 from engine.run.program import Recompiled
+from engine.settings import plugins
 from engine.settings.config import show
 from engine.settings.errors import TaskError
 
@@ -131,7 +132,7 @@ class Controller:
                 try:
                     outcome = action(ran, self.context)
                 except NotAsked as e:
-                    raise TaskError(f"{_file(action)}: {e}; {_asking(action, e.key)}") from None
+                    raise TaskError(f"{plugins.file_of(action)}: {e}; {_asking(action, e.key)}") from None
                 if outcome is not None:
                     return _checked_outcome(outcome, action, ran.end, self.run.task.headline)
         return None
@@ -178,7 +179,7 @@ def _checked_outcome(outcome, action, step, headline):
     """An action's outcome, once it is one the controller knows (Action.__call__) and a Stop's results are an
     evaluation's (the run ends with them: its `headline` and `examples`); TaskError naming the action's file else:
     an outcome it did not mean would skip the round's evaluation, checkpoint and stop on a signal."""
-    where = _file(action)
+    where = plugins.file_of(action)
     if isinstance(outcome, Stop):
         results = outcome.results
         missing = [k for k in (headline, "examples") if not isinstance(results, dict) or k not in results]
@@ -204,11 +205,6 @@ def _asking(action, key):
         "the step returns it on the rounds where the action's due(step, False) holds at the round's end, as the "
         "controller asks before the round runs"
     )
-
-
-def _file(action):
-    """The file that defines `action`'s class, as a message names it (engine/run/actions/<name>.py)."""
-    return type(action).__module__.replace(".", "/") + ".py"
 
 
 def stopping(out, program):

@@ -67,6 +67,11 @@ def member(kind, name):
     return found
 
 
+def file_of(obj):
+    """The file that defines `obj`'s class, as a message names it: an action's engine/run/actions/<name>.py."""
+    return type(obj).__module__.replace(".", "/") + ".py"
+
+
 def file(kind, name):
     """A plugin's file as a message names it, from the checkout: file("task", "gan") -> "tasks/gan.py"."""
     return f"{FOLDERS[kind][0]}/{name}.py".replace(os.sep, "/")
