@@ -124,10 +124,14 @@ def test_a_run_of_one_round_reports_that_rounds_throughput():
     assert Timing().summary(8, waits_timed=True) == (None, None)
 
 
-def _float16_run(scale=4.0):
+def _float16_run(scale=4.0, **more):
+    scales = {"train": scale, **more}  # {update: its loss scale}
     return types.SimpleNamespace(
         program=types.SimpleNamespace(float16=True),
-        plans=[types.SimpleNamespace(loss_scale=types.SimpleNamespace(scale=tf.constant(scale)))],
+        plans=[
+            types.SimpleNamespace(name=name, loss_scale=types.SimpleNamespace(scale=tf.constant(s)))
+            for name, s in scales.items()
+        ],
         config=types.SimpleNamespace(initial_loss_scale=1024.0, precision="mixed_float16"),
     )
 
@@ -199,6 +203,19 @@ class _Run:
         self.step.assign_add(steps)
         self.batches.assign_add(steps)
         return _round(start, start + steps, skipped=3.0)
+
+
+def test_the_skip_warning_names_each_updates_loss_scale():
+    # Several updates each have their own scale: the first one's alone would misname the others'.
+    report, warn = Lines(), builtin.SkippedWarning()
+    run = _float16_run(256.0, generator=2.0)
+    run.plans[0].name = "discriminator"
+    warn(_round(0, 4, skipped=4.0), _context(run, report))
+    assert report.lines == [
+        "warning: mixed_float16: 4 of the 4 steps 1-4 were skipped (non-finite gradients: nothing trained); each "
+        "update's loss scale halves at each step it skips; they are now discriminator 256, generator 2 "
+        "(--initial_loss_scale=1024)"
+    ]
 
 
 def test_the_rollback_restores_the_checkpoint_and_reads_on_from_the_rounds_data_position(tmp_path):

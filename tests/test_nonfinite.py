@@ -2,6 +2,7 @@
 then doubles after growth_interval finite steps. A run that skips most of a round's steps says so; one that skips
 steps with the scale at its floor stops (exit 3)."""
 
+import json
 import os
 
 import numpy as np
@@ -96,6 +97,10 @@ def test_a_float16_run_skipping_most_of_its_steps_says_so_each_round(data_dir, o
         for steps, scale in (("2 of the 2 steps 1-2", 2.5e29), ("2 of the 2 steps 3-4", 6.25e28))
     ]
     assert summary["skipped_steps"] == 4 and summary["loss_scale"] == pytest.approx(6.25e28, rel=1e-6)
+    # Each line's loss scale is the one its last step left, as the warning and the summary say it.
+    with open(os.path.join(str(tmp_path), "metrics.jsonl")) as f:
+        logged = [json.loads(line)["loss_scale"] for line in f]
+    assert logged == [pytest.approx(2.5e29, rel=1e-6), pytest.approx(6.25e28, rel=1e-6)]
 
 
 @pytest.mark.slow

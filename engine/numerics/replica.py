@@ -209,6 +209,8 @@ class ReplicaStep:
 
         self._ctx.merge_call(assign_all, args=(values,))
         self._statistics = None  # the next forward pass reads the statistics as assigned
+        if setup.float16:  # what the line and the summary show: the scale as the step leaves it, the next one's
+            scale = values["loss_scale"]["scale"] + (scale if setup.asynchronous else 0.0)
         self._applied[name].append(
             (pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads, changes, at_floor)
         )
@@ -232,8 +234,8 @@ class ReplicaStep:
 
     @tf.autograph.experimental.do_not_convert
     def outputs(self):
-        """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale,
-        rates (a one-update run's under the plain names). The step's `extras`: under "gradients", each update's
+        """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale
+        (as the step leaves it), rates (a one-update run's under the plain names). The step's `extras`: under "gradients", each update's
         gradients of its last apply, by <model>/<path>; under "updates", the change that apply made to each variable
         (zero where it was masked: a skipped float16 step, an update not due)."""
         out, losses, finites, grads, changes, floors = {}, [], [], {}, {}, []

@@ -121,8 +121,13 @@ class NanPolicy(Action):
         )
 
 
-def _first_scale(run):
-    return float(run.plans[0].loss_scale.scale.numpy())
+def _scales_now(run):
+    """How the loss scale fell, for the skip warning: one update's "is now S", several updates' each by name."""
+    scales = [(plan.name, float(plan.loss_scale.scale.numpy())) for plan in run.plans]
+    if len(scales) == 1:
+        return f"the loss scale halves at each skipped step and is now {scales[0][1]:g}"
+    now = ", ".join(f"{name} {scale:g}" for name, scale in scales)
+    return f"each update's loss scale halves at each step it skips; they are now {now}"
 
 
 class SkippedWarning(Action):
@@ -134,8 +139,8 @@ class SkippedWarning(Action):
             return
         context.report.line(
             f"warning: mixed_float16: {int(round.out['skipped'])} of the {round.steps} steps {round.start + 1}-"
-            f"{round.end} were skipped (non-finite gradients: nothing trained); the loss scale halves at each skipped "
-            f"step and is now {_first_scale(run):g} (--initial_loss_scale={run.config.initial_loss_scale:g})"
+            f"{round.end} were skipped (non-finite gradients: nothing trained); {_scales_now(run)} "
+            f"(--initial_loss_scale={run.config.initial_loss_scale:g})"
         )
 
 
