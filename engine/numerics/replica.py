@@ -235,9 +235,9 @@ class ReplicaStep:
     @tf.autograph.experimental.do_not_convert
     def outputs(self):
         """The step's scalars: loss (the updates' summed), stop, finite; each update's loss, grad_norm, loss_scale
-        (as the step leaves it), rates (a one-update run's under the plain names). The step's `extras`: under "gradients", each update's
-        gradients of its last apply, by <model>/<path>; under "updates", the change that apply made to each variable
-        (zero where it was masked: a skipped float16 step, an update not due)."""
+        (as the step leaves it), rates (a one-update run's under the plain names). The step's `extras`: under
+        "gradients", each update's gradients of its last apply, by <model>/<path>; under "updates", the change that
+        apply made to each variable (zero where it was masked: a skipped float16 step, an update not due)."""
         out, losses, finites, grads, changes, floors = {}, [], [], {}, {}, []
         for name, applied in self._applied.items():
             plan = self._setup.plans[name]
