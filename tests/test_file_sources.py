@@ -375,6 +375,31 @@ def test_tfrecord_files_of_photos_train_end_to_end(data_dir, tmp_path, one_devic
     assert summary["eval"]["accuracy"] >= 0.75  # tinted red, green and blue by label
 
 
+def test_a_resume_may_change_the_order_settings_its_training_split_does_not_read(data_dir, tmp_path, one_device):
+    """--shuffle_buffer and --interleave_files are a run's identity only where its training split reads them: one
+    held in memory (digits) resumes under others; one streamed from records is refused, naming the one it reads."""
+    held = helpers.make_config(data_dir, str(tmp_path / "held"), train_steps=2, steps_per_loop=2, hidden_sizes=(8,))
+    loop.train(held, one_device)
+    resumed = dataclasses.replace(held, train_steps=4, shuffle_buffer=5, interleave_files=2)
+    assert loop.train(resumed, one_device)["step"] == 4
+    _shards(tmp_path, "train", [9, 11])
+    _shards(tmp_path, "test", [6], first=1000)
+    streamed = _config(
+        data_dir,
+        f"{tmp_path}/{{split}}-*.tfrecord",
+        "tfrecord",
+        tfrecord_features=FEATURES,
+        tfrecord_classes=3,
+        workdir=str(tmp_path / "streamed"),
+        train_steps=2,
+        steps_per_loop=2,
+    )
+    loop.train(streamed, one_device)
+    with pytest.raises(ConfigError, match=r"other settings .*: --shuffle_buffer=10000 there, 5 here\. "):
+        loop.train(dataclasses.replace(streamed, train_steps=4, shuffle_buffer=5), one_device)
+    assert helpers.logged_steps(str(tmp_path / "streamed")) == [2]  # refused before it wrote anything
+
+
 def test_a_corrupt_tfrecord_record_stops_the_run_naming_the_file(data_dir, tmp_path, one_device):
     paths = _shards(tmp_path, "train", [5, 5])
     _shards(tmp_path, "test", [2])

@@ -68,6 +68,9 @@ class Data:
     # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
     # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
     gather: object = None
+    # The order settings (--shuffle_buffer, --interleave_files) the training split does not read: a resume may change
+    # them (engine/state/workdir.py check_same_run).
+    unread: tuple = ()
 
 
 def task_class(config):
@@ -82,7 +85,7 @@ def prepare(data, source, task, split=None, service=""):
     (--tf_data_service), or none. Sets `task.spec` to the prepared example's spec."""
     train, evals = source.train, source.evals
     _check_sizes(data, train, evals, split)
-    _say_unread_order(data, train)
+    unread = _unread_order(data, train)
     eval_steps = math.ceil(evals.examples / data.per_eval_batch_size)
 
     def prepared(batch):
@@ -118,23 +121,26 @@ def prepare(data, source, task, split=None, service=""):
         train_bytes=pipelines.train_bytes,
         origin=pipelines.origin,
         gather=gather if train.fetch is not None and source.decode is None else None,
+        unread=unread,
     )
 
 
-def _say_unread_order(data, train):
-    """A warning for each order setting given (not its default) that the training split does not read: one held in
-    memory is a permutation by (seed, epoch); only record files interleave, and a stream without either shuffles in
-    a buffer."""
+def _unread_order(data, train):
+    """The order settings the training split does not read, with a warning for each one given (not its default):
+    one held in memory is a permutation by (seed, epoch); only record files interleave, and a stream without either
+    shuffles in a buffer."""
     reads = {"shuffle_buffer": train.fetch is None, "interleave_files": bool(train.files)}
-    for name, read in reads.items():
+    unread = tuple(name for name, read in reads.items() if not read)
+    for name in unread:
         value = getattr(data, name)
-        if not read and value != FIELD_BY_NAME[name].default:
+        if value != FIELD_BY_NAME[name].default:
             held = "held in memory, read in a permutation by (seed, epoch)" if train.fetch is not None else "one stream"
             print(
                 f"warning: --{name}={value}: the training split of --dataset={data.dataset_name} is {held}: nothing "
                 "reads it",
                 flush=True,
             )
+    return unread
 
 
 def _check_sizes(data, train, evals, split):

@@ -32,12 +32,12 @@ def train(config, strategy=None, on_eval=None):
     started = time.time()
     config = validate(config)
     strategy = strategy or distribute.create_strategy(config.cluster)
-    saved = workdir_lib.check_same_run(config)
+    saved = workdir_lib.check_same_run(config)  # before the data loads, but for the order settings it may not read
     run = build.run(config, strategy, on_eval=on_eval)
     chief = run.placement.chief
     with lock.Lock(config.workdir) if chief else contextlib.nullcontext():
-        if chief:
-            saved = workdir_lib.check_same_run(config)  # again, under the lock: a run may have written it since
+        # Again, with the order settings the training split reads, and under the lock: a run may have written it since.
+        saved = workdir_lib.check_same_run(config, run.data.unread)
         checkpoints = checkpoint_lib.Checkpoints(
             run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task
         )

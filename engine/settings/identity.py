@@ -93,10 +93,19 @@ def holds(value, kind):
     return isinstance(value, (int, float) if kind is float else kind)
 
 
-def identity_changes(saved, config):
-    """The identity settings that matter to both runs and differ: [(name, value in `saved`, value in `config`)]."""
+# The training order's settings: identity only where the training split reads them, which its data says once
+# loaded (engine/data/datasets.py Data.unread): a split held in memory reads neither, one stream no --interleave_files.
+ORDER_SETTINGS = ("shuffle_buffer", "interleave_files")
+
+
+def identity_changes(saved, config, unread=()):
+    """The identity settings that matter to both runs and differ: [(name, value in `saved`, value in `config`)].
+    `unread`: settings the run's data does not read (ORDER_SETTINGS), which differ freely."""
     return [
         (name, getattr(saved, name), getattr(config, name))
         for name in IDENTITY_SETTINGS
-        if getattr(saved, name) != getattr(config, name) and applies(name, saved) and applies(name, config)
+        if name not in unread
+        and getattr(saved, name) != getattr(config, name)
+        and applies(name, saved)
+        and applies(name, config)
     ]

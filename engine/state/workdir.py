@@ -19,18 +19,19 @@ import tensorflow as tf
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError
 from engine.settings.fields import show
-from engine.settings.identity import identity_changes
+from engine.settings.identity import ORDER_SETTINGS, identity_changes
 from engine.state.checkpoint import list_checkpoints
 from engine.state.files import write_json
 
 STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), which a train run is refused
 
 
-def check_same_run(config):
+def check_same_run(config, unread=ORDER_SETTINGS):
     """Refuses (ConfigError) a train run in a workdir that holds a tuning study, another job's results (an
     ensemble's summary.json) or a run with other identity settings; returns the saved Config, or None in a new
     workdir. A run that saved no checkpoint (refused as its first batches loaded: bad data, a source setting to
-    correct) left nothing to resume: its workdir is new to a command with other settings."""
+    correct) left nothing to resume: its workdir is new to a command with other settings. `unread`: the order
+    settings its training split does not read, which its data says (Data.unread): all of them before it is loaded."""
     study = os.path.join(config.workdir, STUDY_NAME)
     if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
         raise ConfigError(
@@ -42,7 +43,7 @@ def check_same_run(config):
         # A train run's from before config.json has its checkpoints, whose own check speaks as it restores.
         check_no_others_results(config.workdir, "checkpoints", "config.json of a train run", "a train run")
         return None
-    changes = identity_changes(saved, config)
+    changes = identity_changes(saved, config, unread)
     if changes and not list_checkpoints(os.path.join(config.workdir, "checkpoints")):
         return None
     if changes:
