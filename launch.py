@@ -35,7 +35,7 @@ from engine.settings.checks import unread
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
-from engine.settings.fields import Config, Switch, show
+from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show
 from engine.settings.help import usage
 from engine.settings.plugins import RESEARCH_MODES
 
@@ -239,6 +239,8 @@ def _print_result(config, result):
 def _parse_flags(argv):
     if any(arg in ("-h", "-help", "--help", "-helpshort", "--helpshort", "-?") for arg in argv[1:]):
         print(usage())  # absl's own (--helpfull) lists every flag alphabetically in one group
+        if DECLARATION_ERRORS:  # what stops every other command: two files declare one setting
+            _exit(DECLARATION_ERRORS[0])
         sys.exit(0)
     try:
         return FLAGS(argv)

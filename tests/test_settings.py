@@ -158,3 +158,10 @@ def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
         "rename one of them\n"
     )
     assert not (tmp_path / "work").exists()
+    # --help lists the flags, and says what stops every other command: a help read as healthy would hide it.
+    result = subprocess.run([sys.executable, "launch.py", "--help"], cwd=fork, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout.startswith("usage: ")
+    assert result.stderr == (
+        "error: tasks/clash.py: declares the setting resnet_depth, which models/resnet.py declares already: "
+        "rename one of them\n"
+    )
