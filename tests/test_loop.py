@@ -1,6 +1,7 @@
 """The host loop: exact step counts, one trace, XLA compilation, evaluation that counts every example once,
 and reduced precisions that train as well as float32."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -27,6 +28,19 @@ def _run(config, strategy):
     checkpoints = Checkpoints(trainer.state, config.workdir, config.keep_checkpoints)
     summary = Controller(trainer, Report(config.workdir, True, config.train_steps), checkpoints, 0.0).train()
     return trainer, summary
+
+
+def test_the_summarys_throughput_leaves_out_every_round_that_traced(data_dir, one_device, tmp_path):
+    """A round that traced the step includes its tracing and compilation: a process whose every round traced has no
+    throughput to report (a resumed one-round run reported 2,322 examples/s where its rounds run 60,000)."""
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=4, steps_per_loop=4, hidden_sizes=(8,))
+    assert loop.train(config, one_device)["examples_per_sec"] is None
+    config = dataclasses.replace(config, train_steps=8)
+    assert loop.train(config, one_device)["examples_per_sec"] is None  # its one round traced the step again
+    summary = loop.train(dataclasses.replace(config, train_steps=16), one_device)  # rounds 9-12 (traced), 13-16
+    with open(tmp_path / "metrics.jsonl") as f:
+        last = json.loads(f.readlines()[-1])
+    assert last["step"] == 16 and summary["examples_per_sec"] == pytest.approx(last["examples_per_sec"])
 
 
 def test_inner_loop_traced_once_with_exact_step_counts(data_dir, one_device, tmp_path):

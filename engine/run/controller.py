@@ -54,10 +54,13 @@ class Timing:
         self.waited += round.out["input_wait"]
 
     def summary(self, examples_per_step, waits_timed):
-        """(examples_per_sec, input_wait_fraction) for the summary: of the first round when it was the only one."""
-        steps, seconds = (self.steps, self.seconds) if self.steps or not self.first else self.first
-        examples_per_sec = steps * examples_per_step / seconds if steps else None
-        return examples_per_sec, self.waited / seconds if seconds and waits_timed else None
+        """(examples_per_sec, input_wait_fraction) for the summary, over the rounds that traced nothing; (None, None)
+        where every round traced (a run of one round): its time is mostly tracing and compilation, which its train
+        line's examples_per_sec includes."""
+        if not self.steps:
+            return None, None
+        examples_per_sec = self.steps * examples_per_step / self.seconds
+        return examples_per_sec, self.waited / self.seconds if waits_timed else None
 
 
 class Controller:
@@ -148,7 +151,11 @@ class Controller:
         run, report = self.run, self.context.report
         config, program = run.config, run.program
         read = config.global_batch_size * program.batches_per_step  # the examples a step reads
-        examples_per_sec, input_wait = self.context.timing.summary(read, program.waits_timed)
+        timing = self.context.timing
+        if timing.first is None:  # resumed at the last step: no round of its own to time, the run's logged ones
+            examples_per_sec, input_wait = report.logged_throughput(current), None
+        else:
+            examples_per_sec, input_wait = timing.summary(read, program.waits_timed)
         numbers = last or report.logged_at(current)
         summary = {
             "step": current,

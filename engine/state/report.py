@@ -211,13 +211,9 @@ class Report:
             self._scalars("train", step, values)
 
     def summary(self, summary):
-        """Writes summary.json. A process that resumed at the last step trained nothing itself: the throughput it
-        could not measure comes from the records the run logged, and is filled into `summary` too."""
+        """Writes summary.json."""
         if not self.chief:
             return
-        for key, value in self._logged(summary["step"]).items():
-            if summary.get(key) is None or (isinstance(summary[key], float) and math.isnan(summary[key])):
-                summary[key] = value
         clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
         write_json(os.path.join(self.workdir, "summary.json"), clean)
         for name, writer in self._writers.items():
@@ -269,17 +265,16 @@ class Report:
         records = self._records(step)
         return records[-1] if records and records[-1]["step"] == step else None
 
-    def _logged(self, step):
-        """The throughput after the first round, from metrics.jsonl."""
+    def logged_throughput(self, step):
+        """examples/s over the rounds metrics.jsonl logged up to `step` after its first (which traced), for a
+        process that resumed at the last step and timed no round itself; None where the run logged one round."""
         records = self._records(step)
         if not records or records[-1]["step"] != step:
-            return {}
-        # examples/s over the rounds after the first (which includes tracing), as the loop measures it.
+            return None
         rounds = [(b["step"] - a["step"], b["examples_per_sec"]) for a, b in zip(records, records[1:])]
-        rounds = [(steps, rate) for steps, rate in rounds if rate] or [(1, records[0]["examples_per_sec"])]
-        seconds = sum(steps / rate for steps, rate in rounds if rate)
-        speed = sum(steps for steps, _ in rounds) / seconds if seconds else None
-        return {"examples_per_sec": speed}
+        rounds = [(steps, rate) for steps, rate in rounds if rate]
+        seconds = sum(steps / rate for steps, rate in rounds)
+        return sum(steps for steps, _ in rounds) / seconds if seconds else None
 
     def _append(self, name, record):
         path = os.path.join(self.workdir, name)
