@@ -37,7 +37,7 @@ import math
 
 import tensorflow as tf
 
-from engine.data import tfds_source
+from engine.data import source_checks, tfds_source
 from engine.data.pipeline import AUTOTUNE, Pipelines
 from engine.settings import plugins
 from engine.settings.errors import ConfigError
@@ -174,9 +174,11 @@ def load_source(config, features, split=None):
     name = config.dataset_name
     kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is sources/KIND.py's to read
     if kind in plugins.names("dataset"):
-        source = plugins.member("dataset", kind)(config, split or config.eval_split)
+        load = plugins.member("dataset", kind)
+        source = source_checks.loaded(load, plugins.file("dataset", kind), config, split or config.eval_split)
     else:
         source = tfds_source.load(config, name, features, split or config.eval_split)
+        source = source_checks.checked(source, "engine/data/tfds_source.py", name)
     missing = [f for f in features if f not in source.spec]
     if missing:
         raise ConfigError(

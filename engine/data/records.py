@@ -6,9 +6,11 @@ truncated, corrupt or changed file stops the run naming it (`parsed`, `unreadabl
 import dataclasses
 import re
 
+import numpy as np
 import tensorflow as tf
 
 from engine.settings.config import first_line
+from engine.settings.errors import TaskError
 
 _RECORD_FRAMING = 16  # bytes a TFRecord adds to each record: length, its CRC, the data's CRC
 UNREADABLE = "damaged record file:"  # the pipeline's error naming a truncated, corrupt or changed record file
@@ -29,14 +31,31 @@ class Split:
     parse: object = None  # a serialized record -> {feature: tensor}, for `files`
 
 
+class SplitError(TaskError):
+    """A split a source made that cannot be read (features of different lengths); the source's file is named where
+    its load is called (engine/data/source_checks.py)."""
+
+
 def in_memory(arrays):
     """A Split of {feature: tensor of examples x ...} held in memory: batches are gathered, not iterated."""
-    examples = int(next(iter(arrays.values())).shape[0])
+    if not isinstance(arrays, dict) or not arrays:
+        raise SplitError(f"in_memory takes {{feature: tensor of examples x ...}}, not {arrays!r:.80}")
+    lengths = {name: _length(values) for name, values in arrays.items()}
+    examples = next(iter(lengths.values()))
+    if len(set(lengths.values())) > 1 or None in lengths.values():
+        said = ", ".join(f"{name} {'a scalar' if n is None else n}" for name, n in lengths.items())
+        raise SplitError(f"in_memory: each feature holds one value per example; these hold {said}")
     return Split(
         examples,
         lambda: tf.data.Dataset.from_tensor_slices(arrays),
         lambda indices: {name: tf.gather(values, indices) for name, values in arrays.items()},
     )
+
+
+def _length(values):
+    """The examples a feature's values hold (their first dimension), or None for a scalar."""
+    shape = values.shape if hasattr(values, "shape") else np.shape(values)
+    return int(shape[0]) if len(shape) else None
 
 
 def sharded(files, parse):

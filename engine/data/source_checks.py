@@ -1,0 +1,154 @@
+"""What a data source's `load(config, eval_split)` must give, checked before anything is built from it: a Source of
+two Splits, its spec {feature: tf.TensorSpec}, its info a mapping, each split's examples the features and dtypes
+the spec names (an evaluation example may add a float32 `weight`), and the labels of a split held in memory within
+the `num_classes` its info says. A mistake is one line naming the source's file (TaskError); nothing is trained on
+data the task would read wrong, or evaluated to a NaN."""
+
+import collections.abc
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from engine.data.records import Source, Split, SplitError
+from engine.settings.errors import ConfigError, TaskError
+
+# Features a split may carry beyond its spec: the file an example came from (named when it cannot be decoded), and
+# an evaluation example's weight (how much it counts in the means).
+_OWN = {"origin": tf.TensorSpec([], tf.string)}
+_WEIGHT = {"weight": tf.TensorSpec([], tf.float32)}
+_LABEL_CHUNK = 65_536  # labels read at a time from a split held in memory
+
+
+class NoInfo(ConfigError, KeyError):
+    """What the run's task or model reads of the source's info, which the source does not give (a KeyError too)."""
+
+    def __init__(self, dataset, key, given):
+        super().__init__(key)
+        self.dataset, self.key, self.given = dataset, key, given
+
+    def __str__(self):
+        has = f"it gives {', '.join(map(str, self.given))}" if self.given else "it gives none"
+        return f"--dataset={self.dataset}: its info has no {self.key!r}, which this run's task or model reads ({has})"
+
+
+class Info(dict):
+    """A source's info, as tasks and models read it: a key the source does not give is NoInfo, in one line."""
+
+    def __init__(self, dataset, info):
+        super().__init__(info)
+        self.dataset = dataset
+
+    def __missing__(self, key):
+        raise NoInfo(self.dataset, key, list(self))
+
+    def __reduce__(self):  # pickled (a research worker's) as what it is
+        return Info, (self.dataset, dict(self))
+
+
+def loaded(load, where, config, eval_split):
+    """`load(config, eval_split)` of the source file `where` (sources/NAME.py), its result checked."""
+    try:
+        inspect.signature(load).bind(config, eval_split)
+    except TypeError:
+        raise TaskError(
+            f"{where}: load{inspect.signature(load)} is called as load(config, eval_split): it takes those two"
+        ) from None
+    except ValueError:  # no signature to read: called as it is
+        pass
+    try:
+        source = load(config, eval_split)
+    except SplitError as e:
+        raise TaskError(f"{where}: {e}") from None
+    return checked(source, where, config.dataset_name)
+
+
+def checked(source, where, dataset):
+    """`source` as a run reads it, its info an Info; TaskError naming `where` for anything it cannot read."""
+    if not isinstance(source, Source):
+        raise TaskError(
+            f"{where}: load returned {_kind(source)}, not engine.api.Source(train, evals, spec, info): the splits, "
+            "the spec of one example and what the source knows of them"
+        )
+    spec, info = source.spec, source.info
+    if not isinstance(spec, collections.abc.Mapping) or not spec:
+        raise TaskError(f"{where}: the Source's spec is {_kind(spec)}: {{feature: tf.TensorSpec}} of one example")
+    for feature, one in spec.items():
+        if not isinstance(one, tf.TensorSpec):
+            raise TaskError(
+                f"{where}: the Source's spec of {feature} is {one!r}, not a tf.TensorSpec(shape, dtype) of one example"
+            )
+    if not isinstance(info, collections.abc.Mapping):
+        raise TaskError(f"{where}: the Source's info is {_kind(info)}: a dict of what the source knows ({{}} for none)")
+    for role, split in (("training", source.train), ("evaluation", source.evals)):
+        if not isinstance(split, Split):
+            raise TaskError(
+                f"{where}: the Source's {role} split is {_kind(split)}, not a Split: in_memory({{feature: tensor}}) "
+                "or sharded(files, parse) makes one"
+            )
+        if source.decode is None:  # a decoded split's examples are the decode's to shape (photos)
+            _check_features(split, role, spec, where)
+    _check_classes(source, where)
+    return Source(source.train, source.evals, dict(spec), Info(dataset, info), source.decode)
+
+
+def _check_features(split, role, spec, where):
+    """The split's examples hold the spec's features, of its dtypes and shapes (and the split's own: `_OWN`)."""
+    given = split.make().element_spec
+    if not isinstance(given, dict):
+        raise TaskError(f"{where}: the {role} split's examples are {given!r}, not dicts of features")
+    allowed = {**spec, **_OWN, **(_WEIGHT if role == "evaluation" else {})}
+    missing = [f for f in spec if f not in given]
+    extra = [f for f in given if f not in allowed]
+    if missing or extra:
+        said = [f"lacks {', '.join(missing)}"] * bool(missing) + [f"holds {', '.join(extra)}, not in the spec"] * bool(
+            extra
+        )
+        raise TaskError(f"{where}: the {role} split {' and '.join(said)} (the spec names {', '.join(spec)})")
+    for feature, one in given.items():
+        wanted = allowed[feature]
+        if one.dtype != wanted.dtype or not one.shape.is_compatible_with(wanted.shape):
+            raise TaskError(
+                f"{where}: the {role} split's {feature} is {one.dtype.name} of shape {one.shape}, where the "
+                f"{'spec says' if feature in spec else 'engine reads'} {wanted.dtype.name} of shape {wanted.shape}"
+            )
+
+
+def _check_classes(source, where):
+    """A label's `num_classes`: a whole number of at least 2, and every label of a split held in memory below it."""
+    if "num_classes" not in source.info:
+        return
+    classes = source.info["num_classes"]
+    if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or classes < 2:
+        raise TaskError(
+            f"{where}: the Source's info says num_classes={classes!r}: the number of classes of its label, a whole "
+            "number of at least 2 (one class leaves nothing to learn)"
+        )
+    label = source.spec.get("label")
+    if label is None or not label.dtype.is_integer:
+        return
+    for role, split in (("training", source.train), ("evaluation", source.evals)):
+        if split.fetch is None or not split.examples:  # streamed: read in the steps, not twice
+            continue
+        low, high = _label_range(split)
+        if low < 0 or high >= classes:
+            bad = low if low < 0 else high
+            raise TaskError(
+                f"{where}: the {role} split holds the label {bad}, outside [0, {classes}) of the info's "
+                f"num_classes={classes}"
+            )
+
+
+def _label_range(split):
+    """(lowest, highest) label of a split held in memory, read a chunk at a time."""
+    low, high = None, None
+    for start in range(0, split.examples, _LABEL_CHUNK):
+        indices = tf.range(start, min(start + _LABEL_CHUNK, split.examples), dtype=tf.int64)
+        labels = split.fetch(indices)["label"].numpy()
+        low = labels.min() if low is None else min(low, labels.min())
+        high = labels.max() if high is None else max(high, labels.max())
+    return int(low), int(high)
+
+
+def _kind(value):
+    return "None" if value is None else f"a {type(value).__name__}"

@@ -1,0 +1,126 @@
+"""A fork's data source (sources/NAME.py) that gives the engine something it cannot read is one line naming the file
+before anything trains (engine/data/source_checks.py): a load of another signature, a result that is no Source,
+splits unlike the spec, labels outside num_classes. Before these checks each ended in a traceback from deep in the
+pipeline, some after every training step had run, or in a number: an evaluation split's labels beyond num_classes
+reported accuracy 0.07 with loss NaN, exit 0; one class reported accuracy 1.0."""
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from engine.api import Source, in_memory
+from engine.data import datasets
+from engine.run import inputs
+from engine.settings import plugins
+from engine.settings.errors import ConfigError, TaskError
+from tests import helpers
+
+SPEC = {"image": tf.TensorSpec([6], tf.float32), "label": tf.TensorSpec([], tf.int64)}
+WHERE = "sources/synthetic.py"  # the fork's load stands in for synthetic's: the file a message names
+
+
+def _arrays(n, seed=0, classes=4, dtype=np.float32, shape=(6,)):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, *shape)).astype(dtype)
+    return {"image": tf.constant(x), "label": tf.constant(np.argmax(x.reshape(n, -1)[:, :classes], 1), tf.int64)}
+
+
+def _good(config, eval_split, **change):
+    parts = dict(train=in_memory(_arrays(256)), evals=in_memory(_arrays(64, 1)), spec=SPEC, info={"num_classes": 4})
+    return Source(**{**parts, **change})
+
+
+def _loaded(monkeypatch, load, **settings):
+    monkeypatch.setattr(plugins, "member", lambda kind, name: load)
+    config = helpers.make_config("", dataset="synthetic", **settings)
+    return datasets.load_source(config, ("image", "label"))
+
+
+def _with(train=None, evals=None):
+    """A load whose splits are in_memory(`train`) and in_memory(`evals`) (the good ones where None)."""
+    return lambda config, split: _good(
+        config,
+        split,
+        train=in_memory(train or _arrays(256)),
+        evals=in_memory(evals or _arrays(64, 1)),
+    )
+
+
+CASES = {
+    "a tuple": (lambda config, split: (1, 2), "load returned a tuple, not engine.api.Source(train, evals, spec, info)"),
+    "one argument": (lambda config: None, "load(config) is called as load(config, eval_split): it takes those two"),
+    "a dataset split": (
+        lambda c, s: _good(c, s, train=tf.data.Dataset.range(3)),
+        "the Source's training split is a _RangeDataset, not a Split",
+    ),
+    "a spec of shapes": (
+        lambda c, s: _good(c, s, spec={"image": (6,), "label": ()}),
+        "the Source's spec of image is (6,), not a tf.TensorSpec(shape, dtype) of one example",
+    ),
+    "info None": (lambda c, s: _good(c, s, info=None), "the Source's info is None: a dict of what the source knows"),
+    "a wider feature": (
+        _with(train={**_arrays(256, shape=(8,))}),
+        "the training split's image is float32 of shape (8,), where the spec says float32 of shape (6,)",
+    ),
+    "float64 in evaluation": (
+        _with(evals=_arrays(64, 1, dtype=np.float64)),
+        "the evaluation split's image is float64 of shape (6,), where the spec says float32 of shape (6,)",
+    ),
+    "a missing label": (
+        _with(evals={"image": _arrays(64)["image"]}),
+        "the evaluation split lacks label (the spec names image, label)",
+    ),
+    "an extra feature": (
+        _with(train={**_arrays(256), "id": tf.range(256)}),
+        "the training split holds id, not in the spec (the spec names image, label)",
+    ),
+    "an int32 weight": (
+        _with(evals={**_arrays(64, 1), "weight": tf.ones([64], tf.int32)}),
+        "the evaluation split's weight is int32 of shape (), where the engine reads float32 of shape ()",
+    ),
+    "labels of different length": (
+        lambda c, s: _good(c, s, train=in_memory({"image": _arrays(256)["image"], "label": tf.zeros([200], tf.int64)})),
+        "in_memory: each feature holds one value per example; these hold image 256, label 200",
+    ),
+    "one class": (
+        lambda c, s: _good(c, s, info={"num_classes": 1}),
+        "the Source's info says num_classes=1: the number of classes of its label, a whole number of at least 2",
+    ),
+    "a training label beyond num_classes": (
+        _with(train={**_arrays(256), "label": tf.range(256, dtype=tf.int64) % 6}),
+        "the training split holds the label 5, outside [0, 4) of the info's num_classes=4",
+    ),
+    "a negative evaluation label": (
+        _with(evals={**_arrays(64, 1), "label": tf.range(64, dtype=tf.int64) % 4 - 1}),
+        "the evaluation split holds the label -1, outside [0, 4) of the info's num_classes=4",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_source_the_engine_cannot_read_is_one_line_naming_its_file(monkeypatch, case):
+    load, why = CASES[case]
+    with pytest.raises(TaskError) as caught:
+        _loaded(monkeypatch, load)
+    assert str(caught.value) == f"{WHERE}: {why}" or str(caught.value).startswith(f"{WHERE}: {why}")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_good_source_loads_and_a_key_its_info_lacks_is_one_line(monkeypatch):
+    source = _loaded(monkeypatch, _good)
+    assert source.train.examples == 256 and source.info == {"num_classes": 4}
+    monkeypatch.undo()
+    task = datasets.task_class(helpers.make_config("", task="language_model"))(None, source.spec, source.info)
+    with pytest.raises(ConfigError, match=re.escape("--dataset=synthetic: its info has no 'vocabulary', which this ")):
+        task.outputs  # noqa: B018  (a property: the size of the vocabulary)
+    with pytest.raises(KeyError):  # a KeyError too, for code that asks and handles one
+        source.info["vocabulary"]
+
+
+def test_the_bundled_sources_pass_their_own_checks(data_dir):
+    for task, dataset in (("classification", "digits"), ("classification", "synthetic"), ("regression", "penguins")):
+        config = helpers.make_config(data_dir, task=task, dataset=dataset, synthetic_examples=64)
+        source, _ = inputs.source_and_task(config)
+        assert source.train.examples > 0 and source.evals.examples > 0
