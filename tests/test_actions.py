@@ -107,6 +107,17 @@ def test_the_input_bound_warning_fires_once_after_its_window_of_timed_steps():
     assert timing.summary(64, waits_timed=True) == (60 * 64 / 6.0, pytest.approx(0.2))
 
 
+def test_a_resumed_runs_input_bound_warning_names_the_steps_it_timed():
+    # Resumed at step 100: its first round (101-120) traced the step; the timed steps are 121 on.
+    timing, report = Timing(), Lines()
+    warn, context = builtin.InputBoundWarning(window=60), _context(report=report, timing=timing)
+    for start in range(100, 180, 20):
+        done = _round(start, start + 20, 1.0, input_wait=0.5)
+        timing.add(done)
+        warn(done, context)
+    assert [line.split(" of the time ")[1].split(";")[0] for line in report.lines] == ["over steps 121-180"]
+
+
 def test_waiting_exactly_the_bound_does_not_warn():
     timing, report = Timing(), Lines()
     warn, context = builtin.InputBoundWarning(window=10), _context(report=report, timing=timing)

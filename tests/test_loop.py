@@ -225,6 +225,22 @@ def test_a_notebooks_config_is_checked_as_flags_are(data_dir, one_device, tmp_pa
     assert evaluated["eval"] == trained["eval"]
 
 
+def test_a_line_without_a_mean_loss_shows_none_everywhere_not_nan(tmp_path, capsys):
+    # Every step of the line skipped (float16): its mean loss and gradient norm are over no step. They were "nan" on
+    # the console and NaN in TensorBoard, beside null in metrics.jsonl: a routine skip that looked like divergence.
+    report = Report(str(tmp_path), True, 10)
+    nan = float("nan")
+    report.train(5, {"loss": nan, "learning_rate": 0.1, "grad_norm": nan, "loss_scale": 512.0,
+                     "examples_per_sec": 50.0, "skipped_steps": 5})  # fmt: skip
+    report.summary({"step": 5})  # flushes the writers
+    assert "train step=5 loss=- learning_rate=0.1 grad_norm=- loss_scale=512 " in capsys.readouterr().out
+    with open(tmp_path / "metrics.jsonl") as f:
+        record = json.loads(f.read())
+    assert record["loss"] is None and record["grad_norm"] is None and record["loss_scale"] == 512.0
+    scalars = helpers.tensorboard_values(str(tmp_path / "train"), lambda value: True)
+    assert "loss" not in scalars and "grad_norm" not in scalars and float(scalars["loss_scale"][5]) == 512.0
+
+
 def test_the_eta_is_timed_after_the_first_line_whose_round_traced_the_step(tmp_path, monkeypatch):
     # The first round took 10 s (tracing, compiling), each later one 1 s for 10 steps: at step 20 of 100 the time left
     # is 8 s. Timed from the start, the ETA said 44 s there.

@@ -408,6 +408,25 @@ def test_float16_skips_are_divergence_only_where_a_due_update_skipped_at_the_sca
         assert [float(plan.loss_scale.scale.numpy()) for plan in trainer.plans] == scales
 
 
+def test_a_float16_run_of_two_updates_reports_each_ones_loss_scale_by_name(
+    data_dir, one_device, monkeypatch, tmp_path, capsys
+):
+    """The summary's loss_scale was the first update's, unlabelled, and the skip warning said it alone."""
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Overflowing)
+    config = helpers.make_config(
+        data_dir, str(tmp_path), precision="mixed_float16", initial_loss_scale=2.0**10, train_steps=4,
+        steps_per_loop=4, loss_scale_growth_interval=10**6, **SGD,
+    )  # fmt: skip
+    summary = loop.train(config, one_device)
+    assert summary["loss_scale"] is None and (summary["body/loss_scale"], summary["head/loss_scale"]) == (256.0, 64.0)
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = json.loads(f.read())
+    assert (logged["body/loss_scale"], logged["head/loss_scale"]) == (256.0, 64.0)  # as the round's last step left them
+    assert "each update's loss scale halves at each step it skips; they are now body 256, head 64 " in (
+        capsys.readouterr().out
+    )
+
+
 def test_two_float16_updates_each_unscale_with_their_own_scale(data_dir, one_device, monkeypatch):
     """Two updates whose loss scales were driven far apart (one high, one at 1): each scales and unscales with its
     own, and both train as in float32."""

@@ -42,6 +42,7 @@ class Timing:
 
     def __init__(self):
         self.first = None  # (steps, seconds) of the first round
+        self.timed_from = None  # the step the first timed round started at
         self.steps, self.seconds, self.waited = 0, 0.0, 0.0
 
     def add(self, round):
@@ -50,6 +51,8 @@ class Timing:
             return
         if round.traced:  # the first round that returned an action's extras: another step, traced and compiled
             return
+        if self.timed_from is None:
+            self.timed_from = round.start
         self.steps, self.seconds = self.steps + round.steps, self.seconds + round.seconds
         self.waited += round.out["input_wait"]
 
@@ -170,7 +173,10 @@ class Controller:
             **(_update_metrics(program, numbers, report) if len(run.plans) > 1 and numbers else {}),
             **({"updates": settings} if (settings := updates.effective_settings(run.plans)) else {}),
             "skipped_steps": int(run.state.skipped.numpy()),
-            "loss_scale": float(run.plans[0].loss_scale.scale.numpy()) if program.float16 else None,
+            # float16's scale as the run ends; several updates' are each their own, under <update>/loss_scale.
+            "loss_scale": float(run.plans[0].loss_scale.scale.numpy())
+            if program.float16 and len(run.plans) == 1
+            else None,
             "wall_seconds": time.time() - self.started,
             "strategy": run.placement.name,
             "num_replicas": run.placement.replicas,

@@ -35,8 +35,8 @@ def _train_fields(metrics):
     for prefix in _updates(metrics):
         fields.append(f"{prefix}loss={_shown(metrics[prefix + 'loss'], '.5g')}")
         rates = [k for k in metrics if k.startswith(prefix) and k[len(prefix) :].split("/")[0] == "learning_rate"]
-        fields += [f"{k}={metrics[k]:.4g}" for k in rates]
-        fields.append(f"{prefix}grad_norm={metrics[prefix + 'grad_norm']:.4g}")
+        fields += [f"{k}={_shown(metrics[k], '.4g')}" for k in rates]
+        fields.append(f"{prefix}grad_norm={_shown(metrics[prefix + 'grad_norm'], '.4g')}")
         if metrics[prefix + "loss_scale"] is not None:
             fields.append(f"{prefix}loss_scale={metrics[prefix + 'loss_scale']:g}")
     return " ".join(fields)
@@ -151,6 +151,9 @@ class Report:
         line); a run of several updates: each one's under <update>/, with its loss."""
         record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
         record["skipped_steps"] = int(metrics["skipped_steps"])
+        # A number that is none (the mean loss of a line whose every step float16 skipped): "-" on the console, no
+        # TensorBoard point, null in metrics.jsonl alike; not NaN in two of them.
+        metrics = {k: record[k] for k in metrics}
         self._count_loss(record)
         self.line(f"train step={step} {_train_fields(metrics)} examples_per_sec={metrics['examples_per_sec']:.1f}")
         if not self.chief:

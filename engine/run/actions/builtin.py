@@ -54,8 +54,8 @@ class InputBoundWarning(Action):
         self.warned = True
         context.report.line(
             f"warning: input-bound: the steps waited for input {waited / seconds:.0%} of the time over steps "
-            f"{timing.first[0] + 1}-{round.end}; the input pipeline does not keep up (more workers, --tf_data_service, "
-            "a smaller --image_size or data held in memory would)"
+            f"{timing.timed_from + 1}-{round.end}; the input pipeline does not keep up (more workers, "
+            "--tf_data_service, a smaller --image_size or data held in memory would)"
         )
 
 
