@@ -22,12 +22,14 @@ class Lines:
 
     def __init__(self):
         self.lines, self.trains, self.evals, self.drawn, self.rewinds = [], [], [], [], []
+        self.traced = []
 
     def line(self, text):
         self.lines.append(text)
 
-    def train(self, step, metrics):
+    def train(self, step, metrics, traced=False):
         self.trains.append((step, metrics))
+        self.traced.append(traced)
 
     def eval(self, step, results):
         self.evals.append((step, results))
@@ -189,6 +191,7 @@ def test_the_log_counts_skipped_steps_and_writes_the_train_line(batches, rate):
             dict(loss=0.5, learning_rate=0.1, grad_norm=2.0, loss_scale=None, examples_per_sec=rate, skipped_steps=3.0),
         )
     ]
+    assert report.traced == [True]  # the process's first round: its time includes tracing the step
 
 
 class _Run:

@@ -28,7 +28,9 @@ SUMMARY_KEYS = {
     "global_batch_size",
     "class_names",
 }
-METRIC_KEYS = {"step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec", "skipped_steps"}
+METRIC_KEYS = {
+    "step", "loss", "learning_rate", "grad_norm", "loss_scale", "examples_per_sec", "skipped_steps", "traced"
+}  # fmt: skip
 
 
 @pytest.mark.slow

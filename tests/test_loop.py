@@ -39,8 +39,9 @@ def test_the_summarys_throughput_leaves_out_every_round_that_traced(data_dir, on
     assert loop.train(config, one_device)["examples_per_sec"] is None  # its one round traced the step again
     summary = loop.train(dataclasses.replace(config, train_steps=16), one_device)  # rounds 9-12 (traced), 13-16
     with open(tmp_path / "metrics.jsonl") as f:
-        last = json.loads(f.readlines()[-1])
-    assert last["step"] == 16 and summary["examples_per_sec"] == pytest.approx(last["examples_per_sec"])
+        records = [json.loads(line) for line in f]
+    assert [(r["step"], r["traced"]) for r in records] == [(4, True), (8, True), (12, True), (16, False)]
+    assert summary["examples_per_sec"] == pytest.approx(records[-1]["examples_per_sec"])
 
 
 def test_inner_loop_traced_once_with_exact_step_counts(data_dir, one_device, tmp_path):
@@ -223,6 +224,19 @@ def test_a_notebooks_config_is_checked_as_flags_are(data_dir, one_device, tmp_pa
     trained = loop.train(Config(data_dir=data_dir, workdir=str(workdir), train_steps=2), one_device)
     evaluated = modes.evaluate(Config(data_dir=data_dir, workdir=str(workdir)), one_device)
     assert evaluated["eval"] == trained["eval"]
+
+
+def test_a_summary_rebuilt_from_the_log_leaves_out_the_rounds_that_traced(tmp_path):
+    # A process resumed at the last step times no round: the run's rate comes from metrics.jsonl, whose records say
+    # which rounds traced (the first, the first that returned an action's extras at step 30). Leaving out only the
+    # first line gave 634 examples/s where the rounds that traced nothing ran 14,782.
+    report = Report(str(tmp_path), True, 40)
+    for step, rate, traced in ((10, 100.0, True), (20, 1000.0, False), (30, 50.0, True), (40, 3000.0, False)):
+        report.train(step, {"loss": 1.0, "learning_rate": 0.1, "grad_norm": 1.0, "loss_scale": None,
+                            "examples_per_sec": rate, "skipped_steps": 0}, traced=traced)  # fmt: skip
+    assert report.logged_throughput(40) == pytest.approx(20 / (10 / 1000.0 + 10 / 3000.0))
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["traced"] for line in f] == [True, False, True, False]
 
 
 def test_a_line_without_a_mean_loss_shows_none_everywhere_not_nan(tmp_path, capsys):

@@ -44,8 +44,10 @@ class Timing:
         self.first = None  # (steps, seconds) of the first round
         self.timed_from = None  # the step the first timed round started at
         self.steps, self.seconds, self.waited = 0, 0.0, 0.0
+        self.timed = False  # whether the round added last is timed (metrics.jsonl says which are not)
 
     def add(self, round):
+        self.timed = self.first is not None and not round.traced
         if self.first is None:
             self.first = (round.steps, round.seconds)
             return

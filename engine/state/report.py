@@ -144,13 +144,16 @@ class Report:
             self._progress_shown = False
         print(text, file=self.stream, flush=True)
 
-    def train(self, step, metrics):
+    def train(self, step, metrics, traced=False):
         """metrics: loss (the mean over the finite steps since the last line; None in a run of several updates, whose
         summed losses mean nothing), learning_rate (or a task's optimizer groups' learning_rate/<regex>), grad_norm
         (its mean over those steps), loss_scale (None unless float16), examples_per_sec, skipped_steps (since the last
-        line); a run of several updates: each one's under <update>/, with its loss."""
+        line); a run of several updates: each one's under <update>/, with its loss. `traced`: the round's time
+        includes tracing and compilation (this process's first round, the first that returned an action's extras),
+        so the summary's throughput leaves it out."""
         record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
         record["skipped_steps"] = int(metrics["skipped_steps"])
+        record["traced"] = bool(traced)
         # A number that is none (the mean loss of a line whose every step float16 skipped): "-" on the console, no
         # TensorBoard point, null in metrics.jsonl alike; not NaN in two of them.
         metrics = {k: record[k] for k in metrics}
@@ -269,12 +272,16 @@ class Report:
         return records[-1] if records and records[-1]["step"] == step else None
 
     def logged_throughput(self, step):
-        """examples/s over the rounds metrics.jsonl logged up to `step` after its first (which traced), for a
-        process that resumed at the last step and timed no round itself; None where the run logged one round."""
+        """examples/s over the rounds metrics.jsonl logged up to `step` that traced nothing (`traced`; a record from
+        before it was kept: every round after the first), for a process that resumed at the last step and timed no
+        round itself; None where every round traced."""
         records = self._records(step)
         if not records or records[-1]["step"] != step:
             return None
-        rounds = [(b["step"] - a["step"], b["examples_per_sec"]) for a, b in zip(records, records[1:])]
+        pairs = zip([{"step": 0}, *records], records)
+        rounds = [
+            (b["step"] - a["step"], b["examples_per_sec"]) for a, b in pairs if not b.get("traced", b is records[0])
+        ]
         rounds = [(steps, rate) for steps, rate in rounds if rate]
         seconds = sum(steps / rate for steps, rate in rounds)
         return sum(steps for steps, _ in rounds) / seconds if seconds else None

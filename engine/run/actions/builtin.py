@@ -163,7 +163,7 @@ class Log(Action):
             "examples_per_sec": round.steps * read / round.seconds,
             "skipped_steps": out["skipped"],
         }
-        context.report.train(round.end, metrics)
+        context.report.train(round.end, metrics, traced=not context.timing.timed)
 
 
 class Profile(Action):
