@@ -304,6 +304,10 @@ def _print_bytes_as_they_are():
 
 def _exit(message, code=BAD_INPUT):
     print(f"error: {message}", file=sys.stderr, flush=True)
+    # The error is the last line: what TensorFlow warns of as the process ends (a refused checkpoint's values left
+    # unrestored, collected at exit) is not a user's to read.
+    if "tensorflow" in sys.modules:
+        sys.modules["tensorflow"].get_logger().setLevel("ERROR")
     sys.exit(code)
 
 

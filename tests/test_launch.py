@@ -4,6 +4,9 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -174,6 +177,21 @@ def test_bad_input_one_clear_line(data_dir, tmp_path):
             assert expected in lines[0], (args, lines[0])
     assert sorted(os.listdir(workdir)) == ["metrics.jsonl"]
     assert (workdir / "metrics.jsonl").read_text() == "earlier run\n"
+
+
+def test_a_checkpoint_that_does_not_fit_is_the_last_line(data_dir, tmp_path):
+    # TensorFlow warned of each value the refused restore left unrestored as the process ended: 8 to 22 lines after
+    # the error line.
+    run, bare = tmp_path / "run", tmp_path / "bare"  # bare: the checkpoints alone, no config.json to refuse it by
+    trained = launch(f"--workdir={run}", f"--data_dir={data_dir}", "--train_steps=2", "--hidden_sizes=8")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    shutil.copytree(run / "checkpoints", bare / "checkpoints")
+    for mode in ("train", "eval"):  # a process of its own: the warnings came as it ended
+        command = ["launch.py", f"--workdir={bare}", f"--data_dir={data_dir}", f"--mode={mode}", "--hidden_sizes=16"]
+        result = subprocess.run([sys.executable, *command], cwd=helpers.ROOT, capture_output=True, text=True)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1, (mode, result.stderr[-3000:])
+        assert "does not fit this run: models/model/mlp/dense/bias has shape [8] in the checkpoint and [16]" in lines[0]
 
 
 @pytest.mark.parametrize(
