@@ -362,6 +362,34 @@ def test_other_modes_rebuild_the_run_from_its_config_json(data_dir, one_device, 
     assert os.path.exists(os.path.join(export_dir, "saved_model.pb"))
 
 
+def test_evaluation_follows_a_run_whose_checkpoints_are_damaged_rotated_or_evaluated_already(
+    data_dir, one_device, tmp_path, capsys, monkeypatch
+):
+    config = helpers.make_config(
+        data_dir, str(tmp_path), train_steps=20, checkpoint_every=10, keep_checkpoints=5, hidden_sizes=(8,)
+    )
+    loop.train(config, one_device)
+    given = validate(Config(mode="eval", workdir=str(tmp_path), data_dir=data_dir))
+    directory = tmp_path / "checkpoints"
+    # A run still training rotated away the checkpoints listed (--keep_checkpoints): they are listed again, not called
+    # damaged ("no readable checkpoint (all 2 are damaged)" before).
+    listings, listed = iter([[str(directory / "ckpt-98"), str(directory / "ckpt-99")]]), evaluate._checkpoint_paths
+    monkeypatch.setattr(evaluate, "_checkpoint_paths", lambda config: next(listings, None) or listed(config))
+    assert evaluate.evaluate(given, one_device)["step"] == 20
+    monkeypatch.undo()
+    assert "unreadable" not in capsys.readouterr().out
+    # continuous_eval: the newest checkpoint damaged, it says so and evaluates the previous one (it waited out
+    # --eval_timeout and said no checkpoint appeared)...
+    data = next(directory.glob("ckpt-20.data-*"))
+    data.write_bytes(data.read_bytes()[:100])
+    follow = dataclasses.replace(given, mode="continuous_eval", eval_timeout=3)
+    assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.1)] == [10]
+    assert "warning: checkpoint " in capsys.readouterr().out
+    # ... and, restarted, goes on from its records: step 10 is not evaluated, nor recorded, twice.
+    assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.1)] == [10]
+    assert logged_steps(str(tmp_path), "continuous_eval.jsonl") == [10]
+
+
 @pytest.mark.parametrize(
     "saved,why",
     [

@@ -74,16 +74,23 @@ def _checkpoint_paths(config):
 
 def _restore(checkpoint, config, paths):
     """Restores the first readable of `paths`; a damaged one in the workdir is reported and the previous one
-    used, as training does. Returns the path restored."""
-    for path in paths:
+    used, as training does. One gone since they were listed was rotated away by a run still training: the workdir's
+    checkpoints are listed again. Returns the path restored."""
+    tried, damaged = set(), 0
+    while path := next((p for p in paths if p not in tried), None):
+        tried.add(path)
         try:
             checkpoint_lib.restore(checkpoint, path, partial=True)
             return path
         except checkpoint_lib.Unreadable as e:
             if config.checkpoint:
                 raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
+            if not tf.io.gfile.glob(path + ".*"):  # deleted (--keep_checkpoints), not damaged: newer ones exist
+                paths = _checkpoint_paths(config)
+                continue
+            damaged += 1
             print(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one", flush=True)
-    raise ConfigError(f"--workdir={config.workdir}: no readable checkpoint (all {len(paths)} are damaged)")
+    raise ConfigError(f"--workdir={config.workdir}: no readable checkpoint (all {damaged} are damaged)")
 
 
 def evaluate(config, strategy=None):
@@ -116,23 +123,31 @@ def follow(config, strategy=None, poll_seconds=2.0):
     print(f"continuous_eval: following {directory}", flush=True)
     _wait_for_run(config, directory, poll_seconds)
     config = run_config(config, "continuous_eval")
+    # A restarted sidecar goes on from its records: each checkpoint is evaluated, and recorded, once.
+    results = _followed(config.workdir)
+    if results and max(r["step"] for r in results) >= config.train_steps:
+        print(f"continuous_eval: step {config.train_steps} was evaluated already (continuous_eval.jsonl)", flush=True)
+        return results
     run, checkpoint = _evaluated(config, strategy)
-    writer, evaluated, results, waited_since = None, set(), [], time.monotonic()
+    # By name (ckpt-N): a restart may spell --workdir otherwise.
+    writer, evaluated, waited_since = None, {os.path.basename(r["checkpoint"]) for r in results}, time.monotonic()
+    unreadable = FailedReads(poll_seconds)
     while time.monotonic() - waited_since < config.eval_timeout:
-        latest = checkpoint_lib.latest(directory)
-        if latest is None or latest in evaluated:
+        latest = next((p for p in checkpoint_lib.list_checkpoints(directory) if p not in unreadable.damaged), None)
+        if latest is None or os.path.basename(latest) in evaluated:
             time.sleep(poll_seconds)
             continue
         try:
             checkpoint_lib.restore(checkpoint, latest, partial=True)
-        except checkpoint_lib.Unreadable:
-            time.sleep(poll_seconds)  # still being written: try again
+        except checkpoint_lib.Unreadable as e:
+            unreadable.failed(latest, e)  # still being written (tried again), or damaged (the previous one next)
+            time.sleep(poll_seconds)
             continue
         except checkpoint_lib.CheckpointError:  # the storage did not answer: a sidecar waits it out
             print(f"continuous_eval: the storage did not answer a read of {latest}; trying again", flush=True)
             time.sleep(poll_seconds)
             continue
-        evaluated.add(latest)
+        evaluated.add(os.path.basename(latest))
         step = int(run.state.step.numpy())
         result = {"step": step, "checkpoint": latest, **run.evaluator.evaluate()}
         results.append(result)
@@ -149,9 +164,11 @@ def follow(config, strategy=None, poll_seconds=2.0):
         waited_since = time.monotonic()
     else:
         if not results:
+            damaged = unreadable.damaged
+            said = f" ({len(damaged)} damaged: {', '.join(damaged)})" if damaged else ""
             raise ConfigError(
-                f"--workdir={config.workdir}: no checkpoint appeared in {directory} within "
-                f"--eval_timeout={config.eval_timeout:g} s; nothing evaluated"
+                f"--workdir={config.workdir}: no {'readable ' if damaged else ''}checkpoint appeared in {directory} "
+                f"within --eval_timeout={config.eval_timeout:g} s{said}; nothing evaluated"
             )
         print(
             f"continuous_eval: no new checkpoint for {config.eval_timeout:g} s (--eval_timeout) after step "
@@ -159,6 +176,41 @@ def follow(config, strategy=None, poll_seconds=2.0):
             flush=True,
         )
     return results
+
+
+class FailedReads:
+    """The checkpoints continuous_eval could not read: one is damaged once it failed twice with its index written
+    (the index comes last), or for a minute without it; a damaged one is said once and passed over."""
+
+    WITHOUT_INDEX_SECONDS = 60.0
+
+    def __init__(self, poll_seconds):
+        self.poll_seconds, self.first_failed, self.damaged = poll_seconds, {}, []
+
+    def failed(self, path, error):
+        since = self.first_failed.setdefault(path, time.monotonic())
+        indexed = tf.io.gfile.exists(path + ".index")
+        if time.monotonic() - since < (self.poll_seconds / 2 if indexed else self.WITHOUT_INDEX_SECONDS):
+            return
+        self.damaged.append(path)
+        print(f"warning: checkpoint {path} is unreadable ({error}); evaluating the previous one", flush=True)
+
+
+def _followed(workdir):
+    """The evaluations an earlier continuous_eval of `workdir` recorded (continuous_eval.jsonl; a torn last line,
+    a killed process's, left out)."""
+    path = os.path.join(workdir, "continuous_eval.jsonl")
+    if not tf.io.gfile.exists(path):
+        return []
+    with tf.io.gfile.GFile(path) as f:
+        lines = f.read().splitlines(keepends=True)
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in records if isinstance(r, dict) and "step" in r and "checkpoint" in r]
 
 
 def _wait_for_run(config, directory, poll_seconds):
