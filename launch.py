@@ -17,6 +17,7 @@ it at once (130), SIGTERM once the wait ends (75), or at --connect_timeout.
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import io
 import os
@@ -203,7 +204,10 @@ def _mode(config):
     from engine.run import modes
 
     run = {"eval": modes.evaluate, "continuous_eval": modes.follow, "export": modes.export, "sample": modes.sample}
-    return run[mode]
+    # What the command line gave, which a trained run's settings yield to only where it may (for_evaluation): a
+    # model flag typed at its default value contradicts the run as much as any other.
+    given = {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
+    return functools.partial(run[mode], given=given)
 
 
 def _print_result(config, result):

@@ -179,6 +179,20 @@ def test_bad_input_one_clear_line(data_dir, tmp_path):
     assert (workdir / "metrics.jsonl").read_text() == "earlier run\n"
 
 
+def test_a_flag_that_contradicts_a_trained_run_is_refused_even_at_its_default(data_dir, tmp_path):
+    # --hidden_sizes=512,512 is the default: taken for "not given", it was ignored and the 8-wide run evaluated, exit 0.
+    trained = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}", "--train_steps=2", "--hidden_sizes=8")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    for mode in ("eval", "export"):
+        result = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}", f"--mode={mode}", "--hidden_sizes=512,512")
+        assert result.returncode == 2 and result.stderr == (
+            f"error: --hidden_sizes=512,512: {tmp_path} was trained with --hidden_sizes=8; drop the flag (the run is "
+            "rebuilt from its config.json)\n"
+        ), (mode, result.stderr[-3000:])
+    evaluated = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}", "--mode=eval", "--hidden_sizes=8")
+    assert evaluated.returncode == 0 and "eval step=2 split=test " in evaluated.stdout  # the run's own value: taken
+
+
 def test_a_checkpoint_that_does_not_fit_is_the_last_line(data_dir, tmp_path):
     # TensorFlow warned of each value the refused restore left unrestored as the process ended: 8 to 22 lines after
     # the error line.

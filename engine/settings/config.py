@@ -127,32 +127,37 @@ def load_run_config(workdir):
     return from_json(saved, path)
 
 
-def for_evaluation(config, saved, where):
+def for_evaluation(config, saved, where, given=None):
     """The Config that evaluates or exports the run `saved`: its settings; the command line's execution settings,
-    split and eval batch; the command line's non-default EVALUATION_SETTINGS. A non-default identity setting that
+    split and eval batch; the command line's EVALUATION_SETTINGS where given. An identity setting given that
     differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
-    trained."""
+    trained. `given`: the names the command line gave (launch.py knows them); None for a Config handed over as it
+    is (a notebook's), whose settings other than their defaults count as given."""
     # validate() gave an empty --dataset and --model the command line's task's own: that is none given either.
     default = dataclasses.replace(
         Config(), dataset=plugins.default_dataset(config.task), model=plugins.default_model(config.task)
     )
+
+    def was_given(name):
+        return name in given if given is not None else getattr(config, name) != getattr(default, name)
+
     values = {}
     for field in dataclasses.fields(Config):
         name = field.name
-        given, theirs = getattr(config, name), getattr(saved, name)
+        value, theirs = getattr(config, name), getattr(saved, name)
         if name in ("eval_split", "eval_batch_size"):
-            values[name] = given
+            values[name] = value
         elif name == "seed" and config.mode == "sample":  # the draws' seed; the weights come from the checkpoint
-            values[name] = given
+            values[name] = value
         elif name in EVALUATION_SETTINGS:
-            values[name] = given if given != getattr(default, name) else theirs
+            values[name] = value if was_given(name) else theirs
         elif name in IDENTITY_SETTINGS:
-            if given != getattr(default, name) and given != theirs and applies(name, saved):
+            if was_given(name) and value != theirs and applies(name, saved):
                 raise ConfigError(
-                    f"--{name}={show(given)}: {where} was trained with --{name}={show(theirs)}; drop the flag "
+                    f"--{name}={show(value)}: {where} was trained with --{name}={show(theirs)}; drop the flag "
                     "(the run is rebuilt from its config.json)"
                 )
             values[name] = theirs
         else:
-            values[name] = given
+            values[name] = value
     return validate(Config(**values))
