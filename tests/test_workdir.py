@@ -378,6 +378,14 @@ def test_evaluation_follows_a_run_whose_checkpoints_are_damaged_rotated_or_evalu
     assert evaluate.evaluate(given, one_device)["step"] == 20
     monkeypatch.undo()
     assert "unreadable" not in capsys.readouterr().out
+    # --checkpoint naming the folder: it was taken for a checkpoint of the run two folders up ("a checkpoint of /tmp").
+    folder = dataclasses.replace(given, checkpoint=str(directory))
+    with pytest.raises(ConfigError) as refused:
+        evaluate.evaluate(folder, one_device)
+    assert str(refused.value) == (
+        f"--checkpoint={directory}: no such checkpoint (expected {directory}.index); a folder of checkpoints: name "
+        f"one, as --checkpoint={directory / 'ckpt-20'}"
+    )
     # continuous_eval: the newest checkpoint damaged, it says so and evaluates the previous one (it waited out
     # --eval_timeout and said no checkpoint appeared)...
     data = next(directory.glob("ckpt-20.data-*"))

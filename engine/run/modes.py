@@ -43,6 +43,7 @@ def _check_workdir_is_the_checkpoints(config):
     under --workdir) go into --workdir, where they would replace, or stand as, that run's own."""
     if not config.checkpoint:
         return
+    _check_exists(config.checkpoint)
     theirs = _run_of(config.checkpoint)
     same = os.path.abspath(theirs) == os.path.abspath(config.workdir)
     if not same and tf.io.gfile.exists(os.path.join(config.workdir, "config.json")):
@@ -59,13 +60,19 @@ def _evaluated(config, strategy, purpose="evaluate"):
     return run, run.state.evaluated()
 
 
+def _check_exists(checkpoint):
+    """ConfigError unless --checkpoint names a checkpoint (its prefix, <workdir>/checkpoints/ckpt-N)."""
+    if tf.io.gfile.exists(checkpoint + ".index"):
+        return
+    inside = checkpoint_lib.latest(checkpoint) if tf.io.gfile.isdir(checkpoint) else None
+    hint = f"; a folder of checkpoints: name one, as --checkpoint={inside}" if inside else ""
+    raise ConfigError(f"--checkpoint={checkpoint}: no such checkpoint (expected {checkpoint}.index){hint}")
+
+
 def _checkpoint_paths(config):
     """--checkpoint, or the workdir's checkpoints newest first."""
     if config.checkpoint:
-        if not tf.io.gfile.exists(config.checkpoint + ".index"):
-            raise ConfigError(
-                f"--checkpoint={config.checkpoint}: no such checkpoint (expected {config.checkpoint}.index)"
-            )
+        _check_exists(config.checkpoint)
         return [config.checkpoint]
     found = checkpoint_lib.list_checkpoints(os.path.join(config.workdir, "checkpoints"))
     if not found:
