@@ -15,7 +15,7 @@ import models
 from engine.data import datasets as data
 from engine.numerics.updates import Update
 from engine.run import build, inputs, loop
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TaskError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir
 from tasks import classification
@@ -95,6 +95,58 @@ def test_a_factory_of_the_older_form_gets_the_shape_as_a_tuple(model_file, data_
     trainer = build.run(config, one_device)
     assert sys.modules["models.old"].received == [(8, 8, 1)]
     assert trainer.model.name == "old" and trainer.program.run_steps(trainer.program.train_iterator(), 1)["steps"] == 1
+
+
+def _family(body, signature="config, spec, outputs, info"):
+    return f"import tensorflow as tf\nkeras = tf.keras\n\n\ndef create({signature}):\n    {body}\n"
+
+
+MODEL_MISTAKES = {
+    # Each was a traceback from deep in the engine, or a run: a width of 7 for 10 classes trained, exit 0.
+    "a function": (_family("return lambda x: x"), "create returned a function, not a keras.Model"),
+    "None": (_family("return None"), "create returned None, not a keras.Model"),
+    "two parameters": (
+        _family("return None", "config, outputs"),
+        "create(config, outputs) is called as create(config, spec, outputs, info)",
+    ),
+    "a wrong width": (
+        _family("return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(7, dtype='float32')])"),
+        "its model's output for a batch of 1 is of shape (1, 7); the task reads 10 values per example",
+    ),
+    "no batch dimension of its own": (
+        _family(
+            "return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(10), keras.layers.Reshape((10, 1))])"
+        ),
+        "its model's output for a batch of 1 is of shape (1, 10, 1); the task reads 10 values per example",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", MODEL_MISTAKES)
+def test_a_model_file_the_engine_cannot_train_is_one_line_naming_it(model_file, data_dir, one_device, mistake):
+    text, why = MODEL_MISTAKES[mistake]
+    config = dataclasses.replace(helpers.make_config(data_dir), model=model_file("mine", text))
+    with pytest.raises(TaskError) as refused:
+        build.run(config, one_device)
+    assert str(refused.value).startswith(f"models/mine.py: {why}"), str(refused.value)
+
+
+def test_a_model_without_trainable_variables_and_a_half_precision_output_are_said(
+    model_file, data_dir, one_device, capsys
+):
+    # Nothing to train blamed --freeze, which nobody gave; a last layer in bfloat16 trained without a word.
+    still = _family("return keras.Sequential([keras.layers.Flatten(), keras.layers.Lambda(lambda x: x[:, :10])])")
+    config = dataclasses.replace(helpers.make_config(data_dir), model=model_file("still", still))
+    with pytest.raises(
+        ConfigError, match=r"^the run's models \(model\) have no trainable variables: nothing to train$"
+    ):
+        build.run(config, one_device)
+    half = _family("return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(10)])")
+    config = dataclasses.replace(
+        helpers.make_config(data_dir, precision="mixed_bfloat16"), model=model_file("half", half)
+    )
+    build.run(config, one_device)
+    assert "warning: models/half.py: its output is bfloat16 under --precision=mixed_bfloat16" in capsys.readouterr().out
 
 
 def test_the_data_receives_the_task_built_before_it(data_dir):

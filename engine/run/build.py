@@ -174,6 +174,8 @@ def trained_weights(models, freeze, ema_decay):
     """The Weights the step trains: their names are <model name>/<path> (two models of one family share their Keras
     paths, and must not share optimizer slots or moving averages); their averages start at their initial values."""
     variables = trained_variables(models, freeze)
+    if not variables and not freeze:
+        raise ConfigError(f"the run's models ({', '.join(models)}) have no trainable variables: nothing to train")
     if not variables:
         raise ConfigError(f"--freeze={freeze}: matches every trainable variable; nothing to train")
     owner = owners(models)

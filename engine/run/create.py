@@ -5,12 +5,13 @@ path; and another run's trained model, frozen (a distillation teacher)."""
 import collections
 import inspect
 
+import keras
 import tensorflow as tf
 from keras.src.backend.common import global_state
 
 from engine.settings import plugins
 from engine.settings.config import load_run_config
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TaskError
 from engine.state.warm_start import warm_start
 
 
@@ -19,29 +20,64 @@ def create_model(config, family, spec, outputs, info=None):
     (a text's `vocabulary`, a label's `num_classes`), with every variable built (call under strategy.scope()). Its
     layers are named afresh (dense, dense_1, ...), whatever was built before in this process: checkpoints key
     variables by these paths."""
-    factory = plugins.member("model", family)
+    factory, where = plugins.member("model", family), plugins.file("model", family)
     uids = global_state.get_global_attribute("object_name_uids")
     global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
     try:
         try:
-            model = _factory_call(factory, config, spec, outputs, {} if info is None else info)
+            model = _factory_call(factory, where, config, spec, outputs, {} if info is None else info)
+        except TaskError:
+            raise
         except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
             raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
-        model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
+        if not isinstance(model, keras.layers.Layer):
+            raise TaskError(f"{where}: create returned {_kind(model)}, not a keras.Model")
+        out = model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
     finally:
         global_state.set_global_attribute("object_name_uids", uids)
+    _check_output(out, where, outputs, config.precision)
     return model
 
 
-def _factory_call(factory, config, spec, outputs, info):
+def _factory_call(factory, where, config, spec, outputs, info):
     # A fork's factory written before factories received the spec and the source's info keeps working:
     # create(config, input_shape, outputs), the shape a tuple.
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    parameters = inspect.signature(factory).parameters.values()
-    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    signature = inspect.signature(factory)
+    required = [p for p in signature.parameters.values() if p.kind in positional and p.default is p.empty]
     if len(required) == 3:
         return factory(config, tuple(spec.shape), outputs)
+    try:
+        signature.bind(config, spec, outputs, info)
+    except TypeError:
+        raise TaskError(
+            f"{where}: create{signature} is called as create(config, spec, outputs, info) (or, of the older form, "
+            "create(config, input_shape, outputs))"
+        ) from None
     return factory(config, spec, outputs, info)
+
+
+def _check_output(out, where, outputs, precision):
+    """A model's output, one tensor, is of `outputs` values per example (its last dimension: the task's classes, a
+    vocabulary, an embedding's width); a model of several outputs is its task's to read. A mixed precision's last
+    layer computing in the half type gets a warning: the loss should see float32."""
+    if not tf.is_tensor(out) or not isinstance(outputs, int):
+        return
+    if out.shape.rank is None or out.shape.rank < 2 or out.shape[-1] != outputs:
+        raise TaskError(
+            f"{where}: its model's output for a batch of 1 is of shape {out.shape}; the task reads {outputs} values "
+            f"per example, its last dimension (the classes, a vocabulary, an embedding's width: `outputs`)"
+        )
+    if precision.startswith("mixed_") and out.dtype != tf.float32:
+        print(
+            f"warning: {where}: its output is {out.dtype.name} under --precision={precision}: its last layer computes "
+            'in the half type; dtype="float32" there keeps the logits and the loss in float32',
+            flush=True,
+        )
+
+
+def _kind(value):
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 class Create:
