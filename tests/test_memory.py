@@ -11,7 +11,7 @@ from engine.cluster.distribute import Placement
 from engine.run import memory
 from engine.settings import machine
 from engine.settings.config import validate
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TaskError
 from engine.settings.fields import Config
 
 
@@ -110,3 +110,38 @@ def test_a_task_that_builds_its_own_models_is_said_to_be_estimated_as_one_of_the
         "memory: tasks/gan.py builds its own models: estimated as one models/mlp.py of 2 outputs, which its models "
         "may exceed\n"
     )
+
+
+def test_accumulation_holds_one_microbatchs_activations():
+    # --grad_accum_steps=K runs K microbatches in turn: the estimate judged the whole batch's activations kept, and
+    # refused runs that fit (36.4 GB where they take 2.2).
+    whole = memory.estimate(_decoder(), (1024,), 65)
+    for steps in (2, 16):
+        parts = memory.estimate(_decoder(grad_accum_steps=steps), (1024,), 65)
+        kept = whole["training batch"] - 4 * 16 * 1024  # the batch's own tokens are held whole
+        assert parts["training batch"] - 4 * 16 * 1024 == pytest.approx(kept / steps, rel=1e-6)
+        assert parts["model, gradients and optimizer slots"] == whole["model, gradients and optimizer slots"]
+
+
+@pytest.mark.parametrize(
+    "kind, answer, why",
+    [
+        ("model", 1000, "models/mlp.py: size(config, input_shape, outputs) returned 1000, not (parameters, "),
+        ("model", (-(10**13), 0), "models/mlp.py: size(config, input_shape, outputs) returned (-10000000000000, 0)"),
+        ("model", ("1e6", 10), "models/mlp.py: size(config, input_shape, outputs) returned ('1e6', 10)"),
+        ("dataset", "1 GB", "sources/synthetic.py: memory(config) returned '1 GB', not the bytes its data takes"),
+        ("dataset", -(10**14), "sources/synthetic.py: memory(config) returned -100000000000000, not the bytes"),
+    ],
+)
+def test_a_plugins_estimate_that_is_no_count_of_bytes_is_one_line(monkeypatch, kind, answer, why):
+    # A negative one was subtracted from the total: a 16 TB run passed the check.
+    import models.mlp
+    import sources.synthetic
+
+    if kind == "model":
+        monkeypatch.setattr(models.mlp, "size", lambda config, shape, outputs: answer)
+    else:
+        monkeypatch.setattr(sources.synthetic, "memory", lambda config: answer)
+    with pytest.raises(TaskError) as refused:
+        memory.check(validate(Config(dataset="synthetic")), _on("CPU", 1), (28, 28, 1), 10)
+    assert str(refused.value).startswith(why)

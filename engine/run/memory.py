@@ -11,7 +11,11 @@ import dataclasses
 import importlib
 import math
 
+import numpy as np
+
+from engine.settings import plugins
 from engine.settings.checks import fail
+from engine.settings.errors import TaskError
 from engine.settings.fields import MEMORY_SETTINGS, Config, dataset_kind
 from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_bytes
 
@@ -19,20 +23,40 @@ from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_b
 def model_size(config, input_shape, outputs):
     """(parameters, activation floats per example kept for the backward pass, floats per example a forward pass
     holds at once) of models/<config.model>.py's `size` (a family may leave out the third: then the second), or None
-    without one."""
+    without one. TaskError naming the file for anything else."""
     size = getattr(importlib.import_module(f"models.{config.model}"), "size", None)
     if size is None:
         return None
-    parameters, activations, *forward = size(config, input_shape, outputs)
+    sized = size(config, input_shape, outputs)
+    if not isinstance(sized, (tuple, list)) or len(sized) not in (2, 3) or not all(_count(n) for n in sized):
+        raise TaskError(
+            f"{plugins.file('model', config.model)}: size(config, input_shape, outputs) returned {sized!r:.80}, not "
+            "(parameters, activation floats per example[, floats a forward pass holds at once]): numbers of at least 0"
+        )
+    parameters, activations, *forward = sized
     return parameters, activations, forward[0] if forward else activations
 
 
 def source_memory(config):
-    """Bytes the data source says its data takes (its `memory(config)`: data it generates), or 0."""
+    """Bytes the data source says its data takes (its `memory(config)`: data it generates), or 0. TaskError naming
+    the file for anything but a number of at least 0."""
     kind = dataset_kind(config.dataset)
     module = importlib.import_module(f"sources.{kind}") if kind != "tensorflow-datasets" else None
     memory = getattr(module, "memory", None)
-    return memory(config) if memory else 0
+    if memory is None:
+        return 0
+    needed = memory(config)
+    if not _count(needed):
+        raise TaskError(
+            f"{plugins.file('dataset', kind)}: memory(config) returned {needed!r:.80}, not the bytes its data takes "
+            "(a number of at least 0)"
+        )
+    return needed
+
+
+def _count(value):
+    """Whether `value` is a number of at least 0 (an estimate's part)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value >= 0
 
 
 def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
@@ -44,11 +68,15 @@ def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
     slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
     if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
         slots -= 0.5  # its first moment in half the bytes
+    batch = config.global_batch_size
     parts = {
         "model, gradients and optimizer slots": copies * int(4 * parameters * (2 + slots)),
-        # The forward pass's activations are kept for the backward pass, which adds their gradients; an evaluation's
-        # forward pass keeps none, and holds a layer's at a time.
-        "training batch": 4 * config.global_batch_size * (features + 2 * activations) // shares,
+        # The forward pass's activations are kept for the backward pass, which adds their gradients, for one
+        # microbatch at a time (--grad_accum_steps); an evaluation's forward pass keeps none, and holds a layer's at a
+        # time.
+        "training batch": 4
+        * (batch * features + math.ceil(2 * batch * activations / config.grad_accum_steps))
+        // shares,
         "evaluation batch": 4 * config.per_eval_batch_size * (features + forward) // shares,
     }
     if data and source_memory(config):
