@@ -128,6 +128,11 @@ def test_help_exits_zero():
             "and tensorflow-datasets names)",
         ),
         (dict(dataset="folder:photos", image_size=32), None),
+        (  # it trained on digits, the path unread
+            dict(dataset="digits:/data/mine.npz"),
+            "--dataset=digits:/data/mine.npz: sources/digits.py takes no argument after its name (those that do: "
+            "folder:PATH, npz:PATH, tfrecord:GLOB)",
+        ),
         (dict(slurm_port_base=65536), "--slurm_port_base=65536: must be a port, in [1, 65535]"),
         (
             dict(initial_loss_scale=0.5),

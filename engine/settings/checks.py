@@ -328,7 +328,16 @@ def check_data(config):
 
 
 def _check_dataset_name(name):
-    if name.partition(":")[0] in BUNDLED_DATASETS:  # a bundled source, or one that reads its argument (npz:PATH)
+    kind, colon, _ = name.partition(":")
+    if kind in BUNDLED_DATASETS:  # a bundled source, or one that reads its argument (npz:PATH)
+        files = plugins.file_sources()
+        if colon and kind not in files:  # it would be read without it
+            takes = ", ".join(f"{source}:{argument}" for source, (argument, _) in files.items())
+            fail(
+                "dataset",
+                name,
+                f"{plugins.file('dataset', kind)} takes no argument after its name (those that do: {takes})",
+            )
         return
     import tensorflow_datasets as tfds  # deferred: importing it costs a second
 
