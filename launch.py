@@ -32,6 +32,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
+from engine.settings import plugins
 from engine.settings.checks import unread
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
@@ -79,7 +80,14 @@ _DEFINE = {
     Switch: lambda name, default, help_text: flags.DEFINE_flag(_SwitchFlag(name, default, help_text)),
 }
 
+_ABSL_FLAGS = set(flags.FLAGS)  # absl's own: --flagfile, --log_dir, ...
 for _field in dataclasses.fields(Config):
+    if _field.name in _ABSL_FLAGS:  # a plugin's setting named as one: every command stops on it, as on any clash
+        _file = plugins.file(*_field.metadata["owner"])
+        DECLARATION_ERRORS.append(
+            f"{_file}: declares the setting {_field.name}, which absl's own flags define: rename it"
+        )
+        continue
     _default = _field.default
     if _field.type is tuple:
         _default = [str(v) for v in _default]
@@ -111,6 +119,8 @@ def _refuse_unread(config):
 def _config_from_flags():
     values = {}
     for field in dataclasses.fields(Config):
+        if field.name not in FLAGS:  # not defined, for a declaration error that validate() raises
+            continue
         value = FLAGS[field.name].value
         if field.type is tuple:
             try:

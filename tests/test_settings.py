@@ -136,6 +136,30 @@ def test_two_files_declaring_one_setting_are_one_error_naming_both(tmp_path):
     ]
 
 
+def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
+    # Each stopped every command with a traceback at `import launch`, or, for the tuple of names, with an error about a
+    # flag nobody typed (--st_names=a,b: must be comma-separated integers), naming no file.
+    files = {
+        "a_expression": "N = 8\nSETTINGS = {'a_size': (N, 'n')}",
+        "b_dash": "SETTINGS = {'my-size': (8, 'n')}",
+        "c_names": "SETTINGS = {'c_names': (('a', 'b'), 'names')}",
+        "d_choices": "SETTINGS = {'d_kind': ('x', 'a name', (10, 20))}",
+        "e_help": "SETTINGS = {'e_size': (5, 7)}",
+        "f_range": "SETTINGS = {'f_size': (5, 'n', ('1', None))}",
+        "g_good": "SETTINGS = {'g_size': (5, 'n', (1, None)), 'g_kind': ('x', 'k', ('x', 'y')), 'g_dims': ((8,), 'd')}",
+    }
+    packages = [("model", *_package(tmp_path, "models", files))]
+    fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"})
+    assert sorted(name for name, _, _ in fields) == ["g_dims", "g_kind", "g_size"]
+    assert [error.split(":")[0] for error in errors] == [f"models/{name}.py" for name in sorted(files)[:-1]]
+    assert errors[0].startswith("models/a_expression.py: SETTINGS must be written as a literal (numbers, strings")
+    assert errors[1] == "models/b_dash.py: SETTINGS names 'my-size': a setting's name is a flag's, as resnet_depth"
+    assert errors[2].endswith("a tuple default is of integers (a flag's 64,64), not ('a', 'b')")
+    assert errors[3].endswith("""a string's choices are a tuple of strings or "required", not (10, 20)""")
+    assert errors[4].endswith("its help is 7, not a string")
+    assert errors[5].endswith("a range (low, high) of numbers, not ('1', None)")
+
+
 def test_a_source_whose_argument_is_not_a_name_and_its_meaning_is_one_error_naming_it(tmp_path):
     sources = {"mine": 'ARGUMENT = "PATH"', "good": 'ARGUMENT = ("GLOB", "record files")'}
     packages = [("dataset", *_package(tmp_path, "sources", sources))]
@@ -158,6 +182,15 @@ def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
         "rename one of them\n"
     )
     assert not (tmp_path / "work").exists()
+    # A name absl's own flags take: absl's DuplicateFlagError at `import launch`, a traceback.
+    (fork / "tasks" / "clash.py").write_text('SETTINGS = {"log_dir": ("", "where my logs go")}\n')
+    result = subprocess.run(
+        [sys.executable, "launch.py", f"--workdir={tmp_path}/work"], cwd=fork, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stderr == (
+        "error: tasks/clash.py: declares the setting log_dir, which absl's own flags define: rename it\n"
+    ), result.stderr[-2000:]
+    (fork / "tasks" / "clash.py").write_text('SETTINGS = {"resnet_depth": (8, "a name models/resnet.py has")}\n')
     # --help lists the flags, and says what stops every other command: a help read as healthy would hide it.
     result = subprocess.run([sys.executable, "launch.py", "--help"], cwd=fork, capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout.startswith("usage: ")

@@ -4,6 +4,7 @@ and the settings it reads that another file declares (READS), read from the plug
 """
 
 import dataclasses
+import keyword
 import os
 
 from engine.settings import plugins
@@ -36,25 +37,29 @@ def declared_settings(packages, root, engine_names, reserved=None):
     ]
     for flag, module, path in files:
         where = os.path.relpath(path, root)
-        argument = read_constant(path, "ARGUMENT", None) if flag == "dataset" else None
+        argument = _literal(path, where, "ARGUMENT", None, errors) if flag == "dataset" else None
         if argument is not None and not plugins.is_argument(argument):
             errors.append(
                 f'{where}: ARGUMENT must be ("NAME", "what it names"), as ("PATH", "a folder"), not {argument!r}'
             )
-        declared = read_constant(path, "SETTINGS", {})
+        declared = _literal(path, where, "SETTINGS", {}, errors)
         if not isinstance(declared, dict):
             errors.append(f"{where}: SETTINGS must be a dict of name: (default, help), not {type(declared).__name__}")
             continue
         for name, declaration in declared.items():
+            if not (isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)):
+                errors.append(f"{where}: SETTINGS names {name!r}: a setting's name is a flag's, as resnet_depth")
+                continue
             if name in owners:
                 errors.append(
                     f"{where}: declares the setting {name}, which {owners[name]} declares already: rename one of them"
                 )
                 continue
-            if not (isinstance(declaration, tuple) and 2 <= len(declaration) <= 3 and type(declaration[0]) in _TYPES):
+            wrong = _malformed(declaration)
+            if wrong:
                 errors.append(
                     f'{where}: SETTINGS[{name!r}] must be (default, "help"[, range, choices or "required"]) with '
-                    "a bool, int, float, str or tuple default"
+                    f"a bool, int, float, str or tuple default: {wrong}"
                 )
                 continue
             owners[name] = where
@@ -65,13 +70,48 @@ def declared_settings(packages, root, engine_names, reserved=None):
     return fields, _readers(files, root, owners, errors), errors
 
 
+def _literal(path, where, name, default, errors):
+    """`name`'s literal value in the file at `path` (read_constant), or `default` with the error in `errors`."""
+    try:
+        return read_constant(path, name, default)
+    except (ValueError, SyntaxError, TypeError) as e:  # not a literal: an expression, a name
+        errors.append(f"{where}: {name} must be written as a literal (numbers, strings, tuples, dicts): {e}")
+        return default
+
+
+def _malformed(declaration):
+    """What is wrong with a SETTINGS entry, in words, or "" for a good one."""
+    if not (isinstance(declaration, tuple) and 2 <= len(declaration) <= 3):
+        return f"not {declaration!r:.60}"
+    default, help_text, *bounds = declaration
+    kind = type(default)
+    if kind not in _TYPES:
+        return f"a {kind.__name__} default"
+    if not isinstance(help_text, str) or not help_text:
+        return f"its help is {help_text!r:.60}, not a string"
+    if kind is tuple and not all(type(v) is int for v in default):
+        return f"a tuple default is of integers (a flag's 64,64), not {default!r:.60}"
+    if not bounds:
+        return ""
+    bound = bounds[0]
+    if kind is str:
+        good = bound == "required" or (isinstance(bound, tuple) and all(isinstance(c, str) for c in bound))
+        return "" if good else f'a string\'s choices are a tuple of strings or "required", not {bound!r:.60}'
+    numbers = (
+        isinstance(bound, tuple)
+        and len(bound) == 2
+        and all(b is None or (isinstance(b, (int, float)) and not isinstance(b, bool)) for b in bound)
+    )
+    return "" if kind in (int, float) and numbers else f"a range (low, high) of numbers, not {bound!r:.60}"
+
+
 def _readers(files, root, owners, errors):
     """{setting: {(selecting setting, module) of each file whose READS names it}}; a READS that is malformed or
     names a setting nobody declares (`owners`: {setting: the file that declares it}) is added to `errors`."""
     reads = {}
     for flag, module, path in files:
         where = os.path.relpath(path, root)
-        named = read_constant(path, "READS", ())
+        named = _literal(path, where, "READS", (), errors)
         if not (isinstance(named, (tuple, list)) and all(isinstance(name, str) for name in named)):
             errors.append(f"{where}: READS must be a tuple of setting names, not {named!r}")
             continue
