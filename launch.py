@@ -100,11 +100,7 @@ def _refuse_unread(config):
     """Settings the user gave that no part of this run reads: refused when typed on the command line (a typo's
     twin, or another task's setting, would change nothing), a warning when they come from a flagfile (a recipe
     reused with another task or model)."""
-    typed = set()
-    for arg in sys.argv[1:]:
-        name = arg.lstrip("-").split("=", 1)[0]
-        typed.update({name, name[2:]} if name.startswith("no") else {name})
-    given = {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
+    typed, given = _typed(), {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
     for name, readers in unread(config, sorted(given & typed)):
         raise ConfigError(f"--{name}={show(getattr(config, name))}: no part of this run reads it ({readers})")
     for name, readers in unread(config, sorted(given - typed)):
@@ -114,6 +110,15 @@ def _refuse_unread(config):
             file=sys.stderr,
             flush=True,
         )
+
+
+def _typed():
+    """The names of the flags typed on the command line (not read from a flagfile)."""
+    typed = set()
+    for arg in sys.argv[1:]:
+        name = arg.lstrip("-").split("=", 1)[0]
+        typed.update({name, name[2:]} if name.startswith("no") else {name})
+    return typed
 
 
 def _config_from_flags():
@@ -215,8 +220,12 @@ def _mode(config):
 
     run = {"eval": modes.evaluate, "continuous_eval": modes.follow, "export": modes.export, "sample": modes.sample}
     # What the command line gave, which a trained run's settings yield to only where it may (for_evaluation): a
-    # model flag typed at its default value contradicts the run as much as any other.
-    given = {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
+    # model flag typed at its default value contradicts the run as much as any other; a flagfile's (a recipe reused
+    # to evaluate its run) counts where it is not the default.
+    typed, fields = _typed(), dataclasses.fields(Config)
+    given = {
+        f.name for f in fields if f.name in typed or (FLAGS[f.name].present and getattr(config, f.name) != f.default)
+    }
     return functools.partial(run[mode], given=given)
 
 

@@ -1,5 +1,5 @@
 """Bundled data sources beside tensorflow-datasets, one file each: `--dataset=NAME` finds
-`sources/NAME.py`, whose `load(config)` returns a `engine.api.Source` (in memory or streamed).
+`sources/NAME.py`, whose `load(config, eval_split)` returns an `engine.api.Source` (in memory or streamed).
 A source declares its own settings as a model does (models/__init__.py: `SETTINGS`), and names the settings
 of other files it reads in `READS` (shakespeare reads language_model's `sequence_length`).
 

@@ -191,6 +191,12 @@ def test_a_flag_that_contradicts_a_trained_run_is_refused_even_at_its_default(da
         ), (mode, result.stderr[-3000:])
     evaluated = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}", "--mode=eval", "--hidden_sizes=8")
     assert evaluated.returncode == 0 and "eval step=2 split=test " in evaluated.stdout  # the run's own value: taken
+    # A recipe reused to evaluate its run (the run trained with it and a typed --hidden_sizes=8): its defaults are
+    # not the user's word against the run.
+    recipe = tmp_path.parent / f"{tmp_path.name}.flags"
+    recipe.write_text("--model=mlp\n--hidden_sizes=512,512\n--train_steps=1000\n")
+    evaluated = launch(f"--workdir={tmp_path}", f"--data_dir={data_dir}", f"--flagfile={recipe}", "--mode=eval")
+    assert evaluated.returncode == 0 and "eval step=2 split=test " in evaluated.stdout, evaluated.stderr[-2000:]
 
 
 def test_a_checkpoint_that_does_not_fit_is_the_last_line(data_dir, tmp_path):

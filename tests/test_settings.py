@@ -146,6 +146,8 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
         "d_choices": "SETTINGS = {'d_kind': ('x', 'a name', (10, 20))}",
         "e_help": "SETTINGS = {'e_size': (5, 7)}",
         "f_range": "SETTINGS = {'f_size': (5, 'n', ('1', None))}",
+        "f_unbounded_below": "SETTINGS = {'f_width': (8, 'n', (None, 64))}",
+        "f_syntax": "def create(config, spec, outputs, info)\n    pass\n",
         "g_good": "SETTINGS = {'g_size': (5, 'n', (1, None)), 'g_kind': ('x', 'k', ('x', 'y')), 'g_dims': ((8,), 'd')}",
     }
     packages = [("model", *_package(tmp_path, "models", files))]
@@ -158,6 +160,8 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
     assert errors[3].endswith("""a string's choices are a tuple of strings or "required", not (10, 20)""")
     assert errors[4].endswith("its help is 7, not a string")
     assert errors[5].endswith("a range (low, high) of numbers, not ('1', None)")
+    assert errors[6] == "models/f_syntax.py: not Python that parses: expected ':' (line 1)"  # not blamed on SETTINGS
+    assert errors[7].endswith("a range (low, high) of numbers, not (None, 64)")  # every command failed on it
 
 
 def test_a_source_whose_argument_is_not_a_name_and_its_meaning_is_one_error_naming_it(tmp_path):

@@ -73,8 +73,8 @@ CASES = {
         "the evaluation split lacks label (the spec names image, label)",
     ),
     "an extra feature": (
-        _with(train={**_arrays(256), "id": tf.range(256)}),
-        "the training split holds id, not in the spec (the spec names image, label)",
+        _with(evals={**_arrays(64, 1), "id": tf.range(64)}),
+        "the evaluation split holds id, not in the spec (the spec names image, label)",
     ),
     "an int32 weight": (
         _with(evals={**_arrays(64, 1), "weight": tf.ones([64], tf.int32)}),
@@ -117,6 +117,33 @@ def test_a_good_source_loads_and_a_key_its_info_lacks_is_one_line(monkeypatch):
         task.outputs  # noqa: B018  (a property: the size of the vocabulary)
     with pytest.raises(KeyError):  # a KeyError too, for code that asks and handles one
         source.info["vocabulary"]
+
+
+def test_what_a_source_may_give_beyond_the_checks_narrowest_reading_loads(monkeypatch):
+    """A training example's own features (a task's prepare takes its own), a decode's labels (1-based ones it
+    shifts, or labels it parses out of records), one label per token padded with -100: none is the engine's to
+    refuse."""
+    extra = _with(train={**_arrays(256), "id": tf.range(256), "weight": tf.ones([256])})
+    assert _loaded(monkeypatch, extra).train.examples == 256
+    one_based = {**_arrays(256), "label": _arrays(256)["label"] + 1}  # 1..4, shifted by the decode
+
+    def decoded(config, split):
+        return _good(config, split, train=in_memory(one_based), decode=lambda x, seed, training: x)
+
+    assert _loaded(monkeypatch, decoded).decode is not None
+    records = {"record": tf.constant(["a"] * 256)}  # the decode parses image and label out of each
+
+    def parsed(config, split):
+        return _good(config, split, train=in_memory(records), evals=in_memory(records), decode=lambda x, s, t: x)
+
+    assert _loaded(monkeypatch, parsed).train.examples == 256
+    tokens = {"image": _arrays(256)["image"], "label": tf.fill([256, 5], tf.constant(-100, tf.int64))}
+    spec = {**SPEC, "label": tf.TensorSpec([5], tf.int64)}
+
+    def padded(config, split):
+        return _good(config, split, train=in_memory(tokens), evals=in_memory(tokens), spec=spec)
+
+    assert _loaded(monkeypatch, padded).train.examples == 256
 
 
 def test_the_bundled_sources_pass_their_own_checks(data_dir):

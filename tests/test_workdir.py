@@ -396,6 +396,10 @@ def test_evaluation_follows_a_run_whose_checkpoints_are_damaged_rotated_or_evalu
     # ... and, restarted, goes on from its records: step 10 is not evaluated, nor recorded, twice.
     assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.1)] == [10]
     assert logged_steps(str(tmp_path), "continuous_eval.jsonl") == [10]
+    # Another split's evaluations are not this one's: it evaluates step 10 on its own split.
+    validation = evaluate.follow(dataclasses.replace(follow, eval_split="validation"), one_device, poll_seconds=0.1)
+    assert [(r["step"], r["split"], r["examples"]) for r in validation] == [(10, "validation", 180)]
+    assert logged_steps(str(tmp_path), "continuous_eval.jsonl") == [10, 10]
 
 
 @pytest.mark.parametrize(

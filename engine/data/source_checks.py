@@ -17,7 +17,7 @@ from engine.settings.errors import ConfigError, TaskError
 # an evaluation example's weight (how much it counts in the means).
 _OWN = {"origin": tf.TensorSpec([], tf.string)}
 _WEIGHT = {"weight": tf.TensorSpec([], tf.float32)}
-_LABEL_CHUNK = 65_536  # labels read at a time from a split held in memory
+_CHUNK_BYTES = 64 * 2**20  # examples read at a time from a split held in memory, for their labels
 
 
 class NoInfo(ConfigError, KeyError):
@@ -99,14 +99,18 @@ def _check_features(split, role, spec, where):
         raise TaskError(f"{where}: the {role} split's examples are {given!r}, not dicts of features")
     allowed = {**spec, **_OWN, **(_WEIGHT if role == "evaluation" else {})}
     missing = [f for f in spec if f not in given]
-    extra = [f for f in given if f not in allowed]
+    # A training example may carry more (a task's prepare takes its own features); an evaluation split is padded to
+    # the spec's features, which one more would not fit.
+    extra = [f for f in given if f not in allowed] if role == "evaluation" else []
     if missing or extra:
         said = [f"lacks {', '.join(missing)}"] * bool(missing) + [f"holds {', '.join(extra)}, not in the spec"] * bool(
             extra
         )
         raise TaskError(f"{where}: the {role} split {' and '.join(said)} (the spec names {', '.join(spec)})")
     for feature, one in given.items():
-        wanted = allowed[feature]
+        wanted = allowed.get(feature)
+        if wanted is None:  # a training example's own
+            continue
         if one.dtype != wanted.dtype or not one.shape.is_compatible_with(wanted.shape):
             raise TaskError(
                 f"{where}: the {role} split's {feature} is {one.dtype.name} of shape {one.shape}, where the "
@@ -115,7 +119,8 @@ def _check_features(split, role, spec, where):
 
 
 def _check_classes(source, where):
-    """A label's `num_classes`: a whole number of at least 2, and every label of a split held in memory below it."""
+    """A label's `num_classes`: a whole number of at least 2, and every label of a split held in memory below it (one
+    label an example, as the source gives it: a decode's labels are its own to make)."""
     if "num_classes" not in source.info:
         return
     classes = source.info["num_classes"]
@@ -125,7 +130,7 @@ def _check_classes(source, where):
             "number of at least 2 (one class leaves nothing to learn)"
         )
     label = source.spec.get("label")
-    if label is None or not label.dtype.is_integer:
+    if label is None or not label.dtype.is_integer or label.shape.rank != 0 or source.decode is not None:
         return
     for role, split in (("training", source.train), ("evaluation", source.evals)):
         if split.fetch is None or not split.examples:  # streamed: read in the steps, not twice
@@ -140,10 +145,15 @@ def _check_classes(source, where):
 
 
 def _label_range(split):
-    """(lowest, highest) label of a split held in memory, read a chunk at a time."""
+    """(lowest, highest) label of a split held in memory, read a chunk of about _CHUNK_BYTES at a time."""
+    example = split.make().element_spec
+    size = sum(
+        max(1, s.shape.num_elements() or 1) * (s.dtype.size if s.dtype != tf.string else 64) for s in example.values()
+    )
+    chunk = max(1, _CHUNK_BYTES // size)
     low, high = None, None
-    for start in range(0, split.examples, _LABEL_CHUNK):
-        indices = tf.range(start, min(start + _LABEL_CHUNK, split.examples), dtype=tf.int64)
+    for start in range(0, split.examples, chunk):
+        indices = tf.range(start, min(start + chunk, split.examples), dtype=tf.int64)
         labels = split.fetch(indices)["label"].numpy()
         low = labels.min() if low is None else min(low, labels.min())
         high = labels.max() if high is None else max(high, labels.max())

@@ -70,7 +70,9 @@ def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
         slots -= 0.5  # its first moment in half the bytes
     batch = config.global_batch_size
     parts = {
-        "model, gradients and optimizer slots": copies * int(4 * parameters * (2 + slots)),
+        # Accumulating (--grad_accum_steps) holds the microbatches' summed gradients beside each one's own.
+        "model, gradients and optimizer slots": copies
+        * int(4 * parameters * (2 + slots + (config.grad_accum_steps > 1))),
         # The forward pass's activations are kept for the backward pass, which adds their gradients, for one
         # microbatch at a time (--grad_accum_steps); an evaluation's forward pass keeps none, and holds a layer's at a
         # time.

@@ -132,7 +132,7 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
     _wait_for_run(config, directory, poll_seconds)
     config = run_config(config, "continuous_eval", given)
     # A restarted sidecar goes on from its records: each checkpoint is evaluated, and recorded, once.
-    results = _followed(config.workdir)
+    results = _followed(config.workdir, config.eval_split)
     if results and max(r["step"] for r in results) >= config.train_steps:
         print(f"continuous_eval: step {config.train_steps} was evaluated already (continuous_eval.jsonl)", flush=True)
         return results
@@ -157,7 +157,7 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
             continue
         evaluated.add(os.path.basename(latest))
         step = int(run.state.step.numpy())
-        result = {"step": step, "checkpoint": latest, **run.evaluator.evaluate()}
+        result = {"step": step, "checkpoint": latest, "split": config.eval_split, **run.evaluator.evaluate()}
         results.append(result)
         print(f"continuous_eval step={step} {format_metrics(evaluation_results(result))}", flush=True)
         append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
@@ -204,9 +204,9 @@ class FailedReads:
         print(f"warning: checkpoint {path} is unreadable ({error}); evaluating the previous one", flush=True)
 
 
-def _followed(workdir):
-    """The evaluations an earlier continuous_eval of `workdir` recorded (continuous_eval.jsonl; a torn last line,
-    a killed process's, left out)."""
+def _followed(workdir, split):
+    """The evaluations of `split` an earlier continuous_eval of `workdir` recorded (continuous_eval.jsonl; a torn last
+    line, a killed process's, left out; a record from before records named their split is no one's)."""
     path = os.path.join(workdir, "continuous_eval.jsonl")
     if not tf.io.gfile.exists(path):
         return []
@@ -218,7 +218,9 @@ def _followed(workdir):
             records.append(json.loads(line))
         except ValueError:
             continue
-    return [r for r in records if isinstance(r, dict) and "step" in r and "checkpoint" in r]
+    return [
+        r for r in records if isinstance(r, dict) and {"step", "checkpoint"} <= r.keys() and r.get("split") == split
+    ]
 
 
 def _wait_for_run(config, directory, poll_seconds):
@@ -235,8 +237,8 @@ def _wait_for_run(config, directory, poll_seconds):
 
 
 def evaluation_results(result):
-    """The evaluation's own numbers in a continuous_eval record (without step and checkpoint)."""
-    return {k: v for k, v in result.items() if k not in ("step", "checkpoint")}
+    """The evaluation's own numbers in a continuous_eval record (without step, checkpoint and split)."""
+    return {k: v for k, v in result.items() if k not in ("step", "checkpoint", "split")}
 
 
 def export(config, given=None):

@@ -74,7 +74,12 @@ def _literal(path, where, name, default, errors):
     """`name`'s literal value in the file at `path` (read_constant), or `default` with the error in `errors`."""
     try:
         return read_constant(path, name, default)
-    except (ValueError, SyntaxError, TypeError) as e:  # not a literal: an expression, a name
+    except SyntaxError as e:  # the file itself, said once whatever is read of it
+        said = f"{where}: not Python that parses: {e.msg} (line {e.lineno})"
+        if said not in errors:
+            errors.append(said)
+        return default
+    except (ValueError, TypeError) as e:  # not a literal: an expression, a name
         errors.append(f"{where}: {name} must be written as a literal (numbers, strings, tuples, dicts): {e}")
         return default
 
@@ -97,10 +102,10 @@ def _malformed(declaration):
     if kind is str:
         good = bound == "required" or (isinstance(bound, tuple) and all(isinstance(c, str) for c in bound))
         return "" if good else f'a string\'s choices are a tuple of strings or "required", not {bound!r:.60}'
+    # (low, high), or (low, None) for no upper bound: a lower one is always given.
+    number = lambda b: isinstance(b, (int, float)) and not isinstance(b, bool)  # noqa: E731
     numbers = (
-        isinstance(bound, tuple)
-        and len(bound) == 2
-        and all(b is None or (isinstance(b, (int, float)) and not isinstance(b, bool)) for b in bound)
+        isinstance(bound, tuple) and len(bound) == 2 and number(bound[0]) and (bound[1] is None or number(bound[1]))
     )
     return "" if kind in (int, float) and numbers else f"a range (low, high) of numbers, not {bound!r:.60}"
 
