@@ -41,7 +41,8 @@ TORCH_LABELS = {"float32": "float32", "bfloat16": "bfloat16 autocast", "float16"
 
 
 def recipe(args):
-    """launch.py's flags for the decoder: the Shakespeare recipe resized; it evaluates once, after its last step."""
+    """launch.py's flags for the decoder: the Shakespeare recipe resized; it evaluates once, after its last step. Its
+    rounds are at most half the steps: the first traces and compiles the step, the summary times the others."""
     return [
         "--flagfile=experiments/shakespeare_char.flags",
         f"--gpt_layers={args.layers}",
@@ -50,6 +51,7 @@ def recipe(args):
         f"--sequence_length={args.sequence_length}",
         f"--global_batch_size={args.batch}",
         f"--train_steps={args.steps}",
+        f"--steps_per_loop={max(1, min(100, args.steps // 2))}",
         *([f"--warmup_steps={args.warmup_steps}"] if args.warmup_steps is not None else []),
     ]
 
@@ -158,7 +160,8 @@ def row(precision, engine, theirs):
     def ratio(key):
         return f"{engine[key] / theirs[key]:.2f}x" if key in engine and key in theirs else "-"
 
-    notes = [f"{name} {side['error']}" for name, side in (("engine", engine), ("PyTorch", theirs)) if "error" in side]
+    sides = (("engine", engine), ("PyTorch", theirs))
+    notes = [f"{name} {side[key]}" for key in ("error", "note") for name, side in sides if key in side]
     cells = [
         precision,
         TORCH_LABELS[pytorch.PRECISIONS[precision]],

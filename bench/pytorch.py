@@ -175,14 +175,12 @@ def engine_run(argv, precision, extra=(), timeout=None):
         with open(os.path.join(workdir, "summary.json")) as f:
             summary = json.load(f)
     choice = next((w for w in proc.stdout.split() if w.startswith("jit_compile=")), "jit_compile=?")
-    step_ms = 1000 * summary["global_batch_size"] / summary["examples_per_sec"]
-    return dict(
-        wall=seconds,
-        step_ms=step_ms,
-        loss=summary["eval"]["loss"],
-        jit=choice.split("=", 1)[1],
-        skipped=summary["skipped_steps"],
+    result = dict(
+        wall=seconds, loss=summary["eval"]["loss"], jit=choice.split("=", 1)[1], skipped=summary["skipped_steps"]
     )
+    if summary["examples_per_sec"] is None:  # its every round traced (one round): no step of its own was timed
+        return {**result, "note": "timed no step: its one round traced and compiled the step (more steps)"}
+    return {**result, "step_ms": 1000 * summary["global_batch_size"] / summary["examples_per_sec"]}
 
 
 def torch_run(python, data, precision, device="auto", timeout=None):
