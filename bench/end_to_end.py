@@ -65,6 +65,8 @@ def engine_run(spec, precision, steps, steps_per_loop):
             raise RuntimeError(f"launch.py {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         with open(os.path.join(tmp, "run", "summary.json")) as f:
             summary = json.load(f)
+    if summary["examples_per_sec"] is None:  # one round, which traced and compiled the step: nothing timed
+        raise RuntimeError(f"launch.py {' '.join(args)} timed no step: give more steps than --steps_per_loop")
     choice = re.search(r"jit_compile=(\S+) \((.*)\)$", proc.stdout, re.MULTILINE)
     return summary["examples_per_sec"], f"{choice[1]} ({choice[2]})" if choice else "?", summary["input_wait_fraction"]
 
