@@ -78,7 +78,8 @@ def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirro
         """Both views of global batch `start` as the replicas see them, in global order: [2, batch, ...]."""
         trainer = build.run(config, strategy)
         trainer.state.batches.assign(start)
-        trainer.program.feed_from_pipeline()  # the pipeline's batches (a step that gathers its own takes the same ones)
+        # The pipeline's batches (a step that gathers its own takes the same ones).
+        trainer.program.input = trainer.program.input_path(in_step=False)
         batch = next(trainer.program.train_iterator())
 
         def per_replica(batch):
@@ -95,7 +96,7 @@ def test_views_are_a_function_of_seed_index_and_view(data_dir, one_device, mirro
     assert split[0].shape == (64, 8, 8, 1)
     # The resumed position draws the views an uninterrupted run draws at that step.
     trainer = build.run(config, one_device)
-    trainer.program.feed_from_pipeline()
+    trainer.program.input = trainer.program.input_path(in_step=False)
     iterator = trainer.program.train_iterator()
     fourth = [next(iterator) for _ in range(4)][3]
     np.testing.assert_array_equal(fourth["index"].numpy(), indices)

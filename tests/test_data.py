@@ -180,7 +180,7 @@ def test_steps_gather_their_batches_on_one_cpu_replica_and_train_as_the_pipeline
     gathering = build.run(config, one_device)
     assert gathering.program.in_step and gathering.program.train_iterator() is None
     fed = build.run(config, one_device)
-    fed.program.feed_from_pipeline()
+    fed.program.input = fed.program.input_path(in_step=False)
     for steps in (7, 13):  # rounds of uneven length: each starts at the data position the last one left
         out = gathering.program.run_steps(gathering.program.train_iterator(), steps)
         reference = fed.program.run_steps(fed.program.train_iterator(), steps)

@@ -320,7 +320,7 @@ def test_a_retraced_round_is_named_once(data_dir, one_device, monkeypatch, capsy
     _with_task(monkeypatch, CroppingTask)
     trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
     # batches of a new shape come from the pipeline (a step that gathers traces once)
-    trainer.program.feed_from_pipeline()
+    trainer.program.input = trainer.program.input_path(in_step=False)
     capsys.readouterr()
     for rows in (8, 6, 4):
         trainer.task.rows = rows

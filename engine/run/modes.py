@@ -156,18 +156,9 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
             time.sleep(poll_seconds)
             continue
         evaluated.add(os.path.basename(latest))
-        step = int(run.state.step.numpy())
-        result = {"step": step, "checkpoint": latest, "split": config.eval_split, **run.evaluator.evaluate()}
-        results.append(result)
-        print(f"continuous_eval step={step} {format_metrics(evaluation_results(result))}", flush=True)
-        append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
         writer = writer or tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
-        with writer.as_default(step=step):
-            for name, value in evaluation_results(result).items():
-                if name != "examples":
-                    tf.summary.scalar(name, value)
-        writer.flush()
-        if step >= config.train_steps:
+        results.append(_recorded(run, config, latest, writer))
+        if results[-1]["step"] >= config.train_steps:
             break
         waited_since = time.monotonic()
     else:
@@ -184,6 +175,21 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
             flush=True,
         )
     return results
+
+
+def _recorded(run, config, checkpoint, writer):
+    """The evaluation of the checkpoint restored into `run`, said, appended to continuous_eval.jsonl and written as
+    TensorBoard scalars by `writer`."""
+    step = int(run.state.step.numpy())
+    result = {"step": step, "checkpoint": checkpoint, "split": config.eval_split, **run.evaluator.evaluate()}
+    print(f"continuous_eval step={step} {format_metrics(evaluation_results(result))}", flush=True)
+    append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
+    with writer.as_default(step=step):
+        for name, value in evaluation_results(result).items():
+            if name != "examples":
+                tf.summary.scalar(name, value)
+    writer.flush()
+    return result
 
 
 class FailedReads:

@@ -51,21 +51,16 @@ class TrainProgram:
         # Bytes of record files this process read (a streamed split): the read-amplification count.
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
         self.stops_each_step = stops_each_step(placement)
-        self.input = self._path()
+        self.input = self.input_path()
         self.retraced = set()
         self._build()
 
-    def _path(self, in_step=None):
+    def input_path(self, in_step=None):
         """The path the steps read their batches by (engine/run/inputs.py path): gathered in the step where it
-        decides, or not (`in_step` False)."""
+        decides, or not (`in_step` False: from the tf.data pipeline, as a test feeding batches of its own sets it)."""
         service = self.config.tf_data_service
         counter = None if service else self.bytes_read
         return inputs.path(self.placement, self.data, counter, self.coordinator, service, in_step)
-
-    def feed_from_pipeline(self):
-        """Reads the batches from the tf.data pipeline even where the steps would gather their own (a test's, a
-        benchmark's batches of another shape)."""
-        self.input = self._path(in_step=False)
 
     def traces(self):
         """How often the rounds' loops were traced so far: a round that traced one (a new variant, the extras an
