@@ -390,7 +390,7 @@ def test_evaluation_follows_a_run_whose_checkpoints_are_damaged_rotated_or_evalu
     # --eval_timeout and said no checkpoint appeared)...
     data = next(directory.glob("ckpt-20.data-*"))
     data.write_bytes(data.read_bytes()[:100])
-    follow = dataclasses.replace(given, mode="continuous_eval", eval_timeout=3)
+    follow = dataclasses.replace(given, mode="continuous_eval", eval_timeout=1.5)
     assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.1)] == [10]
     assert "warning: checkpoint " in capsys.readouterr().out
     # ... and, restarted, goes on from its records: step 10 is not evaluated, nor recorded, twice.
