@@ -395,9 +395,12 @@ def test_a_resume_may_change_the_order_settings_its_training_split_does_not_read
         steps_per_loop=2,
     )
     loop.train(streamed, one_device)
+    touched = (tmp_path / "streamed").stat().st_mtime_ns
     with pytest.raises(ConfigError, match=r"other settings .*: --shuffle_buffer=10000 there, 5 here\. "):
         loop.train(dataclasses.replace(streamed, train_steps=4, shuffle_buffer=5), one_device)
-    assert helpers.logged_steps(str(tmp_path / "streamed")) == [2]  # refused before it wrote anything
+    # Refused before it wrote anything, the lock's file too (it was taken, and the workdir touched, before).
+    assert helpers.logged_steps(str(tmp_path / "streamed")) == [2]
+    assert (tmp_path / "streamed").stat().st_mtime_ns == touched
 
 
 def test_a_corrupt_tfrecord_record_stops_the_run_naming_the_file(data_dir, tmp_path, one_device):

@@ -32,12 +32,12 @@ def train(config, strategy=None, on_eval=None):
     started = time.time()
     config = validate(config)
     strategy = strategy or distribute.create_strategy(config.cluster)
-    saved = workdir_lib.check_same_run(config)  # before the data loads, but for the order settings it may not read
+    workdir_lib.check_same_run(config)  # before the data loads, but for the order settings it may not read
     run = build.run(config, strategy, on_eval=on_eval)
+    workdir_lib.check_same_run(config, run.data.unread)  # those the training split reads too, before the lock's file
     chief = run.placement.chief
     with lock.Lock(config.workdir) if chief else contextlib.nullcontext():
-        # Again, with the order settings the training split reads, and under the lock: a run may have written it since.
-        saved = workdir_lib.check_same_run(config, run.data.unread)
+        saved = workdir_lib.check_same_run(config, run.data.unread)  # again: a run may have written it since
         checkpoints = checkpoint_lib.Checkpoints(
             run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task
         )
