@@ -5,13 +5,12 @@ the `num_classes` its info says. A mistake is one line naming the source's file 
 data the task would read wrong, or evaluated to a NaN."""
 
 import collections.abc
-import inspect
 
 import numpy as np
 import tensorflow as tf
 
 from engine.data.records import Source, Split, SplitError
-from engine.settings.errors import ConfigError, TaskError
+from engine.settings.errors import ConfigError, TaskError, check_call, described
 
 # Features a split may carry beyond its spec: the file an example came from (named when it cannot be decoded), and
 # an evaluation example's weight (how much it counts in the means).
@@ -42,20 +41,10 @@ class Info(dict):
     def __missing__(self, key):
         raise NoInfo(self.dataset, key, list(self))
 
-    def __reduce__(self):  # pickled (a research worker's) as what it is
-        return Info, (self.dataset, dict(self))
-
 
 def loaded(load, where, config, eval_split):
     """`load(config, eval_split)` of the source file `where` (sources/NAME.py), its result checked."""
-    try:
-        inspect.signature(load).bind(config, eval_split)
-    except TypeError:
-        raise TaskError(
-            f"{where}: load{inspect.signature(load)} is called as load(config, eval_split): it takes those two"
-        ) from None
-    except ValueError:  # no signature to read: called as it is
-        pass
+    check_call(load, (config, eval_split), where, "load", "load(config, eval_split): it takes those two")
     try:
         source = load(config, eval_split)
     except SplitError as e:
@@ -67,24 +56,26 @@ def checked(source, where, dataset):
     """`source` as a run reads it, its info an Info; TaskError naming `where` for anything it cannot read."""
     if not isinstance(source, Source):
         raise TaskError(
-            f"{where}: load returned {_kind(source)}, not engine.api.Source(train, evals, spec, info): the splits, "
+            f"{where}: load returned {described(source)}, not engine.api.Source(train, evals, spec, info): the splits, "
             "the spec of one example and what the source knows of them"
         )
     spec, info = source.spec, source.info
     if not isinstance(spec, collections.abc.Mapping) or not spec:
-        raise TaskError(f"{where}: the Source's spec is {_kind(spec)}: {{feature: tf.TensorSpec}} of one example")
+        raise TaskError(f"{where}: the Source's spec is {described(spec)}: {{feature: tf.TensorSpec}} of one example")
     for feature, one in spec.items():
         if not isinstance(one, tf.TensorSpec):
             raise TaskError(
                 f"{where}: the Source's spec of {feature} is {one!r}, not a tf.TensorSpec(shape, dtype) of one example"
             )
     if not isinstance(info, collections.abc.Mapping):
-        raise TaskError(f"{where}: the Source's info is {_kind(info)}: a dict of what the source knows ({{}} for none)")
+        raise TaskError(
+            f"{where}: the Source's info is {described(info)}: a dict of what the source knows ({{}} for none)"
+        )
     for role, split in (("training", source.train), ("evaluation", source.evals)):
         if not isinstance(split, Split):
             raise TaskError(
-                f"{where}: the Source's {role} split is {_kind(split)}, not a Split: in_memory({{feature: tensor}}) "
-                "or sharded(files, parse) makes one"
+                f"{where}: the Source's {role} split is {described(split)}, not a Split: "
+                "in_memory({feature: tensor}) or sharded(files, parse) makes one"
             )
         if source.decode is None:  # a decoded split's examples are the decode's to shape (photos)
             _check_features(split, role, spec, where)
@@ -158,7 +149,3 @@ def _label_range(split):
         low = labels.min() if low is None else min(low, labels.min())
         high = labels.max() if high is None else max(high, labels.max())
     return int(low), int(high)
-
-
-def _kind(value):
-    return "None" if value is None else f"a {type(value).__name__}"

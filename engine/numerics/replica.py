@@ -13,13 +13,11 @@ own losses (weight and activity regularizers, add_loss) join the loss once per
 step, whatever the replica count and the microbatching.
 """
 
-import inspect
-
 import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
 from engine.numerics.precision import FLOOR
-from engine.settings.errors import TaskError
+from engine.settings.errors import TaskError, check_call
 
 SUM = tf.distribute.ReduceOp.SUM
 # What a step returns beside its scalars when an action needs it (Action.needs; ReplicaStep.outputs' `extras`):
@@ -210,7 +208,8 @@ class ReplicaStep:
         self._ctx.merge_call(assign_all, args=(values,))
         self._statistics = None  # the next forward pass reads the statistics as assigned
         if setup.float16:  # what the line and the summary show: the scale as the step leaves it, the next one's
-            scale = values["loss_scale"]["scale"] + (scale if setup.asynchronous else 0.0)
+            left = values["loss_scale"]["scale"]
+            scale = scale + left if setup.asynchronous else left  # asynchronous values are changes
         self._applied[name].append(
             (pending[0].loss, gradients.norm, finite, scale, rates, gradients.grads, changes, at_floor)
         )
@@ -289,21 +288,6 @@ def engine_step(step, batch):
             step.apply(update.name, step.gradients(update.name, read, repetition=repetition), when=when)
 
 
-def _check_signature(replica_step, task_file):
-    """A task's replica_step, once it is called as replica_step(step, batch); TaskError naming the file else."""
-    try:
-        signature = inspect.signature(replica_step)
-    except (TypeError, ValueError):  # no signature to read: called as it is
-        return
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        raise TaskError(
-            f"{task_file}: replica_step{signature} is called as replica_step(step, batch) (the task's own method, "
-            "with self)"
-        ) from None
-
-
 def make_train_step(setup, counter, extras=frozenset()):
     """Returns train_step(batch) -> dict of scalars, identical on every replica: the task's `replica_step`, or
     the engine's, over the plans of `setup` (a Setup). `counter` (the run's step counter) seeds the dropout masks.
@@ -315,7 +299,13 @@ def make_train_step(setup, counter, extras=frozenset()):
         print(warning, flush=True)
     body = setup.task.replica_step or engine_step
     if setup.task.replica_step is not None:
-        _check_signature(body, setup.task_file)
+        check_call(
+            body,
+            (None, None),
+            setup.task_file,
+            "replica_step",
+            "replica_step(step, batch) (the task's own method, with self)",
+        )
 
     def train_step(batch):
         # A step reading several batches (Update.fresh) is handed them as a tuple: the first is the step's batch.

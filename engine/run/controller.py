@@ -41,17 +41,15 @@ class Timing:
     include tracing and compilation."""
 
     def __init__(self):
-        self.first = None  # (steps, seconds) of the first round
+        self.ran = False  # a round ran in this process: the first traced and compiled the step
         self.timed_from = None  # the step the first timed round started at
         self.steps, self.seconds, self.waited = 0, 0.0, 0.0
         self.timed = False  # whether the round added last is timed (metrics.jsonl says which are not)
 
     def add(self, round):
-        self.timed = self.first is not None and not round.traced
-        if self.first is None:
-            self.first = (round.steps, round.seconds)
-            return
-        if round.traced:  # the first round that returned an action's extras: another step, traced and compiled
+        # Not the first round, nor the first that returned an action's extras: another step, traced and compiled.
+        self.timed, self.ran = self.ran and not round.traced, True
+        if not self.timed:
             return
         if self.timed_from is None:
             self.timed_from = round.start
@@ -157,7 +155,7 @@ class Controller:
         config, program = run.config, run.program
         read = config.global_batch_size * program.batches_per_step  # the examples a step reads
         timing = self.context.timing
-        if timing.first is None:  # resumed at the last step: no round of its own to time, the run's logged ones
+        if not timing.ran:  # resumed at the last step: no round of its own to time, the run's logged ones
             examples_per_sec, input_wait = report.logged_throughput(current), None
         else:
             examples_per_sec, input_wait = timing.summary(read, program.waits_timed)

@@ -11,7 +11,7 @@ from keras.src.backend.common import global_state
 
 from engine.settings import plugins
 from engine.settings.config import load_run_config
-from engine.settings.errors import ConfigError, TaskError
+from engine.settings.errors import ConfigError, TaskError, check_call, described
 from engine.state.warm_start import warm_start
 
 
@@ -31,7 +31,7 @@ def create_model(config, family, spec, outputs, info=None):
         except ValueError as e:  # a setting, or data, the family cannot build from: its message says which
             raise ConfigError(str(e) if str(e).startswith("--") else f"--model={family}: {e}") from None
         if not isinstance(model, keras.layers.Layer):
-            raise TaskError(f"{where}: create returned {_kind(model)}, not a keras.Model")
+            raise TaskError(f"{where}: create returned {described(model)}, not a keras.Model")
         out = model(tf.zeros((1, *spec.shape), spec.dtype), training=False)  # variables exist before the first trace
     finally:
         global_state.set_global_attribute("object_name_uids", uids)
@@ -43,17 +43,12 @@ def _factory_call(factory, where, config, spec, outputs, info):
     # A fork's factory written before factories received the spec and the source's info keeps working:
     # create(config, input_shape, outputs), the shape a tuple.
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    signature = inspect.signature(factory)
-    required = [p for p in signature.parameters.values() if p.kind in positional and p.default is p.empty]
+    parameters = inspect.signature(factory).parameters.values()
+    required = [p for p in parameters if p.kind in positional and p.default is p.empty]
     if len(required) == 3:
         return factory(config, tuple(spec.shape), outputs)
-    try:
-        signature.bind(config, spec, outputs, info)
-    except TypeError:
-        raise TaskError(
-            f"{where}: create{signature} is called as create(config, spec, outputs, info) (or, of the older form, "
-            "create(config, input_shape, outputs))"
-        ) from None
+    called_as = "create(config, spec, outputs, info) (or, of the older form, create(config, input_shape, outputs))"
+    check_call(factory, (config, spec, outputs, info), where, "create", called_as)
     return factory(config, spec, outputs, info)
 
 
@@ -74,10 +69,6 @@ def _check_output(out, where, outputs, precision):
             'in the half type; dtype="float32" there keeps the logits and the loss in float32',
             flush=True,
         )
-
-
-def _kind(value):
-    return "None" if value is None else f"a {type(value).__name__}"
 
 
 class Create:

@@ -3,6 +3,7 @@ from here without importing the engine's settings, checkpoints or loop. launch.p
 (docs/exit-codes.md)."""
 
 import contextlib
+import inspect
 
 
 class ConfigError(ValueError):
@@ -56,3 +57,21 @@ def raising_task_errors():
         if found is None:
             raise
         raise found from None
+
+
+def described(value):
+    """What a value a fork's code returned is, as a message names it: None, a tuple, a function."""
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def check_call(function, arguments, where, name, called_as):
+    """TaskError `<where>: <name><its signature> is called as <called_as>` unless `function` takes `arguments`
+    positionally; one whose signature cannot be read is called as it is."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        raise TaskError(f"{where}: {name}{signature} is called as {called_as}") from None
