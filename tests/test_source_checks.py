@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.api import Source, in_memory
+from engine.api import Source, Split, in_memory
 from engine.data import datasets
-from engine.run import inputs
+from engine.run import inputs, loop
 from engine.settings import plugins
 from engine.settings.errors import ConfigError, TaskError
 from tests import helpers
@@ -151,3 +151,36 @@ def test_the_bundled_sources_pass_their_own_checks(data_dir):
         config = helpers.make_config(data_dir, task=task, dataset=dataset, synthetic_examples=64)
         source, _ = inputs.source_and_task(config)
         assert source.train.examples > 0 and source.evals.examples > 0
+
+
+def _streamed(arrays):
+    """A Split of `arrays` that is neither held in memory nor in record files: read as a stream."""
+    return Split(len(arrays["label"]), lambda: tf.data.Dataset.from_tensor_slices(arrays))
+
+
+LABELS_READ_AS_THEY_STREAM = {
+    # A decode's labels (the load's check passes them over), read in training: the step compiled by XLA gave NaN,
+    # and the run stopped with "non-finite loss ... lower --learning_rate or set --clip_norm".
+    "decoded, in training": (
+        lambda c, s: _good(c, s, decode=lambda x, seed, training: {**x, "label": x["label"] + 3 * int(training)}),
+        "--dataset=synthetic: example 0 of the split holds the label ",
+    ),
+    # A streamed evaluation split: the evaluation reported accuracy 0.0156 and loss nan, and the run exited 0.
+    "streamed, in evaluation": (
+        lambda c, s: _good(c, s, evals=_streamed({**_arrays(64, 1), "label": _arrays(64, 1)["label"] + 3})),
+        "--dataset=synthetic: example 0 of the split holds the label ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LABELS_READ_AS_THEY_STREAM)
+def test_a_label_outside_num_classes_read_as_it_streams_stops_the_run_naming_it(monkeypatch, tmp_path, case):
+    load, said = LABELS_READ_AS_THEY_STREAM[case]
+    member = plugins.member
+    monkeypatch.setattr(plugins, "member", lambda kind, name: load if kind == "dataset" else member(kind, name))
+    config = helpers.make_config("", str(tmp_path), dataset="synthetic", train_steps=10, **helpers.XLA_CASE)
+    with pytest.raises(datasets.DecodeError) as caught:
+        loop.train(config)
+    message = str(caught.value)
+    assert message.startswith(said) and ", outside [0, 4) of the info's num_classes=4; fix or remove it" in message
+    assert int(message[len(said) :].split(",")[0]) in (4, 5, 6)  # a label of 1..3, plus 3

@@ -15,6 +15,7 @@ from engine.data.records import file_records, op_message, parsed, unreadable
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
 UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
+LABEL_OUTSIDE = "label outside num_classes"  # the decode's check of a streamed example's label
 
 
 class Pipelines:
@@ -25,6 +26,7 @@ class Pipelines:
         self.data, self.source = data, source
         self.train_split, self.evals = source.train, source.evals
         self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
+        self.classes = _classes(source)
 
     def position(self, ctx, local):
         """The global stream position of this pipeline's `local`-th training example: its share of global
@@ -124,7 +126,9 @@ class Pipelines:
         dropped, and the positions that come out are checked against `position(first), position(first + 1), ...`
         (up to `end`, exclusive)."""
         split = self.train_split if training else self.evals
-        if self.source.decode is None and not split.files:
+        # A split held in memory without a decode had its labels checked as it loaded (engine/data/source_checks.py).
+        checked = self.classes is None or split.fetch is not None
+        if self.source.decode is None and not split.files and checked:
             return ds.map(lambda x: {k: v for k, v in x.items() if k != "origin"})
 
         def run(x):
@@ -163,13 +167,24 @@ class Pipelines:
         return ds if end is None else ds.take(end - first)
 
     def decode(self, example, split, stream, index, training):
-        """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode."""
+        """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode,
+        then its label checked against the info's num_classes (a label outside them reads as NaN where the step is
+        compiled by XLA, and on a GPU, where the loss would otherwise stop on it)."""
         if split.files:
             example = parsed(split.parse, example)
         example = {k: v for k, v in example.items() if k != "origin"}
-        if self.source.decode is None:
+        if self.source.decode is not None:
+            example = self.source.decode(example, self.seeds(index, stream), training)
+        return self._label_checked(example)
+
+    def _label_checked(self, example):
+        if self.classes is None or "label" not in example:
             return example
-        return self.source.decode(example, self.seeds(index, stream), training)
+        label = example["label"]
+        inside = tf.logical_and(label >= 0, label < self.classes)
+        found = tf.debugging.Assert(inside, [LABEL_OUTSIDE, label, self.classes], summarize=1)
+        with tf.control_dependencies([found]):
+            return {**example, "label": tf.identity(label)}
 
     def origin(self, position, stream=0, training=True, pipelines=1):
         """Why the example at `position` (of the training stream read with `pipelines` input pipelines, or
@@ -199,9 +214,15 @@ class Pipelines:
         features.pop("origin", None)
         try:
             if self.source.decode is not None:
-                self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
+                features = self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
         except tf.errors.OpError as e:
             return f"--dataset={data.dataset}: cannot decode {where}: {op_message(e)}"
+        label = features.get("label") if self.classes is not None else None
+        if label is not None and not 0 <= int(label) < self.classes:
+            return (
+                f"--dataset={data.dataset}: {where} holds the label {int(label)}, outside [0, {self.classes}) of the "
+                f"info's num_classes={self.classes}"
+            )
         return f"--dataset={data.dataset}: the example at position {position} ({where}) was lost before decoding"
 
     def _unparsed(self, split):
@@ -226,3 +247,12 @@ class Pipelines:
         ds = ds.batch(ctx.get_per_replica_batch_size(data.per_eval_batch_size), drop_remainder=True)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         return ds.take(eval_steps * local_replicas)
+
+
+def _classes(source):
+    """The info's num_classes where each example's label is one class (a scalar integer), for the decode's check of
+    a label; None where there is nothing to check (no classes, a label per token)."""
+    label, classes = source.spec.get("label"), source.info.get("num_classes")
+    if label is None or label.shape.rank != 0 or not label.dtype.is_integer or not isinstance(classes, int):
+        return None
+    return classes
