@@ -191,9 +191,12 @@ def main(argv):
         _exit(str(e), code=e.exit_code)
     except Exception as e:  # a peer lost outside the steps (a chief reading its servers' variables) is one too
         lost = distribute.lost_peer(config.cluster, e)
-        if lost is None:
+        if lost is not None:
+            _exit(str(lost), code=LOST_PEER)
+        failed = plugins.failure(e)  # a fork's own code that raised: its line; the engine's own keeps its traceback
+        if failed is None:
             raise
-        _exit(str(lost), code=LOST_PEER)
+        _exit(failed)
     _print_result(config, result)
 
 

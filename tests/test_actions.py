@@ -1,6 +1,7 @@
 """The outer loop's actions (engine/run/actions/), each on its own: at which steps they fire, what they write, what
 they restore. Host logic on stand-ins for the run and the report; the rollback restores a real checkpoint."""
 
+import json
 import sys
 import types
 
@@ -524,3 +525,88 @@ def test_a_summarys_update_numbers_are_the_whole_last_round_where_a_preemption_s
     assert controller._update_metrics(program, last, resumed) == {
         "d/loss": 2.0, "d/grad_norm": 3.0, "d/learning_rate": 0.1, "d/loss_scale": None
     }  # fmt: skip
+
+
+class _Settingless(base.Action):  # no __init__: built as Action(config) by the interface's own
+    def __call__(self, round, context):
+        return None
+
+
+class _NotAnAction:
+    def __init__(self, config):
+        pass
+
+
+class _DueOfOne(base.Action):
+    def due(self, step):
+        return True
+
+
+def test_an_action_is_built_and_checked_against_the_interface():
+    # Without an __init__ of its own it was refused as Action(); one that is no base.Action, or a due of other
+    # parameters, ended in a traceback at its first round.
+    assert isinstance(actions.checked(actions.built(_Settingless, None, "mine"), "mine"), _Settingless)
+    with pytest.raises(TaskError) as error:
+        actions.checked(_NotAnAction(None), "mine")
+    assert str(error.value) == (
+        "engine/run/actions/mine.py: its Action is no engine.run.actions.base.Action: define class Action(base.Action)"
+    )
+    with pytest.raises(TaskError) as error:
+        actions.checked(_DueOfOne(None), "mine")
+    assert str(error.value) == "engine/run/actions/mine.py: due(step) is called as due(step, stopping)"
+
+
+class _StopsAt(base.Action):
+    """Stops the run at `step` with an evaluation of its own (an early stop), which it does not log."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, round, context):
+        return Stop(context.run.evaluator.evaluate()) if round.end == self.step else None
+
+
+def test_an_actions_stop_is_logged_as_the_runs_evaluation_with_the_last_rounds_loss(
+    data_dir, one_device, tmp_path, monkeypatch
+):
+    # Before: no eval line and no eval.jsonl, and summary.json's train_loss null though the round logged its loss.
+    monkeypatch.setattr(actions, "load", lambda config: [_StopsAt(6)])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, steps_per_loop=3, hidden_sizes=(8,))
+    summary = loop.train(config, one_device)
+    logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert summary["step"] == 6 and logged == [{"step": 6, **summary["eval"]}]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [3, 6] and summary["train_loss"] == lines[-1]["loss"]
+
+
+class _ClosesBadly(base.Action):
+    def __init__(self, raises=None):
+        self.raises, self.closed = raises, False
+
+    def __call__(self, round, context):
+        if self.raises:
+            raise self.raises
+
+    def close(self, context):
+        self.closed = True
+        raise OSError("its file could not be closed")
+
+
+def test_every_action_closes_and_a_failed_close_does_not_hide_the_error_the_run_ended_with(
+    data_dir, one_device, tmp_path, monkeypatch, capsys
+):
+    first, second = _ClosesBadly(RuntimeError("the action's own mistake")), _ClosesBadly()
+    monkeypatch.setattr(actions, "load", lambda config: [first, second])
+    config = helpers.make_config(data_dir, str(tmp_path / "a"), train_steps=4, steps_per_loop=2, hidden_sizes=(8,))
+    with pytest.raises(RuntimeError, match="the action's own mistake"):
+        loop.train(config, one_device)
+    assert first.closed and second.closed
+    assert (
+        "warning: tests/test_actions.py: close failed: OSError('its file could not be closed')"
+        in capsys.readouterr().out
+    )
+    # A run that ended well ends with the failed close: its error is the run's.
+    monkeypatch.setattr(actions, "load", lambda config: [_ClosesBadly()])
+    config = helpers.make_config(data_dir, str(tmp_path / "b"), train_steps=4, steps_per_loop=2, hidden_sizes=(8,))
+    with pytest.raises(OSError, match="its file could not be closed"):
+        loop.train(config, one_device)

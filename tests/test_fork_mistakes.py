@@ -53,6 +53,22 @@ class Shifted(classification.Task):
         step.apply(DEFAULT, step.gradients(DEFAULT, batch, shift=first.grads[:1]))
 
 
+class ShiftedAlike(classification.Task):
+    """SAM's ascent with a scalar per variable, its `* g` forgotten: each shift broadcast over its variable."""
+
+    def replica_step(self, step, batch):
+        first = step.gradients(DEFAULT, batch)
+        scale = 0.05 / (tf.linalg.global_norm(first.grads) + 1e-12)
+        step.apply(DEFAULT, step.gradients(DEFAULT, batch, shift=[scale for _ in first.grads]))
+
+
+class Returning(classification.Task):
+    def replica_step(self, step, batch):
+        first = step.gradients(DEFAULT, batch)
+        step.apply(DEFAULT, first)
+        return {"sharpness": first.loss}
+
+
 class Outside(classification.Task):
     def replica_step(self, step, batch):
         self.kept = step
@@ -90,6 +106,14 @@ class PerExample(classification.Task):
         (Unknown, "replica_step: step.gradients('trian', ...): no update 'trian'; the task's updates are train"),
         (Crossed, "replica_step: step.apply('head', ...) takes the Gradients of step.gradients('head', ...) of this "),
         (Shifted, "replica_step: step.gradients('train', ..., shift=...): 1 shifts for the 4 variables update"),
+        # Trained with rc 0 before, each scalar shifting every weight of its variable alike.
+        (
+            ShiftedAlike,
+            "replica_step: step.gradients('train', ..., shift=...): shift 0 has shape (), where its variable "
+            "mlp/dense/kernel has (64, 8): each shift is of its variable's shape",
+        ),
+        # Dropped unsaid before: nothing logs what a replica_step returns.
+        (Returning, "replica_step returned a dict; it returns nothing: nothing would log it"),
         (Branched, "replica_step: step.apply('train', ...) inside an `if` or loop on a tensor (graph mode runs it "),
         (
             EveryOther,
@@ -104,7 +128,18 @@ class PerExample(classification.Task):
             "of bool, shape (64,)",
         ),
     ],
-    ids=["twice", "never", "unknown", "crossed", "shift", "tensor_if", "when_int", "when_per_example"],
+    ids=[
+        "twice",
+        "never",
+        "unknown",
+        "crossed",
+        "shift",
+        "shift_shape",
+        "returns",
+        "tensor_if",
+        "when_int",
+        "when_per_example",
+    ],
 )
 def test_a_misused_primitive_is_one_line(data_dir, one_device, monkeypatch, task, message):
     monkeypatch.setattr(data_lib, "task_class", lambda config: task)
@@ -273,6 +308,42 @@ def test_launch_ends_a_forks_mistake_in_one_line_with_exit_2(tmp_path):
         "error: tasks/twice.py: replica_step: step.apply('train', ...): these gradients were applied already; "
         "take new step.gradients('train', ...)"
     ], result.stderr
+
+    # A fork's code that raises an error of its own: a traceback of 90 lines and exit 1 before. In the traced step
+    # (a setting no file declares, read in the loss), and in an action between rounds.
+    (fork / "tasks" / "weighted.py").write_text(
+        "from tasks import classification\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def loss(self, outputs, batch):\n"
+        "        return super().loss(outputs, batch) * self.config.my_weight\n"
+    )
+    (fork / "engine" / "run" / "actions" / "broken.py").write_text(
+        "from engine.run.actions import base\n\n\n"
+        "class Action(base.Action):\n"
+        "    def __call__(self, round, context):\n"
+        "        raise RuntimeError(f'my action broke at step {round.end}')\n"
+    )
+    for flags, said in (
+        (
+            ["--task=weighted"],
+            "error: tasks/weighted.py:6 in loss: AttributeError: no setting my_weight: the engine declares none, nor "
+            "does any file of this checkout; a model, task, source or action declares its own in its file's SETTINGS "
+            "(docs/forking.md)",
+        ),
+        (
+            ["--actions=broken"],
+            "error: engine/run/actions/broken.py:6 in __call__: RuntimeError: my action broke at step 2",
+        ),
+    ):
+        result = subprocess.run(
+            [sys.executable, "launch.py", *flags, "--train_steps=2", f"--workdir={tmp_path / flags[0][2:]}"],
+            cwd=fork,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
 
 
 def _metrics(extra):

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
 from engine.numerics.precision import FLOOR
-from engine.settings.errors import TaskError, check_call
+from engine.settings.errors import TaskError, check_call, described
 
 SUM = tf.distribute.ReduceOp.SUM
 # What a step returns beside its scalars when an action needs it (Action.needs; ReplicaStep.outputs' `extras`):
@@ -138,6 +138,15 @@ class ReplicaStep:
                 f"{self._file}: step.gradients({name!r}, ..., shift=...): {len(shift)} shifts for the "
                 f"{len(plan.variables)} variables update {name!r} trains (step.variables({name!r}), in order)"
             )
+        for i, (s, v) in enumerate(zip(shift or (), plan.variables)):
+            # A shift of another shape broadcasts over its variable (a scalar shifts every weight alike): refused.
+            shape, path = tf.convert_to_tensor(s).shape, getattr(v, "path", v.name)
+            if shape != v.shape:
+                raise TaskError(
+                    f"{self._file}: step.gradients({name!r}, ..., shift=...): shift {i} has shape {shape}, where its "
+                    f"variable {path} has {v.shape}: each shift is of its variable's shape (step.variables({name!r}), "
+                    "in order)"
+                )
         draw, self._draws = self._draws, self._draws + 1
         local = _maybe_jit(
             lambda b, c, r, s, v: forward_backward(
@@ -312,7 +321,12 @@ def make_train_step(setup, counter, extras=frozenset()):
         batches = batch if isinstance(batch, tuple) else (batch,)
         replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int64)
         replica_step = ReplicaStep(setup, tf.convert_to_tensor(counter), replica, batches, extras)
-        body(replica_step, batches[0])
+        returned = body(replica_step, batches[0])
+        if returned is not None:  # nothing reads it: a metric of its own is not logged, and would go unsaid
+            raise TaskError(
+                f"{setup.task_file}: replica_step returned {described(returned)}; it returns nothing: nothing would "
+                "log it (the step's logged numbers are the loss and gradient norm of the Gradients it applies)"
+            )
         return replica_step.outputs()
 
     return tf.function(train_step, jit_compile=True) if setup.whole else train_step

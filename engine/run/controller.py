@@ -76,16 +76,34 @@ class Controller:
 
     def train(self):
         try:
-            return self._rounds()
-        finally:
-            for action in self.run.actions:
+            summary = self._rounds()
+        except BaseException:
+            self._close(ending=True)
+            raise
+        self._close(ending=False)
+        return summary
+
+    def _close(self, ending):
+        """Closes every action, each even where one before it fails to. The first failure is raised, but where the
+        run is `ending` on an error (or a signal) of its own: that one is what the run ends with, and a failed close
+        is one line on the console."""
+        failed = None
+        for action in self.run.actions:
+            try:
                 action.close(self.context)
+            except Exception as e:
+                if ending:  # printed, not reported: the report may be what failed
+                    print(f"warning: {plugins.file_of(action)}: close failed: {e!r}", flush=True)
+                failed = failed or e
+        if failed is not None and not ending:
+            raise failed
 
     def _rounds(self):
         run, report, config = self.run, self.context.report, self.run.config
         report.line(header(run))
         # The training iterator, alone in a list: a finished one is deleted off the loop's thread (inputs.release).
         iterators, current, last, outcome = [run.program.train_iterator()], int(run.state.step.numpy()), None, None
+        started = None  # where the last round run began
         report.count_losses(last_round_start(config.loop, run.actions), current)
         # From here on a signal stops the loop at a step, saved; the training iterator is released when the loop ends
         # (a signal or an error included): the final evaluation and the exit do not wait for its deletion.
@@ -99,7 +117,7 @@ class Controller:
                 if ran is None:  # recompiled: from the data position again, as the failed step took a batch
                     _renew(iterators, run)
                     continue
-                last, outcome = ran.out, self._act(ran)
+                last, outcome, started = ran.out, self._act(ran), ran.start
                 if outcome == ROLLED_BACK:  # on from the checkpoint's step, reading on from the round's batches
                     current = int(run.state.step.numpy())
                     _renew(iterators, run)
@@ -108,9 +126,16 @@ class Controller:
             self.context.checkpoints.save()  # nothing to do when this step is saved already
             if run.program.stopping_anywhere():  # a signal during the last round: every worker stops here alike
                 stop(current, self.context)
-        # A tuner that stopped the run at an evaluation: its results are the run's, not evaluated again.
-        results = outcome.results if isinstance(outcome, Stop) else self._final_evaluation(current)
-        return self._summary(current, results, last)
+        if not isinstance(outcome, Stop):
+            return self._summary(current, self._final_evaluation(current), last)
+        # An action stopped the run (a tuner pruning it at an evaluation): its results are the run's, not evaluated
+        # again; logged as the evaluation of the step where the action's own evaluation was not, and its
+        # train_loss is the mean over the round it stopped after.
+        if report.evaluated != current:
+            report.eval(current, outcome.results)
+        if started is not None:
+            report.count_losses(started, current)
+        return self._summary(current, outcome.results, last)
 
     def _round(self, iterator, current):
         """The round of steps from `current` to the next boundary; None when it must run again (Recompiled)."""

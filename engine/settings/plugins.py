@@ -8,6 +8,8 @@ import ast
 import functools
 import importlib
 import os
+import re
+import traceback
 
 from engine.settings.errors import TaskError
 
@@ -70,6 +72,38 @@ def member(kind, name):
 def file_of(obj):
     """The file that defines `obj`'s class, as a message names it: an action's engine/run/actions/<name>.py."""
     return type(obj).__module__.replace(".", "/") + ".py"
+
+
+# The lines autograph adds to an error raised inside a traced function, naming the user's code it ran through.
+_TRACED_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+
+
+def failure(error):
+    """The one line for an error raised while a plugin's code ran (`tasks/mine.py:7 in loss: ValueError: oops`),
+    naming the innermost line of a plugin file it came out of: the plugin's own raise, or what it called (a library,
+    an engine helper) raising; None where no plugin's code ran, an error of the engine's own, which keeps its
+    traceback. A step's function is traced: its lines are those autograph writes into the message."""
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
+    message = str(error)
+    frames += [(path, int(line), name) for path, line, name in _TRACED_LINE.findall(message)]
+    plugins = [f for f in frames if _is_plugin(f[0])]
+    if not plugins:
+        return None
+    path, line, name = plugins[-1]
+    lines = [line for line in message.splitlines() if line.strip()]
+    if message.startswith("in user code:") and lines:  # autograph's: the error as raised is its last line
+        said = lines[-1].strip()
+    else:
+        said = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return f"{os.path.relpath(path, ROOT)}:{line} in {name}: {said}"
+
+
+def _is_plugin(path):
+    """Whether `path` is a plugin file of this checkout: models/, tasks/ (its protocol too), sources/, an action."""
+    folder, name = os.path.split(os.path.relpath(os.path.abspath(path), ROOT))
+    return any(folder == FOLDERS[kind][0] and name[:-3] not in FOLDERS[kind][1] for kind in MEMBERS) and (
+        name != "__init__.py"
+    )
 
 
 def file(kind, name):

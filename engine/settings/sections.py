@@ -165,6 +165,14 @@ class Sectioned:
     numerics = property(lambda self: section(self, "numerics"))
     cluster = property(lambda self: section(self, "cluster"))
 
+    def __getattr__(self, name):  # only for a name no field, section or method answers
+        if name.startswith("_"):  # Python's and TensorFlow's own probes (copy, pickle, tracing)
+            raise AttributeError(name)
+        raise AttributeError(
+            f"no setting {name}: the engine declares none, nor does any file of this checkout; a model, task, "
+            "source or action declares its own in its file's SETTINGS (docs/forking.md)"
+        )
+
     def own(self, kind, module):
         """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task") or the source <module>
         ("dataset") declares, and those its READS names."""

@@ -109,6 +109,7 @@ class Report:
         # The lines of the last logging window (count_losses): the step the first of them counts from (its previous
         # line's), and (step, mean loss, skipped steps) of each line since.
         self._last_window, self._window_from, self._window = 0, 0, []
+        self.evaluated = None  # the step of the last evaluation this process logged
         if chief:
             make_workdir(workdir)
             self.rewind(resume_step, redo_eval)
@@ -185,6 +186,7 @@ class Report:
     def eval(self, step, results):
         """results: the task's reported metrics and the example count."""
         self.line(f"eval step={step} {format_metrics(results)}")
+        self.evaluated = step
         if self.chief:
             self._append("eval.jsonl", {"step": step, **results})
             self._scalars("eval", step, {k: v for k, v in results.items() if k != "examples"})

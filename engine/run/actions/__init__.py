@@ -7,8 +7,9 @@ import inspect
 import numbers
 
 from engine.numerics.replica import EXTRAS
+from engine.run.actions import base
 from engine.settings import plugins
-from engine.settings.errors import TaskError
+from engine.settings.errors import TaskError, check_call
 from engine.settings.fields import named_actions
 
 
@@ -37,6 +38,10 @@ def checked(action, name):
     """`action` (of engine/run/actions/<name>.py), once what it needs is what a step can return (EXTRAS) and its
     schedule is steps; else TaskError, one line naming the file, before the run writes anything."""
     where = plugins.file("actions", name)
+    if not isinstance(action, base.Action):  # it would lack the interface's defaults: needs, due, around, close
+        raise TaskError(f"{where}: its Action is no engine.run.actions.base.Action: define class Action(base.Action)")
+    for method, called_as in (("due", "due(step, stopping)"), ("__call__", "__call__(round, context)")):
+        check_call(getattr(action, method), (None, None), where, method, called_as)
     needs, every, steps = action.needs, action.every, action.steps
     if not isinstance(needs, (set, frozenset, list, tuple)) or not all(isinstance(need, str) for need in needs):
         raise TaskError(f"{where}: needs={needs!r}: must be a set of names, as needs = {{'gradients'}}")

@@ -76,6 +76,10 @@ class Action:
     every = 0  # a period in steps: a round ends at each of its multiples, so the action can be due there (0: none)
     steps = ()  # steps a round ends at, for the same reason (--profile_steps: a trace of exactly those steps)
 
+    def __init__(self, config=None):
+        """A fork's is built as Action(config): one with no settings of its own needs no __init__ (the engine's own
+        are built with theirs)."""
+
     def due(self, step, stopping):
         """Whether it acts after a round that ended at `step` (`stopping`: the run stops there on a signal; asked as
         False before the round runs, when the controller asks what the step must return): at each multiple of
