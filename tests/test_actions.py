@@ -2,6 +2,7 @@
 they restore. Host logic on stand-ins for the run and the report; the rollback restores a real checkpoint."""
 
 import json
+import os
 import sys
 import types
 
@@ -198,20 +199,26 @@ def test_the_log_counts_skipped_steps_and_writes_the_train_line(batches, rate):
 class _Run:
     """The state a rollback touches: the step and data-position counters, saved in a real checkpoint."""
 
-    def __init__(self, tmp_path, on_nan="rollback"):
+    def __init__(self, tmp_path, on_nan="rollback", checkpoint_every=5):
         self.step = tf.Variable(20, dtype=tf.int64)
         self.batches = tf.Variable(20, dtype=tf.int64)
         self.state = types.SimpleNamespace(step=self.step, batches=self.batches)
         self.program = types.SimpleNamespace(float16=False)
-        self.config = types.SimpleNamespace(on_nan=on_nan, precision="float32")
-        checkpoint = tf.train.Checkpoint(step=self.step, batches=self.batches)
-        self.checkpoints = types.SimpleNamespace(
-            checkpoint=checkpoint, saved_path=checkpoint.save(str(tmp_path / "ckpt"))
-        )
+        self.config = types.SimpleNamespace(on_nan=on_nan, precision="float32", checkpoint_every=checkpoint_every)
+        self.checkpoint = tf.train.Checkpoint(step=self.step, batches=self.batches)
+        self.checkpoints = types.SimpleNamespace(checkpoint=self.checkpoint, directory=str(tmp_path), saved_path=None)
+        self.save()
+
+    def save(self):
+        """Saves the counters as ckpt-<step>, as the run's checkpoints are named; the checkpoint saved last."""
+        path = str(self.checkpoints.directory + f"/ckpt-{int(self.step.numpy())}")
+        self.checkpoint.save_counter  # noqa: B018  (made on first read: saved, as the run's checkpoints hold it)
+        self.checkpoints.saved_path = self.checkpoint.write(path)
 
     def policy(self, report):
         """The NaN policy of this run's --on_nan, acting on `report`: policy(round) -> its outcome."""
-        nan_policy, context = builtin.NanPolicy(self.config.on_nan), _context(self, report, self.checkpoints)
+        config, context = self.config, _context(self, report, self.checkpoints)
+        nan_policy = builtin.NanPolicy(config.on_nan, config.checkpoint_every)
         return lambda done: nan_policy(done, context)
 
     def diverge(self, steps=10):
@@ -272,10 +279,36 @@ def test_a_save_between_rollbacks_starts_the_count_again(tmp_path):
     for _ in range(builtin.MAX_ROLLBACKS):
         policy(run.diverge())
     run.step.assign(25)
-    run.checkpoints.saved_path = run.checkpoints.checkpoint.save(str(tmp_path / "ckpt"))
+    run.save()
     for _ in range(builtin.MAX_ROLLBACKS):
         assert policy(run.diverge()) == ROLLED_BACK
     assert int(run.step.numpy()) == 25 and len(report.rewinds) == 2 * builtin.MAX_ROLLBACKS
+
+
+def test_a_rollback_returns_where_a_run_never_preempted_would_whatever_step_a_preemption_saved(tmp_path):
+    # A run resumed from a preemption's save at step 21 (between --checkpoint_every's 20 and 25): a rollback of the
+    # round 21-25 returns to step 20, as the run that was never stopped does. It returned to 21 (the checkpoint
+    # saved last), training other steps on other batches: weights 2e-3 apart at the end, another eval loss.
+    run, report = _Run(tmp_path), Lines()
+    run.step.assign(21)
+    run.save()  # the preemption's; the resumed process restored it
+    policy = run.policy(report)
+    run.step.assign(25)
+    run.batches.assign(25)
+    assert policy(_round(21, 25, skipped=1.0)) == ROLLED_BACK
+    assert (int(run.step.numpy()), int(run.batches.numpy())) == (20, 25) and report.rewinds == [20]
+    assert f"rolled back to step 20 ({tmp_path}/ckpt-20)" in report.lines[0]
+    # With no such checkpoint left (rotated away by the preemption's save, --keep_checkpoints=1), the one saved last.
+    (tmp_path / "one").mkdir()
+    run = _Run(tmp_path / "one")
+    run.step.assign(21)
+    run.save()
+    for name in os.listdir(tmp_path / "one"):
+        if name.startswith("ckpt-20."):
+            os.remove(tmp_path / "one" / name)
+    policy, report = run.policy(Lines()), None
+    run.step.assign(25)
+    assert policy(_round(21, 25, skipped=1.0)) == ROLLED_BACK and int(run.step.numpy()) == 21
 
 
 def test_the_stop_policy_names_the_steps_and_the_last_good_checkpoint(tmp_path):

@@ -305,6 +305,27 @@ def test_leftovers_of_killed_saves_are_removed(data_dir, one_device, tmp_path):
     ]
 
 
+def test_a_save_killed_before_its_index_was_written_is_removed_and_the_run_starts_again(
+    data_dir, one_device, tmp_path, capsys
+):
+    # TensorFlow moves a save's data files into place, then writes its index, then the manager the state file: a kill
+    # between left ckpt-10's data alone, which every rerun called the only checkpoint, damaged, and refused (exit 2)
+    # until checkpoints/ was moved away by hand.
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, checkpoint_every=10)
+    first = loop.train(config, one_device)
+    for name in ("checkpoints/ckpt-10.index", "checkpoints/checkpoint", "summary.json"):
+        os.remove(tmp_path / name)
+    summary = loop.train(config, one_device)
+    removed = f"removed {tmp_path}/checkpoints/ckpt-10's data files: a save that a kill stopped before it wrote the "
+    assert removed in capsys.readouterr().out
+    assert summary["step"] == 10 and summary["eval"] == first["eval"]  # from step 0 again, alike
+    # A checkpoint the state file lists is one that was saved: its index gone is damage, refused as it was.
+    os.remove(tmp_path / "checkpoints" / "ckpt-10.index")
+    with pytest.raises(ConfigError, match="every checkpoint in .* is unreadable"):
+        loop.train(config, one_device)
+    assert os.path.exists(tmp_path / "checkpoints" / "ckpt-10.data-00000-of-00001")
+
+
 # 5. Damaged bookkeeping; damaged checkpoints in --mode=eval.
 
 

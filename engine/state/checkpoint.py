@@ -73,7 +73,7 @@ def describe_key(key):
     return name.replace(".S", "/").replace("..", ".")
 
 
-def _step_of(path):
+def step_of(path):
     return int(re.search(r"ckpt-(\d+)$", path).group(1))
 
 
@@ -82,7 +82,7 @@ def list_checkpoints(directory):
     state file hides nothing, and a checkpoint missing its index is still found and reported)."""
     found = tf.io.gfile.glob(os.path.join(directory, "ckpt-*"))
     prefixes = {re.sub(r"\.(index|data-\d+-of-\d+)$", "", p) for p in found}
-    return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=_step_of, reverse=True)
+    return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=step_of, reverse=True)
 
 
 def latest(directory):
@@ -93,7 +93,7 @@ def latest(directory):
 def latest_step(directory):
     """The step of the newest checkpoint in `directory` by its name (nothing read), or None."""
     path = latest(directory)
-    return _step_of(path) if path else None
+    return step_of(path) if path else None
 
 
 class Checkpoints:
@@ -131,11 +131,13 @@ class Checkpoints:
         found = list_checkpoints(self.directory)
         state_file = os.path.join(self.directory, "checkpoint")
         try:
-            state = tf.train.get_checkpoint_state(self.directory)
-            readable = state is not None or not found
+            state, damaged = tf.train.get_checkpoint_state(self.directory), False
         except (ValueError, text_format.ParseError, tf.errors.OpError) as e:  # ValueError: undecodable bytes
             print(f"warning: {state_file} is unreadable ({first_line(e)}); rebuilt from the files")
-            state, readable = None, False
+            state, damaged = None, True
+        if not damaged:  # what it lists (nothing, where there is none yet) tells a save that never finished
+            found = self._unfinished(found, _listed(state))
+        readable = not damaged and (state is not None or not found)
         # The manager deletes what the state file lists: a path outside this directory (absolute, or through
         # ..) would make it delete another run's files.
         strays = [p for p in _listed(state) if not _inside(p, self.directory)]
@@ -158,10 +160,25 @@ class Checkpoints:
 
             replace_text(state_file, "\n".join(lines) + "\n")
 
+    def _unfinished(self, found, listed):
+        """`found` without the saves a kill stopped before they finished, whose files are removed: a checkpoint
+        whose data files were moved into place but whose index was never written, which the state file (when there
+        is one, readable) does not list. A listed one without its index is damage, reported as such when read."""
+        listed = {os.path.basename(p) for p in listed}
+        kept = []
+        for path in found:
+            if tf.io.gfile.exists(path + ".index") or os.path.basename(path) in listed:
+                kept.append(path)
+                continue
+            for data in tf.io.gfile.glob(path + ".data-*"):
+                tf.io.gfile.remove(data)
+            print(f"removed {path}'s data files: a save that a kill stopped before it wrote the index", flush=True)
+        return kept
+
     def save(self):
         """Saves at the current step; raises CheckpointError naming the path if it cannot be written."""
         step = int(self.state.step.numpy())
-        if self.saved_path and _step_of(self.saved_path) == step:  # e.g. a run resumed at its last step
+        if self.saved_path and step_of(self.saved_path) == step:  # e.g. a run resumed at its last step
             return self.saved_path
         # Every floating-point variable: weights and the statistics a forward pass updates alike.
         bad = [

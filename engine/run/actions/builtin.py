@@ -28,7 +28,7 @@ def engine_actions(loop, own=(), on_eval=None):
     evaluation (a tuner's pruning)."""
     return [
         InputBoundWarning(),
-        NanPolicy(loop.on_nan),
+        NanPolicy(loop.on_nan, loop.checkpoint_every),
         SkippedWarning(),
         Log(),
         Profile(loop.profile_steps),
@@ -84,8 +84,8 @@ class NanPolicy(Action):
     """--on_nan: a round that diverged stops the run (TrainingError naming the steps and the last good checkpoint),
     or with rollback restores that checkpoint and reads on from the data position the round reached."""
 
-    def __init__(self, on_nan):
-        self.rollback = on_nan == "rollback"
+    def __init__(self, on_nan, checkpoint_every=0):
+        self.rollback, self.checkpoint_every = on_nan == "rollback", checkpoint_every
         self.rollbacks, self.target = 0, None  # rollbacks in a row to checkpoint `target`
 
     def __call__(self, round, context):
@@ -94,7 +94,7 @@ class NanPolicy(Action):
         diverged = divergence(round, float16, run.config.precision)
         if not diverged:
             return None
-        last_good = context.checkpoints.saved_path
+        last_good = self._last_good(context.checkpoints, round.start)
         if last_good != self.target:  # saved since the last rollback: a new count
             self.rollbacks, self.target = 0, last_good
         if not self.rollback or self.rollbacks >= MAX_ROLLBACKS or not last_good:
@@ -106,10 +106,36 @@ class NanPolicy(Action):
         self._roll_back(context, diverged, round.end, last_good)
         return ROLLED_BACK
 
+    def _last_good(self, checkpoints, start):
+        """The checkpoint a rollback returns to: the newest one by --checkpoint_every (or step 0's) up to the round's
+        `start`, as a run never stopped has saved, so that a preemption's save (at whatever step the signal came)
+        changes nothing; the one saved or restored last where no such checkpoint is left (rotated away by the
+        preemption's save, with --keep_checkpoints=1)."""
+        saved = checkpoints.saved_path
+        if saved is None or self._scheduled(checkpoint_lib.step_of(saved)):
+            return saved
+        scheduled = [
+            path
+            for path in checkpoint_lib.list_checkpoints(checkpoints.directory)
+            if checkpoint_lib.step_of(path) <= start and self._scheduled(checkpoint_lib.step_of(path))
+        ]
+        return scheduled[0] if scheduled else saved
+
+    def _scheduled(self, step):
+        return step == 0 or bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+
     def _roll_back(self, context, diverged, reached, last_good):
         state = context.run.state
-        position = int(state.batches.numpy())
-        checkpoint_lib.restore(context.checkpoints.checkpoint, last_good)
+        position, saved = int(state.batches.numpy()), context.checkpoints.saved_path
+        try:
+            checkpoint_lib.restore(context.checkpoints.checkpoint, last_good)
+        except checkpoint_lib.Unreadable as e:  # one found on disk, not this process's own: the one it knows
+            if last_good == saved:
+                raise
+            context.report.line(f"warning: checkpoint {last_good} is unreadable ({e}); rolling back to {saved}")
+            checkpoint_lib.restore(context.checkpoints.checkpoint, saved)
+            last_good = saved
+        context.checkpoints.saved_path = last_good  # the checkpoint that holds the state now
         state.batches.assign(position)  # read on from here: the discarded steps' batches are not redone
         current, self.rollbacks = int(state.step.numpy()), self.rollbacks + 1
         context.report.rewind(current)
