@@ -3,6 +3,7 @@ the update or primitive and the value: misused primitives, an update's settings 
 that breaks the per-example contract, updates that share variables unsaid."""
 
 import json
+import os
 import types
 
 import numpy as np
@@ -12,6 +13,7 @@ import tensorflow as tf
 from engine.api import DEFAULT, Update
 from engine.data import datasets as data_lib
 from engine.run import build, loop
+from engine.settings import plugins
 from engine.settings.errors import ConfigError, TaskError
 from tasks import base, classification
 from tests import helpers
@@ -499,3 +501,39 @@ def test_an_update_may_set_the_runs_values_and_its_own_batch_for_the_rate(data_d
     run = config.optimization
     settings = optim.checked_settings(run, {"global_batch_size": 1024, "ema_decay": run.ema_decay}, "update 'a'")
     assert float(optim.learning_rate(settings, 0)) == pytest.approx(0.8)  # 0.1 x 1024 / 128: the rate reads it
+
+
+def _traced(*frames, said):
+    """An error as autograph words one raised in a traced function: the user's frames, then the error."""
+    lines = ["in user code:", ""]
+    for path, line, name in frames:
+        lines += [f'    File "{os.path.join(helpers.ROOT, path)}", line {line}, in {name}  *', "        code"]
+    return "\n".join([*lines, "", *("    " + line for line in said.splitlines())])
+
+
+def test_a_forks_error_is_its_line_and_the_engines_keeps_its_traceback():
+    step = ("engine/numerics/forward.py", 201, "forward_backward")
+    mine = ("tasks/mine.py", 7, "loss")
+    assert plugins.failure(ValueError(_traced(step, mine, said="ValueError: oops"))) == (
+        "tasks/mine.py:7 in loss: ValueError: oops"
+    )
+    # Keras's error in a layer: its first line names the layer, its second what went wrong.
+    keras = (
+        'ValueError: Exception encountered when calling Dense.call().\n\n\x1b[1mInput 0 of layer "dense" is '
+        "incompatible with the layer: expected axis -1 of input shape to have value 64\x1b[0m\n\nArguments received "
+        "by Dense.call():\n  \u2022 inputs=tf.Tensor(shape=(None, 32), dtype=float32)"
+    )
+    assert plugins.failure(ValueError(_traced(step, mine, ("models/mine.py", 3, "<lambda>"), said=keras))) == (
+        "models/mine.py:3 in <lambda>: ValueError: Exception encountered when calling Dense.call(). Input 0 of layer "
+        '"dense" is incompatible with the layer: expected axis -1 of input shape to have value 64'
+    )
+    # Reading a setting is the plugin's own line; an error raised by the engine's code it called is the engine's.
+    sections = ("engine/settings/sections.py", 171, "__getattr__")
+    assert plugins.failure(AttributeError(_traced(mine, sections, said="AttributeError: no setting x"))) == (
+        "tasks/mine.py:7 in loss: AttributeError: no setting x"
+    )
+    assert plugins.failure(KeyError(_traced(mine, step, said="KeyError: 'a'"))) is None
+    assert plugins.failure(ValueError(_traced(("tasks/base.py", 93, "forward"), said="ValueError: x"))) is None
+    # TensorFlow's runtime (a device out of memory, a file that cannot be read) keeps its traceback.
+    assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _traced(mine, said="OOM"))) is None
+    assert plugins.failure(ValueError("not from a plugin")) is None

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from engine.api import Source, Split, in_memory
 from engine.data import datasets
+from engine.data.pipeline import Pipelines
 from engine.run import inputs, loop
 from engine.settings import plugins
 from engine.settings.errors import ConfigError, TaskError
@@ -184,3 +185,16 @@ def test_a_label_outside_num_classes_read_as_it_streams_stops_the_run_naming_it(
     message = str(caught.value)
     assert message.startswith(said) and ", outside [0, 4) of the info's num_classes=4; fix or remove it" in message
     assert int(message[len(said) :].split(",")[0]) in (4, 5, 6)  # a label of 1..3, plus 3
+
+
+def test_the_streamed_label_check_takes_numpy_counts_and_narrow_label_types():
+    # A uint8 label compared in its own type against 256 classes overflowed; a numpy num_classes turned the check off.
+    uint8 = {"image": tf.TensorSpec([6], tf.float32), "label": tf.TensorSpec([], tf.uint8)}
+    streamed = _streamed({"image": tf.zeros([4, 6]), "label": tf.constant([0, 1, 254, 255], tf.uint8)})
+    source = Source(train=streamed, evals=streamed, spec=uint8, info={"num_classes": np.int64(256)})
+    pipelines = Pipelines(None, source)
+    assert pipelines.classes == 256 and isinstance(pipelines.classes, int)
+    checked = pipelines._label_checked({"label": tf.constant(255, tf.uint8)})
+    assert checked["label"].dtype == tf.uint8 and int(checked["label"]) == 255
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        Pipelines(None, Source(streamed, streamed, uint8, {"num_classes": 200}))._label_checked({"label": 200})

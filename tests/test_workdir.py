@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine.run import loop
+from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.run.controller import Controller
 from engine.run.program import TrainProgram
@@ -324,6 +324,26 @@ def test_a_save_killed_before_its_index_was_written_is_removed_and_the_run_start
     with pytest.raises(ConfigError, match="every checkpoint in .* is unreadable"):
         loop.train(config, one_device)
     assert os.path.exists(tmp_path / "checkpoints" / "ckpt-10.data-00000-of-00001")
+
+
+def test_a_rollback_removes_the_checkpoints_of_the_steps_it_discarded(data_dir, one_device, tmp_path):
+    # Rolled back to ckpt-20 from a round after a preemption's ckpt-37, a run preempted again at step 30 resumed from
+    # ckpt-37, the newest: the steps the rollback had discarded, diverging again.
+    trainer = build.run(helpers.make_config(data_dir, str(tmp_path), hidden_sizes=(8,)), one_device)
+    checkpoints = checkpoint.Checkpoints(trainer.state, str(tmp_path), keep=3)
+    for step in (10, 20, 37):
+        trainer.state.step.assign(step)
+        checkpoints.save()
+    checkpoint.restore(checkpoints.checkpoint, checkpoints.directory + "/ckpt-20")
+    assert [os.path.basename(p) for p in checkpoints.discard_after(20)] == ["ckpt-37"]
+    trainer.state.step.assign(30)
+    checkpoints.save()
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(checkpoints.directory)] == [
+        "ckpt-30",
+        "ckpt-20",
+        "ckpt-10",
+    ]  # the three kept are real ones: the manager forgot ckpt-37
+    assert os.path.basename(tf.train.latest_checkpoint(checkpoints.directory)) == "ckpt-30"
 
 
 # 5. Damaged bookkeeping; damaged checkpoints in --mode=eval.

@@ -7,6 +7,8 @@ source's decode runs per example, seeded by its stream position, and an example 
 run naming its position (`Pipelines.origin` names its file).
 """
 
+import numbers
+
 import tensorflow as tf
 
 from engine.data import streamed
@@ -15,7 +17,8 @@ from engine.data.records import file_records, op_message, parsed, unreadable
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
 UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
-LABEL_OUTSIDE = "label outside num_classes"  # the decode's check of a streamed example's label
+# The decode's check of an example's label: the pipeline drops the example, and `origin` says why in its own words.
+LABEL_OUTSIDE = "label outside num_classes"
 
 
 class Pipelines:
@@ -168,8 +171,8 @@ class Pipelines:
 
     def decode(self, example, split, stream, index, training):
         """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode,
-        then its label checked against the info's num_classes (a label outside them reads as NaN where the step is
-        compiled by XLA, and on a GPU, where the loss would otherwise stop on it)."""
+        then its label checked against the info's num_classes: a step compiled by XLA, and a GPU's, read a label
+        outside them as a NaN loss, not an error. A failed check drops the example, and `origin` says why."""
         if split.files:
             example = parsed(split.parse, example)
         example = {k: v for k, v in example.items() if k != "origin"}
@@ -180,11 +183,11 @@ class Pipelines:
     def _label_checked(self, example):
         if self.classes is None or "label" not in example:
             return example
-        label = example["label"]
+        label = tf.cast(example["label"], tf.int64)  # compared in int64: a uint8 label of 256 classes fits
         inside = tf.logical_and(label >= 0, label < self.classes)
         found = tf.debugging.Assert(inside, [LABEL_OUTSIDE, label, self.classes], summarize=1)
         with tf.control_dependencies([found]):
-            return {**example, "label": tf.identity(label)}
+            return {**example, "label": tf.identity(example["label"])}
 
     def origin(self, position, stream=0, training=True, pipelines=1):
         """Why the example at `position` (of the training stream read with `pipelines` input pipelines, or
@@ -253,6 +256,8 @@ def _classes(source):
     """The info's num_classes where each example's label is one class (a scalar integer), for the decode's check of
     a label; None where there is nothing to check (no classes, a label per token)."""
     label, classes = source.spec.get("label"), source.info.get("num_classes")
-    if label is None or label.shape.rank != 0 or not label.dtype.is_integer or not isinstance(classes, int):
+    if label is None or label.shape.rank != 0 or not label.dtype.is_integer:
         return None
-    return classes
+    if not isinstance(classes, numbers.Integral) or isinstance(classes, bool):  # a numpy integer is one too
+        return None
+    return int(classes)

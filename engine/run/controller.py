@@ -93,7 +93,7 @@ class Controller:
                 action.close(self.context)
             except Exception as e:
                 if ending:  # printed, not reported: the report may be what failed
-                    print(f"warning: {plugins.file_of(action)}: close failed: {e!r}", flush=True)
+                    print(f"warning: {plugins.file_of(action)}: close failed: {type(e).__name__}: {e}", flush=True)
                 failed = failed or e
         if failed is not None and not ending:
             raise failed

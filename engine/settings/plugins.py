@@ -9,6 +9,7 @@ import functools
 import importlib
 import os
 import re
+import textwrap
 import traceback
 
 from engine.settings.errors import TaskError
@@ -75,34 +76,51 @@ def file_of(obj):
 
 
 # The lines autograph adds to an error raised inside a traced function, naming the user's code it ran through.
-_TRACED_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_TRACED_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_STYLE = re.compile(r"\x1b\[[0-9;]*m")  # the bold Keras puts around the cause of an error in a layer
+# Engine code a plugin's own line reads through: a setting no file declares is the line that reads it.
+_TRANSPARENT = (os.path.join("engine", "settings", "sections.py"),)
 
 
 def failure(error):
-    """The one line for an error raised while a plugin's code ran (`tasks/mine.py:7 in loss: ValueError: oops`),
-    naming the innermost line of a plugin file it came out of: the plugin's own raise, or what it called (a library,
-    an engine helper) raising; None where no plugin's code ran, an error of the engine's own, which keeps its
-    traceback. A step's function is traced: its lines are those autograph writes into the message."""
+    """The one line for an error a plugin's code raised (`tasks/mine.py:7 in loss: ValueError: oops`): where the
+    innermost line of this checkout it came out of is a plugin file's (its own raise, or a library it called
+    raising); None for an error of the engine's own code, or of TensorFlow's runtime (a device out of memory, a
+    file that cannot be read), which keep their traceback. A step's function is traced: its lines are those
+    autograph writes into the message."""
+    if type(error).__module__.startswith("tensorflow"):
+        return None
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     message = str(error)
-    frames += [(path, int(line), name) for path, line, name in _TRACED_LINE.findall(message)]
-    plugins = [f for f in frames if _is_plugin(f[0])]
-    if not plugins:
+    traced = list(_TRACED_LINE.finditer(message)) if message.startswith("in user code:") else []
+    frames += [(m.group(1), int(m.group(2)), m.group(3)) for m in traced]
+    ours = [f for f in frames if _relative(f[0]) and _relative(f[0]) not in _TRANSPARENT]
+    if not ours or not _is_plugin(ours[-1][0]):
         return None
-    path, line, name = plugins[-1]
-    lines = [line for line in message.splitlines() if line.strip()]
-    if message.startswith("in user code:") and lines:  # autograph's: the error as raised is its last line
-        said = lines[-1].strip()
+    path, line, name = ours[-1]
+    if traced:  # after the last frame and its line of code: the error as it was raised, "Type: message"
+        text = textwrap.dedent("\n".join(message[traced[-1].end() :].split("\n")[2:]))
     else:
-        said = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    return f"{os.path.relpath(path, ROOT)}:{line} in {name}: {said}"
+        text = f"{type(error).__name__}: {message}"
+    lines = [_STYLE.sub("", line).strip() for line in text.splitlines() if line.strip()]
+    said = lines[0] if lines else type(error).__name__
+    if len(lines) > 1 and (said.endswith(":") or "Exception encountered when calling" in said):
+        said = f"{said} {lines[1]}"  # Keras's first line names the layer; its second, what went wrong
+    return f"{_relative(path)}:{line} in {name}: {said}"
+
+
+def _relative(path):
+    """`path` relative to the checkout, where it is inside it; else None."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else None
 
 
 def _is_plugin(path):
-    """Whether `path` is a plugin file of this checkout: models/, tasks/ (its protocol too), sources/, an action."""
-    folder, name = os.path.split(os.path.relpath(os.path.abspath(path), ROOT))
-    return any(folder == FOLDERS[kind][0] and name[:-3] not in FOLDERS[kind][1] for kind in MEMBERS) and (
-        name != "__init__.py"
+    """Whether `path` is a plugin file of this checkout: a model, a task (not the protocol, tasks/base.py), a
+    source or an action (not the interface or the engine's own)."""
+    folder, name = os.path.split(_relative(path) or "")
+    return name != "__init__.py" and any(
+        folder == FOLDERS[kind][0] and name[:-3] not in FOLDERS[kind][1] for kind in MEMBERS
     )
 
 

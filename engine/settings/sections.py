@@ -166,7 +166,8 @@ class Sectioned:
     cluster = property(lambda self: section(self, "cluster"))
 
     def __getattr__(self, name):  # only for a name no field, section or method answers
-        if name.startswith("_"):  # Python's and TensorFlow's own probes (copy, pickle, tracing)
+        # Python's and TensorFlow's own probes (copy, pickle, tracing); a property of Config's that failed inside.
+        if name.startswith("_") or hasattr(type(self), name):
             raise AttributeError(name)
         raise AttributeError(
             f"no setting {name}: the engine declares none, nor does any file of this checkout; a model, task, "

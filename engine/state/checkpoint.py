@@ -104,7 +104,7 @@ class Checkpoints:
         self.state = state
         self.directory = os.path.join(workdir, "checkpoints")
         self.checkpoint = tf.train.Checkpoint(**state.tracked())
-        self.chief = chief
+        self.chief, self.keep = chief, keep
         # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
         # to be readable, unlike whatever is newest on disk.
         self.saved_path = None
@@ -145,20 +145,40 @@ class Checkpoints:
             where = f"{state_file} names checkpoints outside {self.directory} ({strays[0]})"
             print(f"warning: {where}; rebuilt from the files")
             readable = False
-        if not readable and not found:
-            tf.io.gfile.remove(state_file)
-        elif not readable:
-            # The manager deletes only checkpoints listed with a timestamp: their files' times stand in.
-            times = [
-                tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 if tf.io.gfile.exists(p + ".index") else 0.0
-                for p in found[::-1]
-            ]
-            lines = [f'model_checkpoint_path: "{os.path.basename(found[0])}"']
-            lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
-            lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
-            lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
+        if not readable:
+            self._write_state(found)
 
-            replace_text(state_file, "\n".join(lines) + "\n")
+    def _write_state(self, found):
+        """The `checkpoint` state file listing the checkpoints `found` (newest first), or none where none is left."""
+        state_file = os.path.join(self.directory, "checkpoint")
+        if not found:
+            if tf.io.gfile.exists(state_file):
+                tf.io.gfile.remove(state_file)
+            return
+        # The manager deletes only checkpoints listed with a timestamp: their files' times stand in.
+        times = [
+            tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 if tf.io.gfile.exists(p + ".index") else 0.0
+            for p in found[::-1]
+        ]
+        lines = [f'model_checkpoint_path: "{os.path.basename(found[0])}"']
+        lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in found[::-1]]
+        lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
+        lines += [f"last_preserved_timestamp: {min(times) - 1.0!r}"]
+        replace_text(state_file, "\n".join(lines) + "\n")
+
+    def discard_after(self, step):
+        """Removes the checkpoints newer than `step` (on the chief, which writes them): those of the steps a rollback
+        to `step` discarded (a preemption's save among them), which a restart would otherwise resume from, as the
+        newest. Returns their paths."""
+        newer = [path for path in list_checkpoints(self.directory) if step_of(path) > step]
+        if not self.chief or not newer:
+            return newer
+        for path in newer:
+            for name in tf.io.gfile.glob(path + ".*"):
+                tf.io.gfile.remove(name)
+        self._write_state(list_checkpoints(self.directory))  # and a manager that knows only what is left
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.keep)
+        return newer
 
     def _unfinished(self, found, listed):
         """`found` without the saves a kill stopped before they finished, whose files are removed: a checkpoint

@@ -94,7 +94,8 @@ class NanPolicy(Action):
         diverged = divergence(round, float16, run.config.precision)
         if not diverged:
             return None
-        last_good = self._last_good(context.checkpoints, round.start)
+        checkpoints = context.checkpoints
+        last_good = self._last_good(checkpoints, round.start) if self.rollback else checkpoints.saved_path
         if last_good != self.target:  # saved since the last rollback: a new count
             self.rollbacks, self.target = 0, last_good
         if not self.rollback or self.rollbacks >= MAX_ROLLBACKS or not last_good:
@@ -136,6 +137,7 @@ class NanPolicy(Action):
             checkpoint_lib.restore(context.checkpoints.checkpoint, saved)
             last_good = saved
         context.checkpoints.saved_path = last_good  # the checkpoint that holds the state now
+        context.checkpoints.discard_after(checkpoint_lib.step_of(last_good))
         state.batches.assign(position)  # read on from here: the discarded steps' batches are not redone
         current, self.rollbacks = int(state.step.numpy()), self.rollbacks + 1
         context.report.rewind(current)
