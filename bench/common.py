@@ -14,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
+# PyTorch's virtual environment (bench/pytorch.py makes it on first use): BENCH_TORCH_VENV, else .venv-torch here.
+TORCH_VENV = os.path.abspath(os.environ.get("BENCH_TORCH_VENV") or os.path.join(ROOT, ".venv-torch"))
 
 
 # The models of the table: name -> Config fields (besides dataset=synthetic, AdamW and the defaults).

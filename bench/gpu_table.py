@@ -225,7 +225,7 @@ def parser():
     out.add_argument("--matmul_size", type=int, default=8192)
     out.add_argument("--budget", type=float, default=460, help="seconds for every process this starts")
     out.add_argument("--engine_flags", default="", help="more launch.py flags for the engine's runs")
-    out.add_argument("--torch_venv", default=os.path.join(common.ROOT, ".venv-torch"))
+    out.add_argument("--torch_venv", default=common.TORCH_VENV)
     out.add_argument("--results", default=common.RESULTS, help="the file --record appends to")
     out.add_argument("--record", action="store_true", help="append the table to --results")
     out.add_argument("--matmul", choices=("tensorflow", "torch"), help=argparse.SUPPRESS)  # internal: one side

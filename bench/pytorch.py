@@ -5,9 +5,10 @@
     python -m bench.pytorch --record             # also appends the table to bench/RESULTS.md
     python -m bench.pytorch --precisions=mixed_bfloat16 --engine_flags="--jit_compile=true"   # the engine's flags
 
-PyTorch is not a requirement of the engine: the first run makes a virtual environment of its own (.venv-torch, or
---torch_venv) and installs BENCH_TORCH (default `torch==2.13.0`; on a machine without the CPU wheel at hand,
-`BENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"` avoids the CUDA build) and NumPy.
+PyTorch is not a requirement of the engine: the first run makes a virtual environment of its own (.venv-torch,
+BENCH_TORCH_VENV or --torch_venv) and installs BENCH_TORCH (default `torch==2.13.0`; on a machine without the CPU
+wheel at hand, `BENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"` avoids the CUDA
+build) and NumPy.
 BENCH_TORCH_PYTHON names a python with PyTorch to use instead, and a system python3 whose PyTorch sees a GPU is
 used as it is. PyTorch's processes run without LD_LIBRARY_PATH and PYTHONPATH (and behind $TORCH_ENV where set),
 which may put another build's CUDA libraries before PyTorch's own.
@@ -254,7 +255,7 @@ def main(argv=None):
     parser.add_argument(
         "--engine_flags", default="", help="more launch.py flags for the engine's runs, e.g. '--jit_compile=true'"
     )
-    parser.add_argument("--torch_venv", default=os.path.join(ROOT, ".venv-torch"))
+    parser.add_argument("--torch_venv", default=common.TORCH_VENV)
     parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--prepare", help=argparse.SUPPRESS)  # internal: the engine process that writes the data
     args, rest = parser.parse_known_args(argv)

@@ -2,8 +2,8 @@
 decoder, the table it appends, and the parts a GPU run leans on when a process runs past its time or float16
 overflows.
 
-PyTorch comes from bench/pytorch.py's own virtual environment (.venv-torch, made on first use); these tests skip
-only where it cannot be installed. Speed is never asserted.
+PyTorch comes from bench/pytorch.py's own virtual environment (.venv-torch or BENCH_TORCH_VENV, made on first use);
+these tests skip only where it cannot be installed. Speed is never asserted.
 """
 
 import json
@@ -34,7 +34,7 @@ PRECISIONS = ["float32", "mixed_bfloat16", "mixed_float16"]
 @pytest.fixture(scope="module")
 def torch_python():
     try:
-        return pytorch.ensure_torch(os.path.join(common.ROOT, ".venv-torch"))
+        return pytorch.ensure_torch(common.TORCH_VENV)
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"PyTorch could not be installed: {e}")
 
