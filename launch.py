@@ -141,18 +141,7 @@ def main(argv):
     _print_bytes_as_they_are()
     if len(argv) > 1:
         _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
-    try:
-        config = _config_from_flags()
-        if config.mode == "train":  # the other modes take the run's settings from its workdir's config.json
-            _refuse_unread(config)
-        if config.mode in RESEARCH_MODES:  # research's own checks, before anything starts
-            from research import checks, space
-
-            checks.check(config)
-            if config.mode == "tune":  # each searched value is tried in this config, which must be good already
-                space.parse_space(config.tune_space, config)
-    except ConfigError as e:
-        _exit(str(e))
+    config = _checked_config()
     from engine.cluster import launcher
 
     if config.local_workers:
@@ -198,6 +187,23 @@ def main(argv):
             raise
         _exit(failed)
     _print_result(config, result)
+
+
+def _checked_config():
+    """The run's Config from the flags, checked as far as it can be before anything starts; bad input exits."""
+    try:
+        config = _config_from_flags()
+        if config.mode == "train":  # the other modes take the run's settings from its workdir's config.json
+            _refuse_unread(config)
+        if config.mode in RESEARCH_MODES:  # research's own checks, before anything starts
+            from research import checks, space
+
+            checks.check(config)
+            if config.mode == "tune":  # each searched value is tried in this config, which must be good already
+                space.parse_space(config.tune_space, config)
+    except ConfigError as e:
+        _exit(str(e))
+    return config
 
 
 def _mode(config):
