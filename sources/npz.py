@@ -35,8 +35,14 @@ def load(config, eval_split):
         # A local file through Python's own open: its name may be any bytes (one not UTF-8 comes as surrogate
         # escapes, which TensorFlow's file system refuses).
         opened = tf.io.gfile.GFile(path, "rb") if "://" in path else open(path, "rb")
-        with opened as f, np.load(f, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
+        with opened as f:
+            archive = np.load(f, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy file: one array, no names
+                raise ConfigError(f"{where}: a single array (a .npy file), not a .npz archive of named arrays")
+            with archive:
+                arrays = {name: archive[name] for name in archive.files}
+    except ConfigError:
+        raise
     except (tf.errors.OpError, OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise ConfigError(f"{where}: cannot read it as a .npz file ({getattr(e, 'message', None) or e})") from None
     splits = {}
@@ -45,6 +51,9 @@ def load(config, eval_split):
         if not split:
             raise ConfigError(f"{where}: array {name!r} is not named <split>/<feature> (e.g. train/image)")
         _check_array(where, name, values)
+        if values.dtype.kind == "f" and not np.isfinite(values).all():  # every step reading it would be NaN
+            at = int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0][0])
+            raise ConfigError(f"{where}: {name} holds NaN or infinity (example {at} first)")
         splits.setdefault(split, {})[feature] = values
     for split, features in splits.items():
         lengths = {feature: len(values) for feature, values in features.items()}

@@ -226,3 +226,48 @@ def test_memory_is_checked_again_with_the_datasets_own_shape(data_dir, monkeypat
         "--model=mlp: needs about 142 kB of memory (model, gradients and optimizer slots 55.5 kB, training batch "
         "87 kB, evaluation batch 51.7 kB), more than this machine's 100 kB"
     )
+
+
+def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, monkeypatch):
+    """Each of these ended in a traceback and exit 1, or (a run inside another's workdir) mixed two runs' files."""
+    import json
+
+    import numpy as np
+
+    from engine.data import datasets
+    from engine.settings.errors import CheckpointError
+    from engine.state import report
+    from engine.state import workdir as workdir_lib
+
+    # A 'ps' job under --strategy=multi_worker, which has none.
+    cluster = {"cluster": {"ps": ["localhost:1"], "worker": ["localhost:2"]}, "task": {"type": "ps", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cluster))
+    with pytest.raises(ConfigError, match="--strategy=multi_worker: runs no 'ps' job, which TF_CONFIG has: use "):
+        helpers.make_config("", strategy="multi_worker")
+    monkeypatch.delenv("TF_CONFIG")
+    # A workdir inside another run's, or the checkout itself.
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for inside in (run / "checkpoints", run / "eval" / "deeper"):
+        with pytest.raises(ConfigError, match=f"is inside the workdir of another run \\({run}\\): give this run"):
+            workdir_lib.check_same_run(helpers.make_config("", str(inside)))
+    with pytest.raises(ConfigError, match="is this checkout itself: give the run a folder of its own"):
+        workdir_lib.check_same_run(helpers.make_config("", plugins.ROOT))
+    # A log that is a folder: exit 4, naming it, as a file that cannot be written.
+    (tmp_path / "logs" / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=f"cannot write {tmp_path}/logs/metrics.jsonl"):
+        report.Report(str(tmp_path / "logs"), True, 10, resume_step=5)
+    # A .npy file given as an npz, and features holding NaN (every step would diverge, "lower --learning_rate").
+    np.save(tmp_path / "one.npy", np.zeros((10, 4)))
+    features = np.ones((8, 3), np.float32)
+    features[5, 1] = np.nan
+    np.savez(tmp_path / "nan.npz", **{"train/image": features, "train/label": np.arange(8) % 2})
+    for name, said in (
+        ("one.npy", "a single array (a .npy file), not a .npz archive of named arrays"),
+        ("nan.npz", "train/image holds NaN or infinity (example 5 first)"),
+    ):
+        config = helpers.make_config("", dataset=f"npz:{tmp_path / name}", eval_split="train")
+        with pytest.raises(ConfigError) as refused:
+            datasets.load_source(config, ("image", "label"))
+        assert str(refused.value) == f"--dataset=npz:{tmp_path / name}: {said}"

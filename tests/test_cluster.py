@@ -307,6 +307,30 @@ def test_slurm_allocation_resolves_to_the_cluster(monkeypatch):
     }
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"SLURM_PROCID": "abc"}, "SLURM_PROCID='abc' is not a whole number"),
+        ({"SLURM_PROCID": "5"}, "SLURM_PROCID='5' is not a task's rank, below SLURM_STEP_NUM_TASKS=4"),
+        ({"SLURM_STEP_NUM_TASKS": "x"}, "SLURM_STEP_NUM_TASKS='x' is not a whole number"),
+        ({"SLURM_STEP_NODELIST": "node[a-b]"}, "SLURM_STEP_NODELIST='node[a-b]' is not a node list"),
+    ],
+)
+def test_slurm_variables_slurm_would_not_set_are_one_line(monkeypatch, change, message):
+    # Each was a traceback (ValueError, UnboundLocalError) and exit 1.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    for name, value in {**SLURM, "SLURM_PROCID": "0", **change}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(f"--cluster_resolver=slurm: {message}")):
+        distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm").cluster)
+    for name, value in {**SLURM, "SLURM_PROCID": "0"}.items():  # a port past 65535: refused, not a timeout
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape("--slurm_port_base=65535: with 2 tasks on a node their ports run")):
+        distribute.cluster_resolver(
+            Config(strategy="multi_worker", cluster_resolver="slurm", slurm_port_base=65535).cluster
+        )
+
+
 def test_slurm_outside_srun_is_a_clear_error(monkeypatch):
     for name in SLURM_VARIABLES:
         monkeypatch.delenv(name, raising=False)

@@ -34,6 +34,11 @@ def test_good_tf_config_parses():
         (json.dumps({**GOOD, "task": {"type": "worker", "index": "0"}}), "task index '0' is not a whole number"),
         (json.dumps({**GOOD, "cluster": {"worker": ["h:1"], "bogus": ["x:2"]}}), "job 'bogus' in 'cluster' is none of"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "task"}), "'task' must be an object"),
+        # Each ended in a traceback (exit 1) or a cluster that never formed (exit 10 after --connect_timeout).
+        (json.dumps({**GOOD, "cluster": {"worker": ["h:\u00b2"]}}), "'h:\u00b2' is not host:port"),
+        (json.dumps({**GOOD, "cluster": {"worker": ["local host:1"]}}), "'local host:1' is not host:port"),
+        (json.dumps({**GOOD, "cluster": {"worker": ["h:1", "h:1"]}}), "the address 'h:1' is listed for more than one"),
+        (json.dumps({**GOOD, "rpc_layer": "bogus"}), "rpc_layer 'bogus' is not 'grpc'"),
     ],
 )
 def test_malformed_tf_config_names_the_field(raw, message):

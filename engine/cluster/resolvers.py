@@ -61,10 +61,21 @@ def _slurm(settings, strategy):
         raise ConfigError(
             f"--cluster_resolver=slurm: {missing[0]} is not set; run the job under srun (one task per worker)"
         )
-    hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
+    try:
+        hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
+    except ValueError:
+        raise ConfigError(_slurm_bad("SLURM_STEP_NODELIST", "a node list as gpu[07-08,10],login1")) from None
     per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
     addresses = [f"{host}:{settings.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
-    tasks, rank = int(os.environ["SLURM_STEP_NUM_TASKS"]), int(os.environ["SLURM_PROCID"])
+    tasks, rank = _slurm_count("SLURM_STEP_NUM_TASKS"), _slurm_count("SLURM_PROCID")
+    if rank >= tasks:
+        raise ConfigError(_slurm_bad("SLURM_PROCID", f"a task's rank, below SLURM_STEP_NUM_TASKS={tasks}"))
+    top = settings.slurm_port_base + max(per_node, default=1) - 1
+    if top > 65535:
+        raise ConfigError(
+            f"--slurm_port_base={settings.slurm_port_base}: with {max(per_node)} tasks on a node their ports run to "
+            f"{top}, past 65535"
+        )
     if len(addresses) != tasks:
         raise ConfigError(
             f"--cluster_resolver=slurm: SLURM_STEP_NUM_TASKS={tasks} but the node list holds "
@@ -87,6 +98,18 @@ def _slurm(settings, strategy):
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type=task[0], task_id=task[1], rpc_layer="grpc"
     )
+
+
+def _slurm_bad(name, what):
+    return f"--cluster_resolver=slurm: {name}={os.environ[name]!r} is not {what}"
+
+
+def _slurm_count(name):
+    """A whole number of at least 0 Slurm set in `name`; ConfigError naming it else."""
+    value = os.environ[name]
+    if not (value.isascii() and value.isdigit()):
+        raise ConfigError(_slurm_bad(name, "a whole number"))
+    return int(value)
 
 
 def expand_hostlist(hostlist):

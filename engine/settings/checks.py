@@ -223,6 +223,9 @@ def check_strategy(config):
             f"is not supported with {said}: asynchronous "
             "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
         )
+    jobs = (tf_config() or {}).get("cluster") or {}
+    if name == "multi_worker" and "ps" in jobs:  # TensorFlow's multi-worker strategy has no parameter servers
+        fail("strategy", config.strategy, "runs no 'ps' job, which TF_CONFIG has: use --strategy=parameter_server")
     if name == "tpu" and not config.tpu:
         fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
     if config.tf_data_service and data_service_address(config.tf_data_service) is None:

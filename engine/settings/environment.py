@@ -43,8 +43,20 @@ def parse_tf_config(raw):
             bad(f"cluster['{job}'] must be a non-empty list of host:port addresses")
         for address in addresses:
             host, _, port = str(address).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            # ASCII digits alone (int() refuses a superscript two that isdigit() takes); a host without spaces.
+            if (
+                not host
+                or host.split() != [host]
+                or not (port.isascii() and port.isdigit())
+                or not 0 < int(port) < 65536
+            ):
                 bad(f"cluster['{job}'] address {address!r} is not host:port")
+    listed = [str(a) for addresses in cluster.values() for a in addresses]
+    twice = sorted({a for a in listed if listed.count(a) > 1})
+    if twice:  # two tasks cannot serve at one address: the cluster would never form
+        bad(f"the address {twice[0]!r} is listed for more than one task in 'cluster'")
+    if parsed.get("rpc_layer", "grpc") != "grpc":  # the one TensorFlow serves; any other fails as it starts
+        bad(f"rpc_layer {parsed['rpc_layer']!r} is not 'grpc', the one TensorFlow's servers speak")
     if "worker" not in cluster and "chief" not in cluster:
         bad("'cluster' has no 'worker' or 'chief' job")
     if not isinstance(task, dict):

@@ -63,8 +63,8 @@ def _step_of(line):
 def _read_lines(path):
     if not tf.io.gfile.exists(path):
         return []
-    with tf.io.gfile.GFile(path) as f:
-        return f.read().splitlines(keepends=True)
+    with writing(path), tf.io.gfile.GFile(path) as f:  # a log the run cannot read (a folder in its place) is one
+        return f.read().splitlines(keepends=True)  # it cannot write either: exit 4, naming it
 
 
 def _rewind_events(path, last):

@@ -16,6 +16,7 @@ import os
 
 import tensorflow as tf
 
+from engine.settings import plugins
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError
 from engine.settings.fields import show
@@ -32,6 +33,7 @@ def check_same_run(config, unread=ORDER_SETTINGS):
     workdir. A run that saved no checkpoint (refused as its first batches loaded: bad data, a source setting to
     correct) left nothing to resume: its workdir is new to a command with other settings. `unread`: the order
     settings its training split does not read, which its data says (Data.unread): all of them before it is loaded."""
+    _check_not_inside_a_run(config.workdir)
     study = os.path.join(config.workdir, STUDY_NAME)
     if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
         raise ConfigError(
@@ -57,6 +59,26 @@ def check_same_run(config, unread=ORDER_SETTINGS):
             f" ({_free_name(config.workdir)} is free){hint}"
         )
     return saved
+
+
+def _check_not_inside_a_run(workdir):
+    """Refuses a workdir that is the checkout itself, or inside another train run's workdir (its checkpoints/ or
+    eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
+    path = os.path.abspath(workdir) if "://" not in workdir else None
+    if path is None:
+        return
+    if path == plugins.ROOT:
+        raise ConfigError(
+            f"--workdir={workdir} is this checkout itself: give the run a folder of its own, as runs/NAME"
+        )
+    parent = os.path.dirname(path)
+    while parent != os.path.dirname(parent):
+        if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(os.path.join(parent, "checkpoints")):
+            raise ConfigError(
+                f"--workdir={workdir} is inside the workdir of another run ({parent}): give this run a folder of its "
+                "own, beside it"
+            )
+        parent = os.path.dirname(parent)
 
 
 def check_no_others_results(workdir, own, said, job):
