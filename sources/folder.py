@@ -58,6 +58,11 @@ def load(config, eval_split):
         names, train, evals = _split_folders(path, where, config.train_split, eval_split)
     else:
         names, train, evals = _carved(path, where, config, eval_split)
+    if len(names) < 2:  # one class leaves nothing to learn
+        raise ConfigError(
+            f"{where}: one class folder ({names[0] if names else 'none'}): a folder of classes holds a folder of "
+            "photos for each class, two at least"
+        )
     size = config.image_size
     spec = {"image": tf.TensorSpec([size, size, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
     info = {"num_classes": len(names), "class_names": tuple(names)}

@@ -18,7 +18,8 @@ MODEL = "gpt"  # the default --model: a causal decoder, one prediction per posit
 SETTINGS = {
     "sequence_length": (64, "tokens of context per example"),
     # --mode=sample: how a trained run's text is drawn (the run's identity is its training, not these).
-    "sample_length": (500, "--mode=sample: how many tokens (characters) to generate"),
+    # At most a million: each token's distribution is drawn in memory (a hundred billion asked for 373 GiB).
+    "sample_length": (500, "--mode=sample: how many tokens (characters) to generate", (1, 1_000_000)),
     "sample_prompt": ("\n", "--mode=sample: the text the generated text continues"),
     "sample_temperature": (0.8, "--mode=sample: divides the logits before sampling; lower is more conservative"),
     "sample_top_k": (0, "--mode=sample: draw from the k likeliest tokens only; 0 = from all", (0, 2_147_483_647)),

@@ -122,8 +122,10 @@ def test_split_folders_are_used_as_given(data_dir, tmp_path):
         ({"ant/1.jpg": "photo", "bee/notes.txt": b"hi"}, "class folder {root}/bee holds no JPEG or PNG files"),
         ({"ant/notes.txt": b"hi", "bee/.hidden.png": b"x"}, "no JPEG or PNG files (.jpg, .jpeg, .png) in the class"),
         ({"ant/1.jpg": "photo"}, "none of its 1 photos fall in the held-out 10% (--folder_eval_percent)"),
+        # A traceback-free line blaming sources/folder.py's info before (num_classes=1), naming no folder.
+        ({f"ant/{i}.jpg": "photo" for i in range(30)}, "one class folder (ant): a folder of classes holds a folder"),
     ],
-    ids=["missing", "no-classes", "empty-class", "no-photos", "none-held-out"],
+    ids=["missing", "no-classes", "empty-class", "no-photos", "none-held-out", "one-class"],
 )
 def test_a_bad_folder_is_refused_naming_it(data_dir, tmp_path, layout, why):
     root = tmp_path / "photos"

@@ -234,3 +234,11 @@ def test_the_task_alone_picks_its_model_and_dataset():
     config = validate(Config(task="language_model"))
     assert (config.model, config.dataset) == ("gpt", "shakespeare")
     assert validate(Config()).model == "mlp"
+
+
+def test_a_sample_longer_than_memory_holds_is_refused_naming_the_flag():
+    # A hundred billion tokens asked for 373 GiB and ended in a MemoryError.
+    from engine.settings.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--sample_length=100000000000: must be in \[1, 1000000\]"):
+        helpers.make_config("", task="language_model", sample_length=100_000_000_000)
