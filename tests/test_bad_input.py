@@ -254,6 +254,8 @@ def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, m
             workdir_lib.check_same_run(helpers.make_config("", str(inside)))
     with pytest.raises(ConfigError, match="is this checkout itself: give the run a folder of its own"):
         workdir_lib.check_same_run(helpers.make_config("", plugins.ROOT))
+    with pytest.raises(ConfigError, match="^--workdir=/ is the root of the file system: give the run a folder"):
+        workdir_lib.check_same_run(helpers.make_config("", "/"))
     # A log that is a folder: exit 4, naming it, as a file that cannot be written.
     (tmp_path / "logs" / "metrics.jsonl").mkdir(parents=True)
     with pytest.raises(CheckpointError, match=f"cannot write {tmp_path}/logs/metrics.jsonl"):

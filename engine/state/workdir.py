@@ -62,15 +62,14 @@ def check_same_run(config, unread=ORDER_SETTINGS):
 
 
 def _check_not_inside_a_run(workdir):
-    """Refuses a workdir that is the checkout itself, or inside another train run's workdir (its checkpoints/ or
-    eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
+    """Refuses a workdir that is the checkout itself or a file system's root, or inside another train run's workdir
+    (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
     path = os.path.abspath(workdir) if "://" not in workdir else None
     if path is None:
         return
-    if path == plugins.ROOT:
-        raise ConfigError(
-            f"--workdir={workdir} is this checkout itself: give the run a folder of its own, as runs/NAME"
-        )
+    if path == plugins.ROOT or path == os.path.dirname(path):  # the checkout, or a file system's root
+        what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
+        raise ConfigError(f"--workdir={workdir} is {what}: give the run a folder of its own, as runs/NAME")
     parent = os.path.dirname(path)
     while parent != os.path.dirname(parent):
         if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(os.path.join(parent, "checkpoints")):
