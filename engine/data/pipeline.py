@@ -7,12 +7,11 @@ source's decode runs per example, seeded by its stream position, and an example 
 run naming its position (`Pipelines.origin` names its file).
 """
 
-import numbers
-
 import tensorflow as tf
 
 from engine.data import streamed
 from engine.data.records import file_records, op_message, parsed, unreadable
+from engine.data.source_checks import checked_classes, outside
 
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
@@ -29,7 +28,7 @@ class Pipelines:
         self.data, self.source = data, source
         self.train_split, self.evals = source.train, source.evals
         self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
-        self.classes = _classes(source)
+        self.classes = checked_classes(source)
 
     def position(self, ctx, local):
         """The global stream position of this pipeline's `local`-th training example: its share of global
@@ -222,10 +221,7 @@ class Pipelines:
             return f"--dataset={data.dataset}: cannot decode {where}: {op_message(e)}"
         label = features.get("label") if self.classes is not None else None
         if label is not None and not 0 <= int(label) < self.classes:
-            return (
-                f"--dataset={data.dataset}: {where} holds the label {int(label)}, outside [0, {self.classes}) of the "
-                f"info's num_classes={self.classes}"
-            )
+            return f"--dataset={data.dataset}: {where} {outside(int(label), self.classes)}"
         return f"--dataset={data.dataset}: the example at position {position} ({where}) was lost before decoding"
 
     def _unparsed(self, split):
@@ -250,14 +246,3 @@ class Pipelines:
         ds = ds.batch(ctx.get_per_replica_batch_size(data.per_eval_batch_size), drop_remainder=True)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         return ds.take(eval_steps * local_replicas)
-
-
-def _classes(source):
-    """The info's num_classes where each example's label is one class (a scalar integer), for the decode's check of
-    a label; None where there is nothing to check (no classes, a label per token)."""
-    label, classes = source.spec.get("label"), source.info.get("num_classes")
-    if label is None or label.shape.rank != 0 or not label.dtype.is_integer:
-        return None
-    if not isinstance(classes, numbers.Integral) or isinstance(classes, bool):  # a numpy integer is one too
-        return None
-    return int(classes)

@@ -120,8 +120,7 @@ def _check_classes(source, where):
             f"{where}: the Source's info says num_classes={classes!r}: the number of classes of its label, a whole "
             "number of at least 2 (one class leaves nothing to learn)"
         )
-    label = source.spec.get("label")
-    if label is None or not label.dtype.is_integer or label.shape.rank != 0 or source.decode is not None:
+    if checked_classes(source) is None or source.decode is not None:
         return
     for role, split in (("training", source.train), ("evaluation", source.evals)):
         if split.fetch is None or not split.examples:  # streamed: read in the steps, not twice
@@ -129,10 +128,23 @@ def _check_classes(source, where):
         low, high = _label_range(split)
         if low < 0 or high >= classes:
             bad = low if low < 0 else high
-            raise TaskError(
-                f"{where}: the {role} split holds the label {bad}, outside [0, {classes}) of the info's "
-                f"num_classes={classes}"
-            )
+            raise TaskError(f"{where}: the {role} split {outside(bad, classes)}")
+
+
+def checked_classes(source):
+    """The info's num_classes (an int) that each label is checked against, where an example's label is one class (a
+    scalar integer); None where there is nothing to check (no num_classes, a label per token)."""
+    label, classes = source.spec.get("label"), source.info.get("num_classes")
+    if label is None or label.shape.rank != 0 or not label.dtype.is_integer:
+        return None
+    if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)):
+        return None
+    return int(classes)
+
+
+def outside(label, classes):
+    """What a message says of a label outside [0, classes)."""
+    return f"holds the label {label}, outside [0, {classes}) of the info's num_classes={classes}"
 
 
 def _label_range(split):
