@@ -245,7 +245,7 @@ def _print_result(config, result):
         headline = importlib.import_module(f"tasks.{config.task}").Task.headline
         print(
             f"{config.eval_split} {headline} {results[headline]:.4f} on {results['examples']} examples "
-            f"({result['step']} steps, {result['wall_seconds']:.1f} s)"
+            f"({result['step']} step{'' if result['step'] == 1 else 's'}, {result['wall_seconds']:.1f} s)"
         )
     elif config.mode == "tune":
         best = result["best"]
@@ -274,6 +274,8 @@ def _parse_flags(argv):
         if DECLARATION_ERRORS:  # what stops every other command: two files declare one setting
             _exit(DECLARATION_ERRORS[0])
         sys.exit(0)
+    if any(arg in ("--flagfile=", "-flagfile=") for arg in argv[1:]):  # absl reads nothing and says nothing
+        _exit("--flagfile=: names no file (an empty variable in a script?); give the flag file's path")
     try:
         return FLAGS(argv)
     except flags.UnrecognizedFlagError as e:

@@ -24,6 +24,8 @@ from engine.api import ConfigError, Source, in_memory
 ARGUMENT = ("PATH", "a NumPy .npz of <split>/<feature> arrays")
 MANY_CLASSES = 1 << 16  # classes a label may imply beyond the file's examples (a subset of a large label set)
 _CLASS = "a label is a class, an integer 0 .. N-1"
+# How the files numpy reads begin: a zip archive (a .npz; an empty one begins with its end record), a .npy array.
+ZIP, NPY = (b"PK\x03\x04", b"PK\x05\x06"), b"\x93NUMPY"
 
 
 def load(config, eval_split):
@@ -36,6 +38,11 @@ def load(config, eval_split):
         # escapes, which TensorFlow's file system refuses).
         opened = tf.io.gfile.GFile(path, "rb") if "://" in path else open(path, "rb")
         with opened as f:
+            begins = f.read(6)
+            f.seek(0)
+            if not begins.startswith((*ZIP, NPY)):  # numpy takes anything else for pickled data, which it refuses
+                what = "is empty" if not begins else f"begins with {begins!r}, not a zip archive's {ZIP[0]!r}"
+                raise ConfigError(f"{where}: not a .npz archive (it {what})")
             archive = np.load(f, allow_pickle=False)
             if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy file: one array, no names
                 raise ConfigError(f"{where}: a single array (a .npy file), not a .npz archive of named arrays")

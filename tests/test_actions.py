@@ -614,6 +614,29 @@ def test_an_actions_stop_is_logged_as_the_runs_evaluation_with_the_last_rounds_l
     assert summary["step"] == 6 and logged == [{"step": 6, **summary["eval"]}]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [3, 6] and summary["train_loss"] == lines[-1]["loss"]
+    assert summary["stopped_by"] == "tests/test_actions.py"
+
+
+def test_a_run_an_action_stopped_is_not_trained_past_its_stop_when_its_command_runs_again(
+    data_dir, one_device, tmp_path, monkeypatch, capsys
+):
+    # Before: the rerun resumed from the stop's checkpoint and trained on to --train_steps (an early stop undone).
+    monkeypatch.setattr(actions, "load", lambda config: [_StopsAt(6)])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, steps_per_loop=3, hidden_sizes=(8,))
+    summary = loop.train(config, one_device)
+    logs = {name: (tmp_path / name).read_text() for name in ("metrics.jsonl", "eval.jsonl", "summary.json")}
+    capsys.readouterr()
+    assert loop.train(config, one_device) == summary
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "an action (tests/test_actions.py) stopped the run at step 6; a rerun does not train past that (to train on "
+        f"from there, remove its summary.json) ({tmp_path}/checkpoints/ckpt-6); nothing to do"
+    )
+    assert {name: (tmp_path / name).read_text() for name in logs} == logs
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index")) == ["ckpt-6.index"]
+    # Its summary removed, the same command trains on from the stop's checkpoint to --train_steps.
+    (tmp_path / "summary.json").unlink()
+    monkeypatch.setattr(actions, "load", lambda config: [])
+    assert loop.train(config, one_device)["step"] == 20
 
 
 class _ClosesBadly(base.Action):

@@ -42,6 +42,10 @@ CASES = [
     (["--flagfile={tmp}/negated.flags"], "--nosave_initial=1"),
     (["--tf_data_service=notaurl"], "--tf_data_service=notaurl"),
     (["--tf_data_service=grpc://localhost:1", "--connect_timeout=1"], "--tf_data_service=grpc://localhost:1"),
+    # Each named another value than the one given, or nothing at all (an empty --flagfile= ran the defaults).
+    (["--data_dir={tmp}/binary"], "--data_dir={tmp}/binary"),
+    (["--task=distillation", "--teacher={tmp}/teacher"], "--teacher={tmp}/teacher"),
+    (["--flagfile="], "--flagfile="),
 ]
 # Downloads go through a proxy that refuses connections: the network is unreachable, on any machine.
 OFFLINE = {name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
@@ -53,6 +57,8 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
     (tmp_path / "inf.space").write_text("learning_rate float 1e-4 inf\n")
     (tmp_path / "model.space").write_text("model choice ..x mlp\n")
     (tmp_path / "negated.flags").write_text("--nosave_initial=1\n")
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text("{bad")
 
     def attempt(index):
         args = [a.format(tmp=tmp_path) for a in CASES[index][0]]
@@ -265,8 +271,12 @@ def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, m
     features = np.ones((8, 3), np.float32)
     features[5, 1] = np.nan
     np.savez(tmp_path / "nan.npz", **{"train/image": features, "train/label": np.arange(8) % 2})
+    (tmp_path / "text.npz").write_text("hello world")  # numpy called it "pickled data"
+    (tmp_path / "empty.npz").write_bytes(b"")
     for name, said in (
         ("one.npy", "a single array (a .npy file), not a .npz archive of named arrays"),
+        ("text.npz", "not a .npz archive (it begins with b'hello ', not a zip archive's b'PK\\x03\\x04')"),
+        ("empty.npz", "not a .npz archive (it is empty)"),
         ("nan.npz", "train/image holds NaN or infinity (example 5 first)"),
     ):
         config = helpers.make_config("", dataset=f"npz:{tmp_path / name}", eval_split="train")

@@ -231,3 +231,15 @@ def test_the_header_counts_every_parameter_and_names_the_trained_ones_beside(dat
     assert parameters(run) == f"{total} (trained {trained})" and trained < total
     whole = build.run(make_config(data_dir, hidden_sizes=(16,)), one_device)
     assert parameters(whole) == str(whole.model.count_params()) == "1210"
+
+
+def test_a_freeze_that_matches_nothing_is_refused_naming_the_variables_it_could_match(data_dir, tmp_path, one_device):
+    """A --freeze with a typo (mpl for mlp) kept nothing fixed and trained every weight, exit 0."""
+    workdir = str(tmp_path / "run")
+    with pytest.raises(
+        ConfigError,
+        match=r"^--freeze=\^model/mpl/: matches no variable of the run's models; their names are <model name>/<path>, "
+        r"such as model/mlp/dense/kernel, model/mlp/dense/bias, ",
+    ):
+        loop.train(make_config(data_dir, workdir, freeze="^model/mpl/"), one_device)
+    assert not os.path.exists(workdir)

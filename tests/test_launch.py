@@ -311,3 +311,13 @@ def test_a_damaged_compile_cache_entry_is_set_aside_and_compiled_again(data_dir,
     assert said[0].endswith("; its program compiles again") and again == losses
     for p in entries:
         assert compile_cache.damage(str(p)) is None
+
+
+def test_the_last_line_counts_one_step_as_one(capsys):
+    """A one-step run's last line read "(1 steps, ...)"."""
+    import launch as entry
+
+    config = helpers.make_config("", train_steps=1)
+    for step, said in ((1, "1 step"), (2, "2 steps")):
+        entry._print_result(config, {"eval": {"accuracy": 0.5, "examples": 360}, "step": step, "wall_seconds": 3.0})
+        assert capsys.readouterr().out == f"test accuracy 0.5000 on 360 examples ({said}, 3.0 s)\n"

@@ -117,7 +117,7 @@ def _prepared_builder(data, name):
     # What builder.is_prepared() reads, without its warning about the folder it expected.
     if not tf.io.gfile.exists(os.path.join(builder.data_dir, tfds.core.constants.DATASET_INFO_FILENAME)):
         _check_reachable(data, builder)
-    with _prepare_lock(builder.data_dir):
+    with _prepare_lock(builder.data_dir, data.data_dir):
         try:
             builder.download_and_prepare()
         except Exception as e:  # network, disk and checksum failures all end here
@@ -152,8 +152,9 @@ def _check_reachable(data, builder):
 
 
 @contextlib.contextmanager
-def _prepare_lock(directory):
-    # Workers of one job on one machine (or sharing a POSIX file system) prepare a dataset once.
+def _prepare_lock(directory, given):
+    """Held while the dataset is prepared into `directory` (under --data_dir, `given`; tfds's own when empty):
+    workers of one job on one machine (or sharing a POSIX file system) prepare a dataset once."""
     if "://" in directory:
         yield
         return
@@ -161,7 +162,8 @@ def _prepare_lock(directory):
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--data_dir={parent}: cannot create it ({e.strerror})") from None
+        where = f"--data_dir={given}" if given else "tensorflow-datasets' data folder (--data_dir is empty)"
+        raise ConfigError(f"{where}: cannot create the folder {parent} ({e.strerror})") from None
     with open(os.path.join(parent, ".prepare.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield

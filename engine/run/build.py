@@ -179,6 +179,12 @@ def trained_weights(models, freeze, ema_decay):
     if not variables:
         raise ConfigError(f"--freeze={freeze}: matches every trainable variable; nothing to train")
     owner = owners(models)
+    names = [f"{owner[id(v)]}/{v.path}" for model in models.values() for v in model.variables]
+    if freeze and not any(re.search(freeze, name) for name in names):  # a typo would train what it meant to keep
+        raise ConfigError(
+            f"--freeze={freeze}: matches no variable of the run's models; their names are <model name>/<path>, "
+            f"such as {', '.join(names[:3])}"
+        )
     averages = [tf.Variable(v.value, trainable=False, name="ema") for v in variables if ema_decay]
     return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages)
 

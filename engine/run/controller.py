@@ -72,6 +72,7 @@ class Controller:
 
     def __init__(self, run, report, checkpoints, started):
         self.run, self.started = run, started
+        self.stopped_by = None  # the file of the action whose Stop ended the run
         self.context = Context(run, report, checkpoints, Timing(), run.placement.chief)
 
     def train(self):
@@ -111,7 +112,8 @@ class Controller:
             # A run stopped at an evaluation step saved it unevaluated: the resumed run evaluates it, once (Report
             # dropped any evaluation of it logged before).
             if evaluates_on_resume(config.loop, current):
-                outcome = _evaluation(run).at(current, self.context)
+                evaluation = _evaluation(run)
+                outcome = self._checked(evaluation.at(current, self.context), evaluation, current)
             while current < config.train_steps and not isinstance(outcome, Stop):
                 ran = self._round(iterators[0], current)
                 if ran is None:  # recompiled: from the data position again, as the failed step took a batch
@@ -165,8 +167,18 @@ class Controller:
                 except NotAsked as e:
                     raise TaskError(f"{plugins.file_of(action)}: {e}; {_asking(action, e.key)}") from None
                 if outcome is not None:
-                    return _checked_outcome(outcome, action, ran.end, self.run.task.headline)
+                    return self._checked(outcome, action, ran.end)
         return None
+
+    def _checked(self, outcome, action, step):
+        """`action`'s outcome after `step`, checked; a Stop's action is the summary's `stopped_by`, which a rerun of
+        the run's command reads: it does not train past an action's stop."""
+        if outcome is None:
+            return None
+        outcome = _checked_outcome(outcome, action, step, self.run.task.headline)
+        if isinstance(outcome, Stop):
+            self.stopped_by = plugins.file_of(action)
+        return outcome
 
     def _final_evaluation(self, step):
         evaluator, report = self.run.evaluator, self.context.report
@@ -202,6 +214,7 @@ class Controller:
             "loss_scale": float(run.plans[0].loss_scale.scale.numpy())
             if program.float16 and len(run.plans) == 1
             else None,
+            **({"stopped_by": self.stopped_by} if self.stopped_by else {}),  # an action's Stop ended the run
             "wall_seconds": time.time() - self.started,
             "strategy": run.placement.name,
             "num_replicas": run.placement.replicas,

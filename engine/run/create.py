@@ -89,7 +89,10 @@ class Create:
         that run kept one) and frozen. ConfigError naming --`flag` when `workdir` holds no config.json, a run of
         another task than `task`, a run on another dataset than this run's, or a checkpoint that does not fit
         its model."""
-        saved = load_run_config(workdir)
+        try:
+            saved = load_run_config(workdir)
+        except ConfigError as e:  # its config.json cannot be read, or holds settings no run could have
+            raise ConfigError(f"--{flag}={workdir}: {e}") from None
         if saved is None:
             raise ConfigError(f"--{flag}={workdir}: no config.json there; name the workdir of a trained run")
         if saved.task != task:

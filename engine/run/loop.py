@@ -46,9 +46,9 @@ def train(config, strategy=None, on_eval=None):
             trace(run)
         restored = _restore(run, checkpoints)
         current = int(run.state.step.numpy())
-        finished = _summary_at(config.workdir, current) if restored and current == config.train_steps else None
+        finished = _ended_at(config, current) if restored else None
         if finished:
-            print(f"already trained to step {current} ({restored}); nothing to do", flush=True)
+            print(f"{_ended(finished, current)} ({restored}); nothing to do", flush=True)
             return finished
         if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
@@ -96,13 +96,31 @@ def _restore(run, checkpoints):
 
 
 def _nothing_left(config, directory):
-    """Whether the newest checkpoint says, by its name, that the run has nothing left to train: at --train_steps with
-    its summary written (the run ends as already trained), or past them (refused). A damaged newest checkpoint
-    says so too, though the run then trains from an older one: untraced, so its step compiles again (a cache miss)."""
+    """Whether the newest checkpoint says, by its name, that the run has nothing left to train: where the run ended
+    (its summary written), or past --train_steps (refused). A damaged newest checkpoint says so too, though the run
+    then trains from an older one: untraced, so its step compiles again (a cache miss)."""
     step = checkpoint_lib.latest_step(directory)
-    return step is not None and (
-        step > config.train_steps or (step == config.train_steps and _summary_at(config.workdir, step) is not None)
-    )
+    return step is not None and (step > config.train_steps or _ended_at(config, step) is not None)
+
+
+def _ended_at(config, step):
+    """The summary of a run that ended at `step`, where it has nothing left to train: at --train_steps, or where an
+    action stopped it (an early stop, a tuner's pruning), which a rerun of its command does not train past. None
+    where it goes on (a run killed before its summary, one given more --train_steps)."""
+    summary = _summary_at(config.workdir, step)
+    if summary is not None and (step == config.train_steps or summary.get("stopped_by")):
+        return summary
+    return None
+
+
+def _ended(summary, step):
+    """What the console says of a run that ended at `step` (its `summary`) before this process."""
+    if summary.get("stopped_by"):
+        return (
+            f"an action ({summary['stopped_by']}) stopped the run at step {step}; a rerun does not train past that "
+            "(to train on from there, remove its summary.json)"
+        )
+    return f"already trained to step {step}"
 
 
 def _summary_at(workdir, step):
