@@ -475,6 +475,29 @@ def test_a_record_unlike_the_features_stops_the_stream_naming_its_file_and_recor
     assert re.fullmatch(rf"{record}{'[0-7]' if training else '0'}: {re.escape(why)}.*", message), message
 
 
+def test_a_record_holding_nan_stops_the_stream_naming_its_file_and_record(data_dir, tmp_path):
+    """A float feature's NaN read as a run that diverged: the loss was NaN and the run said "lower --learning_rate"."""
+    path = tmp_path / "train-0.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for i in range(8):
+            image = [1.0, float("nan") if i == 3 else 2.0]
+            feature = {
+                "image": tf.train.Feature(float_list=tf.train.FloatList(value=image)),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i % 3])),
+            }
+            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    glob = f"{tmp_path}/{{split}}-*"
+    config = _config(data_dir, glob, "tfrecord", tfrecord_features="image:float32:2,label:int64", tfrecord_classes=3)
+    loaded = inputs.run_data(dataclasses.replace(config, global_batch_size=8, eval_batch_size=8, eval_split="train"))
+    for read in (loaded.train_fn, loaded.eval_fn):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=UNDECODABLE):
+            list(read(tf.distribute.InputContext()).take(1))
+    said = f"--dataset=tfrecord:{glob}: {path} record 3 holds NaN or infinity in its image"
+    positions = [p for p in range(8) if "NaN" in loaded.origin(p, 0, True, 1)]
+    assert len(positions) == 1, positions  # the training stream's order is shuffled: one position holds record 3
+    assert loaded.origin(positions[0], 0, True, 1) == said and loaded.origin(3, 0, False, 1) == said
+
+
 @pytest.mark.parametrize(
     "make,why",
     [

@@ -49,6 +49,13 @@ def _with(train=None, evals=None):
     )
 
 
+def _with_nan(n, seed, at):
+    arrays = _arrays(n, seed)
+    image = arrays["image"].numpy()
+    image[at, 2] = np.nan
+    return {**arrays, "image": tf.constant(image)}
+
+
 CASES = {
     "a tuple": (lambda config, split: (1, 2), "load returned a tuple, not engine.api.Source(train, evals, spec, info)"),
     "one argument": (lambda config: None, "load(config) is called as load(config, eval_split): it takes those two"),
@@ -96,6 +103,11 @@ CASES = {
     "a negative evaluation label": (
         _with(evals={**_arrays(64, 1), "label": tf.range(64, dtype=tf.int64) % 4 - 1}),
         "the evaluation split holds the label -1, outside [0, 4) of the info's num_classes=4",
+    ),
+    # A NaN input read as a run that diverged: "non-finite loss ... lower --learning_rate or set --clip_norm".
+    "a NaN in training": (
+        lambda c, s: _good(c, s, train=in_memory(_with_nan(256, 0, 7))),
+        "the training split's image holds NaN or infinity (example 7 first)",
     ),
 }
 
@@ -162,29 +174,70 @@ def _streamed(arrays):
 LABELS_READ_AS_THEY_STREAM = {
     # A decode's labels (the load's check passes them over), read in training: the step compiled by XLA gave NaN,
     # and the run stopped with "non-finite loss ... lower --learning_rate or set --clip_norm".
+    # Each training example's label is 4 + its index in the split.
     "decoded, in training": (
-        lambda c, s: _good(c, s, decode=lambda x, seed, training: {**x, "label": x["label"] + 3 * int(training)}),
-        "--dataset=synthetic: example 0 of the split holds the label ",
+        lambda c, s: _good(
+            c,
+            s,
+            train=in_memory({**_arrays(256), "id": tf.range(256, dtype=tf.int64)}),
+            decode=lambda x, seed, training: {**x, "label": 4 + x["id"]} if training else x,
+        ),
+        lambda example: 4 + example,
     ),
     # A streamed evaluation split: the evaluation reported accuracy 0.0156 and loss nan, and the run exited 0.
     "streamed, in evaluation": (
         lambda c, s: _good(c, s, evals=_streamed({**_arrays(64, 1), "label": _arrays(64, 1)["label"] + 3})),
-        "--dataset=synthetic: example 0 of the split holds the label ",
+        lambda example: int(_arrays(64, 1)["label"][example]) + 3,
     ),
 }
 
 
 @pytest.mark.parametrize("case", LABELS_READ_AS_THEY_STREAM)
 def test_a_label_outside_num_classes_read_as_it_streams_stops_the_run_naming_it(monkeypatch, tmp_path, case):
-    load, said = LABELS_READ_AS_THEY_STREAM[case]
+    load, label_of = LABELS_READ_AS_THEY_STREAM[case]  # the label the split's example decodes to
     member = plugins.member
     monkeypatch.setattr(plugins, "member", lambda kind, name: load if kind == "dataset" else member(kind, name))
     config = helpers.make_config("", str(tmp_path), dataset="synthetic", train_steps=10, **helpers.XLA_CASE)
     with pytest.raises(datasets.DecodeError) as caught:
         loop.train(config)
-    message = str(caught.value)
-    assert message.startswith(said) and ", outside [0, 4) of the info's num_classes=4; fix or remove it" in message
-    assert int(message[len(said) :].split(",")[0]) in (4, 5, 6)  # a label of 1..3, plus 3
+    found = re.match(
+        r"--dataset=synthetic: example (\d+) of the split holds the label (\d+), outside \[0, 4\) of the info's "
+        "num_classes=4; fix or remove it",
+        str(caught.value),
+    )
+    assert found, str(caught.value)
+    # The example named is the split's, whose label is the one reported (in training it named the example's position
+    # in the epoch's shuffled order instead, and another example's label).
+    example, label = int(found.group(1)), int(found.group(2))
+    assert label == label_of(example) and label >= 4
+
+
+NAN_READ_AS_IT_STREAMS = {
+    # A streamed training split: the step's loss was NaN, and the run stopped with "non-finite loss ... lower
+    # --learning_rate or set --clip_norm", exit 3.
+    "streamed, in training": (
+        lambda c, s: _good(c, s, train=_streamed(_with_nan(256, 0, 0))),
+        "the example at position \\d+ of the training stream",  # where the shuffle buffer put example 0
+    ),
+    # A streamed evaluation split: the evaluation reported loss nan, and the run exited 0.
+    "streamed, in evaluation": (
+        lambda c, s: _good(c, s, evals=_streamed(_with_nan(64, 1, 5))),
+        "example 5 of the split",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NAN_READ_AS_IT_STREAMS)
+def test_a_nan_input_read_as_it_streams_stops_the_run_naming_the_example(monkeypatch, tmp_path, case):
+    load, example = NAN_READ_AS_IT_STREAMS[case]  # the example: a regular expression
+    member = plugins.member
+    monkeypatch.setattr(plugins, "member", lambda kind, name: load if kind == "dataset" else member(kind, name))
+    config = helpers.make_config("", str(tmp_path), dataset="synthetic", train_steps=4, **helpers.XLA_CASE)
+    with pytest.raises(datasets.DecodeError) as caught:
+        loop.train(config)
+    assert re.match(
+        f"--dataset=synthetic: {example} holds NaN or infinity in its image; fix or remove it", str(caught.value)
+    )
 
 
 def test_the_streamed_label_check_takes_numpy_counts_and_narrow_label_types():

@@ -52,12 +52,13 @@ def test_an_npz_file_trains_and_evaluates_every_example_once(data_dir, tmp_path,
 @pytest.mark.parametrize(
     "contents,why",
     [
-        (b"not a zip file", "cannot read it as a .npz file"),
+        (b"not a zip file", r"not a .npz archive \(it begins with b'not a ', not a zip archive's "),
+        (b"PK\x03\x04 and then no zip archive", "cannot read it as a .npz file"),
         ({"train/image": np.zeros((4, 2)), "train/label": np.zeros(3, np.int64)}, "differ in length"),
         ({"image": np.zeros((4, 2))}, "is not named <split>/<feature>"),
         ({"train/image": np.zeros((4, 2)), "train/label": np.zeros(4, np.int64)}, "--eval_split=test: not a split"),
     ],
-    ids=["corrupt", "lengths", "names", "split"],
+    ids=["corrupt", "truncated", "lengths", "names", "split"],
 )
 def test_a_bad_npz_file_is_refused_naming_it(data_dir, tmp_path, contents, why):
     path = tmp_path / "bad.npz"

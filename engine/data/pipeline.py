@@ -16,8 +16,10 @@ from engine.data.source_checks import checked_classes, outside
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
 UNDECODABLE = "undecodable example at stream position"  # the pipeline's error; Data.origin names the file
-# The decode's check of an example's label: the pipeline drops the example, and `origin` says why in its own words.
+# The decode's checks of an example (its label, its real numbers): the pipeline drops the example, and `origin` says
+# why in its own words.
 LABEL_OUTSIDE = "label outside num_classes"
+NOT_FINITE = "NaN or infinity in a feature"
 
 
 class Pipelines:
@@ -128,8 +130,10 @@ class Pipelines:
         dropped, and the positions that come out are checked against `position(first), position(first + 1), ...`
         (up to `end`, exclusive)."""
         split = self.train_split if training else self.evals
-        # A split held in memory without a decode had its labels checked as it loaded (engine/data/source_checks.py).
-        checked = self.classes is None or split.fetch is not None
+        # A split held in memory without a decode had its labels and real numbers checked as it loaded
+        # (engine/data/source_checks.py); a streamed one without either has nothing to check.
+        reals = any(s.dtype.is_floating for k, s in ds.element_spec.items() if k not in ("index", "weight"))
+        checked = split.fetch is not None or (self.classes is None and not reals)
         if self.source.decode is None and not split.files and checked:
             return ds.map(lambda x: {k: v for k, v in x.items() if k != "origin"})
 
@@ -169,12 +173,13 @@ class Pipelines:
         return ds if end is None else ds.take(end - first)
 
     def decode(self, example, split, stream, index, training):
-        """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode,
-        then its label checked against the info's num_classes: a step compiled by XLA, and a GPU's, read a label
-        outside them as a NaN loss, not an error. A failed check drops the example, and `origin` says why."""
+        """An example of `split` as the task sees it: its record parsed (a record file's), its real numbers checked
+        finite, then the source's decode, then its label checked against the info's num_classes: a step compiled by
+        XLA, and a GPU's, read a label outside them as a NaN loss, not an error, and a NaN input reads as a run that
+        diverged. A failed check drops the example, and `origin` says why."""
         if split.files:
             example = parsed(split.parse, example)
-        example = {k: v for k, v in example.items() if k != "origin"}
+        example = _finite_checked({k: v for k, v in example.items() if k != "origin"})
         if self.source.decode is not None:
             example = self.source.decode(example, self.seeds(index, stream), training)
         return self._label_checked(example)
@@ -203,9 +208,16 @@ class Pipelines:
             example = next(iter(ds.take(1)))
         except tf.errors.OpError as e:  # the file itself cannot be read
             return f"--dataset={data.dataset}: cannot read example {position}: {op_message(e)}"
-        where = example.get("origin")
-        where = where.numpy().decode() if where is not None else f"example {position} of the split"
         split = self.train_split if training else self.evals
+        where = example.get("origin")
+        if where is not None:  # its file (and record)
+            where = where.numpy().decode()
+        elif not training:  # evaluation reads its split in order
+            where = f"example {position} of the split"
+        elif split.fetch is not None:  # training: each epoch's permutation of the split held in memory
+            where = f"example {int(self.order(tf.constant([position], tf.int64), stream)[0])} of the split"
+        else:  # a stream without random access: where a shuffle buffer put it
+            where = f"the example at position {position} of the training stream"
         features = {k: v for k, v in example.items() if k not in ("index", "weight")}
         if split.files:
             try:  # in a graph, as in the pipeline: its checks' messages read alike
@@ -214,6 +226,9 @@ class Pipelines:
                 damaged = unreadable(e) or f"cannot parse {where}: {op_message(e)}"
                 return f"--dataset={data.dataset}: {damaged}"
         features.pop("origin", None)
+        unreal = [k for k, v in features.items() if v.dtype.is_floating and not tf.reduce_all(tf.math.is_finite(v))]
+        if unreal:
+            return f"--dataset={data.dataset}: {where} holds NaN or infinity in its {unreal[0]}"
         try:
             if self.source.decode is not None:
                 features = self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
@@ -222,7 +237,8 @@ class Pipelines:
         label = features.get("label") if self.classes is not None else None
         if label is not None and not 0 <= int(label) < self.classes:
             return f"--dataset={data.dataset}: {where} {outside(int(label), self.classes)}"
-        return f"--dataset={data.dataset}: the example at position {position} ({where}) was lost before decoding"
+        read = "the training stream" if training else "the evaluation"
+        return f"--dataset={data.dataset}: {where} (position {position} of {read}) was lost before decoding"
 
     def _unparsed(self, split):
         """The examples of `split` in order, a record file's unparsed (`decode` parses them)."""
@@ -246,3 +262,15 @@ class Pipelines:
         ds = ds.batch(ctx.get_per_replica_batch_size(data.per_eval_batch_size), drop_remainder=True)
         local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         return ds.take(eval_steps * local_replicas)
+
+
+def _finite_checked(example):
+    """`example` once its real numbers (a record's float features, a streamed split's) are finite: a source's own,
+    before its decode (which makes a photo's pixels real numbers, finite by construction)."""
+    reals = [v for v in example.values() if v.dtype.is_floating]  # the features alone (no index, no weight)
+    if not reals:
+        return example
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in reals])
+    found = tf.debugging.Assert(finite, [NOT_FINITE], summarize=1)
+    with tf.control_dependencies([found]):
+        return {k: tf.identity(v) for k, v in example.items()}

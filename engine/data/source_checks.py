@@ -80,6 +80,7 @@ def checked(source, where, dataset):
         if source.decode is None:  # a decoded split's examples are the decode's to shape (photos)
             _check_features(split, role, spec, where)
     _check_classes(source, where)
+    _check_finite(source, where)
     return Source(source.train, source.evals, dict(spec), Info(dataset, info), source.decode)
 
 
@@ -147,17 +148,39 @@ def outside(label, classes):
     return f"holds the label {label}, outside [0, {classes}) of the info's num_classes={classes}"
 
 
+def _check_finite(source, where):
+    """Every real number of a split held in memory (its features, before a decode) is finite: a NaN input reads as a
+    run that diverged ("lower --learning_rate"). A streamed split's are checked as they are read (the pipeline's
+    decode)."""
+    for role, split in (("training", source.train), ("evaluation", source.evals)):
+        spec = split.make().element_spec if split.fetch is not None and split.examples else {}
+        reals = [k for k, s in spec.items() if s.dtype.is_floating and k != "weight"]
+        for start, chunk in _chunks(split) if reals else ():
+            for feature in reals:
+                values = chunk[feature].numpy()
+                finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+                if not finite.all():
+                    first = start + int(np.argmin(finite))
+                    said = f"holds NaN or infinity (example {first} first)"
+                    raise TaskError(f"{where}: the {role} split's {feature} {said}")
+
+
 def _label_range(split):
-    """(lowest, highest) label of a split held in memory, read a chunk of about _CHUNK_BYTES at a time."""
+    """(lowest, highest) label of a split held in memory."""
+    low, high = None, None
+    for _, chunk in _chunks(split):
+        labels = chunk["label"].numpy()
+        low = labels.min() if low is None else min(low, labels.min())
+        high = labels.max() if high is None else max(high, labels.max())
+    return int(low), int(high)
+
+
+def _chunks(split):
+    """(first example, {feature: values}) of a split held in memory, about _CHUNK_BYTES at a time."""
     example = split.make().element_spec
     size = sum(
         max(1, s.shape.num_elements() or 1) * (s.dtype.size if s.dtype != tf.string else 64) for s in example.values()
     )
     chunk = max(1, _CHUNK_BYTES // size)
-    low, high = None, None
     for start in range(0, split.examples, chunk):
-        indices = tf.range(start, min(start + chunk, split.examples), dtype=tf.int64)
-        labels = split.fetch(indices)["label"].numpy()
-        low = labels.min() if low is None else min(low, labels.min())
-        high = labels.max() if high is None else max(high, labels.max())
-    return int(low), int(high)
+        yield start, split.fetch(tf.range(start, min(start + chunk, split.examples), dtype=tf.int64))
