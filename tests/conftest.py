@@ -11,7 +11,7 @@ import tempfile
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
-# XLA's compiled programs, kept for the test session in one directory that its worker processes (pytest -n 2
+# XLA's compiled programs, kept for the test session in one directory that its worker processes (pytest -n 3
 # starts them after this file is read, with this environment) and every process they start (launch.py, worker
 # processes) share. Most tests train the same few small models: the first compilation of each program is XLA's
 # work, the others read it back. The cache is keyed by the program itself, so each test runs the program it would
@@ -39,7 +39,7 @@ forkserver.one_thread_per_op()
 
 def pytest_collection_modifyitems(config, items):
     """Modules with the most `slow` tests (multi-process jobs, long runs) first, the rest in their order: the
-    workers of `pytest -n 2` take whole modules in this order, so the long ones start early and the short ones
+    workers of `pytest -n 3` take whole modules in this order, so the long ones start early and the short ones
     fill in beside them instead of the run ending on one long module."""
     slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.module.__name__])
@@ -68,8 +68,8 @@ def mirrored():
 
 
 def built_once(tmp_path_factory, name, build):
-    """A directory `build(path)` fills once for the whole test session: under `pytest -n 2` the first worker
-    process to ask builds it while the other waits on a lock, then both read it (a module fixture would build it
+    """A directory `build(path)` fills once for the whole test session: under `pytest -n 3` the first worker
+    process to ask builds it while the others wait on a lock, then all read it (a module fixture would build it
     once per worker process that runs a module needing it). A build that failed fails the other asker too, with
     its message, instead of building again over what it left."""
     base = tmp_path_factory.getbasetemp()

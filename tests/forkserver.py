@@ -258,8 +258,8 @@ def _stop():
 
 def one_thread_per_op():
     """One thread for each TensorFlow op's own work, set before the first op: in the test processes (conftest.py)
-    and in the fork server, so every child it forks too. `pytest -n 2` runs two test processes on two cores, and a
-    second thread per op there only waits for a core another process holds (the suite took 15 % less CPU time).
+    and in the fork server, so every child it forks too. `pytest -n 3` runs three test processes on two cores, and
+    a second thread per op there only waits for a core another process holds (the suite took 15 % less CPU time).
     The same setting on both sides also keeps a test's own run and its child's summing alike: the number of
     threads splits some float32 reductions differently, in the last bit."""
     import tensorflow as tf

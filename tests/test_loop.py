@@ -197,7 +197,7 @@ def test_reduced_precisions_match_float32_accuracy(data_dir, one_device, tmp_pat
             precision=precision,
             train_steps=300,
             steps_per_loop=100,
-            hidden_sizes=(256, 256),
+            hidden_sizes=(128, 128),
         )
         _, summary = _run(config, one_device)
         accuracy[precision] = summary["eval"]["accuracy"]
