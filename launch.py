@@ -274,7 +274,11 @@ def _parse_flags(argv):
         if DECLARATION_ERRORS:  # what stops every other command: two files declare one setting
             _exit(DECLARATION_ERRORS[0])
         sys.exit(0)
-    if any(arg in ("--flagfile=", "-flagfile=") for arg in argv[1:]):  # absl reads nothing and says nothing
+    args = argv[1:]
+    # absl reads nothing of an empty one and says nothing: --flagfile=, --flagfile= " ", --flagfile "".
+    given = [a.partition("=")[2] for a in args if a.startswith(("--flagfile=", "-flagfile="))]
+    given += [after for flag, after in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
+    if any(not value.strip() for value in given):
         _exit("--flagfile=: names no file (an empty variable in a script?); give the flag file's path")
     try:
         return FLAGS(argv)

@@ -28,6 +28,7 @@ import tensorflow as tf
 from engine.cluster import distribute
 from engine.data import datasets as data_lib
 from engine.run import build, loop
+from engine.run.actions.builtin import ON_EVAL
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError, Preempted, TrainingError
 from engine.settings.fields import show
@@ -225,6 +226,8 @@ def _objective(config, space, strategy, name):
         except ConfigError as e:
             raise ConfigError(f"--tune_space={config.tune_space}: trial {trial.number} cannot run: {e}") from None
         trial.set_user_attr("steps", summary["step"])
+        if summary.get("stopped_by") == ON_EVAL and not pruned_at:  # pruned before a kill: its rerun says so
+            pruned_at.append(summary["step"])
         if pruned_at:
             raise optuna.TrialPruned(f"at step {pruned_at[0]}")
         return _value(summary["eval"], name, config)

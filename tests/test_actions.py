@@ -1,6 +1,7 @@
 """The outer loop's actions (engine/run/actions/), each on its own: at which steps they fire, what they write, what
 they restore. Host logic on stand-ins for the run and the report; the rollback restores a real checkpoint."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -204,7 +205,7 @@ class _Run:
         self.step = tf.Variable(20, dtype=tf.int64)
         self.batches = tf.Variable(20, dtype=tf.int64)
         self.state = types.SimpleNamespace(step=self.step, batches=self.batches)
-        self.program = types.SimpleNamespace(float16=False)
+        self.program = types.SimpleNamespace(float16=False, batches_per_step=1)
         self.config = types.SimpleNamespace(on_nan=on_nan, precision="float32", checkpoint_every=checkpoint_every)
         self.checkpoint = tf.train.Checkpoint(step=self.step, batches=self.batches)
         self.checkpoints = types.SimpleNamespace(
@@ -258,6 +259,25 @@ def test_the_rollback_restores_the_checkpoint_and_reads_on_from_the_rounds_data_
         f"non-finite loss or gradient between steps 21 and 30 (3 of 10 steps, float32): rolled back to step 20 "
         f"({run.checkpoints.saved_path}), discarding the 10 steps 21-30 since that checkpoint; the 10 batches they "
         "read are not trained on (--on_nan=rollback)"
+    ]
+
+
+def test_the_rollback_line_counts_the_steps_and_the_batches_discarded(tmp_path):
+    # "discarding the 1 steps 21-21 ...; the 1 batches": and a step of fresh repetitions (WGAN-GP's critic) reads
+    # several batches, which the line counted as one a step.
+    run, report = _Run(tmp_path), Lines()
+    policy = run.policy(report)
+    run.program.batches_per_step = 5  # five fresh batches a step
+    run.step.assign(21)
+    run.batches.assign(25)
+    assert policy(_round(20, 21, skipped=1.0)) == ROLLED_BACK
+    run.program.batches_per_step = 1
+    run.step.assign(21)
+    run.batches.assign(26)
+    assert policy(_round(20, 21, skipped=1.0)) == ROLLED_BACK
+    assert [line.split("), ", 1)[1] for line in report.lines] == [
+        "discarding step 21 since that checkpoint; the 5 batches it read are not trained on (--on_nan=rollback)",
+        "discarding step 21 since that checkpoint; the batch it read is not trained on (--on_nan=rollback)",
     ]
 
 
@@ -637,6 +657,23 @@ def test_a_run_an_action_stopped_is_not_trained_past_its_stop_when_its_command_r
     (tmp_path / "summary.json").unlink()
     monkeypatch.setattr(actions, "load", lambda config: [])
     assert loop.train(config, one_device)["step"] == 20
+
+
+def test_a_stop_at_train_steps_and_a_tuners_pruning_are_told_apart_from_an_early_stop(
+    data_dir, one_device, tmp_path, monkeypatch
+):
+    # A stop at --train_steps ended the run where it would have ended: a higher --train_steps trains on from it.
+    monkeypatch.setattr(actions, "load", lambda config: [_StopsAt(6)])
+    config = helpers.make_config(data_dir, str(tmp_path / "a"), train_steps=6, steps_per_loop=3, hidden_sizes=(8,))
+    assert "stopped_by" not in loop.train(config, one_device)
+    assert loop.train(dataclasses.replace(config, train_steps=9), one_device)["step"] == 9
+    # A tuner's pruning (on_eval) is named as such: the tuner reads it back where it was killed before recording it.
+    monkeypatch.setattr(actions, "load", lambda config: [])
+    config = helpers.make_config(
+        data_dir, str(tmp_path / "b"), train_steps=12, steps_per_loop=3, eval_every=3, hidden_sizes=(8,)
+    )
+    summary = loop.train(config, one_device, on_eval=lambda step, results: step == 6)
+    assert summary["step"] == 6 and summary["stopped_by"] == builtin.ON_EVAL == "on_eval (a tuner's pruning)"
 
 
 class _ClosesBadly(base.Action):

@@ -238,8 +238,8 @@ def test_a_freeze_that_matches_nothing_is_refused_naming_the_variables_it_could_
     workdir = str(tmp_path / "run")
     with pytest.raises(
         ConfigError,
-        match=r"^--freeze=\^model/mpl/: matches no variable of the run's models; their names are <model name>/<path>, "
-        r"such as model/mlp/dense/kernel, model/mlp/dense/bias, ",
+        match=r"^--freeze=\^model/mpl/: matches no variable of the run's trained models; their names are <model name>/"
+        r"<path>, such as model/mlp/dense/kernel, model/mlp/dense/bias, ",
     ):
         loop.train(make_config(data_dir, workdir, freeze="^model/mpl/"), one_device)
     assert not os.path.exists(workdir)

@@ -173,14 +173,16 @@ class Pipelines:
         return ds if end is None else ds.take(end - first)
 
     def decode(self, example, split, stream, index, training):
-        """An example of `split` as the task sees it: its record parsed (a record file's), its real numbers checked
-        finite, then the source's decode, then its label checked against the info's num_classes: a step compiled by
-        XLA, and a GPU's, read a label outside them as a NaN loss, not an error, and a NaN input reads as a run that
-        diverged. A failed check drops the example, and `origin` says why."""
+        """An example of `split` as the task sees it: its record parsed (a record file's), then the source's decode
+        (without one, its real numbers are checked finite: a NaN input reads as a run that diverged), then its label
+        checked against the info's num_classes: a step compiled by XLA, and a GPU's, read a label outside them as a
+        NaN loss, not an error. A failed check drops the example, and `origin` says why."""
         if split.files:
             example = parsed(split.parse, example)
-        example = _finite_checked({k: v for k, v in example.items() if k != "origin"})
-        if self.source.decode is not None:
+        example = {k: v for k, v in example.items() if k != "origin"}
+        if self.source.decode is None:
+            example = _finite_checked(example)
+        else:
             example = self.source.decode(example, self.seeds(index, stream), training)
         return self._label_checked(example)
 
@@ -226,7 +228,8 @@ class Pipelines:
                 damaged = unreadable(e) or f"cannot parse {where}: {op_message(e)}"
                 return f"--dataset={data.dataset}: {damaged}"
         features.pop("origin", None)
-        unreal = [k for k, v in features.items() if v.dtype.is_floating and not tf.reduce_all(tf.math.is_finite(v))]
+        reals = features.items() if self.source.decode is None else ()  # a decode's are its own to make
+        unreal = [k for k, v in reals if v.dtype.is_floating and not tf.reduce_all(tf.math.is_finite(v))]
         if unreal:
             return f"--dataset={data.dataset}: {where} holds NaN or infinity in its {unreal[0]}"
         try:
@@ -265,8 +268,7 @@ class Pipelines:
 
 
 def _finite_checked(example):
-    """`example` once its real numbers (a record's float features, a streamed split's) are finite: a source's own,
-    before its decode (which makes a photo's pixels real numbers, finite by construction)."""
+    """`example` once its real numbers (a record's float features, a streamed split's) are finite."""
     reals = [v for v in example.values() if v.dtype.is_floating]  # the features alone (no index, no weight)
     if not reals:
         return example

@@ -2,7 +2,8 @@
 two Splits, its spec {feature: tf.TensorSpec}, its info a mapping, each split's examples the features and dtypes
 the spec names (an evaluation example may add a float32 `weight`), and the labels of a split held in memory within
 the `num_classes` its info says. A mistake is one line naming the source's file (TaskError); nothing is trained on
-data the task would read wrong, or evaluated to a NaN."""
+data the task would read wrong, or evaluated to a NaN. A split held in memory whose real numbers are not all finite
+is refused naming --dataset (ConfigError): the data is wrong, not the source."""
 
 import collections.abc
 
@@ -16,7 +17,7 @@ from engine.settings.errors import ConfigError, TaskError, check_call, described
 # an evaluation example's weight (how much it counts in the means).
 _OWN = {"origin": tf.TensorSpec([], tf.string)}
 _WEIGHT = {"weight": tf.TensorSpec([], tf.float32)}
-_CHUNK_BYTES = 64 * 2**20  # examples read at a time from a split held in memory, for their labels
+_CHUNK_BYTES = 64 * 2**20  # examples read at a time from a split held in memory, for their labels and real numbers
 
 
 class NoInfo(ConfigError, KeyError):
@@ -80,7 +81,7 @@ def checked(source, where, dataset):
         if source.decode is None:  # a decoded split's examples are the decode's to shape (photos)
             _check_features(split, role, spec, where)
     _check_classes(source, where)
-    _check_finite(source, where)
+    _check_finite(source, dataset)
     return Source(source.train, source.evals, dict(spec), Info(dataset, info), source.decode)
 
 
@@ -148,10 +149,12 @@ def outside(label, classes):
     return f"holds the label {label}, outside [0, {classes}) of the info's num_classes={classes}"
 
 
-def _check_finite(source, where):
-    """Every real number of a split held in memory (its features, before a decode) is finite: a NaN input reads as a
-    run that diverged ("lower --learning_rate"). A streamed split's are checked as they are read (the pipeline's
-    decode)."""
+def _check_finite(source, dataset):
+    """Every real number of a split held in memory is finite, where the source has no decode (one that has makes
+    what the task reads: a missing value it fills in is its own): a NaN input reads as a run that diverged ("lower
+    --learning_rate"). ConfigError naming --dataset. A streamed split's are checked as they are read (the pipeline)."""
+    if source.decode is not None:
+        return
     for role, split in (("training", source.train), ("evaluation", source.evals)):
         spec = split.make().element_spec if split.fetch is not None and split.examples else {}
         reals = [k for k, s in spec.items() if s.dtype.is_floating and k != "weight"]
@@ -162,7 +165,7 @@ def _check_finite(source, where):
                 if not finite.all():
                     first = start + int(np.argmin(finite))
                     said = f"holds NaN or infinity (example {first} first)"
-                    raise TaskError(f"{where}: the {role} split's {feature} {said}")
+                    raise ConfigError(f"--dataset={dataset}: the {role} split's {feature} {said}")
 
 
 def _label_range(split):

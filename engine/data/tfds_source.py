@@ -110,6 +110,8 @@ def _decoding(data, info, keep):
 def _prepared_builder(data, name):
     tfds = _tensorflow_datasets()
     data_dir = os.path.expanduser(data.data_dir) if data.data_dir else None
+    if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):  # before a network is asked for
+        raise ConfigError(f"--data_dir={data.data_dir}: a file, not a folder of datasets")
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # tfds raises several kinds for names and configs it cannot resolve

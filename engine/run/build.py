@@ -122,6 +122,8 @@ def run(config, strategy, purpose="train", on_eval=None):
     with strategy.scope():
         models = task.models(Create(config, source.info))
         weights = trained_weights(models, config.freeze, config.ema_decay)
+        if training:
+            check_freeze(models, config.freeze)
         task_file = plugins.file("task", config.task)
         plans = updates.build_plans(task, weights, config.optimization, config.numerics, task_file) if training else []
         state = checkpointed_state(models, plans, weights)
@@ -179,14 +181,20 @@ def trained_weights(models, freeze, ema_decay):
     if not variables:
         raise ConfigError(f"--freeze={freeze}: matches every trainable variable; nothing to train")
     owner = owners(models)
-    names = [f"{owner[id(v)]}/{v.path}" for model in models.values() for v in model.variables]
-    if freeze and not any(re.search(freeze, name) for name in names):  # a typo would train what it meant to keep
-        raise ConfigError(
-            f"--freeze={freeze}: matches no variable of the run's models; their names are <model name>/<path>, "
-            f"such as {', '.join(names[:3])}"
-        )
     averages = [tf.Variable(v.value, trainable=False, name="ema") for v in variables if ema_decay]
     return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages)
+
+
+def check_freeze(models, freeze):
+    """Refuses a --freeze that matches no variable of the models the run trains (a frozen teacher's are not): a typo
+    would train every weight it meant to keep. Checked as a run trains, not as a trained one is rebuilt."""
+    owner = owners(models)
+    names = [f"{owner[id(v)]}/{v.path}" for model in models.values() if model.trainable for v in model.variables]
+    if freeze and not any(re.search(freeze, name) for name in names):
+        raise ConfigError(
+            f"--freeze={freeze}: matches no variable of the run's trained models; their names are <model name>/"
+            f"<path>, such as {', '.join(names[:3])}"
+        )
 
 
 def checkpointed_state(models, plans, weights):

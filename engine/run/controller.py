@@ -171,13 +171,14 @@ class Controller:
         return None
 
     def _checked(self, outcome, action, step):
-        """`action`'s outcome after `step`, checked; a Stop's action is the summary's `stopped_by`, which a rerun of
-        the run's command reads: it does not train past an action's stop."""
+        """`action`'s outcome after `step`, checked. What stopped the run before --train_steps is the summary's
+        `stopped_by`, which a rerun of the run's command reads: it does not train past that stop (one at --train_steps
+        ended where the run would have, and a higher --train_steps trains on)."""
         if outcome is None:
             return None
         outcome = _checked_outcome(outcome, action, step, self.run.task.headline)
-        if isinstance(outcome, Stop):
-            self.stopped_by = plugins.file_of(action)
+        if isinstance(outcome, Stop) and step < self.run.config.train_steps:
+            self.stopped_by = outcome.by or plugins.file_of(action)
         return outcome
 
     def _final_evaluation(self, step):

@@ -61,9 +61,11 @@ ROLLED_BACK = "rolled back"  # an outcome: the round was undone; the controller 
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
-    """An outcome: the run stops here (a tuner pruned it at an evaluation); `results` are the run's."""
+    """An outcome: the run stops here (a tuner pruned it at an evaluation); `results` are the run's. `by`: what the
+    summary's `stopped_by` says stopped it (the action's file when None)."""
 
     results: dict
+    by: str = None
 
 
 class Action:

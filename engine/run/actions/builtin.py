@@ -13,6 +13,8 @@ from engine.run.actions.base import ROLLED_BACK, Action, Stop
 from engine.settings.errors import Preempted, TrainingError
 from engine.state import checkpoint as checkpoint_lib
 
+# What stopped a run whose `on_eval` stopped it (a tuner's pruning), as its summary's `stopped_by` says.
+ON_EVAL = "on_eval (a tuner's pruning)"
 MAX_ROLLBACKS = 3  # --on_nan=rollback gives up after this many rollbacks without a save in between
 # A run warns once when its steps waited for input more than this share of the time, measured (as bench.run does)
 # over a window of at least this many steps after the first round, which includes tracing.
@@ -141,11 +143,14 @@ class NanPolicy(Action):
         state.batches.assign(position)  # read on from here: the discarded steps' batches are not redone
         current, self.rollbacks = int(state.step.numpy()), self.rollbacks + 1
         context.report.rewind(current)
-        discarded = reached - current
+        one, read = reached - current == 1, (reached - current) * context.run.program.batches_per_step
+        steps = f"step {reached}" if one else f"the {reached - current} steps {current + 1}-{reached}"
+        batches = f"the batch {'it' if one else 'they'} read is" if read == 1 else f"the {read} batches"
+        if read != 1:
+            batches += f" {'it' if one else 'they'} read are"
         context.report.line(
-            f"{diverged}: rolled back to step {current} ({last_good}), discarding the {discarded} steps "
-            f"{current + 1}-{reached} since that checkpoint; the {discarded} batches they read are not trained on "
-            "(--on_nan=rollback)"
+            f"{diverged}: rolled back to step {current} ({last_good}), discarding {steps} since that checkpoint; "
+            f"{batches} not trained on (--on_nan=rollback)"
         )
 
 
@@ -247,7 +252,7 @@ class Evaluate(Action):
         results = evaluator.evaluate()
         context.report.eval(step, results)
         context.report.pictures(step, evaluator.pictures())
-        return Stop(results) if self.on_eval and self.on_eval(step, results) else None
+        return Stop(results, ON_EVAL) if self.on_eval and self.on_eval(step, results) else None
 
 
 class Checkpoint(Action):
