@@ -20,6 +20,7 @@ lock a train run takes (engine/state/workdir.py).
 """
 
 import dataclasses
+import json
 import os
 import time
 
@@ -159,14 +160,26 @@ def _write(config, summary, predictions, weights, reference):
 
 
 def _check_own_workdir(config):
-    """Refuses a --workdir that holds a train run or a tuning study: the ensemble's summary.json would replace
-    theirs."""
+    """Refuses a --workdir that holds a train run, a tuning study or an ensemble of other members: this ensemble's
+    summary.json would replace theirs. One of the same members is made again (its runs may have trained on)."""
     for name, holds in (("config.json", "a train run"), (workdir_lib.STUDY_NAME, "a tuning study")):
         path = os.path.join(config.workdir, name)
         if tf.io.gfile.exists(path):
             raise ConfigError(
                 f"--workdir={config.workdir} holds {holds} ({path}): an ensemble needs a --workdir of its own"
             )
+    path = os.path.join(config.workdir, "summary.json")
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            before = [member["name"] for member in json.loads(f.read())["members"]]
+    except (tf.errors.NotFoundError, ValueError, KeyError, TypeError):  # none, or damaged: this one rewrites it
+        return
+    if before != checks.members(config):
+        raise ConfigError(
+            f"--members={config.members}: --workdir={config.workdir} holds an ensemble of other members "
+            f"({','.join(map(str, before))}; {path}), whose results this one's would replace; give it a --workdir of "
+            "its own"
+        )
 
 
 def _check_task(config, runs):

@@ -42,6 +42,20 @@ class Reference:
     shapes: dict  # split -> shape of one example's predictions
 
 
+def _restored(checkpoint, workdir, found):
+    """Restores `found`, the newest checkpoint of the member `workdir`, or the newest since: a member still training
+    rotates its checkpoints away (--keep_checkpoints) after they were listed. ConfigError for one that is damaged."""
+    while True:
+        try:
+            checkpoint_lib.restore(checkpoint, found, partial=True)
+            return
+        except checkpoint_lib.Unreadable as e:
+            newer = checkpoint_lib.latest(os.path.join(workdir, "checkpoints"))
+            if tf.io.gfile.glob(found + ".*") or newer in (None, found):  # its files are there: damaged
+                raise ConfigError(f"--members: {found} is unreadable ({e})") from None
+            found = newer
+
+
 def load_run(workdir, member_config, splits, reference):
     """A run member: its models restored from the latest checkpoint (with its moving averages where it kept
     them), predicting `splits`; checked against `reference` (None: it becomes the reference). Returns (Member,
@@ -63,11 +77,7 @@ def load_run(workdir, member_config, splits, reference):
                         f"{where} takes {feature} {_spec_text(ours)} but {described} takes {feature} "
                         f"{_spec_text(theirs)}: an ensemble's members must share one input space"
                     )
-        checkpoint = run.state.evaluated()
-        try:
-            checkpoint_lib.restore(checkpoint, found, partial=True)
-        except checkpoint_lib.Unreadable as e:
-            raise ConfigError(f"--members: {found} is unreadable ({e})") from None
+        _restored(run.state.evaluated(), workdir, found)
         task = run.task
         predict = tf.function(lambda batch: task.predictions(task.forward(run.models, batch, False)))
         predictions, examples = {}, {}

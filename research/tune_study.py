@@ -2,6 +2,8 @@
 started with, its sampler and pruner, and the trials a killed tuner left behind, requeued to resume from their own
 checkpoints. The storage URL's password is shown as *** wherever the tuner writes or prints the URL."""
 
+import dataclasses
+import json
 import os
 import re
 import time
@@ -11,7 +13,8 @@ import optuna
 
 from engine.settings.config import first_line
 from engine.settings.errors import ConfigError
-from engine.settings.fields import SEED_LIMIT
+from engine.settings.fields import SEED_LIMIT, applies, show
+from engine.settings.identity import IDENTITY_SETTINGS
 from research.space import with_values
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
@@ -22,6 +25,42 @@ DIRECTIONS = {"max": optuna.study.StudyDirection.MAXIMIZE, "min": optuna.study.S
 def trial_config(config, values, number):
     """The engine config of trial `number` (its sub-workdir) with the searched `values`; validated."""
     return with_values(config, values, os.path.join(config.workdir, "trials", str(number)))
+
+
+def _trials_are_alike(study, config, space, where):
+    """{"space": ..., "settings": ...}: what the study searched and the settings its trials share (those that make a
+    run's numbers), JSON's values; ConfigError where a resumed study had others. Its trials must be comparable, and
+    best.flags, written from this command line, must rerun its best trial (a resume with --train_steps=20 on a study
+    of 300 ran a trial of 20 steps beside them, and wrote --train_steps=20 into best.flags)."""
+    searched = {param.name for param in space}
+    plain = json.loads(
+        json.dumps(
+            {
+                "space": [dataclasses.asdict(p) for p in space],
+                "settings": {
+                    name: getattr(config, name)
+                    for name in (*IDENTITY_SETTINGS, "train_steps")
+                    if name not in searched and applies(name, config)
+                },
+            }
+        )
+    )
+    before = study.user_attrs.get("space", plain["space"])
+    if before != plain["space"]:
+        said = "; ".join(f"{p['name']} {p['kind']}" for p in before)
+        raise ConfigError(
+            f"--tune_space={config.tune_space}: study '{config.tune_study}' in {where} searched another space "
+            f"({said}); use another --tune_study or --workdir"
+        )
+    for name, value in study.user_attrs.get("settings", {}).items():
+        if plain["settings"].get(name, value) != value:
+            was = tuple(value) if isinstance(value, list) else value
+            raise ConfigError(
+                f"--{name}={show(getattr(config, name))}: study '{config.tune_study}' in {where} ran its trials "
+                f"with --{name}={show(was)}; resume it with the same settings, or use another --tune_study or "
+                "--workdir"
+            )
+    return plain
 
 
 def storage_url(config):
@@ -82,6 +121,7 @@ def open_study(config, objective, direction, space):
                 f"--tune_{key}={value}: study '{config.tune_study}' in {masked(url)} was started with "
                 f"--tune_{key}={study.user_attrs[key]}; use another --tune_study or --workdir"
             )
+    wanted.update(_trials_are_alike(study, config, space, masked(url)))
     if study.direction != DIRECTIONS[direction]:  # a study made outside the tuner (Optuna's default minimizes)
         ways = {DIRECTIONS["max"]: "maximizes", DIRECTIONS["min"]: "minimizes"}
         raise ConfigError(

@@ -437,3 +437,49 @@ def test_an_ensembles_scores_report_numpy_scalars_as_numbers():
 
     found = scores(_NumpyReport(), np.zeros((4, 2)), None)
     assert found == {"accuracy": 0.75, "error": 0.25, "examples": 4} and type(found["error"]) is float
+
+
+def test_a_member_still_training_is_read_and_an_ensembles_workdir_keeps_to_its_own_members(
+    data_dir, members, tmp_path, monkeypatch
+):
+    # Before: "--members: .../ckpt-2310 is unreadable (... Failed to find any matching files)", exit 2: the member's
+    # run had rotated that checkpoint away (--keep_checkpoints) since it was listed.
+    from engine.state import checkpoint as checkpoint_lib
+    from research import ensemble_members
+
+    workdirs, _ = members
+    real, listed = checkpoint_lib.latest, []
+
+    def rotated_once(directory):
+        listed.append(directory)
+        return os.path.join(directory, "ckpt-1") if len(listed) == 1 else real(directory)  # ckpt-1 is gone
+
+    expected = ensemble.ensemble(ensemble_config(data_dir, tmp_path / "a", workdirs.values()))
+    # Its workdir, given other members: their summary.json would replace the first's (it did, exit 0).
+    before = {name: (tmp_path / "a" / name).read_bytes() for name in os.listdir(tmp_path / "a")}
+    others = [workdirs["mlp"], workdirs["transformer"]]
+    with pytest.raises(ConfigError) as refused:
+        ensemble.ensemble(ensemble_config(data_dir, tmp_path / "a", others))
+    assert str(refused.value) == (
+        f"--members={','.join(others)}: --workdir={tmp_path / 'a'} holds an ensemble of other members "
+        f"({','.join(workdirs.values())}; {tmp_path / 'a' / 'summary.json'}), whose results this one's would replace; "
+        "give it a --workdir of its own"
+    )
+    assert {name: (tmp_path / "a" / name).read_bytes() for name in os.listdir(tmp_path / "a")} == before
+    monkeypatch.setattr(ensemble_members.checkpoint_lib, "latest", rotated_once)
+    summary = ensemble.ensemble(ensemble_config(data_dir, tmp_path / "b", workdirs.values()))
+    assert listed[0] == listed[1] and summary["weighted"] == expected["weighted"]
+    # A damaged one (its files are there) is still refused, naming it.
+    newest = real(os.path.join(workdirs["mlp"], "checkpoints"))
+    with open(newest + ".index", "rb") as f:
+        index = f.read()
+    listed.clear()
+    monkeypatch.setattr(ensemble_members.checkpoint_lib, "latest", lambda directory: newest)
+    try:
+        with open(newest + ".index", "wb") as f:
+            f.write(b"damaged")
+        with pytest.raises(ConfigError, match=f"^--members: {re.escape(newest)} is unreadable"):
+            ensemble.ensemble(ensemble_config(data_dir, tmp_path / "c", [workdirs["mlp"], workdirs["transformer"]]))
+    finally:
+        with open(newest + ".index", "wb") as f:
+            f.write(index)

@@ -455,3 +455,34 @@ def test_the_storage_password_is_masked_in_errors(data_dir, one_device, tmp_path
     encoded = "postgresql://tuner:s3cret%3Ap%40ss@h/db"
     shown = tune_study.masked(encoded, f"{encoded}: login with {SECRET} failed")
     assert shown == "postgresql://tuner:***@h/db: login with *** failed"
+
+
+def test_a_study_resumed_with_other_settings_or_another_space_is_refused_and_left_as_it_was(
+    data_dir, one_device, tmp_path
+):
+    # Before: --train_steps=20 on a study of 60-step trials ran a 20-step trial beside them and wrote
+    # --train_steps=20 into best.flags (which no longer reran the best trial); another space wrote its flags into
+    # best.flags and summary.json, then ended in a KeyError traceback.
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    config = tune_config(data_dir, tmp_path, space, tune_trials=1, train_steps=20, eval_every=10, hidden_sizes=(16,))
+    tune.tune(config, one_device)
+    before = listing(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, tune_trials=2, train_steps=30), one_device)
+    assert str(refused.value) == (
+        f"--train_steps=30: study 'tune' in sqlite:///{tmp_path}/study.db ran its trials with --train_steps=20; "
+        "resume it with the same settings, or use another --tune_study or --workdir"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^--hidden_sizes=32: study 'tune' .* ran its trials with --hidden_sizes=16;"
+    ):
+        tune.tune(dataclasses.replace(config, tune_trials=2, hidden_sizes=(32,)), one_device)
+    other = write_space(tmp_path / "trials", "weight_decay float 0 1e-3\n")
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, tune_trials=2, tune_space=other), one_device)
+    assert str(refused.value) == (
+        f"--tune_space={other}: study 'tune' in sqlite:///{tmp_path}/study.db searched another space "
+        "(learning_rate log); use another --tune_study or --workdir"
+    )
+    assert listing(tmp_path) == {**before, "trials/search.space": b"weight_decay float 0 1e-3\n"}
+    assert len(load_study(tmp_path).trials) == 1

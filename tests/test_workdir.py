@@ -538,3 +538,16 @@ def test_eval_of_another_runs_checkpoint_never_replaces_this_workdirs_results(da
         assert (
             files(ours, ("config.json", "summary.json", "eval_test.json")) == before and not (ours / "export").exists()
         )
+    # A study's or an ensemble's workdir (no config.json): eval_test.json and export/ landed beside its results.
+    for job, held in (("study", "study.json"), ("ensemble", "summary.json")):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / held).write_text("{}")
+        for mode in ("eval", "export"):
+            given = helpers.make_config(data_dir, str(tmp_path / job), mode=mode, checkpoint=other)
+            with pytest.raises(ConfigError) as refused:
+                evaluate.evaluate(given, one_device) if mode == "eval" else evaluate.export(given)
+            assert str(refused.value) == (
+                f"--checkpoint={other}: --workdir={tmp_path / job} holds another job's results "
+                f"({tmp_path / job / held}), which this would stand beside as their own; use --workdir={theirs}"
+            )
+        assert os.listdir(tmp_path / job) == [held]

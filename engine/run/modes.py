@@ -14,6 +14,7 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state.files import append_text, write_json
 from engine.state.report import format_metrics
+from engine.state.workdir import STUDY_NAME
 
 
 def run_config(config, mode, given=None):
@@ -50,6 +51,14 @@ def _check_workdir_is_the_checkpoints(config):
         raise ConfigError(
             f"--checkpoint={config.checkpoint}: a checkpoint of {theirs}, not of --workdir={config.workdir}'s run, "
             f"whose results this would replace; use --workdir={theirs}"
+        )
+    # A study's or an ensemble's workdir: its results beside theirs would read as the job's own.
+    held = [os.path.join(config.workdir, name) for name in (STUDY_NAME, "summary.json")]
+    held = next((path for path in held if tf.io.gfile.exists(path)), None)
+    if not same and held:
+        raise ConfigError(
+            f"--checkpoint={config.checkpoint}: --workdir={config.workdir} holds another job's results ({held}), "
+            f"which this would stand beside as their own; use --workdir={theirs}"
         )
 
 
