@@ -34,6 +34,8 @@ def _check_tune(config):
         )
     if not config.tune_space:
         fail("tune_space", "", "--mode=tune needs a search-space file, e.g. experiments/digits_mlp.space")
+    if not config.tune_study.strip():
+        fail("tune_study", config.tune_study, "names the study: give it a name (the default is tune)")
     if config.tune_objective and not re.fullmatch(r"[\w.\-/]+", config.tune_objective):
         fail("tune_objective", config.tune_objective, "must name a metric the task reports (e.g. accuracy, loss)")
     if config.tune_pruner != "none" and not 0 < config.eval_every < config.train_steps:
@@ -50,6 +52,9 @@ def _check_tune(config):
 def _check_ensemble(config):
     if len(members(config)) < 2:
         fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
+    twice = sorted({m for m in members(config) if members(config).count(m) > 1})
+    if twice:
+        fail("members", config.members, f"names {twice[0]} twice: an ensemble of one model with itself")
     if config.validation_split == config.eval_split:
         fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
 

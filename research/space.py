@@ -12,9 +12,10 @@ before the tuner writes its study.
 import dataclasses
 import math
 
+from engine.settings.checks import unread
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
-from engine.settings.fields import Config
+from engine.settings.fields import SELECTORS, Config
 from engine.settings.identity import CLUSTER_SETTINGS
 
 KINDS = ("int", "float", "log", "choice")
@@ -52,7 +53,7 @@ def parse_space(path, config=None):
     """The search space in `path` as a list of Param; raises ConfigError naming the file, line and why. With
     `config`, every choice and both ends of every range must also make a valid trial of it."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    params = {}
+    params, lines = {}, {}
     for number, line in enumerate(_lines(path), 1):
         words = line.split("#")[0].split()
         if not words:
@@ -96,7 +97,12 @@ def parse_space(path, config=None):
                 with_values(config, {name: value})
             except ConfigError as e:  # a draw of it would stop the study mid-way
                 bad(str(e))
-        params[name] = param
+        params[name], lines[name] = param, f"line {number} ({line.strip()!r})"
+    # A flag no trial reads (--momentum under adamw) searches nothing: a whole study on a setting without effect. Where
+    # the space searches what selects the readers (--model, --optimizer), some trials read it.
+    selected = any(name in SELECTORS for name in params)
+    for name, read_by in unread(config, params) if config is not None and not selected else ():
+        raise ConfigError(f"--tune_space={path}: {lines[name]}: no part of these trials reads --{name} ({read_by})")
     if not params:
         raise ConfigError(
             f"--tune_space={path}: no searched flag in it (lines look like 'learning_rate log 1e-4 1e-1')"

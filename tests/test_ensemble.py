@@ -219,6 +219,9 @@ def test_member_config_round_trips_through_config_json(members, data_dir):
 def test_ensemble_needs_two_members_and_a_split_other_than_test(data_dir, tmp_path):
     with pytest.raises(ConfigError, match="--members=runs/a: --mode=ensemble needs at least two"):
         ensemble_config(data_dir, tmp_path, ["runs/a"])
+    # Before: a "two-member" ensemble of one model with itself.
+    with pytest.raises(ConfigError, match="^--members=runs/a,runs/b,runs/a: names runs/a twice: an ensemble of one"):
+        ensemble_config(data_dir, tmp_path, ["runs/a", "runs/b", "runs/a"])
     with pytest.raises(ConfigError, match="--validation_split=test: .* never look at the test split"):
         ensemble_config(data_dir, tmp_path, ["a", "b"], validation_split="test")
     with pytest.raises(ConfigError, match="--members: .*nowhere has no config.json"):

@@ -344,6 +344,30 @@ def test_bad_search_space_is_refused_naming_the_line(tmp_path, text, message):
         parse_space(write_space(tmp_path, text))
 
 
+def test_a_space_searching_what_no_trial_reads_and_an_unnamed_study_are_refused(data_dir, tmp_path):
+    # Before: a whole study ran over --momentum under adamw (or --resnet_depth of an MLP), which changes nothing, and
+    # --tune_study= kept a study named "".
+    config = helpers.make_config(data_dir, str(tmp_path), **TUNE_DEFAULTS)
+    for text, read_by in (
+        ("momentum float 0 0.9\n", "read by --optimizer=sgd"),
+        ("learning_rate log 1e-3 1e-1\nresnet_depth choice 8 14\n", "read by --model=resnet"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            parse_space(write_space(tmp_path, text), config)
+        line = text.strip().splitlines()[-1]
+        name = line.split()[0]
+        number = len(text.strip().splitlines())
+        assert str(refused.value) == (
+            f"--tune_space={tmp_path / 'search.space'}: line {number} ({line!r}): no part of these trials reads "
+            f"--{name} ({read_by})"
+        )
+    # Searching what selects its readers, some trials read it.
+    both = parse_space(write_space(tmp_path, "model choice mlp resnet\nresnet_depth choice 8 14\n"), config)
+    assert [p.name for p in both] == ["model", "resnet_depth"]
+    with pytest.raises(ConfigError, match="^--tune_study=: names the study: give it a name"):
+        tune_config(data_dir, tmp_path, write_space(tmp_path, "learning_rate log 1e-3 1e-1\n"), tune_study="")
+
+
 def test_space_file_shipped_for_the_resnet_parses():
     space = parse_space(os.path.join(ROOT, "experiments", "digits_resnet.space"))
     assert {p.name for p in space} == {"resnet_depth", "resnet_width", "learning_rate", "weight_decay", "warmup_steps"}
