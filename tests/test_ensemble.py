@@ -469,8 +469,9 @@ def test_a_member_still_training_is_read_and_an_ensembles_workdir_keeps_to_its_o
         "give it a --workdir of its own"
     )
     assert {name: (tmp_path / "a" / name).read_bytes() for name in os.listdir(tmp_path / "a")} == before
+    # The same members are combined there again (their runs may have trained on), one listed checkpoint rotated away.
     monkeypatch.setattr(ensemble_members.checkpoint_lib, "latest", rotated_once)
-    summary = ensemble.ensemble(ensemble_config(data_dir, tmp_path / "b", workdirs.values()))
+    summary = ensemble.ensemble(ensemble_config(data_dir, tmp_path / "a", workdirs.values()))
     assert listed[0] == listed[1] and summary["weighted"] == expected["weighted"]
     # A damaged one (its files are there) is still refused, naming it.
     newest = real(os.path.join(workdirs["mlp"], "checkpoints"))

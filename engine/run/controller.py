@@ -72,7 +72,7 @@ class Controller:
 
     def __init__(self, run, report, checkpoints, started):
         self.run, self.started = run, started
-        self.stopped_by = None  # the file of the action whose Stop ended the run
+        self.stopped_by = None  # what stopped the run before --train_steps: the Stop's `by`, or its action's file
         self.context = Context(run, report, checkpoints, Timing(), run.placement.chief)
 
     def train(self):

@@ -146,8 +146,7 @@ class NanPolicy(Action):
         one, read = reached - current == 1, (reached - current) * context.run.program.batches_per_step
         steps = f"step {reached}" if one else f"the {reached - current} steps {current + 1}-{reached}"
         batches = f"the batch {'it' if one else 'they'} read is" if read == 1 else f"the {read} batches"
-        if read != 1:
-            batches += f" {'it' if one else 'they'} read are"
+        batches += "" if read == 1 else f" {'it' if one else 'they'} read are"
         context.report.line(
             f"{diverged}: rolled back to step {current} ({last_good}), discarding {steps} since that checkpoint; "
             f"{batches} not trained on (--on_nan=rollback)"
