@@ -199,6 +199,7 @@ def _checked_config():
             from research import checks, space
 
             checks.check(config)
+            checks.check_given(config, _given(config))
             if config.mode == "tune":  # each searched value is tried in this config, which must be good already
                 space.parse_space(config.tune_space, config)
     except ConfigError as e:
@@ -228,14 +229,19 @@ def _mode(config):
     from engine.run import modes
 
     run = {"eval": modes.evaluate, "continuous_eval": modes.follow, "export": modes.export, "sample": modes.sample}
-    # What the command line gave, which a trained run's settings yield to only where it may (for_evaluation): a
-    # model flag typed at its default value contradicts the run as much as any other; a flagfile's (a recipe reused
-    # to evaluate its run) counts where it is not the default.
-    typed, fields = _typed(), dataclasses.fields(Config)
-    given = {
-        f.name for f in fields if f.name in typed or (FLAGS[f.name].present and getattr(config, f.name) != f.default)
+    return functools.partial(run[mode], given=_given(config))
+
+
+def _given(config):
+    """The settings the command line gave, which a trained run's settings yield to only where they may
+    (for_evaluation, research/checks.py check_given): a model flag typed at its default value contradicts the run as
+    much as any other; a flagfile's (a recipe reused to evaluate its run) counts where it is not the default."""
+    typed = _typed()
+    return {
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.name in typed or (FLAGS[f.name].present and getattr(config, f.name) != f.default)
     }
-    return functools.partial(run[mode], given=given)
 
 
 def _print_result(config, result):
@@ -249,7 +255,8 @@ def _print_result(config, result):
         )
     elif config.mode == "tune":
         best = result["best"]
-        counts = f"({result['trials']} trials: {result['complete']} complete, {result['pruned']} pruned; "
+        trials = f"{result['trials']} trial{'' if result['trials'] == 1 else 's'}"
+        counts = f"({trials}: {result['complete']} complete, {result['pruned']} pruned; "
         counts += f"{result['wall_seconds']:.1f} s)"
         if best:
             print(

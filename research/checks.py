@@ -6,7 +6,12 @@ import importlib.util
 import re
 
 from engine.settings.checks import fail, strategy_plan
+from engine.settings.identity import IDENTITY_SETTINGS
 from engine.settings.plugins import RESEARCH_MODES
+
+# What --mode=ensemble reads of the command line besides its own settings and --validation_split: the split it
+# reports on, and the seed of --ensemble_search=random. A member's model, data and training are its config.json's.
+ENSEMBLE_READS = ("eval_split", "seed")
 
 
 def check(config):
@@ -57,6 +62,22 @@ def _check_ensemble(config):
         fail("members", config.members, f"names {twice[0]} twice: an ensemble of one model with itself")
     if config.validation_split == config.eval_split:
         fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
+
+
+def check_given(config, given):
+    """For --mode=ensemble: refuses a setting of a member's model, data or training that the command line gave
+    (`given`: the names it gave, as launch.py knows them), which would change nothing: each member is rebuilt from
+    its workdir's config.json. A Config handed over as it is (a notebook's, often a train run's) is not judged."""
+    if config.mode != "ensemble":
+        return
+    for name in sorted(given):
+        if name in IDENTITY_SETTINGS and name not in ENSEMBLE_READS:
+            fail(
+                name,
+                getattr(config, name),
+                "--mode=ensemble rebuilds each member as it trained, from the config.json in its workdir, which no "
+                "flag changes; drop the flag",
+            )
 
 
 def members(config):
