@@ -321,3 +321,14 @@ def test_the_last_line_counts_one_step_as_one(capsys):
     for step, said in ((1, "1 step"), (2, "2 steps")):
         entry._print_result(config, {"eval": {"accuracy": 0.5, "examples": 360}, "step": step, "wall_seconds": 3.0})
         assert capsys.readouterr().out == f"test accuracy 0.5000 on 360 examples ({said}, 3.0 s)\n"
+
+
+def test_a_studys_last_line_counts_one_trial_as_one(capsys):
+    """A one-trial study's last line read "(1 trials: ...)"."""
+    import launch as entry
+
+    config = helpers.make_config("", mode="tune")
+    for trials, said in ((1, "1 trial"), (3, "3 trials")):
+        result = {"best": None, "trials": trials, "complete": 0, "pruned": trials, "wall_seconds": 2.0}
+        entry._print_result(config, result)
+        assert capsys.readouterr().out == f"no trial completed ({said}: 0 complete, {trials} pruned; 2.0 s)\n"
