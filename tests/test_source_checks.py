@@ -129,6 +129,26 @@ def test_a_nan_in_a_split_held_in_memory_is_refused_as_it_loads_unless_a_decode_
     assert source.train.examples == 256
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_an_evaluation_weight_that_is_not_finite_or_is_negative_is_refused_as_it_loads(monkeypatch, bad):
+    """A NaN weight made the evaluation's every mean NaN, with exit 0; a negative one counted an example against the
+    others. A decode does not make the weight (it passes around it): refused with one too."""
+    weights = tf.tensor_scatter_nd_update(tf.ones([64]), [[9]], [bad])
+    decode = lambda x, seed, training: x  # noqa: E731
+    with pytest.raises(ConfigError) as caught:
+        _loaded(
+            monkeypatch, lambda c, s: _good(c, s, evals=in_memory({**_arrays(64, 1), "weight": weights}), decode=decode)
+        )
+    assert str(caught.value) == (
+        f"--dataset=synthetic: the evaluation split's example 9 has the weight {bad:g}; a weight is how much an "
+        "example counts in the evaluation's means, a finite number of at least 0"
+    )
+    source = _loaded(
+        monkeypatch, lambda c, s: _good(c, s, evals=in_memory({**_arrays(64, 1), "weight": tf.ones([64])}))
+    )
+    assert source.evals.examples == 64
+
+
 def test_a_good_source_loads_and_a_key_its_info_lacks_is_one_line(monkeypatch):
     source = _loaded(monkeypatch, _good)
     assert source.train.examples == 256 and source.info == {"num_classes": 4}

@@ -82,6 +82,7 @@ def checked(source, where, dataset):
             _check_features(split, role, spec, where)
     _check_classes(source, where)
     _check_finite(source, dataset)
+    _check_weights(source.evals, dataset)
     return Source(source.train, source.evals, dict(spec), Info(dataset, info), source.decode)
 
 
@@ -166,6 +167,24 @@ def _check_finite(source, dataset):
                     first = start + int(np.argmin(finite))
                     said = f"holds NaN or infinity (example {first} first)"
                     raise ConfigError(f"--dataset={dataset}: the {role} split's {feature} {said}")
+
+
+def _check_weights(split, dataset):
+    """An evaluation split held in memory that says how much each example counts (`weight`) says a finite number of
+    at least 0 for each, decode or none (the weight passes around it): a NaN weight made every mean NaN, a negative
+    one counted an example against the others. ConfigError naming --dataset."""
+    if split.fetch is None or not split.examples or "weight" not in split.make().element_spec:
+        return
+    for start, chunk in _chunks(split):
+        weights = chunk["weight"].numpy()
+        good = np.isfinite(weights) & (weights >= 0)
+        if not good.all():
+            first = int(np.argmin(good))
+            raise ConfigError(
+                f"--dataset={dataset}: the evaluation split's example {start + first} has the weight "
+                f"{weights[first]:g}; a weight is how much an example counts in the evaluation's means, a finite "
+                "number of at least 0"
+            )
 
 
 def _label_range(split):
