@@ -676,6 +676,28 @@ def test_a_stop_at_train_steps_and_a_tuners_pruning_are_told_apart_from_an_early
     assert summary["step"] == 6 and summary["stopped_by"] == builtin.ON_EVAL == "on_eval (a tuner's pruning)"
 
 
+def test_a_tuners_pruning_at_the_evaluation_a_resumed_run_redoes_stops_it_there(data_dir, one_device, tmp_path):
+    # A run resumed at an --eval_every step evaluates it first; pruned there, it stops at that step, trains no
+    # further, logs that evaluation once, and a rerun of the same command has nothing to do.
+    config = helpers.make_config(
+        data_dir, str(tmp_path), train_steps=6, steps_per_loop=3, eval_every=3, hidden_sizes=(8,)
+    )
+    loop.train(config, one_device)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    longer, asked = dataclasses.replace(config, train_steps=12), []
+
+    def prune(step, results):
+        asked.append(step)
+        return True
+
+    summary = loop.train(longer, one_device, on_eval=prune)
+    assert asked == [6] and summary["step"] == 6 and summary["stopped_by"] == builtin.ON_EVAL
+    logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [3, 6] and logged[-1] == {"step": 6, **summary["eval"]}
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # no step trained past 6
+    assert loop.train(longer, one_device) == summary
+
+
 class _ClosesBadly(base.Action):
     def __init__(self, raises=None):
         self.raises, self.closed = raises, False
