@@ -251,7 +251,15 @@ def test_the_readme_has_one_table_of_every_exit_code():
         with open(os.path.join(helpers.ROOT, page)) as f:
             assert exit_code_tables(f.read()) == [], page  # they point to docs/exit-codes.md: a copy would drift
     assert len(tables) == 1, tables
-    used = {0, launch_module.BAD_INPUT, launch_module.NON_FINITE, launch_module.CANNOT_WRITE, launch_module.LOST_PEER}
+    # 1: Python's own, for an error of the engine's or TensorFlow's runtime, which keeps its traceback.
+    used = {
+        0,
+        1,
+        launch_module.BAD_INPUT,
+        launch_module.NON_FINITE,
+        launch_module.CANNOT_WRITE,
+        launch_module.LOST_PEER,
+    }
     used |= {NOT_FORMED_EXIT_CODE, preemption.PREEMPTED_EXIT_CODE, preemption.INTERRUPTED_EXIT_CODE}
     assert LOST_PEER_EXIT_CODE == launch_module.LOST_PEER  # the watcher's own exit, without launch.py
     assert sorted(tables[0], key=lambda code: (not code.isdigit(), int(code) if code.isdigit() else 0)) == [
