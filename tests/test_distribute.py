@@ -58,3 +58,48 @@ def test_default_strategy_for_the_machine(monkeypatch):
 
 def test_one_device_is_chief(one_device, mirrored):
     assert distribute.is_chief(one_device) and distribute.is_chief(mirrored)
+
+
+def _parameter_server_chief(workers):
+    """A ParameterServerStrategy's chief as TensorFlow 2.21 holds it, without the cluster it would connect to: its
+    resolver on the strategy itself (`_cluster_resolver`), none on its extended strategy, so `cluster_resolver` is
+    None."""
+    import tensorflow as tf
+
+    spec = {"chief": ["h:1"], "worker": [f"h:{2 + i}" for i in range(workers)], "ps": ["h:9"]}
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), "chief", 0)
+    strategy = object.__new__(tf.distribute.ParameterServerStrategy)
+    strategy._cluster_resolver = resolver
+    assert getattr(strategy, "cluster_resolver", None) is None
+    return strategy
+
+
+def test_a_parameter_server_job_schedules_each_round_over_all_its_workers():
+    # Its workers were counted from `cluster_resolver`, which TensorFlow leaves None: a job of 3 workers was taken for
+    # one, its rounds cut into 4 functions (3 of 4 workers idle on a 16-worker job) and a resumed worker's stream
+    # started 3 times too far (at the whole job's batch count, not its share).
+    from engine.run import inputs
+
+    strategy = _parameter_server_chief(3)
+    assert distribute.scheduled_workers(strategy) == 3 and distribute.num_workers(strategy) == 1
+
+    zeros = {"steps": 0.0, "skipped": 0.0, "loss_sum": 0.0, "floor_skipped": 0.0, "stop": 0.0, "input_wait": 0.0}
+
+    class Coordinator:
+        def __init__(self):
+            self.sizes = []
+
+        def schedule(self, loop, args):
+            self.sizes.append(int(args[1]))
+            return type("Remote", (), {"fetch": lambda _: dict(zeros, steps=float(args[1]))})()
+
+        def join(self):
+            pass
+
+    placement = distribute.Placement(strategy, "parameter_server", "CPU", 1, 1, True, True, True, 0, scheduled=3)
+    path = inputs.PerWorker(placement, data=None, counter=None, coordinator=Coordinator())
+    out = path.run(loop=None, iterator=None, steps=100, first_batch=0)
+    assert path.coordinator.sizes == [8] * 12 + [4] and out["steps"] == 100  # 100 // (4 workers' chunks × 3)
+    assert path.stream_start(60) == 20  # each worker's own stream, at its share of the 60 batches read
+    shared = inputs.PerWorker(placement, data=None, counter=None, coordinator=Coordinator(), service="grpc://d:1")
+    assert shared.stream_start(60) == 60  # the tf.data service's one job, which every worker reads from

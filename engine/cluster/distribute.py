@@ -117,12 +117,13 @@ class Placement:
     name: str  # the strategy the run asked for (strategy_name): one_device, mirrored, multi_worker, ...
     device: str  # TPU, GPU or CPU (device_kind)
     replicas: int  # replicas in sync: over every worker of a multi-worker job; a parameter server's, one worker's
-    workers: int  # the cluster's workers (num_workers): 1 where the strategy holds no resolver (one process, and
-    # parameter servers, whose strategy keeps its resolver to itself)
+    workers: int  # the processes that share each global batch (num_workers): 1 in one process, and with parameter
+    # servers, whose workers each take whole batches
     multi_worker: bool  # several processes train (multi-worker mirrored, parameter servers)
     parameter_server: bool
     chief: bool  # the one task that writes files (is_chief)
     task: int  # this task's index in its job (task_id): 0 without a cluster
+    scheduled: int = 0  # parameter servers: the workers the chief schedules steps on (scheduled_workers); 0 otherwise
 
 
 def placement(strategy, name):
@@ -137,6 +138,7 @@ def placement(strategy, name):
         is_parameter_server(strategy),
         is_chief(strategy),
         task_id(strategy),
+        scheduled_workers(strategy),
     )
 
 
@@ -167,10 +169,18 @@ def is_parameter_server(strategy):
 
 
 def num_workers(strategy):
-    """Parameter servers: the cluster's worker count (1 where the strategy has no resolver: inside a function
-    the coordinator runs on a worker)."""
+    """The processes that share each global batch: a multi-worker job's workers; 1 where the strategy holds no
+    resolver (one process; parameter servers, whose strategy keeps its resolver to itself: scheduled_workers)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     return len(resolver.cluster_spec().as_dict().get("worker", [0])) if resolver is not None else 1
+
+
+def scheduled_workers(strategy):
+    """A parameter-server job's workers, which the chief schedules steps on; 0 for other strategies. Read from the
+    strategy's own resolver: its `cluster_resolver` (the extended strategy's) is None."""
+    if not is_parameter_server(strategy):
+        return 0
+    return len(strategy._cluster_resolver.cluster_spec().as_dict().get("worker", ()))
 
 
 def task_id(strategy):

@@ -206,7 +206,7 @@ class PerWorker(Distributed):
         self.coordinator, self.service = coordinator, service
 
     def open(self, start):
-        strategy, data, workers = self.strategy, self.data, self.placement.workers
+        strategy, data = self.strategy, self.data
         with strategy.scope():  # on a parameter server, shared by the workers
             streams = tf.Variable(0, dtype=tf.int64, trainable=False, name="streams")
             lock = tf.CriticalSection(name="streams")
@@ -216,14 +216,21 @@ class PerWorker(Distributed):
             # under a lock, gives each worker (and a restarted one) its own stream 1, 2, ... With the tf.data
             # service all workers consume one shared job instead, which hands each batch to one of them.
             stream = 1 if self.service else lock.execute(lambda: tf.identity(streams.assign_add(1)))
-            return strategy.distribute_datasets_from_function(lambda ctx: data.train_fn(ctx, start // workers, stream))
+            return strategy.distribute_datasets_from_function(
+                lambda ctx: data.train_fn(ctx, self.stream_start(start), stream)
+            )
 
         return iter(self.coordinator.create_per_worker_dataset(per_worker))
+
+    def stream_start(self, start):
+        """Where a worker's stream starts in a job resumed after `start` global batches: at its share of them (each
+        worker reads a stream of its own); with the tf.data service, whose one job all workers share, at `start`."""
+        return start if self.service else start // self.placement.scheduled
 
     def run(self, loop, iterator, steps, first_batch):
         """The round's steps as functions of a few steps each, scheduled on whichever worker is free (the
         coordinator reschedules a dead worker's share); the chief waits for all."""
-        chunk = max(1, steps // (4 * self.placement.workers))
+        chunk = max(1, steps // (4 * self.placement.scheduled))
         sizes = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
         remote = [
             self.coordinator.schedule(loop, args=(iterator, tf.constant(n), tf.constant(0, tf.int64))) for n in sizes
