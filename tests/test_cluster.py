@@ -18,7 +18,8 @@ import pytest
 import tensorflow as tf
 
 from engine.cluster import distribute, launcher
-from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE, SLURM_VARIABLES, PeerLost
+from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE, PeerLost
+from engine.cluster.schedulers import SLURM_VARIABLES
 from engine.run import build, inputs, loop
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
@@ -338,6 +339,93 @@ def test_slurm_outside_srun_is_a_clear_error(monkeypatch):
         distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm").cluster)
 
 
+def _fake_kubernetes(monkeypatch, tmp_path, listings):
+    """The kubernetes client as a pod sees it, its API answering each listing of pods with the next of `listings`
+    ([(name, phase, ip)] each; the last one again after that); returns the selectors and namespaces it was asked."""
+    import types
+
+    from engine.cluster import schedulers
+
+    asked = []
+
+    def pod(name, phase, ip):
+        return types.SimpleNamespace(
+            metadata=types.SimpleNamespace(name=name), status=types.SimpleNamespace(phase=phase, pod_ip=ip)
+        )
+
+    class CoreV1Api:
+        def list_namespaced_pod(self, namespace, label_selector):
+            asked.append((namespace, label_selector))
+            pods = listings[min(len(asked), len(listings)) - 1]
+            return types.SimpleNamespace(items=[pod(*p) for p in pods])
+
+    config = types.SimpleNamespace(load_incluster_config=lambda: None, ConfigException=type("E", (Exception,), {}))
+    client = types.SimpleNamespace(CoreV1Api=CoreV1Api, ApiException=type("A", (Exception,), {}))
+    monkeypatch.setitem(sys.modules, "kubernetes", types.SimpleNamespace(config=config, client=client))
+    (tmp_path / "namespace").write_text("team\n")
+    monkeypatch.setattr(schedulers, "NAMESPACE_FILE", str(tmp_path / "namespace"))
+    monkeypatch.setattr(schedulers, "_POLL_SECONDS", 0.01)
+    monkeypatch.setattr(schedulers, "_PODS", {})
+    return asked
+
+
+def test_kubernetes_pods_resolve_to_the_cluster_once_every_one_runs(monkeypatch, tmp_path):
+    # TensorFlow's KubernetesClusterResolver left the task's type and index None: MultiWorkerMirroredStrategy refused
+    # to start ("you must also specify task_type and task_id") on every pod.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("HOSTNAME", "train-worker-1")
+    starting = [("train-worker-1", "Running", "10.0.0.7"), ("train-worker-0", "Pending", None)]
+    running = [("train-worker-1", "Running", "10.0.0.7"), ("train-worker-0", "Running", "10.0.0.5")]
+    asked = _fake_kubernetes(monkeypatch, tmp_path, [starting, running])
+    settings = Config(strategy="multi_worker", cluster_resolver="kubernetes", kubernetes_selector="job=train").cluster
+    resolver = distribute.cluster_resolver(settings)
+    assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.5:2222", "10.0.0.7:2222"]}  # by pod name
+    assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 1, "grpc")
+    assert asked == [("team", "job=train")] * 2  # listed again until both ran; once in the process after that
+    assert distribute.cluster_resolver(settings).task_id == 1 and len(asked) == 2
+
+
+@pytest.mark.parametrize(
+    "pods, hostname, settings, message",
+    [
+        (
+            [("w-0", "Pending", None)],
+            "w-0",
+            {},
+            "--kubernetes_selector=job=train: the cluster did not form within --connect_timeout=0.05s: w-0 not running",
+        ),
+        (
+            [("w-0", "Running", "10.0.0.5")],
+            "other-pod",
+            {},
+            "--kubernetes_selector=job=train: selects the pods w-0, not this one (other-pod): give the selector of "
+            "this job's worker pods",
+        ),
+        (
+            [("w-0", "Running", "10.0.0.5")],
+            "w-0",
+            {"strategy": "parameter_server"},
+            "--cluster_resolver=kubernetes: reads one job of worker pods; --strategy=parameter_server needs chief, "
+            "worker and ps jobs: give them in TF_CONFIG (a TFJob sets it)",
+        ),
+    ],
+)
+def test_kubernetes_pods_that_cannot_make_the_cluster_are_one_line(
+    monkeypatch, tmp_path, pods, hostname, settings, message
+):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("HOSTNAME", hostname)
+    _fake_kubernetes(monkeypatch, tmp_path, [pods])
+    from engine.cluster import schedulers
+
+    monkeypatch.setattr(schedulers, "_own_address", lambda: "10.9.9.9")
+    given = {"strategy": "multi_worker", "connect_timeout": 0.05, **settings}
+    config = Config(cluster_resolver="kubernetes", kubernetes_selector="job=train", **given)
+    with pytest.raises(ConfigError) as refused:
+        distribute.cluster_resolver(config.cluster)
+    assert str(refused.value) == message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("present", [0, 1])
 def test_unreachable_peer_is_named_within_the_connect_timeout(tmp_path, present):
@@ -429,16 +517,16 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
     ],
 )
 def test_slurms_compressed_node_list_expands_in_order(hostlist, hosts):
-    from engine.cluster import resolvers as cluster
+    from engine.cluster import schedulers
 
-    assert cluster.expand_hostlist(hostlist) == hosts
+    assert schedulers.expand_hostlist(hostlist) == hosts
 
 
 def test_slurms_tasks_per_node_expand_their_repeats():
-    from engine.cluster import resolvers as cluster
+    from engine.cluster import schedulers
 
-    assert cluster.expand_counts("2(x3),1") == [2, 2, 2, 1]
-    assert cluster.expand_counts("4") == [4]
+    assert schedulers.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert schedulers.expand_counts("4") == [4]
 
 
 def test_a_parameter_server_rounds_step_count_is_the_chiefs(data_dir, one_device):

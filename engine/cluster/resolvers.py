@@ -1,5 +1,6 @@
-"""The tasks of a cluster job: who they are (TF_CONFIG, Slurm, Kubernetes, a TPU) and what a task does when
-one of them stops answering (the connect deadline, the dead-peer heartbeat, the parameter-server watch).
+"""The tasks of a cluster job: who they are (TF_CONFIG, a TPU; Slurm's and Kubernetes' in
+engine/cluster/schedulers.py) and what a task does when one of them stops answering (the connect deadline, the
+dead-peer heartbeat, the parameter-server watch).
 
 engine/cluster/distribute.py builds the strategy from what this module resolves; this module knows no strategy, only
 its name, so that the two do not import each other.
@@ -17,6 +18,7 @@ import time
 
 import tensorflow as tf
 
+from engine.cluster.schedulers import kubernetes_cluster, slurm_cluster
 from engine.settings.checks import data_service_address
 from engine.settings.config import first_line
 from engine.settings.environment import tf_config
@@ -28,9 +30,9 @@ def resolve(settings, strategy):
     TF_CONFIG (the default), Slurm or Kubernetes. `settings`: the run's config.cluster, as every function here."""
     source = settings.cluster_resolver or "tf_config"
     if source == "slurm":
-        return _slurm(settings, strategy)
+        return slurm_cluster(settings, strategy)
     if source == "kubernetes":
-        return _kubernetes(settings)
+        return kubernetes_cluster(settings, strategy)
     if source == "tpu":
         raise ConfigError(
             f"--cluster_resolver=tpu: use --strategy=tpu (with --strategy={strategy} the "
@@ -48,106 +50,6 @@ def resolve(settings, strategy):
             f"TF_CONFIG={os.environ['TF_CONFIG']!r}: --strategy=parameter_server needs 'chief', 'worker' and 'ps' jobs"
         )
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-
-
-SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
-
-
-def _slurm(settings, strategy):
-    """Slurm: every task of `srun` runs the same command; the step's node list says who is who. Tasks are
-    numbered node by node (Slurm's default block distribution), ports from --slurm_port_base on each node."""
-    missing = [name for name in SLURM_VARIABLES if name not in os.environ]
-    if missing:
-        raise ConfigError(
-            f"--cluster_resolver=slurm: {missing[0]} is not set; run the job under srun (one task per worker)"
-        )
-    try:
-        hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
-    except ValueError:
-        raise ConfigError(_slurm_bad("SLURM_STEP_NODELIST", "a node list as gpu[07-08,10],login1")) from None
-    per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
-    addresses = [f"{host}:{settings.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
-    tasks, rank = _slurm_count("SLURM_STEP_NUM_TASKS"), _slurm_count("SLURM_PROCID")
-    if rank >= tasks:
-        raise ConfigError(_slurm_bad("SLURM_PROCID", f"a task's rank, below SLURM_STEP_NUM_TASKS={tasks}"))
-    top = settings.slurm_port_base + max(per_node, default=1) - 1
-    if top > 65535:
-        raise ConfigError(
-            f"--slurm_port_base={settings.slurm_port_base}: with {max(per_node)} tasks on a node their ports run to "
-            f"{top}, past 65535"
-        )
-    if len(addresses) != tasks:
-        raise ConfigError(
-            f"--cluster_resolver=slurm: SLURM_STEP_NUM_TASKS={tasks} but the node list holds "
-            f"{len(addresses)} tasks ({os.environ['SLURM_STEP_NODELIST']})"
-        )
-    jobs = [("worker", tasks)]
-    if strategy == "parameter_server":
-        jobs = [("chief", 1), ("ps", settings.num_ps), ("worker", tasks - 1 - settings.num_ps)]
-        if jobs[-1][1] < 1:
-            raise ConfigError(
-                f"--num_ps={settings.num_ps}: the Slurm step has {tasks} tasks, too few for a chief, "
-                f"{settings.num_ps} parameter servers and at least one worker"
-            )
-    spec, start = {}, 0
-    for job, count in jobs:
-        spec[job] = addresses[start : start + count]
-        if start <= rank < start + count:
-            task = (job, rank - start)
-        start += count
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(spec), task_type=task[0], task_id=task[1], rpc_layer="grpc"
-    )
-
-
-def _slurm_bad(name, what):
-    return f"--cluster_resolver=slurm: {name}={os.environ[name]!r} is not {what}"
-
-
-def _slurm_count(name):
-    """A whole number of at least 0 Slurm set in `name`; ConfigError naming it else."""
-    value = os.environ[name]
-    if not (value.isascii() and value.isdigit()):
-        raise ConfigError(_slurm_bad(name, "a whole number"))
-    return int(value)
-
-
-def expand_hostlist(hostlist):
-    """Slurm's compressed node list, e.g. "gpu[07-08,10],login1" -> gpu07, gpu08, gpu10, login1."""
-    hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[]+)", hostlist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(first)}d}" for i in range(int(first), int(last or first) + 1)]
-    return hosts
-
-
-def expand_counts(counts):
-    """Slurm's tasks per node, e.g. "2(x3),1" -> 2, 2, 2, 1."""
-    expanded = []
-    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", counts):
-        expanded += [int(count)] * int(repeat or 1)
-    return expanded
-
-
-def _kubernetes(settings):
-    try:
-        import kubernetes  # noqa: F401  (optional: only this resolver needs it)
-    except ImportError:
-        raise ConfigError(
-            "--cluster_resolver=kubernetes: needs the kubernetes client library "
-            "(pip install kubernetes); a TFJob sets TF_CONFIG, so --cluster_resolver=tf_config "
-            "works without it"
-        ) from None
-    if not settings.kubernetes_selector:
-        raise ConfigError(
-            "--kubernetes_selector=: --cluster_resolver=kubernetes needs the label selector of the "
-            "job's worker pods, e.g. job-name=train-worker"
-        )
-    return tf.distribute.cluster_resolver.KubernetesClusterResolver({"worker": [settings.kubernetes_selector]})
 
 
 def tpu_strategy(settings):

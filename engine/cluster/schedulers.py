@@ -1,0 +1,179 @@
+"""The cluster as a scheduler gives it: Slurm's variables of an `srun` step, Kubernetes' worker pods. Each returns
+a resolver of the job's tasks with this task's own type and index (engine/cluster/resolvers.py resolve)."""
+
+import os
+import re
+import socket
+import time
+
+import tensorflow as tf
+
+from engine.settings.config import first_line
+from engine.settings.errors import ConfigError
+
+_POLL_SECONDS = 1.0  # between two listings of the pods that do not all run yet
+
+SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+
+
+def slurm_cluster(settings, strategy):
+    """Slurm: every task of `srun` runs the same command; the step's node list says who is who. Tasks are
+    numbered node by node (Slurm's default block distribution), ports from --slurm_port_base on each node."""
+    missing = [name for name in SLURM_VARIABLES if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"--cluster_resolver=slurm: {missing[0]} is not set; run the job under srun (one task per worker)"
+        )
+    try:
+        hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
+    except ValueError:
+        raise ConfigError(_slurm_bad("SLURM_STEP_NODELIST", "a node list as gpu[07-08,10],login1")) from None
+    per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
+    addresses = [f"{host}:{settings.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
+    tasks, rank = _slurm_count("SLURM_STEP_NUM_TASKS"), _slurm_count("SLURM_PROCID")
+    if rank >= tasks:
+        raise ConfigError(_slurm_bad("SLURM_PROCID", f"a task's rank, below SLURM_STEP_NUM_TASKS={tasks}"))
+    top = settings.slurm_port_base + max(per_node, default=1) - 1
+    if top > 65535:
+        raise ConfigError(
+            f"--slurm_port_base={settings.slurm_port_base}: with {max(per_node)} tasks on a node their ports run to "
+            f"{top}, past 65535"
+        )
+    if len(addresses) != tasks:
+        raise ConfigError(
+            f"--cluster_resolver=slurm: SLURM_STEP_NUM_TASKS={tasks} but the node list holds "
+            f"{len(addresses)} tasks ({os.environ['SLURM_STEP_NODELIST']})"
+        )
+    jobs = [("worker", tasks)]
+    if strategy == "parameter_server":
+        jobs = [("chief", 1), ("ps", settings.num_ps), ("worker", tasks - 1 - settings.num_ps)]
+        if jobs[-1][1] < 1:
+            raise ConfigError(
+                f"--num_ps={settings.num_ps}: the Slurm step has {tasks} tasks, too few for a chief, "
+                f"{settings.num_ps} parameter servers and at least one worker"
+            )
+    spec, start = {}, 0
+    for job, count in jobs:
+        spec[job] = addresses[start : start + count]
+        if start <= rank < start + count:
+            task = (job, rank - start)
+        start += count
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type=task[0], task_id=task[1], rpc_layer="grpc"
+    )
+
+
+def _slurm_bad(name, what):
+    return f"--cluster_resolver=slurm: {name}={os.environ[name]!r} is not {what}"
+
+
+def _slurm_count(name):
+    """A whole number of at least 0 Slurm set in `name`; ConfigError naming it else."""
+    value = os.environ[name]
+    if not (value.isascii() and value.isdigit()):
+        raise ConfigError(_slurm_bad(name, "a whole number"))
+    return int(value)
+
+
+def expand_hostlist(hostlist):
+    """Slurm's compressed node list, e.g. "gpu[07-08,10],login1" -> gpu07, gpu08, gpu10, login1."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[]+)", hostlist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            hosts += [f"{prefix}{i:0{len(first)}d}" for i in range(int(first), int(last or first) + 1)]
+    return hosts
+
+
+def expand_counts(counts):
+    """Slurm's tasks per node, e.g. "2(x3),1" -> 2, 2, 2, 1."""
+    expanded = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", counts):
+        expanded += [int(count)] * int(repeat or 1)
+    return expanded
+
+
+# Kubernetes: the port of each worker pod's TensorFlow server, and where a pod reads its namespace.
+KUBERNETES_PORT = 2222
+NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+_PODS = {}  # selector: the cluster resolved once in this process (a lost peer's message reads it again)
+
+
+def kubernetes_cluster(settings, strategy):
+    """Kubernetes: the worker pods --kubernetes_selector selects in this pod's namespace, once every one of them runs
+    (within --connect_timeout), in the order of their names; this pod is the worker of its own name (or address).
+    TensorFlow's KubernetesClusterResolver leaves a task's type and index unset, which no strategy starts without."""
+    try:
+        import kubernetes  # optional: only this resolver needs it
+    except ImportError:
+        raise ConfigError(
+            "--cluster_resolver=kubernetes: needs the kubernetes client library "
+            "(pip install kubernetes); a TFJob sets TF_CONFIG, so --cluster_resolver=tf_config "
+            "works without it"
+        ) from None
+    selector = settings.kubernetes_selector
+    if not selector:
+        raise ConfigError(
+            "--kubernetes_selector=: --cluster_resolver=kubernetes needs the label selector of the "
+            "job's worker pods, e.g. job-name=train-worker"
+        )
+    if strategy == "parameter_server":
+        raise ConfigError(
+            "--cluster_resolver=kubernetes: reads one job of worker pods; --strategy=parameter_server needs chief, "
+            "worker and ps jobs: give them in TF_CONFIG (a TFJob sets it)"
+        )
+    if selector not in _PODS:
+        _PODS[selector] = _running_pods(kubernetes, settings)
+    pods = _PODS[selector]  # [(name, address)] by name
+    me = os.environ.get("HOSTNAME") or socket.gethostname()
+    mine = [i for i, (name, ip) in enumerate(pods) if me in (name, ip) or _own_address() == ip]
+    if not mine:
+        raise ConfigError(
+            f"--kubernetes_selector={selector}: selects the pods {', '.join(name for name, _ in pods)}, not this one "
+            f"({me}): give the selector of this job's worker pods"
+        )
+    spec = tf.train.ClusterSpec({"worker": [f"{ip}:{KUBERNETES_PORT}" for _, ip in pods]})
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="worker", task_id=mine[0], rpc_layer="grpc"
+    )
+
+
+def _running_pods(kubernetes, settings):
+    """[(name, address)] of the pods the selector selects, by name, once each runs with an address."""
+    selector, seconds = settings.kubernetes_selector, settings.connect_timeout
+    try:
+        kubernetes.config.load_incluster_config()
+        with open(NAMESPACE_FILE) as f:
+            namespace = f.read().strip()
+    except (kubernetes.config.ConfigException, OSError) as e:
+        raise ConfigError(f"--cluster_resolver=kubernetes: not inside a Kubernetes pod ({first_line(e)})") from None
+    api, deadline = kubernetes.client.CoreV1Api(), time.monotonic() + seconds
+    while True:
+        try:
+            pods = api.list_namespaced_pod(namespace, label_selector=selector).items
+        except kubernetes.client.ApiException as e:
+            raise ConfigError(
+                f"--kubernetes_selector={selector}: cannot list the pods of namespace {namespace} ({e.status} "
+                f"{e.reason}): the pod's service account needs permission to list pods"
+            ) from None
+        waiting = sorted(p.metadata.name for p in pods if p.status.phase != "Running" or not p.status.pod_ip)
+        if pods and not waiting:
+            return sorted((p.metadata.name, p.status.pod_ip) for p in pods)
+        if time.monotonic() >= deadline:
+            why = f"{', '.join(waiting)} not running" if pods else "it selects no pod"
+            raise ConfigError(
+                f"--kubernetes_selector={selector}: the cluster did not form within "
+                f"--connect_timeout={seconds:g}s: {why}"
+            )
+        time.sleep(min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+def _own_address():
+    """This host's address as its name resolves (a pod's own IP), or None."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
