@@ -21,6 +21,7 @@ from engine.cluster import distribute, launcher
 from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE, PeerLost
 from engine.cluster.schedulers import SLURM_VARIABLES
 from engine.run import build, inputs, loop
+from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint
@@ -339,6 +340,30 @@ def test_slurm_outside_srun_is_a_clear_error(monkeypatch):
         distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm").cluster)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"cluster_resolver": "kubernetes", "kubernetes_selector": "job=train"},
+            "--cluster_resolver=kubernetes: reads one job of worker pods; --strategy=parameter_server needs chief, "
+            "worker and ps jobs: give them in TF_CONFIG (a TFJob sets it)",
+        ),
+        (
+            {"jit_compile": "true"},
+            "--jit_compile=true: cannot compile the step with --strategy=parameter_server: an XLA program cannot read "
+            "the variables on parameter servers (--jit_compile=auto compiles nothing there)",
+        ),
+    ],
+)
+def test_a_parameter_server_job_refuses_what_it_cannot_run_before_tensorflow_starts(monkeypatch, settings, message):
+    # Kubernetes' pods are one job of workers: TensorFlow said "There must be at least one ps."; an XLA program read
+    # a parameter server's variable and failed inside the coordinator's first round.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        validate(Config(strategy="parameter_server", **settings))
+    assert str(refused.value) == message
+
+
 def _fake_kubernetes(monkeypatch, tmp_path, listings):
     """The kubernetes client as a pod sees it, its API answering each listing of pods with the next of `listings`
     ([(name, phase, ip)] each; the last one again after that); returns the selectors and namespaces it was asked."""
@@ -400,13 +425,6 @@ def test_kubernetes_pods_resolve_to_the_cluster_once_every_one_runs(monkeypatch,
             {},
             "--kubernetes_selector=job=train: selects the pods w-0, not this one (other-pod): give the selector of "
             "this job's worker pods",
-        ),
-        (
-            [("w-0", "Running", "10.0.0.5")],
-            "w-0",
-            {"strategy": "parameter_server"},
-            "--cluster_resolver=kubernetes: reads one job of worker pods; --strategy=parameter_server needs chief, "
-            "worker and ps jobs: give them in TF_CONFIG (a TFJob sets it)",
         ),
     ],
 )

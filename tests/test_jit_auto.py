@@ -99,8 +99,10 @@ DENSE_CPU = "auto: float32 dense layers on a CPU: XLA fuses the step"
             (),
             True,
             True,
-            (False, "auto: on a TPU every round is compiled with XLA anyway"),
+            (False, "auto: on a TPU every step is compiled with XLA anyway"),
         ),
+        # An explicit true nested XLA functions inside the TPU's own compilation of the step.
+        ("true", "float32", "TPU", (), False, False, (False, "flag: on a TPU every step is compiled with XLA anyway")),
     ],
 )
 def test_choose_decides_each_case(setting, precision, device, cpu, convolutions, synchronizes, expected):

@@ -32,7 +32,7 @@ def resolve(settings, strategy):
     if source == "slurm":
         return slurm_cluster(settings, strategy)
     if source == "kubernetes":
-        return kubernetes_cluster(settings, strategy)
+        return kubernetes_cluster(settings)
     if source == "tpu":
         raise ConfigError(
             f"--cluster_resolver=tpu: use --strategy=tpu (with --strategy={strategy} the "

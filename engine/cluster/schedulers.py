@@ -102,7 +102,7 @@ NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _PODS = {}  # selector: the cluster resolved once in this process (a lost peer's message reads it again)
 
 
-def kubernetes_cluster(settings, strategy):
+def kubernetes_cluster(settings):
     """Kubernetes: the worker pods --kubernetes_selector selects in this pod's namespace, once every one of them runs
     (within --connect_timeout), in the order of their names; this pod is the worker of its own name (or address).
     TensorFlow's KubernetesClusterResolver leaves a task's type and index unset, which no strategy starts without."""
@@ -119,11 +119,6 @@ def kubernetes_cluster(settings, strategy):
         raise ConfigError(
             "--kubernetes_selector=: --cluster_resolver=kubernetes needs the label selector of the "
             "job's worker pods, e.g. job-name=train-worker"
-        )
-    if strategy == "parameter_server":
-        raise ConfigError(
-            "--cluster_resolver=kubernetes: reads one job of worker pods; --strategy=parameter_server needs chief, "
-            "worker and ps jobs: give them in TF_CONFIG (a TFJob sets it)"
         )
     if selector not in _PODS:
         _PODS[selector] = _running_pods(kubernetes, settings)

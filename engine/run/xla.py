@@ -45,9 +45,13 @@ def choose(
     model's largest weight matrix (a dense or attention kernel). `decoder`: a model over token sequences (an
     embedding of tokens: a language model).
     """
-    if setting != "auto":
+    if device == "TPU":
+        # TPUStrategy compiles each step (strategy.run) with XLA whatever the flag says; the engine's own compilation
+        # of the step's halves would only nest inside it.
+        return False, f"{'auto' if setting == 'auto' else 'flag'}: on a TPU every step is compiled with XLA anyway"
+    if setting != "auto":  # --jit_compile=true with parameter servers is refused (engine/settings/checks.py)
         return setting == "true", "flag"
-    refused = _cannot_compile(device, synchronizes, remote, unsupported)
+    refused = _cannot_compile(synchronizes, remote, unsupported)
     if refused:
         return False, f"auto: {refused}"
     if device == "GPU":
@@ -67,12 +71,8 @@ def _on_gpu(precision, decoder):
     return True, f"auto: {precision} on a GPU: XLA fuses the elementwise ops around cuBLAS and cuDNN"
 
 
-def _cannot_compile(device, synchronizes, remote, unsupported):
+def _cannot_compile(synchronizes, remote, unsupported):
     """Why the engine does not compile the step whatever the model's speed would say; "" where nothing stops it."""
-    if device == "TPU":
-        # TPUStrategy hands the whole round to XLA whatever the flag says; the engine's own compilation of the
-        # step's halves would only nest inside it.
-        return "on a TPU every round is compiled with XLA anyway"
     if synchronizes:
         # With several replicas only the step's per-replica halves are compiled, and a cross-replica sum inside
         # the forward pass would sit inside one of them, where XLA cannot synchronize replicas.

@@ -223,6 +223,20 @@ def check_strategy(config):
             f"is not supported with {said}: asynchronous "
             "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
         )
+    if name == "parameter_server" and config.jit_compile == "true":
+        fail(
+            "jit_compile",
+            config.jit_compile,
+            f"cannot compile the step with {said}: an XLA program cannot read the variables on parameter servers "
+            "(--jit_compile=auto compiles nothing there)",
+        )
+    if name == "parameter_server" and config.cluster_resolver == "kubernetes":
+        fail(
+            "cluster_resolver",
+            config.cluster_resolver,
+            f"reads one job of worker pods; {said} needs chief, worker and ps jobs: give them in TF_CONFIG (a TFJob "
+            "sets it)",
+        )
     jobs = (tf_config() or {}).get("cluster") or {}
     if name == "multi_worker" and "ps" in jobs:  # TensorFlow's multi-worker strategy has no parameter servers
         fail("strategy", config.strategy, "runs no 'ps' job, which TF_CONFIG has: use --strategy=parameter_server")
