@@ -476,8 +476,16 @@ def test_tpu_start_up_sequence(monkeypatch):
         def __init__(self, tpu):
             calls.append(("resolve", tpu))
 
+        def master(self):  # a TPU VM's own
+            return ""
+
+        def cluster_spec(self):
+            return tf.train.ClusterSpec({})
+
     monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", FakeResolver)
-    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda r: calls.append(("connect", type(r))))
+    monkeypatch.setattr(
+        tf.config, "experimental_connect_to_cluster", lambda r, **options: calls.append(("connect", type(r)))
+    )
     monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system", lambda r: calls.append(("initialize", type(r))))
     monkeypatch.setattr(tf.distribute, "TPUStrategy", lambda r: calls.append(("strategy", type(r))) or "strategy")
     assert distribute.create_strategy(Config(strategy="tpu", tpu="my-tpu").cluster) == "strategy"

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -114,6 +115,69 @@ def test_unreachable_tpu_address_is_refused_within_the_connect_timeout(tmp_path)
         f"error: --tpu=grpc://127.0.0.1:{port}: no TPU reachable (no answer within --connect_timeout=5s)"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def _fake_tpu(monkeypatch, initialize):
+    """TensorFlow's TPU start-up calls, a remote TPU's (its host worker 0 at 10.1.2.3:8470) without one: the
+    strategy is the resolver it was given."""
+    import tensorflow as tf
+
+    spec = tf.train.ClusterSpec({"worker": ["10.1.2.3:8470"]})
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, master="grpc://10.1.2.3:8470")
+    monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", lambda tpu: resolver)
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda r, make_master_device_default=True: None)
+    monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system", initialize)
+    monkeypatch.setattr(tf.distribute, "TPUStrategy", lambda r: r)
+
+
+def _in_a_thread(function):
+    """function()'s result (or the error it raised) and the default device its thread was left with: a thread of its
+    own, so that a device scope it enters stays there."""
+    from tensorflow.python.distribute import device_util
+
+    out = {}
+
+    def run():
+        try:
+            out["result"] = function()
+        except Exception as e:  # noqa: BLE001  (the test reads it)
+            out["error"] = e
+        out["device"] = device_util.current()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_a_remote_tpus_host_is_the_default_device_of_the_thread_that_trains(monkeypatch):
+    # TensorFlow enters the master's device scope in the thread that connects, and a device scope is the thread's
+    # own: connected in the start-up's thread of its own, the run's ops outside the strategy stayed on the client.
+    from engine.cluster import resolvers
+
+    _fake_tpu(monkeypatch, lambda resolver: None)
+    settings = Config(strategy="tpu", tpu="grpc://10.1.2.3:8470", connect_timeout=5).cluster
+    out = _in_a_thread(lambda: resolvers.tpu_strategy(settings))
+    assert "error" not in out, out
+    assert out["device"].startswith("/job:worker/replica:0/task:0/")  # the TPU host's, not the client's
+
+
+def test_a_tpu_that_fails_after_it_answered_names_the_stage(monkeypatch):
+    # Every failure read "no TPU reachable", a TPU held by another process too; an InternalError was a traceback.
+    import tensorflow as tf
+
+    from engine.cluster import resolvers
+
+    def busy(resolver):
+        raise tf.errors.InternalError(None, None, "TPU is already in use by process 4242. More text.")
+
+    _fake_tpu(monkeypatch, busy)
+    settings = Config(strategy="tpu", tpu="grpc://10.1.2.3:8470", connect_timeout=5).cluster
+    out = _in_a_thread(lambda: resolvers.tpu_strategy(settings))
+    assert str(out["error"]) == (
+        "--tpu=grpc://10.1.2.3:8470: the TPU failed while initializing its TPU system (TPU is already in use by "
+        "process 4242)"
+    )
 
 
 def test_tpu_name_off_google_cloud_is_refused_without_a_traceback(tmp_path):

@@ -53,11 +53,16 @@ def resolve(settings, strategy):
 
 
 def tpu_strategy(settings):
-    """The TPU start-up sequence: resolve, connect, initialize the TPU system, then the strategy."""
+    """The TPU start-up sequence: resolve, connect, initialize the TPU system, then the strategy. A failure is one
+    line naming the stage it failed in."""
+    stage = ["resolve"]
 
     def start():
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=settings.tpu)
-        tf.config.experimental_connect_to_cluster(resolver)
+        stage[0] = "connect"
+        # Its master device is entered as the default below, in this thread: a device scope is the thread's own.
+        tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
+        stage[0] = "initialize"
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return resolver
 
@@ -68,10 +73,28 @@ def tpu_strategy(settings):
             f"--tpu={settings.tpu}: no TPU reachable (no answer within --connect_timeout={settings.connect_timeout:g}s)"
         ) from None
     # OSError: off Google Cloud, a TPU name is looked up on a metadata server that is not there (URLError).
-    except (ValueError, OSError, tf.errors.NotFoundError, tf.errors.UnavailableError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError, tf.errors.OpError) as e:
         reason = getattr(e, "reason", None) or first_line(e).split(". ")[0]
-        raise ConfigError(f"--tpu={settings.tpu}: no TPU reachable ({reason})") from None
+        if stage[0] == "resolve":
+            raise ConfigError(f"--tpu={settings.tpu}: no TPU reachable ({reason})") from None
+        doing = {"connect": "connecting to it", "initialize": "initializing its TPU system"}[stage[0]]
+        raise ConfigError(f"--tpu={settings.tpu}: the TPU failed while {doing} ({reason})") from None
+    enter_master_device(resolver)
     return tf.distribute.TPUStrategy(resolver)
+
+
+def enter_master_device(resolver):
+    """Makes the resolver's master task (a remote TPU's host) the default device of this thread's ops, as
+    experimental_connect_to_cluster does in the thread that calls it; nothing for a TPU VM's own (local) master."""
+    master, spec = resolver.master(), resolver.cluster_spec()
+    if master in ("", "local"):  # what experimental_connect_to_cluster leaves alone
+        return
+    for job in spec.jobs:
+        for task in spec.task_indices(job):
+            address = spec.task_address(job, task)
+            if master in address or address in master:
+                tf.device(f"/job:{job}/replica:0/task:{task}").__enter__()  # for the rest of the process
+                return
 
 
 def _within_connect_timeout(settings, start):
