@@ -364,6 +364,16 @@ def test_a_parameter_server_job_refuses_what_it_cannot_run_before_tensorflow_sta
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize("jobs", [("chief", "worker"), ("chief", "ps"), ("worker", "ps")])
+def test_a_parameter_server_tf_config_without_each_of_its_jobs_is_refused_naming_them(monkeypatch, jobs):
+    # One without a worker job reached TensorFlow's "There must be at least one worker." as a traceback.
+    tf_config = {"cluster": {job: [f"h:{i + 1}"] for i, job in enumerate(jobs)}, "task": {"type": jobs[0], "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    with pytest.raises(ConfigError) as refused:
+        distribute.cluster_resolver(Config(strategy="parameter_server").cluster)
+    assert str(refused.value).endswith(": --strategy=parameter_server needs 'chief', 'worker' and 'ps' jobs")
+
+
 def _fake_kubernetes(monkeypatch, tmp_path, listings):
     """The kubernetes client as a pod sees it, its API answering each listing of pods with the next of `listings`
     ([(name, phase, ip)] each; the last one again after that); returns the selectors and namespaces it was asked."""

@@ -45,7 +45,7 @@ def resolve(settings, strategy):
             '(e.g. {"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}})'
         )
     cluster = parsed["cluster"]
-    if strategy == "parameter_server" and not ("chief" in cluster and "ps" in cluster):
+    if strategy == "parameter_server" and not all(job in cluster for job in ("chief", "worker", "ps")):
         raise ConfigError(
             f"TF_CONFIG={os.environ['TF_CONFIG']!r}: --strategy=parameter_server needs 'chief', 'worker' and 'ps' jobs"
         )
