@@ -535,6 +535,10 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
         served = [
             b["image"].numpy() for b in inputs.run_data(served_config).train_fn(tf.distribute.InputContext()).take(5)
         ]
+        # The service's workers read the files, not this process: its summary's input_bytes_read said 0, as if a
+        # streamed split had been read for nothing. None: not counted here.
+        assert build.run(served_config, tf.distribute.OneDeviceStrategy("/cpu:0")).program.counts_bytes is False
+        assert build.run(config, tf.distribute.OneDeviceStrategy("/cpu:0")).program.counts_bytes is True
     finally:
         # The worker first: left to garbage collection, the dispatcher could go first, and a worker stopping
         # without its dispatcher hung the test process (seen once in WorkerServer.__del__, TensorFlow 2.21).

@@ -205,7 +205,7 @@ class Controller:
             "examples_per_sec": examples_per_sec,
             # The share of the timed rounds' time the steps waited for their batches.
             "input_wait_fraction": input_wait,
-            "input_bytes_read": int(program.bytes_read.numpy()) if run.data.sharded else None,
+            "input_bytes_read": int(program.bytes_read.numpy()) if run.data.sharded and program.counts_bytes else None,
             # A run of several updates: each one's loss and gradient norm over the last round, its last rates (as
             # logged, where this process resumed at the end and ran no round), and the settings each trained with.
             **(_update_metrics(program, numbers, report) if len(run.plans) > 1 and numbers else {}),

@@ -48,8 +48,10 @@ class TrainProgram:
         self.batches_per_step = updates.batches_per_step(plans)  # more than one: an update reads a fresh batch each
         with strategy.scope():
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
-        # Bytes of record files this process read (a streamed split): the read-amplification count.
+        # Bytes of record files this process read (a streamed split): the read-amplification count. Not counted
+        # where other processes read them: a parameter-server job's workers, the tf.data service's.
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
+        self.counts_bytes = coordinator is None and not config.tf_data_service
         self.stops_each_step = stops_each_step(placement)
         self.input = self.input_path()
         self.retraced = set()
@@ -58,9 +60,8 @@ class TrainProgram:
     def input_path(self, in_step=None):
         """The path the steps read their batches by (engine/run/inputs.py path): gathered in the step where it
         decides, or not (`in_step` False: from the tf.data pipeline, as a test feeding batches of its own sets it)."""
-        service = self.config.tf_data_service
-        counter = None if service else self.bytes_read
-        return inputs.path(self.placement, self.data, counter, self.coordinator, service, in_step)
+        counter = self.bytes_read if self.counts_bytes else None
+        return inputs.path(self.placement, self.data, counter, self.coordinator, self.config.tf_data_service, in_step)
 
     def traces(self):
         """How often the rounds' loops were traced so far: a round that traced one (a new variant, the extras an
