@@ -123,8 +123,8 @@ def kubernetes_cluster(settings):
     if selector not in _PODS:
         _PODS[selector] = _running_pods(kubernetes, settings)
     pods = _PODS[selector]  # [(name, address)] by name
-    me = os.environ.get("HOSTNAME") or socket.gethostname()
-    mine = [i for i, (name, ip) in enumerate(pods) if me in (name, ip) or _own_address() == ip]
+    me, address = os.environ.get("HOSTNAME") or socket.gethostname(), _own_address()
+    mine = [i for i, (name, ip) in enumerate(pods) if me in (name, ip) or address == ip]
     if not mine:
         raise ConfigError(
             f"--kubernetes_selector={selector}: selects the pods {', '.join(name for name, _ in pods)}, not this one "
