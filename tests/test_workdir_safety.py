@@ -215,6 +215,20 @@ def test_a_link_at_a_log_is_refused_not_appended_through(tmp_path):
     assert target.read_text() == "keep me\n"
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_record_appended_after_a_torn_last_line_starts_a_line_of_its_own(tmp_path, remote):
+    # A sidecar killed mid-line left '{"step": 15, "checkpoint": ...'; the next one's record was glued onto it, could
+    # not be read back, and its checkpoint was evaluated and recorded again by the sidecar after it.
+    path = tmp_path / "continuous_eval.jsonl"
+    path.write_text('{"step": 10, "split": "test", "checkpoint": "ckpt-10"}\n{"step": 15, "checkpoint": "ck')
+    record = {"step": 20, "split": "test", "checkpoint": "ckpt-20"}
+    files.append_text(("file://" if remote else "") + str(path), json.dumps(record) + "\n")
+    assert [r["step"] for r in evaluate._followed(str(tmp_path), "test")] == [10, 20]
+    assert path.read_text().endswith('"ck\n' + json.dumps(record) + "\n")
+    files.append_text(str(path), json.dumps(record) + "\n")  # after a whole line: nothing added
+    assert path.read_text().endswith(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+
+
 def test_eval_replaces_links_at_its_outputs_and_leaves_their_targets(trained, tmp_path, one_device):
     config = copy_of(trained, tmp_path)
     target = outside(tmp_path)

@@ -98,20 +98,29 @@ def write_json(path, obj):
 
 
 def append_text(path, text):
-    """Appends `text` to the log `path`, created if missing; a link there is refused (CheckpointError, like any
-    failed write of the run's files), never appended through."""
+    """Appends `text` to the log `path`, created if missing, on a line of its own: after a torn last line (a killed
+    process's, a full disk's) it starts a new one, so that the record it appends reads back whole. A link there is
+    refused (CheckpointError, like any failed write of the run's files), never appended through."""
     path = local_path(path)  # a remote path as it is
     with writing(path):
         if not is_local(path):
+            size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else 0
+            if size:
+                with tf.io.gfile.GFile(path, "rb") as f:
+                    f.seek(size - 1)
+                    text = text if f.read(1) == b"\n" else "\n" + text
             with tf.io.gfile.GFile(path, "a") as f:
                 f.write(text)
             return
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP and os.path.islink(path):
                 raise _link_refused(path) from None
             raise
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            text = "\n" + text
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             f.write(text)
 
