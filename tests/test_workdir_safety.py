@@ -229,6 +229,44 @@ def test_a_record_appended_after_a_torn_last_line_starts_a_line_of_its_own(tmp_p
     assert path.read_text().endswith(json.dumps(record) + "\n" + json.dumps(record) + "\n")
 
 
+def test_eval_and_export_refuse_to_write_into_the_checkout_or_a_runs_own_folders(trained, tmp_path):
+    # eval --checkpoint left eval_test.json in the checkout and in another run's TensorBoard folder; an --export_dir
+    # inside checkpoints/ was taken for a checkpoint, and every later eval and resume of that run ended in a traceback.
+    config = copy_of(trained, tmp_path)
+    workdir, before = config.workdir, contents(config.workdir)
+    ckpt = os.path.join(workdir, "checkpoints", "ckpt-20")
+    cases = [
+        (evaluate.evaluate, dict(workdir=helpers.ROOT), f"--workdir={helpers.ROOT} is this checkout itself"),
+        (
+            evaluate.evaluate,
+            dict(workdir=os.path.join(workdir, "train")),
+            f"--workdir={workdir}/train is inside the workdir of another run ({workdir}): give this run a folder",
+        ),
+        (
+            evaluate.export,
+            dict(export_dir=os.path.join(workdir, "checkpoints", "ckpt-99")),
+            f"--export_dir={workdir}/checkpoints/ckpt-99 is inside the workdir of a run ({workdir}): give the export: "
+            "without --export_dir it goes into that run's export/STEP",
+        ),
+    ]
+    for mode, given, said in cases:
+        with pytest.raises(ConfigError) as refused:
+            mode(dataclasses.replace(config, checkpoint=ckpt, **given))
+        assert str(refused.value).startswith(said)
+    assert contents(workdir) == before
+    assert not os.path.exists(os.path.join(helpers.ROOT, "eval_test.json"))
+
+
+def test_eval_of_a_checkpoint_into_a_new_workdir_writes_its_results_there(trained, tmp_path, one_device):
+    # It evaluated, then ended with exit 4 ("cannot write .../eval_test.json: No such file or directory"): the result
+    # was lost.
+    config = copy_of(trained, tmp_path)
+    ckpt = os.path.join(config.workdir, "checkpoints", "ckpt-20")
+    new = tmp_path / "new" / "eval"
+    summary = evaluate.evaluate(dataclasses.replace(config, mode="eval", workdir=str(new), checkpoint=ckpt), one_device)
+    assert json.loads((new / "eval_test.json").read_text()) == json.loads(json.dumps(summary))
+
+
 def test_eval_replaces_links_at_its_outputs_and_leaves_their_targets(trained, tmp_path, one_device):
     config = copy_of(trained, tmp_path)
     target = outside(tmp_path)

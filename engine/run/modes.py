@@ -12,9 +12,9 @@ from engine.run import build
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
-from engine.state.files import append_text, write_json
+from engine.state.files import append_text, make_workdir, write_json
 from engine.state.report import format_metrics
-from engine.state.workdir import STUDY_NAME
+from engine.state.workdir import STUDY_NAME, check_not_inside_a_run
 
 
 def run_config(config, mode, given=None):
@@ -45,6 +45,7 @@ def _check_workdir_is_the_checkpoints(config):
     if not config.checkpoint:
         return
     _check_exists(config.checkpoint)
+    check_not_inside_a_run(config.workdir)  # the checkout, another run's checkpoints/ or TensorBoard folders
     theirs = _run_of(config.checkpoint)
     same = os.path.abspath(theirs) == os.path.abspath(config.workdir)
     if not same and tf.io.gfile.exists(os.path.join(config.workdir, "config.json")):
@@ -123,6 +124,7 @@ def evaluate(config, strategy=None, given=None):
     print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
     summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
     if run.placement.chief:
+        make_workdir(config.workdir)  # a new one, for --checkpoint of a run elsewhere
         write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
     return summary
 
@@ -262,7 +264,9 @@ def export(config, given=None):
     the weights of --checkpoint (or the latest readable in --workdir). It computes in float32 whatever the
     training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
     TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
-    if not config.export_dir:  # else the export goes where it is told
+    if config.export_dir:  # where it is told, but not where a run's files are
+        check_not_inside_a_run(config.export_dir, "export_dir")
+    else:
         _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "export", given)
     paths = _checkpoint_paths(config)

@@ -33,7 +33,7 @@ def check_same_run(config, unread=ORDER_SETTINGS):
     workdir. A run that saved no checkpoint (refused as its first batches loaded: bad data, a source setting to
     correct) left nothing to resume: its workdir is new to a command with other settings. `unread`: the order
     settings its training split does not read, which its data says (Data.unread): all of them before it is loaded."""
-    _check_not_inside_a_run(config.workdir)
+    check_not_inside_a_run(config.workdir)
     study = os.path.join(config.workdir, STUDY_NAME)
     if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
         raise ConfigError(
@@ -61,21 +61,24 @@ def check_same_run(config, unread=ORDER_SETTINGS):
     return saved
 
 
-def _check_not_inside_a_run(workdir):
+def check_not_inside_a_run(workdir, flag="workdir"):
     """Refuses a workdir that is the checkout itself or a file system's root, or inside another train run's workdir
-    (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
+    (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both). With
+    `flag` export_dir: a SavedModel's folder, which inside a run's checkpoints/ reads as a checkpoint."""
     path = os.path.abspath(workdir) if "://" not in workdir else None
     if path is None:
         return
     if path == plugins.ROOT or path == os.path.dirname(path):  # the checkout, or a file system's root
         what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
-        raise ConfigError(f"--workdir={workdir} is {what}: give the run a folder of its own, as runs/NAME")
+        whose = "the run" if flag == "workdir" else "the export"
+        raise ConfigError(f"--{flag}={workdir} is {what}: give {whose} a folder of its own, as runs/NAME")
     parent = os.path.dirname(path)
     while parent != os.path.dirname(parent):
         if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(os.path.join(parent, "checkpoints")):
+            own = "the export: without --export_dir it goes into that run's export/STEP" if flag == "export_dir" else ""
             raise ConfigError(
-                f"--workdir={workdir} is inside the workdir of another run ({parent}): give this run a folder of its "
-                "own, beside it"
+                f"--{flag}={workdir} is inside the workdir of {'a' if own else 'another'} run ({parent}): give "
+                f"{own or 'this run a folder of its own, beside it'}"
             )
         parent = os.path.dirname(parent)
 
