@@ -118,6 +118,44 @@ def test_a_damaged_checkpoint_reads_as_damaged(error):
         checkpoint.restore(_Failing(error), "/w/checkpoints/ckpt-10")
 
 
+class _RotatedAway:
+    """A tf.train.Checkpoint whose files a run still training deletes (--keep_checkpoints) as it reads them: the
+    objects it read first are restored, the rest are not, and TensorFlow's match assertion fails."""
+
+    def restore(self, path):
+        for name in tf.io.gfile.glob(path + ".*"):
+            tf.io.gfile.remove(name)
+        return self
+
+    def expect_partial(self):
+        pass
+
+    def assert_existing_objects_matched(self):
+        raise AssertionError("Found 1 Python objects that were not bound to checkpointed values")
+
+
+def test_a_checkpoint_rotated_away_as_it_is_read_is_unreadable_not_another_runs(trained, tmp_path):
+    # A sidecar following a run with --keep_checkpoints=1 stopped on "checkpoint ckpt-250 does not fit this run: its
+    # objects differ (another model?)", or on a NotFoundError traceback from the check that names the difference.
+    config = copy_of(trained, tmp_path)
+    with pytest.raises(checkpoint.Unreadable) as unreadable:
+        checkpoint.restore(_RotatedAway(), os.path.join(config.workdir, "checkpoints", "ckpt-20"), partial=True)
+    assert str(unreadable.value).startswith("its files went away as it was read")
+
+
+def test_eval_of_a_run_still_training_reads_the_checkpoint_that_replaced_one_rotated_away(trained, tmp_path):
+    # Listed with ckpt-10 its newest, the run saved ckpt-20 and deleted ckpt-10's data before its index: eval said
+    # "checkpoint ckpt-10 is unreadable ...; trying the previous one", then "no readable checkpoint (all 1 are
+    # damaged)", exit 2.
+    config = dataclasses.replace(copy_of(trained, tmp_path), mode="eval")
+    listed = os.path.join(config.workdir, "checkpoints", "ckpt-10")
+    for name in tf.io.gfile.glob(listed + ".data-*"):
+        os.remove(name)
+    run, restored = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    assert evaluate._restore(restored, config, [listed]) == os.path.join(config.workdir, "checkpoints", "ckpt-20")
+    assert int(run.state.step.numpy()) == 20
+
+
 # Item 20: a refused --init_checkpoint leaves no workdir behind.
 
 

@@ -92,8 +92,8 @@ def _checkpoint_paths(config):
 
 def _restore(checkpoint, config, paths):
     """Restores the first readable of `paths`; a damaged one in the workdir is reported and the previous one
-    used, as training does. One gone since they were listed was rotated away by a run still training: the workdir's
-    checkpoints are listed again. Returns the path restored."""
+    used, as training does. One gone, or going, since they were listed was rotated away by a run still training (a
+    newer one appeared): the workdir's checkpoints are listed again. Returns the path restored."""
     tried, damaged = set(), 0
     while path := next((p for p in paths if p not in tried), None):
         tried.add(path)
@@ -103,8 +103,9 @@ def _restore(checkpoint, config, paths):
         except checkpoint_lib.Unreadable as e:
             if config.checkpoint:
                 raise ConfigError(f"--checkpoint={path}: unreadable ({e})") from None
-            if not tf.io.gfile.glob(path + ".*"):  # deleted (--keep_checkpoints), not damaged: newer ones exist
-                paths = _checkpoint_paths(config)
+            listed = _checkpoint_paths(config)
+            if path not in listed or listed[0] not in paths:  # rotated away (--keep_checkpoints), not damaged
+                paths = listed
                 continue
             damaged += 1
             print(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one", flush=True)

@@ -334,15 +334,27 @@ def restore(checkpoint, path, partial=False):
             raise storage_error(path, e) from None
         raise Unreadable(first_line(e)) from None
     except (AssertionError, ValueError):
+        if not _whole(path):  # rotated away as it was read (--keep_checkpoints of a run still training)
+            raise Unreadable(f"its files went away as it was read ({path}.index or its data)") from None
         why = _mismatch(checkpoint, path, partial)
         if "keyed variables by path" not in why:
             why += " (a run with other settings saved it)"
         raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
 
 
+def _whole(path):
+    """Whether a checkpoint's index and every data file its name counts are there."""
+    data = tf.io.gfile.glob(path + ".data-*")
+    shards = re.search(r"-of-(\d+)$", data[0]) if data else None
+    return tf.io.gfile.exists(path + ".index") and shards is not None and len(data) == int(shards.group(1))
+
+
 def _mismatch(checkpoint, path, partial):
     """Names the first variable whose presence or shape differs between this run and a checkpoint."""
-    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    try:
+        saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    except (tf.errors.OpError, ValueError) as e:  # gone or going since it was listed
+        raise Unreadable(first_line(e)) from None
     with tempfile.TemporaryDirectory() as tmp:
         ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()
     if any(k.startswith("model/") for k in saved) and not any(k.startswith("models/") for k in saved):
