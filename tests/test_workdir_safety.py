@@ -283,8 +283,8 @@ def test_eval_and_export_refuse_to_write_into_the_checkout_or_a_runs_own_folders
         (
             evaluate.export,
             dict(export_dir=os.path.join(workdir, "checkpoints", "ckpt-99")),
-            f"--export_dir={workdir}/checkpoints/ckpt-99 is inside the workdir of a run ({workdir}): give the export: "
-            "without --export_dir it goes into that run's export/STEP",
+            f"--export_dir={workdir}/checkpoints/ckpt-99 is inside {workdir}/checkpoints, the folder of a run's own "
+            f"checkpoints files: give it a folder of its own (without --export_dir: {workdir}/export/STEP)",
         ),
     ]
     for mode, given, said in cases:
@@ -293,6 +293,29 @@ def test_eval_and_export_refuse_to_write_into_the_checkout_or_a_runs_own_folders
         assert str(refused.value).startswith(said)
     assert contents(workdir) == before
     assert not os.path.exists(os.path.join(helpers.ROOT, "eval_test.json"))
+
+
+def test_an_export_killed_as_it_writes_leaves_no_half_savedmodel_and_the_same_command_exports(
+    trained, tmp_path, monkeypatch
+):
+    # A SIGTERM mid-write (exit 75: restart) left export/20 holding an empty variables/, where a model server looks
+    # for versions, and the same command was refused: "exists and is not an empty directory".
+    config = dataclasses.replace(copy_of(trained, tmp_path), mode="export")
+    export = os.path.join(config.workdir, "export", "20")
+    save = tf.saved_model.save
+
+    def killed(module, path, signatures):
+        os.makedirs(os.path.join(path, "variables"))
+        raise KeyboardInterrupt  # what SIGINT raises; SIGTERM's handler stops the process alike
+
+    monkeypatch.setattr(tf.saved_model, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.export(config)
+    assert not os.path.exists(export)
+    monkeypatch.setattr(tf.saved_model, "save", save)
+    assert evaluate.export(config) == export
+    assert sorted(os.listdir(os.path.dirname(export))) == ["20"]
+    assert "serving_default" in tf.saved_model.load(export).signatures
 
 
 def test_eval_of_a_checkpoint_into_a_new_workdir_writes_its_results_there(trained, tmp_path, one_device):

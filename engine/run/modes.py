@@ -14,7 +14,7 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state.files import append_text, make_workdir, write_json
 from engine.state.report import format_metrics
-from engine.state.workdir import STUDY_NAME, check_not_inside_a_run
+from engine.state.workdir import STUDY_NAME, check_not_in_run_folders, check_not_inside_a_run
 
 
 def run_config(config, mode, given=None):
@@ -266,7 +266,7 @@ def export(config, given=None):
     training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
     TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
     if config.export_dir:  # where it is told, but not where a run's files are
-        check_not_inside_a_run(config.export_dir, "export_dir")
+        check_not_in_run_folders(config.export_dir, "export_dir")
     else:
         _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "export", given)
@@ -286,9 +286,15 @@ def export(config, given=None):
     if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
         with tf.device("/cpu:0"):  # strings have no GPU kernels
             module.class_names = tf.Variable(names, trainable=False, name="class_names")
+    # Written beside it, then renamed into place: a killed export leaves no half SavedModel where a server looks
+    # for versions, and the same command (exit 75: restart) removes what it left and exports again.
+    partial = export_dir.rstrip("/") + ".incomplete"
     with run.weights.averaged():  # --ema_decay: the moving averages are what the run evaluated
         try:
-            tf.saved_model.save(module, export_dir, signatures={"serving_default": module.serve})
+            if tf.io.gfile.exists(partial):
+                tf.io.gfile.rmtree(partial)
+            tf.saved_model.save(module, partial, signatures={"serving_default": module.serve})
+            tf.io.gfile.rename(partial, export_dir, overwrite=True)  # over an empty folder the check let through
         except (tf.errors.OpError, OSError) as e:
             raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
     signature = module.serve.get_concrete_function()

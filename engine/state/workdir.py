@@ -61,24 +61,39 @@ def check_same_run(config, unread=ORDER_SETTINGS):
     return saved
 
 
-def check_not_inside_a_run(workdir, flag="workdir"):
+def check_not_inside_a_run(workdir):
     """Refuses a workdir that is the checkout itself or a file system's root, or inside another train run's workdir
-    (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both). With
-    `flag` export_dir: a SavedModel's folder, which inside a run's checkpoints/ reads as a checkpoint."""
+    (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
     path = os.path.abspath(workdir) if "://" not in workdir else None
     if path is None:
         return
     if path == plugins.ROOT or path == os.path.dirname(path):  # the checkout, or a file system's root
         what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
-        whose = "the run" if flag == "workdir" else "the export"
-        raise ConfigError(f"--{flag}={workdir} is {what}: give {whose} a folder of its own, as runs/NAME")
+        raise ConfigError(f"--workdir={workdir} is {what}: give the run a folder of its own, as runs/NAME")
     parent = os.path.dirname(path)
     while parent != os.path.dirname(parent):
         if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(os.path.join(parent, "checkpoints")):
-            own = "the export: without --export_dir it goes into that run's export/STEP" if flag == "export_dir" else ""
             raise ConfigError(
-                f"--{flag}={workdir} is inside the workdir of {'a' if own else 'another'} run ({parent}): give "
-                f"{own or 'this run a folder of its own, beside it'}"
+                f"--workdir={workdir} is inside the workdir of another run ({parent}): give this run a folder of its "
+                "own, beside it"
+            )
+        parent = os.path.dirname(parent)
+
+
+# The folders a run writes its own files in: a folder of another kind inside one would read as theirs.
+RUN_FOLDERS = ("checkpoints", "train", "eval", "continuous_eval")
+
+
+def check_not_in_run_folders(path, flag):
+    """Refuses --`flag`=`path` inside a run's own folders (RUN_FOLDERS): a SavedModel in checkpoints/ reads as a
+    checkpoint to every later eval and resume of that run."""
+    parent = os.path.abspath(path) if "://" not in path else None
+    while parent and parent != os.path.dirname(parent):
+        run = os.path.dirname(parent)
+        if os.path.basename(parent) in RUN_FOLDERS and os.path.isfile(os.path.join(run, "config.json")):
+            raise ConfigError(
+                f"--{flag}={path} is inside {parent}, the folder of a run's own {os.path.basename(parent)} files: give "
+                f"it a folder of its own (without --{flag}: {os.path.join(run, 'export', 'STEP')})"
             )
         parent = os.path.dirname(parent)
 
