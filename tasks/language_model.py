@@ -21,7 +21,12 @@ SETTINGS = {
     # At most a million: each token's distribution is drawn in memory (a hundred billion asked for 373 GiB).
     "sample_length": (500, "--mode=sample: how many tokens (characters) to generate", (1, 1_000_000)),
     "sample_prompt": ("\n", "--mode=sample: the text the generated text continues"),
-    "sample_temperature": (0.8, "--mode=sample: divides the logits before sampling; lower is more conservative"),
+    # Bounded where float32 logits divided by it stay finite (1e-45 is 0 in float32: the logits became NaN).
+    "sample_temperature": (
+        0.8,
+        "--mode=sample: divides the logits before sampling; lower is more conservative",
+        (1e-6, 1e6),
+    ),
     "sample_top_k": (0, "--mode=sample: draw from the k likeliest tokens only; 0 = from all", (0, 2_147_483_647)),
 }
 

@@ -242,3 +242,14 @@ def test_a_sample_longer_than_memory_holds_is_refused_naming_the_flag():
 
     with pytest.raises(ConfigError, match=r"^--sample_length=100000000000: must be in \[1, 1000000\]"):
         helpers.make_config("", task="language_model", sample_length=100_000_000_000)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e300])
+def test_a_temperature_float32_cannot_divide_by_is_refused_naming_the_flag(temperature):
+    # 1e-45 is 0 in float32: the logits divided by it became NaN, and the draw a traceback ("indices[0,1] = 65 is not
+    # in [0, 65)"); 1e300 overflowed to infinity with numpy's RuntimeWarning.
+    from engine.settings.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        helpers.make_config("", task="language_model", sample_temperature=temperature)
+    assert str(refused.value) == f"--sample_temperature={temperature:g}: must be in [1e-06, 1000000.0]"
