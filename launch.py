@@ -33,7 +33,7 @@ from absl import app, flags, logging  # noqa: E402
 from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
 from engine.settings import plugins
-from engine.settings.checks import unread
+from engine.settings.checks import TASKS_OWN, unread
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
@@ -235,12 +235,14 @@ def _mode(config):
 def _given(config):
     """The settings the command line gave, which a trained run's settings yield to only where they may
     (for_evaluation, research/checks.py check_given): a model flag typed at its default value contradicts the run as
-    much as any other; a flagfile's (a recipe reused to evaluate its run) counts where it is not the default."""
+    much as any other; a flagfile's (a recipe reused to evaluate its run) counts where it is not the default. An
+    empty --dataset or --model (the task's own) gives none: the trained run's task's is its own."""
     typed = _typed()
     return {
         f.name
         for f in dataclasses.fields(Config)
-        if f.name in typed or (FLAGS[f.name].present and getattr(config, f.name) != f.default)
+        if (f.name in typed or (FLAGS[f.name].present and getattr(config, f.name) != f.default))
+        and not (f.name in TASKS_OWN and FLAGS[f.name].value == "")  # empty: the trained run's task's own
     }
 
 

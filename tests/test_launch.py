@@ -340,3 +340,29 @@ def test_a_studys_last_line_counts_one_trial_as_one(capsys):
         result = {"best": None, "trials": trials, "complete": 0, "pruned": trials, "wall_seconds": 2.0}
         entry._print_result(config, result)
         assert capsys.readouterr().out == f"no trial completed ({said}: 0 complete, {trials} pruned; 2.0 s)\n"
+
+
+def test_an_empty_dataset_or_model_on_eval_is_the_trained_runs_own_not_a_contradiction(monkeypatch):
+    """`--mode=sample --dataset=` was refused quoting a value never typed: "--dataset=digits: ... was trained with
+    --dataset=shakespeare" (empty is the task's own: the command line's classification's digits)."""
+    from absl import flags
+
+    import launch as entry
+    from engine.settings.config import for_evaluation
+
+    saved = helpers.make_config("", task="language_model")  # shakespeare, gpt
+    try:
+        for flag, refused in (("--dataset=", False), ("--model=", False), ("--dataset=digits", True)):
+            argv = ["launch.py", "--mode=sample", "--workdir=w", flag]
+            monkeypatch.setattr(sys, "argv", argv)
+            flags.FLAGS.unparse_flags()
+            flags.FLAGS(argv)
+            config = entry._config_from_flags()
+            if refused:
+                with pytest.raises(ConfigError, match="^--dataset=digits: w was trained with --dataset=shakespeare"):
+                    for_evaluation(config, saved, "w", entry._given(config))
+                continue
+            rebuilt = for_evaluation(config, saved, "w", entry._given(config))
+            assert (rebuilt.dataset, rebuilt.model) == ("shakespeare", "gpt")
+    finally:
+        flags.FLAGS.unparse_flags()

@@ -313,6 +313,10 @@ def check_batch(config, num_replicas):
 # ---- The task, its model and its data ---------------------------------------------------------------------------
 
 
+# The settings whose empty value means the task's own (resolve_task): its file's DATASET and MODEL.
+TASKS_OWN = ("dataset", "model")
+
+
 def resolve_task(config):
     """Returns the config with an empty --dataset and --model made the task's own, once the task, the schedule's
     warmup and --freeze are known good; refuses a model that is not a file of models/."""
