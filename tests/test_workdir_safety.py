@@ -318,6 +318,38 @@ def test_an_export_killed_as_it_writes_leaves_no_half_savedmodel_and_the_same_co
     assert "serving_default" in tf.saved_model.load(export).signatures
 
 
+def test_a_sidecar_with_a_short_timeout_evaluates_the_checkpoint_before_one_without_its_index(
+    trained, tmp_path, one_device
+):
+    # ckpt-20 without its index waited a minute to count as damaged, so with --eval_timeout=4 the sidecar said "no
+    # checkpoint appeared ... within --eval_timeout=4 s; nothing evaluated" beside a readable ckpt-10.
+    config = copy_of(trained, tmp_path)
+    os.remove(os.path.join(config.workdir, "checkpoints", "ckpt-20.index"))
+    follow = dataclasses.replace(config, mode="continuous_eval", eval_timeout=4)
+    assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.2)] == [10]
+
+
+def test_a_sidecar_or_eval_of_a_study_says_so_at_once_and_a_sidecar_refuses_a_checkpoint(trained, tmp_path):
+    # A sidecar waited its whole --eval_timeout (600 s by default) on a study's workdir, then said "no run appeared
+    # there"; eval said "train first". A sidecar's --checkpoint was ignored, its model that run's.
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "study.json").write_text("{}")
+    for mode in (evaluate.follow, evaluate.evaluate):
+        with pytest.raises(ConfigError) as refused:
+            mode(dataclasses.replace(trained, workdir=str(study), eval_timeout=600))
+        assert str(refused.value) == (
+            f"--workdir={study} holds a tuning study ({study}/study.json), not a train run: its trials are the runs, "
+            f"in {study}/trials"
+        )
+    ckpt = os.path.join(trained.workdir, "checkpoints", "ckpt-20")
+    with pytest.raises(ConfigError) as refused:
+        evaluate.follow(dataclasses.replace(trained, workdir=str(tmp_path / "side"), checkpoint=ckpt))
+    assert str(refused.value) == (
+        f"--checkpoint={ckpt}: continuous_eval follows the checkpoints of --workdir; for one checkpoint, --mode=eval"
+    )
+
+
 def test_eval_of_a_checkpoint_into_a_new_workdir_writes_its_results_there(trained, tmp_path, one_device):
     # It evaluated, then ended with exit 4 ("cannot write .../eval_test.json: No such file or directory"): the result
     # was lost.

@@ -70,6 +70,23 @@ def _evaluated(config, strategy, purpose="evaluate"):
     return run, run.state.evaluated()
 
 
+def _check_not_another_job(workdir):
+    """Refuses a workdir that holds a tuning study or an ensemble, which have no checkpoints of their own (a study's
+    trials are train runs in its trials/ folder)."""
+    study = os.path.join(workdir, STUDY_NAME)
+    if tf.io.gfile.exists(study):
+        raise ConfigError(
+            f"--workdir={workdir} holds a tuning study ({study}), not a train run: its trials are the runs, in "
+            f"{os.path.join(workdir, 'trials')}"
+        )
+    results = os.path.join(workdir, "summary.json")
+    held = [tf.io.gfile.exists(os.path.join(workdir, name)) for name in ("summary.json", "config.json", "checkpoints")]
+    if held == [True, False, False]:  # a train run's from before config.json has its checkpoints
+        raise ConfigError(
+            f"--workdir={workdir} holds another job's results ({results}, an ensemble's), not a train run"
+        )
+
+
 def _check_exists(checkpoint):
     """ConfigError unless --checkpoint names a checkpoint (its prefix, <workdir>/checkpoints/ckpt-N)."""
     if tf.io.gfile.exists(checkpoint + ".index"):
@@ -84,6 +101,7 @@ def _checkpoint_paths(config):
     if config.checkpoint:
         _check_exists(config.checkpoint)
         return [config.checkpoint]
+    _check_not_another_job(config.workdir)
     found = checkpoint_lib.list_checkpoints(os.path.join(config.workdir, "checkpoints"))
     if not found:
         raise ConfigError(f"--workdir={config.workdir}: no checkpoint to use (train first, or pass --checkpoint)")
@@ -139,6 +157,12 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
     evaluating step --train_steps, or after --eval_timeout seconds with nothing new. When nothing came in that
     time it writes nothing and stops with ConfigError saying so.
     """
+    if config.checkpoint:  # its model would be that run's, its checkpoints --workdir's
+        raise ConfigError(
+            f"--checkpoint={config.checkpoint}: continuous_eval follows the checkpoints of --workdir; for one "
+            "checkpoint, --mode=eval"
+        )
+    _check_not_another_job(config.workdir)
     directory = os.path.join(config.workdir, "checkpoints")
     print(f"continuous_eval: following {directory}", flush=True)
     _wait_for_run(config, directory, poll_seconds)
@@ -151,7 +175,7 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
     run, checkpoint = _evaluated(config, strategy)
     # By name (ckpt-N): a restart may spell --workdir otherwise.
     writer, evaluated, waited_since = None, {os.path.basename(r["checkpoint"]) for r in results}, time.monotonic()
-    unreadable = FailedReads(poll_seconds)
+    unreadable = FailedReads(poll_seconds, config.eval_timeout)
     while time.monotonic() - waited_since < config.eval_timeout:
         latest = next((p for p in checkpoint_lib.list_checkpoints(directory) if p not in unreadable.damaged), None)
         if latest is None or os.path.basename(latest) in evaluated:
@@ -206,17 +230,19 @@ def _recorded(run, config, checkpoint, writer):
 
 class FailedReads:
     """The checkpoints continuous_eval could not read: one is damaged once it failed twice with its index written
-    (the index comes last), or for a minute without it; a damaged one is said once and passed over."""
+    (the index comes last), or for a minute without it (half --eval_timeout where that is shorter: the previous one
+    is evaluated before the sidecar gives up); a damaged one is said once and passed over."""
 
     WITHOUT_INDEX_SECONDS = 60.0
 
-    def __init__(self, poll_seconds):
+    def __init__(self, poll_seconds, eval_timeout=float("inf")):
         self.poll_seconds, self.first_failed, self.damaged = poll_seconds, {}, []
+        self.without_index = min(self.WITHOUT_INDEX_SECONDS, eval_timeout / 2)
 
     def failed(self, path, error):
         since = self.first_failed.setdefault(path, time.monotonic())
         indexed = tf.io.gfile.exists(path + ".index")
-        if time.monotonic() - since < (self.poll_seconds / 2 if indexed else self.WITHOUT_INDEX_SECONDS):
+        if time.monotonic() - since < (self.poll_seconds / 2 if indexed else self.without_index):
             return
         self.damaged.append(path)
         print(f"warning: checkpoint {path} is unreadable ({error}); evaluating the previous one", flush=True)
