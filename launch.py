@@ -33,11 +33,11 @@ from absl import app, flags, logging  # noqa: E402
 from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
 from engine.settings import plugins
-from engine.settings.checks import TASKS_OWN, unread
+from engine.settings.checks import TASKS_OWN
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
-from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show
+from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show, unread
 from engine.settings.help import usage
 from engine.settings.plugins import RESEARCH_MODES
 

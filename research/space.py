@@ -12,10 +12,9 @@ before the tuner writes its study.
 import dataclasses
 import math
 
-from engine.settings.checks import unread
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
-from engine.settings.fields import SELECTORS, Config
+from engine.settings.fields import SELECTORS, Config, unread
 from engine.settings.identity import CLUSTER_SETTINGS
 
 KINDS = ("int", "float", "log", "choice")

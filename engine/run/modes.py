@@ -198,19 +198,23 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
             break
         waited_since = time.monotonic()
     else:
-        if not results:
-            damaged = unreadable.damaged
-            said = f" ({len(damaged)} damaged: {', '.join(damaged)})" if damaged else ""
-            raise ConfigError(
-                f"--workdir={config.workdir}: no {'readable ' if damaged else ''}checkpoint appeared in {directory} "
-                f"within --eval_timeout={config.eval_timeout:g} s{said}; nothing evaluated"
-            )
-        print(
-            f"continuous_eval: no new checkpoint for {config.eval_timeout:g} s (--eval_timeout) after step "
-            f"{results[-1]['step']} of {config.train_steps}; stopping",
-            flush=True,
-        )
+        _waited_in_vain(config, directory, results, unreadable.damaged)
     return results
+
+
+def _waited_in_vain(config, directory, results, damaged):
+    """What a sidecar says when --eval_timeout passed without a new checkpoint: ConfigError where it evaluated none."""
+    if not results:
+        said = f" ({len(damaged)} damaged: {', '.join(damaged)})" if damaged else ""
+        raise ConfigError(
+            f"--workdir={config.workdir}: no {'readable ' if damaged else ''}checkpoint appeared in {directory} "
+            f"within --eval_timeout={config.eval_timeout:g} s{said}; nothing evaluated"
+        )
+    print(
+        f"continuous_eval: no new checkpoint for {config.eval_timeout:g} s (--eval_timeout) after step "
+        f"{results[-1]['step']} of {config.train_steps}; stopping",
+        flush=True,
+    )
 
 
 def _recorded(run, config, checkpoint, writer):

@@ -26,10 +26,9 @@ from engine.settings.fields import (
     REFUSED_UNLESS_READ,
     SEED_LIMIT,
     STRATEGIES,
-    TFDS_NAMES,
     Switch,
     applies,
-    readers,
+    read_by,
     show,
 )
 
@@ -345,7 +344,7 @@ def check_data(config):
     _check_declared(config)
     for name in REFUSED_UNLESS_READ:
         if getattr(config, name) != FIELD_BY_NAME[name].default and not applies(name, config):
-            fail(name, getattr(config, name), f"--dataset={config.dataset} does not read it ({_read_by(name)})")
+            fail(name, getattr(config, name), f"--dataset={config.dataset} does not read it ({read_by(name)})")
 
 
 def _check_dataset_name(name):
@@ -393,18 +392,3 @@ def _check_declared(config):
             fail(field.name, value, f"must be in [{bounds[0]}, {bounds[1]}]")
         if field.type in (int, float) and not bounds and not (value > 0 and math.isfinite(value)):
             fail(field.name, value, "must be a positive number")
-
-
-def unread(config, given):
-    """[(name, its readers in words)] of the settings in `given` (names set by the user) that no part of a run of
-    `config` reads: another task's, model's, source's or optimizer's (--gan_critic_steps on a classification run,
-    --momentum with --optimizer=adamw)."""
-    return [(name, _read_by(name)) for name in given if not applies(name, config)]
-
-
-def _read_by(name):
-    """A setting's readers in words: read by --dataset=folder, ... and tensorflow-datasets names."""
-    names = sorted(f"--{selector}={value}" for selector, value in readers(name) if value != TFDS_NAMES)
-    if ("dataset", TFDS_NAMES) in readers(name):
-        names.append("tensorflow-datasets names")
-    return "read by " + (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0])

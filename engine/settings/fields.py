@@ -327,3 +327,18 @@ def named_actions(config):
 
 # The engine's settings a data source reads: refused, naming the source, on a dataset that does not read them.
 REFUSED_UNLESS_READ = ("image_size",)
+
+
+def unread(config, given):
+    """[(name, its readers in words)] of the settings in `given` (names set by the user) that no part of a run of
+    `config` reads: another task's, model's, source's or optimizer's (--gan_critic_steps on a classification run,
+    --momentum with --optimizer=adamw)."""
+    return [(name, read_by(name)) for name in given if not applies(name, config)]
+
+
+def read_by(name):
+    """A setting's readers in words: read by --dataset=folder, ... and tensorflow-datasets names."""
+    names = sorted(f"--{selector}={value}" for selector, value in readers(name) if value != TFDS_NAMES)
+    if ("dataset", TFDS_NAMES) in readers(name):
+        names.append("tensorflow-datasets names")
+    return "read by " + (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0])
