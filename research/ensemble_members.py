@@ -50,8 +50,8 @@ def _restored(checkpoint, workdir, found):
             checkpoint_lib.restore(checkpoint, found, partial=True)
             return
         except checkpoint_lib.Unreadable as e:
-            newer = checkpoint_lib.latest(os.path.join(workdir, "checkpoints"))
-            if tf.io.gfile.glob(found + ".*") or newer in (None, found):  # its files are there: damaged
+            newer = checkpoint_lib.superseded(found)  # rotated away as it was read, its index first
+            if newer is None:  # the newest, unreadable: damaged
                 raise ConfigError(f"--members: {found} is unreadable ({e})") from None
             found = newer
 

@@ -21,7 +21,7 @@ SETTINGS = {
     # At most a million: each token's distribution is drawn in memory (a hundred billion asked for 373 GiB).
     "sample_length": (500, "--mode=sample: how many tokens (characters) to generate", (1, 1_000_000)),
     "sample_prompt": ("\n", "--mode=sample: the text the generated text continues"),
-    # Bounded where float32 logits divided by it stay finite (1e-45 is 0 in float32: the logits became NaN).
+    # Bounded where float32 logits divided by it stay finite (divided by 1e-45 they overflowed, and became NaN).
     "sample_temperature": (
         0.8,
         "--mode=sample: divides the logits before sampling; lower is more conservative",

@@ -385,7 +385,8 @@ def _fake_kubernetes(monkeypatch, tmp_path, listings):
 
     def pod(name, phase, ip):
         return types.SimpleNamespace(
-            metadata=types.SimpleNamespace(name=name), status=types.SimpleNamespace(phase=phase, pod_ip=ip)
+            metadata=types.SimpleNamespace(name=name, deletion_timestamp=None),
+            status=types.SimpleNamespace(phase=phase, pod_ip=ip),
         )
 
     class CoreV1Api:
@@ -409,10 +410,13 @@ def test_kubernetes_pods_resolve_to_the_cluster_once_every_one_runs(monkeypatch,
     # to start ("you must also specify task_type and task_id") on every pod.
     monkeypatch.delenv("TF_CONFIG", raising=False)
     monkeypatch.setenv("HOSTNAME", "train-worker-1")
+    # A worker preempted and replaced: its pod stays, Failed, beside the new one, and is no task of the job.
     starting = [("train-worker-1", "Running", "10.0.0.7"), ("train-worker-0", "Pending", None)]
-    running = [("train-worker-1", "Running", "10.0.0.7"), ("train-worker-0", "Running", "10.0.0.5")]
+    running = [*starting[:1], ("train-worker-0", "Running", "10.0.0.5"), ("train-worker-0-old", "Failed", "10.0.0.2")]
     asked = _fake_kubernetes(monkeypatch, tmp_path, [starting, running])
-    settings = Config(strategy="multi_worker", cluster_resolver="kubernetes", kubernetes_selector="job=train").cluster
+    settings = Config(
+        strategy="multi_worker", cluster_resolver="kubernetes", kubernetes_selector="job=train", connect_timeout=5
+    ).cluster
     resolver = distribute.cluster_resolver(settings)
     assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.5:2222", "10.0.0.7:2222"]}  # by pod name
     assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 1, "grpc")

@@ -1,5 +1,6 @@
 """TF_CONFIG checking and strategy selection."""
 
+import inspect
 import json
 
 import pytest
@@ -71,6 +72,8 @@ def _parameter_server_chief(workers):
     strategy = object.__new__(tf.distribute.ParameterServerStrategy)
     strategy._cluster_resolver = resolver
     assert getattr(strategy, "cluster_resolver", None) is None
+    # Where TensorFlow's own constructor keeps it (a real one connects to its cluster): the test holds to that.
+    assert "self._cluster_resolver = cluster_resolver" in inspect.getsource(tf.distribute.ParameterServerStrategy)
     return strategy
 
 

@@ -246,7 +246,7 @@ def test_a_sample_longer_than_memory_holds_is_refused_naming_the_flag():
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e300])
 def test_a_temperature_float32_cannot_divide_by_is_refused_naming_the_flag(temperature):
-    # 1e-45 is 0 in float32: the logits divided by it became NaN, and the draw a traceback ("indices[0,1] = 65 is not
+    # Divided by 1e-45, float32 logits overflowed and became NaN, and the draw a traceback ("indices[0,1] = 65 is not
     # in [0, 65)"); 1e300 overflowed to infinity with numpy's RuntimeWarning.
     from engine.settings.errors import ConfigError
 

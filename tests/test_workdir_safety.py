@@ -144,13 +144,12 @@ def test_a_checkpoint_rotated_away_as_it_is_read_is_unreadable_not_another_runs(
 
 
 def test_eval_of_a_run_still_training_reads_the_checkpoint_that_replaced_one_rotated_away(trained, tmp_path):
-    # Listed with ckpt-10 its newest, the run saved ckpt-20 and deleted ckpt-10's data before its index: eval said
-    # "checkpoint ckpt-10 is unreadable ...; trying the previous one", then "no readable checkpoint (all 1 are
-    # damaged)", exit 2.
+    # Listed with ckpt-10 its newest, the run saved ckpt-20 and was deleting ckpt-10 (its index first, as TensorFlow
+    # does): eval said "checkpoint ckpt-10 is unreadable ...; trying the previous one", then "no readable checkpoint
+    # (all 1 are damaged)", exit 2.
     config = dataclasses.replace(copy_of(trained, tmp_path), mode="eval")
     listed = os.path.join(config.workdir, "checkpoints", "ckpt-10")
-    for name in tf.io.gfile.glob(listed + ".data-*"):
-        os.remove(name)
+    os.remove(listed + ".index")
     run, restored = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
     assert evaluate._restore(restored, config, [listed]) == os.path.join(config.workdir, "checkpoints", "ckpt-20")
     assert int(run.state.step.numpy()) == 20
@@ -332,15 +331,22 @@ def test_a_sidecar_with_a_short_timeout_evaluates_the_checkpoint_before_one_with
 def test_a_sidecar_or_eval_of_a_study_says_so_at_once_and_a_sidecar_refuses_a_checkpoint(trained, tmp_path):
     # A sidecar waited its whole --eval_timeout (600 s by default) on a study's workdir, then said "no run appeared
     # there"; eval said "train first". A sidecar's --checkpoint was ignored, its model that run's.
-    study = tmp_path / "study"
-    study.mkdir()
-    (study / "study.json").write_text("{}")
+    study, ensemble = tmp_path / "study", tmp_path / "ensemble"
+    for workdir, name in ((study, "study.json"), (ensemble, "summary.json")):
+        workdir.mkdir()
+        (workdir / name).write_text("{}")
     for mode in (evaluate.follow, evaluate.evaluate):
         with pytest.raises(ConfigError) as refused:
-            mode(dataclasses.replace(trained, workdir=str(study), eval_timeout=600))
+            mode(dataclasses.replace(trained, workdir=str(study), eval_timeout=1))
         assert str(refused.value) == (
             f"--workdir={study} holds a tuning study ({study}/study.json), not a train run: its trials are the runs, "
             f"in {study}/trials"
+        )
+        with pytest.raises(ConfigError) as refused:
+            mode(dataclasses.replace(trained, workdir=str(ensemble), eval_timeout=1))
+        assert str(refused.value) == (
+            f"--workdir={ensemble} holds another job's results ({ensemble}/summary.json, an ensemble's), not a train "
+            "run"
         )
     ckpt = os.path.join(trained.workdir, "checkpoints", "ckpt-20")
     with pytest.raises(ConfigError) as refused:

@@ -154,6 +154,8 @@ def _running_pods(kubernetes, settings):
                 f"--kubernetes_selector={selector}: cannot list the pods of namespace {namespace} ({e.status} "
                 f"{e.reason}): the pod's service account needs permission to list pods"
             ) from None
+        # A pod that ended (a preempted worker's, beside its replacement) or is being deleted is no task of the job.
+        pods = [p for p in pods if p.status.phase not in ("Succeeded", "Failed") and not p.metadata.deletion_timestamp]
         waiting = sorted(p.metadata.name for p in pods if p.status.phase != "Running" or not p.status.pod_ip)
         if pods and not waiting:
             return sorted((p.metadata.name, p.status.pod_ip) for p in pods)

@@ -136,6 +136,8 @@ def evaluate(config, strategy=None, given=None):
     _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "eval", given)
     paths = _checkpoint_paths(config)
+    if config.checkpoint:  # of a run elsewhere: a new --workdir is made before the evaluation, not after it
+        make_workdir(config.workdir)
     run, checkpoint = _evaluated(config, strategy)
     path = _restore(checkpoint, config, paths)
     step = int(run.state.step.numpy())
@@ -143,7 +145,6 @@ def evaluate(config, strategy=None, given=None):
     print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
     summary = {"step": step, "checkpoint": path, "split": config.eval_split, "eval": results}
     if run.placement.chief:
-        make_workdir(config.workdir)  # a new one, for --checkpoint of a run elsewhere
         write_json(os.path.join(config.workdir, f"eval_{config.eval_split}.json"), summary)
     return summary
 
@@ -296,7 +297,7 @@ def export(config, given=None):
     training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
     TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
     if config.export_dir:  # where it is told, but not where a run's files are
-        check_not_in_run_folders(config.export_dir, "export_dir")
+        check_not_in_run_folders(config.export_dir, "export_dir", os.path.join(config.workdir, "export", "STEP"))
     else:
         _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "export", given)

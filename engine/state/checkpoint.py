@@ -90,6 +90,13 @@ def latest(directory):
     return next(iter(list_checkpoints(directory)), None)
 
 
+def superseded(path):
+    """The newest checkpoint beside `path` where it is newer than `path`, else None: a run still training rotates
+    its older checkpoints away (--keep_checkpoints), the index first, so one read as that happens is unreadable."""
+    newest = latest(os.path.dirname(path))
+    return newest if newest is not None and step_of(newest) > step_of(path) else None
+
+
 def latest_step(directory):
     """The step of the newest checkpoint in `directory` by its name (nothing read), or None."""
     path = latest(directory)
@@ -353,7 +360,9 @@ def _mismatch(checkpoint, path, partial):
     """Names the first variable whose presence or shape differs between this run and a checkpoint."""
     try:
         saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-    except (tf.errors.OpError, ValueError) as e:  # gone or going since it was listed
+    except (tf.errors.OpError, ValueError) as e:  # gone or going since it was listed, or the storage failed
+        if isinstance(e, tf.errors.OpError) and not is_damage(e):
+            raise storage_error(path, e) from None
         raise Unreadable(first_line(e)) from None
     with tempfile.TemporaryDirectory() as tmp:
         ours = tf.train.load_checkpoint(checkpoint.write(os.path.join(tmp, "probe"))).get_variable_to_shape_map()

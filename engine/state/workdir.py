@@ -84,16 +84,16 @@ def check_not_inside_a_run(workdir):
 RUN_FOLDERS = ("checkpoints", "train", "eval", "continuous_eval")
 
 
-def check_not_in_run_folders(path, flag):
+def check_not_in_run_folders(path, flag, instead):
     """Refuses --`flag`=`path` inside a run's own folders (RUN_FOLDERS): a SavedModel in checkpoints/ reads as a
-    checkpoint to every later eval and resume of that run."""
+    checkpoint to every later eval and resume of that run. `instead`: where it goes without the flag."""
     parent = os.path.abspath(path) if "://" not in path else None
     while parent and parent != os.path.dirname(parent):
         run = os.path.dirname(parent)
         if os.path.basename(parent) in RUN_FOLDERS and os.path.isfile(os.path.join(run, "config.json")):
             raise ConfigError(
                 f"--{flag}={path} is inside {parent}, the folder of a run's own {os.path.basename(parent)} files: give "
-                f"it a folder of its own (without --{flag}: {os.path.join(run, 'export', 'STEP')})"
+                f"it a folder of its own (without --{flag}: {instead})"
             )
         parent = os.path.dirname(parent)
 
