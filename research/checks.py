@@ -6,12 +6,14 @@ import importlib.util
 import re
 
 from engine.settings.checks import fail, strategy_plan
+from engine.settings.fields import FIELD_BY_NAME
 from engine.settings.identity import IDENTITY_SETTINGS
 from engine.settings.plugins import RESEARCH_MODES
 
-# What --mode=ensemble reads of the command line besides its own settings and --validation_split: the split it
-# reports on, and the seed of --ensemble_search=random. A member's model, data and training are its config.json's.
-ENSEMBLE_READS = ("eval_split", "seed")
+# What --mode=ensemble reads of the command line besides its own settings: the splits it fits on and reports on, the
+# seed of --ensemble_search=random, where the data and its own files are. A member's model, data and training are its
+# config.json's, and it predicts in this process on one device.
+ENSEMBLE_READS = ("validation_split", "eval_split", "seed", "data_dir", "workdir", "mode")
 
 
 def check(config):
@@ -65,19 +67,20 @@ def _check_ensemble(config):
 
 
 def check_given(config, given):
-    """For --mode=ensemble: refuses a setting of a member's model, data or training that the command line gave
-    (`given`: the names it gave, as launch.py knows them), which would change nothing: each member is rebuilt from
-    its workdir's config.json. A Config handed over as it is (a notebook's, often a train run's) is not judged."""
+    """For --mode=ensemble: refuses a setting the command line gave (`given`: the names it gave, as launch.py knows
+    them) that the ensemble does not read, which would change nothing: each member is rebuilt from its workdir's
+    config.json and predicts on one device. A Config handed over as it is (a notebook's, often a train run's) is not
+    judged."""
     if config.mode != "ensemble":
         return
     for name in sorted(given):
-        if name in IDENTITY_SETTINGS and name not in ENSEMBLE_READS:
-            fail(
-                name,
-                getattr(config, name),
-                "--mode=ensemble rebuilds each member as it trained, from the config.json in its workdir, which no "
-                "flag changes; drop the flag",
-            )
+        if name in ENSEMBLE_READS or FIELD_BY_NAME[name].metadata.get("owner") == ("mode", "ensemble"):
+            continue
+        if name in IDENTITY_SETTINGS:
+            why = "--mode=ensemble rebuilds each member as it trained, from the config.json in its workdir"
+        else:
+            why = "--mode=ensemble predicts each member in this process, on one device, with the member's own settings"
+        fail(name, getattr(config, name), f"{why}, which no flag changes; drop the flag")
 
 
 def members(config):

@@ -143,16 +143,24 @@ def test_launch_refuses_mismatched_members_in_one_line(data_dir, one_device, mem
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--hidden_sizes=64", "--dataset=digits", "--learning_rate=0.1"])
+@pytest.mark.parametrize(
+    "flag", ["--hidden_sizes=64", "--dataset=digits", "--learning_rate=0.1", "--strategy=mirrored", "--tune_trials=3"]
+)
 def test_launch_refuses_a_flag_of_a_members_model_or_data_which_would_change_nothing(tmp_path, flag):
     # Each member is rebuilt from its own config.json: --hidden_sizes=64 ran the ensemble of the members as they
     # trained, exit 0, as if it had been read. Refused before anything is read or written.
     members = f"--members={tmp_path / 'a'},{tmp_path / 'b'}"
     proc = helpers.launch("--mode=ensemble", members, f"--workdir={tmp_path / 'ensemble'}", flag)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {flag}: --mode=ensemble rebuilds each member as it trained, from the config.json in its workdir, "
-        "which no flag changes; drop the flag"
+    identity = flag.split("=")[0] in ("--hidden_sizes", "--dataset", "--learning_rate")
+    why = (
+        "rebuilds each member as it trained, from the config.json in its workdir"
+        if identity
+        else "predicts each member in this process, on one device, with the member's own settings"
+    )
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == f"error: {flag}: --mode=ensemble {why}, which no flag changes; drop the flag"
     )
     assert not (tmp_path / "ensemble").exists()
     # What the ensemble reads of the command line goes on: the members are read (here: there are none).
