@@ -143,6 +143,38 @@ def test_a_checkpoint_rotated_away_as_it_is_read_is_unreadable_not_another_runs(
     assert str(unreadable.value).startswith("its files went away as it was read")
 
 
+def test_a_storage_failure_while_naming_a_mismatch_is_a_storage_error(trained, tmp_path, monkeypatch):
+    # The check that names what differs read the checkpoint again; a gs:// blip there marked a good checkpoint
+    # damaged for good (a sidecar passed it over, eval counted it).
+    config = copy_of(trained, tmp_path)
+    path = os.path.join(config.workdir, "checkpoints", "ckpt-20")
+
+    class Mismatched(_RotatedAway):
+        def restore(self, path):  # its files stay
+            return self
+
+    def unavailable(path):
+        raise tf.errors.UnavailableError(None, None, "GCS: 503 Service Unavailable")
+
+    monkeypatch.setattr(tf.train, "load_checkpoint", unavailable)
+    with pytest.raises(CheckpointError) as failed:
+        checkpoint.restore(Mismatched(), path, partial=True)
+    assert str(failed.value).startswith(f"cannot read checkpoint {path}: UnavailableError: GCS: 503")
+
+
+def test_an_ensemble_member_rotated_away_as_it_is_read_moves_to_the_newer_checkpoint(trained, tmp_path):
+    # TensorFlow deletes a rotated checkpoint's index first: its data files were still there, so the member was
+    # refused as "--members: .../ckpt-10 is unreadable" though ckpt-20 had replaced it.
+    from research import ensemble_members
+
+    config = dataclasses.replace(copy_of(trained, tmp_path), mode="eval")
+    listed = os.path.join(config.workdir, "checkpoints", "ckpt-10")
+    os.remove(listed + ".index")
+    run, restored = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    ensemble_members._restored(restored, config.workdir, listed)
+    assert int(run.state.step.numpy()) == 20
+
+
 def test_eval_of_a_run_still_training_reads_the_checkpoint_that_replaced_one_rotated_away(trained, tmp_path):
     # Listed with ckpt-10 its newest, the run saved ckpt-20 and was deleting ckpt-10 (its index first, as TensorFlow
     # does): eval said "checkpoint ckpt-10 is unreadable ...; trying the previous one", then "no readable checkpoint
