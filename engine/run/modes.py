@@ -240,7 +240,7 @@ class FailedReads:
 
     WITHOUT_INDEX_SECONDS = 60.0
 
-    def __init__(self, poll_seconds, eval_timeout=float("inf")):
+    def __init__(self, poll_seconds, eval_timeout):
         self.poll_seconds, self.first_failed, self.damaged = poll_seconds, {}, []
         self.without_index = min(self.WITHOUT_INDEX_SECONDS, eval_timeout / 2)
 

@@ -70,14 +70,12 @@ def check_not_inside_a_run(workdir):
     if path == plugins.ROOT or path == os.path.dirname(path):  # the checkout, or a file system's root
         what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
         raise ConfigError(f"--workdir={workdir} is {what}: give the run a folder of its own, as runs/NAME")
-    parent = os.path.dirname(path)
-    while parent != os.path.dirname(parent):
+    for parent in _upward(os.path.dirname(path)):
         if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(os.path.join(parent, "checkpoints")):
             raise ConfigError(
                 f"--workdir={workdir} is inside the workdir of another run ({parent}): give this run a folder of its "
                 "own, beside it"
             )
-        parent = os.path.dirname(parent)
 
 
 # The folders a run writes its own files in: a folder of another kind inside one would read as theirs.
@@ -87,15 +85,21 @@ RUN_FOLDERS = ("checkpoints", "train", "eval", "continuous_eval")
 def check_not_in_run_folders(path, flag, instead):
     """Refuses --`flag`=`path` inside a run's own folders (RUN_FOLDERS): a SavedModel in checkpoints/ reads as a
     checkpoint to every later eval and resume of that run. `instead`: where it goes without the flag."""
-    parent = os.path.abspath(path) if "://" not in path else None
-    while parent and parent != os.path.dirname(parent):
-        run = os.path.dirname(parent)
-        if os.path.basename(parent) in RUN_FOLDERS and os.path.isfile(os.path.join(run, "config.json")):
+    for parent in _upward(os.path.abspath(path)) if "://" not in path else ():
+        if os.path.basename(parent) in RUN_FOLDERS and os.path.isfile(
+            os.path.join(os.path.dirname(parent), "config.json")
+        ):
             raise ConfigError(
                 f"--{flag}={path} is inside {parent}, the folder of a run's own {os.path.basename(parent)} files: give "
                 f"it a folder of its own (without --{flag}: {instead})"
             )
-        parent = os.path.dirname(parent)
+
+
+def _upward(path):
+    """`path` and the folders above it, nearest first, short of the file system's root."""
+    while path != os.path.dirname(path):
+        yield path
+        path = os.path.dirname(path)
 
 
 def check_no_others_results(workdir, own, said, job):
