@@ -441,6 +441,13 @@ def test_evaluation_follows_a_run_whose_checkpoints_are_damaged_rotated_or_evalu
     validation = evaluate.follow(dataclasses.replace(follow, eval_split="validation"), one_device, poll_seconds=0.1)
     assert [(r["step"], r["split"], r["examples"]) for r in validation] == [(10, "validation", 180)]
     assert logged_steps(str(tmp_path), "continuous_eval.jsonl") == [10, 10]
+    # Each split's TensorBoard curve is its own (one folder held both splits' step 10, mixed in one curve).
+    on_test = json.loads(open(tmp_path / "continuous_eval.jsonl").readline())
+    for split, record in (("test", on_test), ("validation", validation[0])):
+        scalars = helpers.tensorboard_values(str(tmp_path / "continuous_eval" / split), lambda value: True)
+        assert {tag: list(by_step) for tag, by_step in scalars.items()} == {"loss": [10], "accuracy": [10]}
+        assert float(scalars["loss"][10]) == pytest.approx(record["loss"], rel=1e-6)
+    assert on_test["loss"] != validation[0]["loss"]
 
 
 @pytest.mark.parametrize(

@@ -154,7 +154,7 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
 
     A sidecar started before its trainer waits for the run to appear (its config.json, which says what model to
     build, or a checkpoint of a workdir from before config.json). Writes continuous_eval.jsonl and TensorBoard
-    events under workdir/continuous_eval, beside the job's own, from its first evaluation on; stops after
+    events under workdir/continuous_eval/<split>, beside the job's own, from its first evaluation on; stops after
     evaluating step --train_steps, or after --eval_timeout seconds with nothing new. When nothing came in that
     time it writes nothing and stops with ConfigError saying so.
     """
@@ -193,7 +193,10 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
             time.sleep(poll_seconds)
             continue
         evaluated.add(os.path.basename(latest))
-        writer = writer or tf.summary.create_file_writer(os.path.join(config.workdir, "continuous_eval"))
+        # A curve a split: sidecars of two splits write their steps beside each other's.
+        writer = writer or tf.summary.create_file_writer(
+            os.path.join(config.workdir, "continuous_eval", config.eval_split)
+        )
         results.append(_recorded(run, config, latest, writer))
         if results[-1]["step"] >= config.train_steps:
             break
