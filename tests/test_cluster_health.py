@@ -112,7 +112,9 @@ def test_unreachable_tpu_address_is_refused_within_the_connect_timeout(tmp_path)
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
-        f"error: --tpu=grpc://127.0.0.1:{port}: no TPU reachable (no answer within --connect_timeout=5s)"
+        # TensorFlow connects lazily: the first call that waits on the TPU is the initialization's
+        f"error: --tpu=grpc://127.0.0.1:{port}: no TPU reachable (no answer within --connect_timeout=5s while "
+        "initializing its TPU system)"
     ]
     assert not (tmp_path / "run").exists()
 
@@ -177,6 +179,22 @@ def test_a_tpu_that_fails_after_it_answered_names_the_stage(monkeypatch):
     assert str(out["error"]) == (
         "--tpu=grpc://10.1.2.3:8470: the TPU failed while initializing its TPU system (TPU is already in use by "
         "process 4242)"
+    )
+
+
+def test_a_tpu_that_hangs_after_it_answered_names_the_stage_it_waited_in(monkeypatch):
+    # A timeout read "no answer" whatever the stage: a TPU that resolved and connected, then hung initializing
+    # (held by another job), read as one that never answered.
+    import time
+
+    from engine.cluster import resolvers
+
+    _fake_tpu(monkeypatch, lambda resolver: time.sleep(5))
+    settings = Config(strategy="tpu", tpu="grpc://10.1.2.3:8470", connect_timeout=0.5).cluster
+    out = _in_a_thread(lambda: resolvers.tpu_strategy(settings))
+    assert str(out["error"]) == (
+        "--tpu=grpc://10.1.2.3:8470: no TPU reachable (no answer within --connect_timeout=0.5s while initializing "
+        "its TPU system)"
     )
 
 

@@ -66,19 +66,20 @@ def tpu_strategy(settings):
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return resolver
 
+    doing = {"resolve": "resolving it", "connect": "connecting to it", "initialize": "initializing its TPU system"}
     try:
         resolver = _within_connect_timeout(settings, start)
-    except TimeoutError:
+    except TimeoutError:  # the stage it waited in: a TPU held by another job can hang while initializing
         raise ConfigError(
-            f"--tpu={settings.tpu}: no TPU reachable (no answer within --connect_timeout={settings.connect_timeout:g}s)"
+            f"--tpu={settings.tpu}: no TPU reachable (no answer within --connect_timeout={settings.connect_timeout:g}s "
+            f"while {doing[stage[0]]})"
         ) from None
     # OSError: off Google Cloud, a TPU name is looked up on a metadata server that is not there (URLError).
     except (ValueError, OSError, RuntimeError, tf.errors.OpError) as e:
         reason = getattr(e, "reason", None) or first_line(e).split(". ")[0]
         if stage[0] == "resolve":
             raise ConfigError(f"--tpu={settings.tpu}: no TPU reachable ({reason})") from None
-        doing = {"connect": "connecting to it", "initialize": "initializing its TPU system"}[stage[0]]
-        raise ConfigError(f"--tpu={settings.tpu}: the TPU failed while {doing} ({reason})") from None
+        raise ConfigError(f"--tpu={settings.tpu}: the TPU failed while {doing[stage[0]]} ({reason})") from None
     enter_master_device(resolver)
     return tf.distribute.TPUStrategy(resolver)
 
