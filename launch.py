@@ -36,7 +36,7 @@ from engine.settings import plugins
 from engine.settings.checks import TASKS_OWN
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show, unread
 from engine.settings.help import usage
 from engine.settings.plugins import RESEARCH_MODES
@@ -253,11 +253,11 @@ def _print_result(config, result):
         headline = importlib.import_module(f"tasks.{config.task}").Task.headline
         print(
             f"{config.eval_split} {headline} {results[headline]:.4f} on {results['examples']} examples "
-            f"({result['step']} step{'' if result['step'] == 1 else 's'}, {result['wall_seconds']:.1f} s)"
+            f"({counted(result['step'], 'step')}, {result['wall_seconds']:.1f} s)"
         )
     elif config.mode == "tune":
         best = result["best"]
-        trials = f"{result['trials']} trial{'' if result['trials'] == 1 else 's'}"
+        trials = counted(result["trials"], "trial")
         counts = f"({trials}: {result['complete']} complete, {result['pruned']} pruned; "
         counts += f"{result['wall_seconds']:.1f} s)"
         if best:

@@ -30,7 +30,7 @@ from engine.data import datasets as data_lib
 from engine.run import build, loop
 from engine.run.actions.builtin import ON_EVAL
 from engine.settings.config import validate
-from engine.settings.errors import ConfigError, Preempted, TrainingError
+from engine.settings.errors import ConfigError, Preempted, TrainingError, counted
 from engine.settings.fields import show
 from engine.state import lock
 from engine.state import workdir as workdir_lib
@@ -103,7 +103,7 @@ def tune(config, strategy=None):
         if finished < config.tune_trials:
             print(
                 f"tune: study '{config.tune_study}' in {masked(storage_url(config))}: {finished} of "
-                f"{config.tune_trials} trials finished; objective {config.validation_split} "
+                f"{counted(config.tune_trials, 'trial')} finished; objective {config.validation_split} "
                 f"{objective} ({direction}), sampler {config.tune_sampler}, pruner {config.tune_pruner}",
                 flush=True,
             )

@@ -357,6 +357,24 @@ def test_float16_diverges_only_on_skips_with_the_scale_at_its_floor():
     )
 
 
+def test_a_round_of_one_step_is_said_as_one_step():
+    # --steps_per_loop=1 read "1 of 1 steps", "1 of the 1 steps 21-21".
+    one = _round(20, 21, skipped=1.0, floor_skipped=1.0)
+    assert builtin.divergence(one, float16=False, precision="float32") == (
+        "non-finite loss or gradient at step 21 (float32)"
+    )
+    assert builtin.divergence(one, float16=True, precision="mixed_float16") == (
+        "step 21 had non-finite gradients with the loss scale at its floor (1), which no loss scale can fix "
+        "(mixed_float16)"
+    )
+    report = Lines()
+    builtin.SkippedWarning()(one, _context(_float16_run(), report))
+    assert report.lines == [
+        "warning: mixed_float16: step 21 was skipped (non-finite gradients: nothing trained); the loss scale halves "
+        "at each skipped step and is now 4 (--initial_loss_scale=1024)"
+    ]
+
+
 def test_preemption_reads_the_flag_of_the_round_or_of_now_and_raises_with_its_exit_code():
     asked = []
     trainer = types.SimpleNamespace(stops_each_step=True, stopping_anywhere=lambda: asked.append(1) or True)

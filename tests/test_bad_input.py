@@ -127,6 +127,11 @@ def test_help_exits_zero():
             "--num_ps=100: with --local_workers=4 starts 105 TensorFlow processes here (a chief, 4 workers, 100 "
             "parameter servers); at most ",
         ),
+        (  # "a chief, 1 workers"
+            dict(strategy="parameter_server", local_workers=1, num_ps=64),
+            "--num_ps=64: with --local_workers=1 starts 66 TensorFlow processes here (a chief, 1 worker, 64 "
+            "parameter servers); at most ",
+        ),
         (dict(dataset="synthetic", synthetic_classes=1), "--synthetic_classes=1: must be in [2, 2147483647]"),
         (
             dict(image_size=32),

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine.settings.config import first_line
-from engine.settings.errors import TaskError
+from engine.settings.errors import TaskError, counted
 
 _RECORD_FRAMING = 16  # bytes a TFRecord adds to each record: length, its CRC, the data's CRC
 UNREADABLE = "damaged record file:"  # the pipeline's error naming a truncated, corrupt or changed record file
@@ -134,9 +134,9 @@ def unreadable(error):
         return None
     path, code, expected = found.group(1), int(found.group(2)), int(found.group(3))
     if code == 2:
-        return f"{path}: holds more than the {expected} records counted: {_CHANGED}"
+        return f"{path}: holds more than the {counted(expected, 'record')} counted: {_CHANGED}"
     read = sum(1 for _ in tf.data.TFRecordDataset(path).ignore_errors())  # only when it failed: read it whole
-    return f"{path}: truncated or corrupt: {read} of its {expected} records could be read"
+    return f"{path}: truncated or corrupt: {read} of its {counted(expected, 'record')} could be read"
 
 
 @dataclasses.dataclass(frozen=True)

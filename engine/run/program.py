@@ -11,7 +11,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 from engine.numerics import replica, updates
 from engine.run import inputs, xla
 from engine.settings import plugins
-from engine.settings.errors import ConfigError, raising_task_errors
+from engine.settings.errors import ConfigError, counted, raising_task_errors
 
 
 class Recompiled(Exception):
@@ -134,10 +134,10 @@ class TrainProgram:
         saved = int(self.state.input_pipelines.numpy())
         if self.data.sharded and saved and saved != self.pipelines:
             raise ConfigError(
-                f"--dataset={self.config.dataset}: this run read its streamed training files with {saved} input "
-                f"pipelines (workers) up to its data position, and now has {self.pipelines}: each pipeline reads its "
-                f"own files, so the position means nothing to {self.pipelines}; resume it with {saved} workers, or "
-                "train in a new --workdir"
+                f"--dataset={self.config.dataset}: this run read its streamed training files with "
+                f"{counted(saved, 'input pipeline')} (workers) up to its data position, and now has {self.pipelines}: "
+                f"each pipeline reads its own files, so the position means nothing to {self.pipelines}; resume it "
+                f"with {counted(saved, 'worker')}, or train in a new --workdir"
             )
 
     def train_iterator(self):

@@ -8,7 +8,7 @@ import re
 
 from engine.settings import plugins
 from engine.settings.environment import tf_config
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import (
     BUNDLED_DATASETS,
     CLUSTER_RESOLVERS,
@@ -305,7 +305,7 @@ def check_batch(config, num_replicas):
             "grad_accum_steps",
             config.grad_accum_steps,
             f"must divide each replica's batch ({per_replica} = --global_batch_size={config.global_batch_size} "
-            f"over {num_replicas} replica{'s' if num_replicas > 1 else ''})",
+            f"over {counted(num_replicas, 'replica')})",
         )
 
 

@@ -14,7 +14,7 @@ import os
 
 from engine.settings import checks, plugins
 from engine.settings.checks import fail
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import (
     DECLARATION_ERRORS,
     LOCAL_TASK_BYTES,
@@ -77,7 +77,7 @@ def _check_local_tasks(config):
             "num_ps",
             config.num_ps,
             f"with --local_workers={config.local_workers} starts {count} TensorFlow processes here (a chief, "
-            f"{config.local_workers} workers, {config.num_ps} parameter servers); {why}",
+            f"{counted(config.local_workers, 'worker')}, {counted(config.num_ps, 'parameter server')}); {why}",
         )
 
 

@@ -59,6 +59,11 @@ def raising_task_errors():
         raise found from None
 
 
+def counted(count, noun, nouns=None):
+    """`count` of `noun` as a line says it: "1 worker", "4 workers" (`nouns` where the plural is not noun + s)."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def described(value):
     """What a value a fork's code returned is, as a message names it: None, a tuple, a function."""
     return "None" if value is None else f"a {type(value).__name__}"

@@ -70,6 +70,8 @@ def divergence(round, float16, precision):
     if not float16:
         if not out["skipped"]:
             return None
+        if steps == 1:
+            return f"non-finite loss or gradient at step {first} ({precision})"
         return (
             f"non-finite loss or gradient between steps {first} and {round.end} "
             f"({int(out['skipped'])} of {steps} steps, {precision})"
@@ -77,9 +79,19 @@ def divergence(round, float16, precision):
     if not out["floor_skipped"]:
         return None
     return (
-        f"{int(out['floor_skipped'])} of the {steps} steps {first}-{round.end} had non-finite gradients with the "
-        f"loss scale at its floor ({FLOOR:g}), which no loss scale can fix (mixed_float16)"
+        f"{_some_of(out['floor_skipped'], first, round.end)} had non-finite gradients with the loss scale at its "
+        f"floor ({FLOOR:g}), which no loss scale can fix (mixed_float16)"
     )
+
+
+def _steps(first, last):
+    """Steps first..last as a line says them: "step 21", "the 10 steps 21-30"."""
+    return f"step {first}" if first == last else f"the {last - first + 1} steps {first}-{last}"
+
+
+def _some_of(count, first, last):
+    """`count` of steps first..last: "step 21" (a round of one step), "3 of the 10 steps 21-30"."""
+    return _steps(first, last) if first == last else f"{int(count)} of {_steps(first, last)}"
 
 
 class NanPolicy(Action):
@@ -144,7 +156,7 @@ class NanPolicy(Action):
         current, self.rollbacks = int(state.step.numpy()), self.rollbacks + 1
         context.report.rewind(current)
         one, read = reached - current == 1, (reached - current) * context.run.program.batches_per_step
-        steps = f"step {reached}" if one else f"the {reached - current} steps {current + 1}-{reached}"
+        steps = _steps(current + 1, reached)
         batches = f"the batch {'it' if one else 'they'} read is" if read == 1 else f"the {read} batches"
         batches += "" if read == 1 else f" {'it' if one else 'they'} read are"
         context.report.line(
@@ -170,8 +182,9 @@ class SkippedWarning(Action):
         if not run.program.float16 or 2 * round.out["skipped"] <= round.steps:
             return
         context.report.line(
-            f"warning: mixed_float16: {int(round.out['skipped'])} of the {round.steps} steps {round.start + 1}-"
-            f"{round.end} were skipped (non-finite gradients: nothing trained); {_scales_now(run)} "
+            f"warning: mixed_float16: {_some_of(round.out['skipped'], round.start + 1, round.end)} "
+            f"{'was' if round.steps == 1 else 'were'} skipped (non-finite gradients: nothing trained); "
+            f"{_scales_now(run)} "
             f"(--initial_loss_scale={run.config.initial_loss_scale:g})"
         )
 
