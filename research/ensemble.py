@@ -162,12 +162,12 @@ def _write(config, summary, predictions, weights, reference):
 def _check_own_workdir(config):
     """Refuses a --workdir that holds a train run, a tuning study or an ensemble of other members: this ensemble's
     summary.json would replace theirs. One of the same members is made again (its runs may have trained on)."""
-    for name, holds in (("config.json", "a train run"), (workdir_lib.STUDY_NAME, "a tuning study")):
-        path = os.path.join(config.workdir, name)
-        if tf.io.gfile.exists(path):
-            raise ConfigError(
-                f"--workdir={config.workdir} holds {holds} ({path}): an ensemble needs a --workdir of its own"
-            )
+    job, marker = workdir_lib.held_job(config.workdir)
+    if job in ("run", "study"):
+        holds = "a train run" if job == "run" else "a tuning study"
+        raise ConfigError(
+            f"--workdir={config.workdir} holds {holds} ({marker}): an ensemble needs a --workdir of its own"
+        )
     path = os.path.join(config.workdir, "summary.json")
     try:
         with tf.io.gfile.GFile(path) as f:

@@ -167,12 +167,13 @@ def _value(results, name, config):
 def _check_workdir(config):
     """Refuses a workdir that holds a train run or another job's results (an ensemble's: the study's summary.json
     would replace theirs) or another study (its study.json names it)."""
-    path = os.path.join(config.workdir, "config.json")
-    if tf.io.gfile.exists(path):
+    job, marker = workdir_lib.held_job(config.workdir)
+    if job == "run":
         raise ConfigError(
-            f"--workdir={config.workdir} holds a train run ({path}): a study needs a --workdir of its own"
+            f"--workdir={config.workdir} holds a train run ({marker}): a study needs a --workdir of its own"
         )
-    workdir_lib.check_no_others_results(config.workdir, workdir_lib.STUDY_NAME, "study.json of a study", "a study")
+    if job == "results":
+        raise workdir_lib.others_results(config.workdir, marker, "study.json of a study", "a study")
     path = os.path.join(config.workdir, workdir_lib.STUDY_NAME)
     try:
         with tf.io.gfile.GFile(path) as f:

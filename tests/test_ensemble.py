@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -216,9 +217,12 @@ def test_an_ensemble_refuses_a_workdir_that_holds_a_run_a_study_or_a_lock(data_d
     study = tmp_path / "study"
     study.mkdir()
     (study / "study.json").write_text('{"study": "tune"}\n')
+    old = tmp_path / "old"  # a train run's from before config.json: its checkpoints alone
+    shutil.copytree(os.path.join(workdirs["mlp"], "checkpoints"), old / "checkpoints")
     for workdir, holds, marker in [
         (workdirs["mlp"], "a train run", "config.json"),  # a member's own workdir
         (str(study), "a tuning study", "study.json"),
+        (str(old), "a train run", "checkpoints"),
     ]:
         before = top_files(workdir)
         with pytest.raises(ConfigError) as refused:

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import time
 
@@ -195,7 +196,7 @@ def test_best_flagfile_reruns_to_the_same_result(study, tmp_path):
     assert rerun["eval"]["accuracy"] == summary["best"]["value"]
 
 
-def test_a_train_run_and_a_tuner_refuse_each_others_workdir(study, data_dir, one_device):
+def test_a_train_run_and_a_tuner_refuse_each_others_workdir(study, data_dir, one_device, tmp_path):
     config, summary, _, _ = study
     study_dir, trial_dir = config.workdir, summary["best"]["workdir"]
     before = {path: listing(path) for path in (study_dir, trial_dir)}
@@ -212,6 +213,15 @@ def test_a_train_run_and_a_tuner_refuse_each_others_workdir(study, data_dir, one
         f"--workdir={trial_dir} holds a train run ({trial_dir}/config.json): a study needs a --workdir of its own"
     )
     assert {path: listing(path) for path in (study_dir, trial_dir)} == before  # nothing written, nothing lost
+    # A train run's from before config.json holds its checkpoints alone: a study moved in beside them.
+    old = tmp_path / "old"
+    shutil.copytree(os.path.join(trial_dir, "checkpoints"), old / "checkpoints")
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, workdir=str(old), tune_storage="", tune_trials=1), one_device)
+    assert str(refused.value) == (
+        f"--workdir={old} holds a train run ({old}/checkpoints): a study needs a --workdir of its own"
+    )
+    assert os.listdir(old) == ["checkpoints"]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state.files import append_text, make_workdir, write_json
 from engine.state.report import format_metrics
-from engine.state.workdir import STUDY_NAME, check_not_in_run_folders, check_not_inside_a_run
+from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, held_job
 
 
 def run_config(config, mode, given=None):
@@ -47,20 +47,19 @@ def _check_workdir_is_the_checkpoints(config):
     _check_exists(config.checkpoint)
     check_not_inside_a_run(config.workdir)  # the checkout, another run's checkpoints/ or TensorBoard folders
     theirs = _run_of(config.checkpoint)
-    same = os.path.abspath(theirs) == os.path.abspath(config.workdir)
-    if not same and tf.io.gfile.exists(os.path.join(config.workdir, "config.json")):
+    job, marker = held_job(config.workdir)
+    if os.path.abspath(theirs) == os.path.abspath(config.workdir) or job is None:
+        return
+    if job == "run":
         raise ConfigError(
             f"--checkpoint={config.checkpoint}: a checkpoint of {theirs}, not of --workdir={config.workdir}'s run, "
             f"whose results this would replace; use --workdir={theirs}"
         )
     # A study's or an ensemble's workdir: its results beside theirs would read as the job's own.
-    held = [os.path.join(config.workdir, name) for name in (STUDY_NAME, "summary.json")]
-    held = next((path for path in held if tf.io.gfile.exists(path)), None)
-    if not same and held:
-        raise ConfigError(
-            f"--checkpoint={config.checkpoint}: --workdir={config.workdir} holds another job's results ({held}), "
-            f"which this would stand beside as their own; use --workdir={theirs}"
-        )
+    raise ConfigError(
+        f"--checkpoint={config.checkpoint}: --workdir={config.workdir} holds another job's results ({marker}), "
+        f"which this would stand beside as their own; use --workdir={theirs}"
+    )
 
 
 def _evaluated(config, strategy, purpose="evaluate"):
@@ -73,18 +72,14 @@ def _evaluated(config, strategy, purpose="evaluate"):
 def _check_not_another_job(workdir):
     """Refuses a workdir that holds a tuning study or an ensemble, which have no checkpoints of their own (a study's
     trials are train runs in its trials/ folder)."""
-    study = os.path.join(workdir, STUDY_NAME)
-    if tf.io.gfile.exists(study):
+    job, marker = held_job(workdir)
+    if job == "study":
         raise ConfigError(
-            f"--workdir={workdir} holds a tuning study ({study}), not a train run: its trials are the runs, in "
+            f"--workdir={workdir} holds a tuning study ({marker}), not a train run: its trials are the runs, in "
             f"{os.path.join(workdir, 'trials')}"
         )
-    results = os.path.join(workdir, "summary.json")
-    held = [tf.io.gfile.exists(os.path.join(workdir, name)) for name in ("summary.json", "config.json", "checkpoints")]
-    if held == [True, False, False]:  # a train run's from before config.json has its checkpoints
-        raise ConfigError(
-            f"--workdir={workdir} holds another job's results ({results}, an ensemble's), not a train run"
-        )
+    if job == "results":
+        raise ConfigError(f"--workdir={workdir} holds another job's results ({marker}, an ensemble's), not a train run")
 
 
 def _check_exists(checkpoint):

@@ -34,16 +34,16 @@ def check_same_run(config, unread=ORDER_SETTINGS):
     correct) left nothing to resume: its workdir is new to a command with other settings. `unread`: the order
     settings its training split does not read, which its data says (Data.unread): all of them before it is loaded."""
     check_not_inside_a_run(config.workdir)
-    study = os.path.join(config.workdir, STUDY_NAME)
-    if tf.io.gfile.exists(study):  # its summary.json is the study's, which this run's would replace
+    job, marker = held_job(config.workdir)
+    if job == "study":  # its summary.json is the study's, which this run's would replace
         raise ConfigError(
-            f"--workdir={config.workdir} holds a tuning study ({study}): a train run needs a --workdir of its own; "
+            f"--workdir={config.workdir} holds a tuning study ({marker}): a train run needs a --workdir of its own; "
             "the study's trials train in its trials/ folder"
         )
+    if job == "results":
+        raise others_results(config.workdir, marker, "config.json of a train run", "a train run")
     saved = load_run_config(config.workdir)
-    if saved is None:
-        # A train run's from before config.json has its checkpoints, whose own check speaks as it restores.
-        check_no_others_results(config.workdir, "checkpoints", "config.json of a train run", "a train run")
+    if saved is None:  # a new workdir, or a train run's from before config.json: its checkpoints' check speaks
         return None
     changes = identity_changes(saved, config, unread)
     if changes and not list_checkpoints(os.path.join(config.workdir, "checkpoints")):
@@ -102,16 +102,29 @@ def _upward(path):
         path = os.path.dirname(path)
 
 
-def check_no_others_results(workdir, own, said, job):
-    """Refuses (ConfigError) `job` ("a train run", "a study") in a workdir that holds results (summary.json) but not
-    its own kind's `own` file (checkpoints, study.json; `said`: what the message calls missing): another job's (an
-    ensemble's), which this job's summary.json would replace."""
-    results = os.path.join(workdir, "summary.json")
-    if tf.io.gfile.exists(results) and not tf.io.gfile.exists(os.path.join(workdir, own)):
-        raise ConfigError(
-            f"--workdir={workdir} holds another job's results ({results}, and no {said}): {job} needs a --workdir of "
-            "its own"
-        )
+# What marks each job's workdir, in the order they are told apart: a study's holds its summary.json too, a train
+# run's its config.json (checkpoints/ alone, from before config.json); results alone are an ensemble's.
+_MARKERS = (("study", STUDY_NAME), ("run", "config.json"), ("run", "checkpoints"), ("results", "summary.json"))
+
+
+def held_job(workdir):
+    """(the job `workdir` holds, the file that says so): ("study", its study.json), ("run", a train run's
+    config.json or checkpoints/), ("results", summary.json: another job's, an ensemble's), or (None, None). Every
+    mode asks this before it writes there: one job's files beside another's would read as that job's own."""
+    for job, name in _MARKERS:
+        path = os.path.join(workdir, name)
+        if tf.io.gfile.exists(path):
+            return job, path
+    return None, None
+
+
+def others_results(workdir, results, said, job):
+    """The ConfigError refusing `job` ("a train run", "a study") in a workdir that holds another job's `results`
+    (an ensemble's summary.json, which this job's would replace) and not `said` (what marks this job's own)."""
+    return ConfigError(
+        f"--workdir={workdir} holds another job's results ({results}, and no {said}): {job} needs a --workdir of its "
+        "own"
+    )
 
 
 def write_config(config, task, updates=None):
