@@ -18,6 +18,7 @@ from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint, files, lock
+from engine.state import workdir as workdir_lib
 from engine.state.checkpoint import CheckpointError
 from engine.state.files import make_workdir
 from engine.state.report import Report
@@ -544,3 +545,26 @@ def test_researchs_files_fail_as_writes_naming_them(tmp_path, monkeypatch, write
     with pytest.raises(CheckpointError, match=f"^cannot write {path}: "):
         write()
     assert path.is_dir()
+
+
+def test_a_remote_workdir_or_export_dir_inside_a_run_is_refused_as_a_local_one():
+    # gs:// paths passed every check: an eval's workdir inside a run's, an export inside its checkpoints/. ram://
+    # stands in for an object store.
+    run = "ram://bucket/runs/trained"
+    tf.io.gfile.makedirs(f"{run}/checkpoints")
+    with tf.io.gfile.GFile(f"{run}/config.json", "w") as f:
+        f.write("{}")
+    with pytest.raises(ConfigError) as refused:
+        workdir_lib.check_not_inside_a_run(f"{run}/train/")
+    assert str(refused.value) == (
+        f"--workdir={run}/train/ is inside the workdir of another run ({run}): give this run a folder of its own, "
+        "beside it"
+    )
+    with pytest.raises(ConfigError) as refused:
+        workdir_lib.check_not_in_run_folders(f"{run}/checkpoints/ckpt-99", "export_dir", f"{run}/export/STEP")
+    assert str(refused.value) == (
+        f"--export_dir={run}/checkpoints/ckpt-99 is inside {run}/checkpoints, the folder of a run's own checkpoints "
+        f"files: give it a folder of its own (without --export_dir: {run}/export/STEP)"
+    )
+    workdir_lib.check_not_inside_a_run("ram://bucket/runs/beside")  # beside it: its own
+    workdir_lib.check_not_in_run_folders("ram://bucket/exports/1", "export_dir", f"{run}/export/STEP")

@@ -64,14 +64,14 @@ def check_same_run(config, unread=ORDER_SETTINGS):
 def check_not_inside_a_run(workdir):
     """Refuses a workdir that is the checkout itself or a file system's root, or inside another train run's workdir
     (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
-    path = os.path.abspath(workdir) if "://" not in workdir else None
-    if path is None:
-        return
-    if path == plugins.ROOT or path == os.path.dirname(path):  # the checkout, or a file system's root
+    remote = "://" in workdir
+    path = workdir.rstrip("/") if remote else os.path.abspath(workdir)
+    if not remote and (path == plugins.ROOT or path == os.path.dirname(path)):  # the checkout, or a disk's root
         what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
         raise ConfigError(f"--workdir={workdir} is {what}: give the run a folder of its own, as runs/NAME")
-    for parent in _upward(os.path.dirname(path)):
-        if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(os.path.join(parent, "checkpoints")):
+    for parent in _upward(_parent(path)):
+        config, checkpoints = os.path.join(parent, "config.json"), os.path.join(parent, "checkpoints")
+        if tf.io.gfile.exists(config) and not tf.io.gfile.isdir(config) and tf.io.gfile.isdir(checkpoints):
             raise ConfigError(
                 f"--workdir={workdir} is inside the workdir of another run ({parent}): give this run a folder of its "
                 "own, beside it"
@@ -85,10 +85,9 @@ RUN_FOLDERS = ("checkpoints", "train", "eval", "continuous_eval")
 def check_not_in_run_folders(path, flag, instead):
     """Refuses --`flag`=`path` inside a run's own folders (RUN_FOLDERS): a SavedModel in checkpoints/ reads as a
     checkpoint to every later eval and resume of that run. `instead`: where it goes without the flag."""
-    for parent in _upward(os.path.abspath(path)) if "://" not in path else ():
-        if os.path.basename(parent) in RUN_FOLDERS and os.path.isfile(
-            os.path.join(os.path.dirname(parent), "config.json")
-        ):
+    for parent in _upward(path.rstrip("/") if "://" in path else os.path.abspath(path)):
+        config = os.path.join(_parent(parent), "config.json")
+        if os.path.basename(parent) in RUN_FOLDERS and tf.io.gfile.exists(config) and not tf.io.gfile.isdir(config):
             raise ConfigError(
                 f"--{flag}={path} is inside {parent}, the folder of a run's own {os.path.basename(parent)} files: give "
                 f"it a folder of its own (without --{flag}: {instead})"
@@ -96,10 +95,18 @@ def check_not_in_run_folders(path, flag, instead):
 
 
 def _upward(path):
-    """`path` and the folders above it, nearest first, short of the file system's root."""
-    while path != os.path.dirname(path):
+    """`path` and the folders above it, nearest first, short of the file system's root (a bucket's: gs://b)."""
+    while _parent(path) != path:
         yield path
-        path = os.path.dirname(path)
+        path = _parent(path)
+
+
+def _parent(path):
+    """The folder `path` is in; a root's (/, gs://bucket) is itself."""
+    scheme, _, rest = path.rpartition("://")
+    if not scheme:
+        return os.path.dirname(path)
+    return f"{scheme}://{os.path.dirname(rest)}" if "/" in rest else path
 
 
 # What marks each job's workdir, in the order they are told apart: a study's holds its summary.json too, a train
