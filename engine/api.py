@@ -12,6 +12,7 @@ the helpers tasks share: per-example random numbers, bits):
     Gradients       what ReplicaStep.gradients returns (.loss, .grads, .norm, .finite)
 For a data source (sources/<name>.py):
     Source, Split   what `load(config, eval_split)` returns, and one split of it
+    ENGINE_FEATURES the features the engine sets on an example itself, which a spec or a source's file may not name
     in_memory       a split held in memory, from {feature: tensor of examples x ...}
     sharded         a split streamed from counted TFRecord files
     tfds_source     the Source of a tensorflow-datasets dataset (prepared into --data_dir on first use)
@@ -30,7 +31,7 @@ task protocol needs and a task does not define), first_line.
 """
 
 from engine.data.images import decoder as image_decoder
-from engine.data.records import Source, Split, in_memory, sharded
+from engine.data.records import ENGINE_FEATURES, Source, Split, in_memory, sharded
 from engine.data.tfds_source import load as tfds_source
 from engine.numerics.replica import Gradients, ReplicaStep
 from engine.numerics.updates import DEFAULT, Update
@@ -42,6 +43,7 @@ from engine.state.warm_start import weights
 
 __all__ = [
     "DEFAULT",
+    "ENGINE_FEATURES",
     "ROLLED_BACK",
     "Action",
     "Round",

@@ -18,7 +18,7 @@ import zipfile
 import numpy as np
 import tensorflow as tf
 
-from engine.api import ConfigError, Source, in_memory
+from engine.api import ENGINE_FEATURES, ConfigError, Source, in_memory
 
 # What follows the source's name in --dataset, and what it names: --help says so.
 ARGUMENT = ("PATH", "a NumPy .npz of <split>/<feature> arrays")
@@ -57,6 +57,13 @@ def load(config, eval_split):
         split, _, feature = name.rpartition("/")
         if not split:
             raise ConfigError(f"{where}: array {name!r} is not named <split>/<feature> (e.g. train/image)")
+        if not isinstance(values, np.ndarray):  # a member numpy did not write: it gives its bytes
+            raise ConfigError(f"{where}: {name!r} is not an array (.npy) but a file of another kind in the archive")
+        if feature in ENGINE_FEATURES:  # a column of the engine's would be overwritten, or taken for its own
+            raise ConfigError(
+                f"{where}: array {name!r}: {feature} is a feature the engine sets itself ({ENGINE_FEATURES[feature]})"
+                "; name the array otherwise"
+            )
         _check_array(where, name, values)
         if values.dtype.kind == "f" and not np.isfinite(values).all():  # every step reading it would be NaN
             at = int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0][0])

@@ -34,6 +34,7 @@ its checksum or does not parse, or a file that holds more records than counted, 
 """
 
 import concurrent.futures
+import glob
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ import uuid
 
 import tensorflow as tf
 
-from engine.api import ConfigError, Source, first_line, image_decoder, sharded
+from engine.api import ENGINE_FEATURES, ConfigError, Source, first_line, image_decoder, sharded
 
 SETTINGS = {
     "tfrecord_features": (
@@ -87,7 +88,7 @@ def load(config, eval_split):
     splits = {}
     for flag, split in (("train_split", config.train_split), ("eval_split", eval_split)):
         files = pattern.replace("{split}", split)
-        paths = sorted(tf.io.gfile.glob(files))
+        paths = _matched(files, where)
         if not paths:
             raise ConfigError(f"{where}: no files match {files} (--{flag}={split})")
         counted = record_counts(paths, _data_dir(config), where)
@@ -95,6 +96,29 @@ def load(config, eval_split):
             raise ConfigError(f"{where}: the {len(paths)} files of {files} hold no records (--{flag}={split})")
         splits[split] = sharded(tuple(zip(paths, counted)), parse)
     return Source(splits[config.train_split], splits[eval_split], spec, info, decode=decode)
+
+
+def _matched(files, where):
+    """The files the glob `files` matches, sorted; one whose name is not UTF-8 (which TensorFlow's readers cannot
+    open) is refused by its bytes."""
+    try:
+        return sorted(tf.io.gfile.glob(files))
+    except UnicodeDecodeError:
+        bytes_names = [] if "://" in files else glob.glob(os.fsencode(files))
+        bad = next((name for name in bytes_names if not _utf8(name)), None)
+        named = "" if bad is None else f" ({bad.decode(errors='backslashreplace')})"
+        raise ConfigError(
+            f"{where}: a file that {files} matches is named by bytes that are not UTF-8{named}, which TensorFlow's "
+            "record reader cannot open: rename it"
+        ) from None
+
+
+def _utf8(name):
+    try:
+        name.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _features(config):
@@ -121,6 +145,8 @@ def _features(config):
             refuse(f"{item!r}: a {kind} is one value, with no shape")
         if kind == "uint8" and not dims:
             refuse(f"{item!r}: uint8 is a tensor's raw bytes and needs its shape, e.g. {name}:uint8:28x28x1")
+        if name in ENGINE_FEATURES:  # the engine's would overwrite it, or take it for its own
+            refuse(f"{name} is a feature the engine sets itself ({ENGINE_FEATURES[name]}): leave it out")
         features[name] = (kind, tuple(int(d) for d in dims))
     if "label" in features and features["label"] != ("int64", ()):
         refuse(f"a label is a class, label:int64 (not label:{_typed(features['label'])})")

@@ -242,6 +242,7 @@ def test_memory_is_checked_again_with_the_datasets_own_shape(data_dir, monkeypat
 def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, monkeypatch):
     """Each of these ended in a traceback and exit 1, or (a run inside another's workdir) mixed two runs' files."""
     import json
+    import zipfile
 
     import numpy as np
 
@@ -278,11 +279,26 @@ def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, m
     np.savez(tmp_path / "nan.npz", **{"train/image": features, "train/label": np.arange(8) % 2})
     (tmp_path / "text.npz").write_text("hello world")  # numpy called it "pickled data"
     (tmp_path / "empty.npz").write_bytes(b"")
+    # A column named as a feature the engine sets: a test/weight weighted the evaluation's means in silence (the
+    # accuracy printed "on 11 examples" of 7); a member numpy did not write read as bytes (AttributeError).
+    arrays = {"train/image": np.ones((8, 3), np.float32), "train/label": np.arange(8) % 2}
+    np.savez(tmp_path / "weight.npz", **arrays, **{"train/weight": np.full(8, 2.0, np.float32)})
+    with zipfile.ZipFile(tmp_path / "notes.npz", "w") as archive:
+        for name, values in arrays.items():
+            with archive.open(f"{name}.npy", "w") as f:
+                np.save(f, values)
+        archive.writestr("train/notes.txt", b"collected 2024")
     for name, said in (
         ("one.npy", "a single array (a .npy file), not a .npz archive of named arrays"),
         ("text.npz", "not a .npz archive (it begins with b'hello ', not a zip archive's b'PK\\x03\\x04')"),
         ("empty.npz", "not a .npz archive (it is empty)"),
         ("nan.npz", "train/image holds NaN or infinity (example 5 first)"),
+        (
+            "weight.npz",
+            "array 'train/weight': weight is a feature the engine sets itself (how much an evaluation example counts "
+            "in the means, which a source's own code sets); name the array otherwise",
+        ),
+        ("notes.npz", "'train/notes.txt' is not an array (.npy) but a file of another kind in the archive"),
     ):
         config = helpers.make_config("", dataset=f"npz:{tmp_path / name}", eval_split="train")
         with pytest.raises(ConfigError) as refused:

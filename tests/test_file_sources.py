@@ -289,6 +289,12 @@ def test_encoded_images_in_tfrecords_decode_to_the_image_size(data_dir, tmp_path
         ("{root}/{{split}}-*", "name:string:2", "'name:string:2': a string is one value, with no shape"),
         ("{root}/{{split}}-*", "image:uint8", "uint8 is a tensor's raw bytes and needs its shape"),
         ("{root}/{{split}}-*", "label:int64,label:float32", "label is named twice"),
+        (  # a record's weight weighted nothing while an npz column weighted the means: neither reads as the engine's
+            "{root}/{{split}}-*",
+            "image:uint8:4x4x1,weight:float32",
+            "weight is a feature the engine sets itself (how much an evaluation example counts in the means, which a "
+            "source's own code sets): leave it out",
+        ),
         ("{root}/{{split}}-*", "image:jpeg", "image holds encoded images, which come in many sizes: set --image_size"),
         ("{root}/{{split}}-*", "", "--tfrecord_features=: --dataset=tfrecord needs it"),
         ("{root}/{{split}}-*", "image:uint8:4x4x1,label:int64", "its int64 label needs --tfrecord_classes"),
@@ -313,6 +319,7 @@ def test_encoded_images_in_tfrecords_decode_to_the_image_size(data_dir, tmp_path
         "scalar-shape",
         "uint8-shape",
         "twice",
+        "engine-feature",
         "image-size",
         "no-features",
         "classes",
@@ -572,6 +579,29 @@ def test_a_photo_whose_name_is_not_utf8_is_read_and_a_class_folder_so_named_refu
         _config(data_dir, root),
         f"--dataset=folder:{root}: the folder 'fl\\udcfbte' in it is not named in UTF-8 (b'fl\\xfbte'): a class "
         "is named by its folder; rename it",
+    )
+
+
+def test_a_corrupt_photo_or_record_file_whose_name_is_not_utf8_is_named_by_its_bytes(data_dir, tmp_path, one_device):
+    # A photo so named that did not decode ended in a UnicodeDecodeError traceback (exit 1); a record file so named
+    # in "sources/tfrecord.py:90 in load: UnicodeDecodeError".
+    from engine.run import loop
+
+    root = tmp_path / "photos"
+    _photos(root, per_class=8)
+    bad = os.fsencode(str(root / "cat")) + b"/caf\xe9.jpg"
+    with open(bad, "wb") as f:
+        f.write(b"not an image")
+    config = _config(data_dir, root, workdir=str(tmp_path / "run"), train_steps=10)
+    with pytest.raises(ConfigError, match=re.escape(f"cannot decode {root}/cat/caf\\xe9.jpg: ")):
+        loop.train(config, one_device)
+    _shards(tmp_path, "test", [2])
+    with open(os.fsencode(str(tmp_path)) + b"/train-\xff", "wb"):
+        pass
+    _refused(
+        _config(data_dir, f"{tmp_path}/{{split}}-*", "tfrecord", tfrecord_features="score:float32"),
+        f"--dataset=tfrecord:{tmp_path}/{{split}}-*: a file that {tmp_path}/train-* matches is named by bytes that "
+        f"are not UTF-8 ({tmp_path}/train-\\xff), which TensorFlow's record reader cannot open: rename it",
     )
 
 

@@ -68,6 +68,11 @@ CASES = {
         "the Source's spec of image is (6,), not a tf.TensorSpec(shape, dtype) of one example",
     ),
     "info None": (lambda c, s: _good(c, s, info=None), "the Source's info is None: a dict of what the source knows"),
+    "a spec naming the engine's index": (
+        lambda c, s: _good(c, s, spec={**SPEC, "index": tf.TensorSpec([], tf.int64)}),
+        "the Source's spec names index, a feature the engine sets itself (an example's position in its split, which "
+        "seeds its random draws): name it otherwise",
+    ),
     "a wider feature": (
         _with(train={**_arrays(256, shape=(8,))}),
         "the training split's image is float32 of shape (8,), where the spec says float32 of shape (6,)",

@@ -212,8 +212,8 @@ class Pipelines:
             return f"--dataset={data.dataset}: cannot read example {position}: {op_message(e)}"
         split = self.train_split if training else self.evals
         where = example.get("origin")
-        if where is not None:  # its file (and record)
-            where = where.numpy().decode()
+        if where is not None:  # its file (and record): a name that is not UTF-8 said by its bytes
+            where = where.numpy().decode(errors="backslashreplace")
         elif not training:  # evaluation reads its split in order
             where = f"example {position} of the split"
         elif split.fetch is not None:  # training: each epoch's permutation of the split held in memory

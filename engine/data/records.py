@@ -12,6 +12,13 @@ import tensorflow as tf
 from engine.settings.config import first_line
 from engine.settings.errors import TaskError, counted
 
+# The features the engine sets on an example itself, beside a source's: no spec, and no file a source reads, may name
+# one (a column of them would be overwritten, or taken for the engine's).
+ENGINE_FEATURES = {
+    "index": "an example's position in its split, which seeds its random draws",
+    "origin": "the file an example came from",
+    "weight": "how much an evaluation example counts in the means, which a source's own code sets",
+}
 _RECORD_FRAMING = 16  # bytes a TFRecord adds to each record: length, its CRC, the data's CRC
 UNREADABLE = "damaged record file:"  # the pipeline's error naming a truncated, corrupt or changed record file
 _CHANGED = (

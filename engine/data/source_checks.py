@@ -10,7 +10,7 @@ import collections.abc
 import numpy as np
 import tensorflow as tf
 
-from engine.data.records import Source, Split, SplitError
+from engine.data.records import ENGINE_FEATURES, Source, Split, SplitError
 from engine.settings.errors import ConfigError, TaskError, check_call, described
 
 # Features a split may carry beyond its spec: the file an example came from (named when it cannot be decoded), and
@@ -64,6 +64,11 @@ def checked(source, where, dataset):
     if not isinstance(spec, collections.abc.Mapping) or not spec:
         raise TaskError(f"{where}: the Source's spec is {described(spec)}: {{feature: tf.TensorSpec}} of one example")
     for feature, one in spec.items():
+        if feature in ENGINE_FEATURES:
+            raise TaskError(
+                f"{where}: the Source's spec names {feature}, a feature the engine sets itself "
+                f"({ENGINE_FEATURES[feature]}): name it otherwise"
+            )
         if not isinstance(one, tf.TensorSpec):
             raise TaskError(
                 f"{where}: the Source's spec of {feature} is {one!r}, not a tf.TensorSpec(shape, dtype) of one example"
