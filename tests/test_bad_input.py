@@ -139,6 +139,11 @@ def test_help_exits_zero():
             "and tensorflow-datasets names)",
         ),
         (dict(dataset="folder:photos", image_size=32), None),
+        (  # its shape overflowed TensorFlow's: a traceback
+            dict(dataset="folder:photos", image_size=3000000000),
+            "--image_size=3000000000: must be at most 16384 pixels a side (an image of that size is 3.2 GB as float32 "
+            "RGB)",
+        ),
         (  # it trained on digits, the path unread
             dict(dataset="digits:/data/mine.npz"),
             "--dataset=digits:/data/mine.npz: sources/digits.py takes no argument after its name (those that do: "

@@ -605,6 +605,22 @@ def test_a_corrupt_photo_or_record_file_whose_name_is_not_utf8_is_named_by_its_b
     )
 
 
+def test_an_example_too_large_for_memory_is_refused_by_the_memory_check_before_anything_is_made(
+    data_dir, tmp_path, one_device
+):
+    # A zero example of the spec's shape was made to learn the prepared spec: an OOM traceback before the check.
+    from engine.run import loop
+
+    _shards(tmp_path, "train", [16])
+    _shards(tmp_path, "test", [8])
+    features = "image:uint8:1000000x1000000x1,label:int64"
+    config = _config(data_dir, f"{tmp_path}/{{split}}-*", "tfrecord", tfrecord_features=features, tfrecord_classes=2)
+    config = dataclasses.replace(config, image_size=0, workdir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^--model=mlp: needs about 352 TB of memory \(model, gradients"):
+        loop.train(config, one_device)
+    assert not (tmp_path / "run").exists()
+
+
 def _source(data_dir, root, split):
     """The folder source's split `split` (train, or the held-out test)."""
     source = folder.load(_config(data_dir, root), "test")

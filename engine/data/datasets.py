@@ -93,8 +93,10 @@ def prepare(data, source, task, split=None, service=""):
         own = {k: batch[k] for k in ("index", "weight") if k in batch}
         return {**task.prepare({k: v for k, v in batch.items() if k not in own}), **own}
 
-    one = tf.data.Dataset.from_tensors({k: tf.zeros([1, *s.shape], s.dtype) for k, s in source.spec.items()})
-    task.spec = {k: tf.TensorSpec(s.shape[1:], s.dtype) for k, s in one.map(prepared).element_spec.items()}
+    # Traced on a batch of one's spec, not run: nothing the size of an example is made before the memory check.
+    one = {k: tf.TensorSpec([1, *s.shape], s.dtype) for k, s in source.spec.items()}
+    traced = tf.function(prepared).get_concrete_function(one).structured_outputs
+    task.spec = {k: tf.TensorSpec(t.shape[1:], t.dtype) for k, t in traced.items()}
     pipelines = Pipelines(data, source)
 
     def train_fn(ctx, start_batch=0, stream=0, counter=None):

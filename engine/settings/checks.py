@@ -18,6 +18,7 @@ from engine.settings.fields import (
     LR_SCALINGS,
     LR_SCHEDULES,
     MAX_CPU_DEVICES,
+    MAX_IMAGE_SIZE,
     MODES,
     MOMENT_DTYPES,
     ON_NAN,
@@ -138,8 +139,8 @@ def check_signs(config):
 
 
 def check_limits(config):
-    """The upper bounds of the engine's numbers: the seed's 32 bits, the logical devices, the stream's int64, a
-    port, the rates below 1."""
+    """The upper bounds of the engine's numbers: the seed's 32 bits, the logical devices, an image's side, the
+    stream's int64, a port, the rates below 1."""
     if config.seed >= SEED_LIMIT:
         fail(
             "seed",
@@ -152,6 +153,12 @@ def check_limits(config):
             config.num_cpu_devices,
             f"must be at most {MAX_CPU_DEVICES}: logical CPU devices emulate replicas, each with a copy of every "
             "variable and a thread in every step",
+        )
+    if config.image_size > MAX_IMAGE_SIZE:  # larger, its shape overflowed TensorFlow's (a traceback)
+        fail(
+            "image_size",
+            config.image_size,
+            f"must be at most {MAX_IMAGE_SIZE} pixels a side (an image of that size is 3.2 GB as float32 RGB)",
         )
     if config.train_steps * config.global_batch_size >= INT64_LIMIT:
         fail(

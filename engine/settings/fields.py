@@ -28,6 +28,7 @@ SEED_LIMIT = 2**32  # keras.utils.set_random_seed also seeds NumPy's legacy gene
 # so many of them take long to start and to all-reduce, and far more hang (measured: bench/RESULTS.md, section
 # "How many logical CPU devices").
 MAX_CPU_DEVICES = 64
+MAX_IMAGE_SIZE = 16384  # pixels a side of a decoded image: 3.2 GB as float32 RGB
 # --local_workers starts a TensorFlow process per task of its cluster, each with its own runtime and copy of the
 # model: at most this many, and no more than this machine's memory holds at their size at start (the RSS of a
 # process after its first op, measured with TensorFlow 2.21 on CPU).
