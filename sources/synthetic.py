@@ -20,10 +20,12 @@ SETTINGS = {
 
 def memory(config):
     """Bytes its data holds, for the memory check before it is generated: the training pool and an evaluation pool
-    (float32 examples, int64 labels) and the labelling projection."""
+    (float32 examples, int64 labels), the labelling projection, and the training pool's logits and their shifted
+    copy as its labels are drawn (examples x classes each)."""
     features = math.prod(config.synthetic_shape)
     examples = config.synthetic_examples + max(1, config.synthetic_examples // 4)
-    return examples * (4 * features + 8) + 4 * features * config.synthetic_classes
+    logits = 2 * 4 * config.synthetic_examples * config.synthetic_classes
+    return examples * (4 * features + 8) + 4 * features * config.synthetic_classes + logits
 
 
 def load(config, eval_split):

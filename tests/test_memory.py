@@ -98,9 +98,17 @@ def test_a_sources_own_data_is_refused_before_it_is_made(monkeypatch):
     with pytest.raises(ConfigError) as refused:
         memory.check_data(config)
     assert str(refused.value) == (
-        "--synthetic_examples=1000000000: its data needs about 3.93 TB of memory, more than this machine's 1 GB"
+        "--synthetic_examples=1000000000: its data needs about 4.01 TB of memory, more than this machine's 1 GB"
     )
     memory.check_data(dataclasses.replace(config, synthetic_examples=4096))
+    # Its labels are drawn from logits of examples x classes: left out, 10 million classes of one feature passed
+    # as 40 MB and ended in an OOM traceback.
+    config = validate(Config(dataset="synthetic", synthetic_classes=10**7, synthetic_shape=(1,)))
+    with pytest.raises(ConfigError) as refused:
+        memory.check_data(config)
+    assert str(refused.value) == (
+        "--synthetic_classes=10000000: its data needs about 328 GB of memory, more than this machine's 1 GB"
+    )
 
 
 def test_a_task_that_builds_its_own_models_is_said_to_be_estimated_as_one_of_the_model(capsys):
