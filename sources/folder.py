@@ -58,11 +58,6 @@ def load(config, eval_split):
         names, train, evals = _split_folders(path, where, config.train_split, eval_split)
     else:
         names, train, evals = _carved(path, where, config, eval_split)
-    if len(names) < 2:  # one class leaves nothing to learn
-        raise ConfigError(
-            f"{where}: one class folder ({names[0] if names else 'none'}): a folder of classes holds a folder of "
-            "photos for each class, two at least"
-        )
     size = config.image_size
     spec = {"image": tf.TensorSpec([size, size, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
     info = {"num_classes": len(names), "class_names": tuple(names)}
@@ -120,7 +115,7 @@ def _carved(path, where, config, eval_split):
                 (os.path.join(path, name, file), label)
             )
     for held, part in parts.items():
-        if not part:
+        if not part and (not held or eval_split != config.train_split):  # a part the run reads
             total = len(parts[not held])
             raise ConfigError(
                 f"{where}: {'none' if held else 'all'} of its {total} photos fall in the held-out "
@@ -140,6 +135,15 @@ def _entries(path):
     its bytes as surrogate escapes (os.fsdecode), where TensorFlow's own listing would stop on it: a photo so named is
     read by its bytes (_split)."""
     return tf.io.gfile.listdir(path) if "://" in path else os.listdir(path)
+
+
+def _files(path):
+    """The names of the files in the folder `path` (_entries), without its sub-folders: an object store lists them
+    with a trailing /, a local disk says which are (without a call per name)."""
+    if "://" in path:
+        return [name for name in tf.io.gfile.listdir(path) if not name.endswith("/")]
+    with os.scandir(path) as entries:
+        return [entry.name for entry in entries if not entry.is_dir()]
 
 
 def _is_utf8(name):
@@ -172,9 +176,14 @@ def _photos(path, where):
     names = _folders(path)
     if not names:
         raise ConfigError(f"{where}: {path} has no class folders (a sub-folder per class of JPEG or PNG files)")
+    if len(names) < 2:  # one class leaves nothing to learn
+        raise ConfigError(
+            f"{where}: one class folder ({names[0]}): a folder of classes holds a folder of photos for each class, "
+            "two at least"
+        )
     photos = {}
     for name in names:
-        files = _entries(os.path.join(path, name))
+        files = _files(os.path.join(path, name))
         photos[name] = sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
     if not any(photos.values()):
         raise ConfigError(f"{where}: no JPEG or PNG files (.jpg, .jpeg, .png) in the class folders of {path}")

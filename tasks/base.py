@@ -20,7 +20,7 @@ import math
 
 import tensorflow as tf
 
-from engine.api import Undefined
+from engine.api import ConfigError, Undefined
 
 
 class Task:
@@ -151,6 +151,27 @@ def first_output(outputs):
     """A network's first output per example, in float32 (a discriminator's logit, a critic's score): [batch, 1+]
     outputs, in whatever precision the model computes, to [batch]."""
     return tf.cast(outputs[:, 0], tf.float32)
+
+
+def read_as_numbers(task, batch, names):
+    """Refuses (ConfigError naming --dataset) a feature of `names` that holds strings, which `task` reads as numbers:
+    their cast is traced, and fails only as the first batch is read, after the run has started."""
+    for name in names:
+        if batch[name].dtype == tf.string:
+            hint = " (encoded photos: image:jpeg or image:png)" if name == "image" else ""
+            raise ConfigError(
+                f"--dataset={task.config.dataset}: its {name} holds strings{hint}, which --task={task.config.task} "
+                "reads as numbers"
+            )
+
+
+def float_image(task, batch):
+    """The batch's image as float32, uint8 scaled to [0, 1]; strings refused (read_as_numbers)."""
+    read_as_numbers(task, batch, ("image",))
+    image = batch["image"]
+    if image.dtype == tf.uint8:
+        return tf.cast(image, tf.float32) / 255.0
+    return tf.cast(image, tf.float32)
 
 
 def bits(nats):

@@ -29,10 +29,8 @@ class Task(base.Task):
         return tuple(self.info.get("class_names") or (str(i) for i in range(self.info["num_classes"])))
 
     def prepare(self, batch):
-        image = batch["image"]
-        if image.dtype == tf.uint8:
-            image = tf.cast(image, tf.float32) / 255.0
-        return {"image": tf.cast(image, tf.float32), "label": tf.cast(batch["label"], tf.int64)}
+        base.read_as_numbers(self, batch, ("label",))
+        return {"image": base.float_image(self, batch), "label": tf.cast(batch["label"], tf.int64)}
 
     def loss(self, outputs, batch):
         return tf.nn.sparse_softmax_cross_entropy_with_logits(batch["label"], tf.cast(outputs, tf.float32))

@@ -58,10 +58,8 @@ class Task(base.Task):
             )
 
     def prepare(self, batch):
-        image = batch["image"]
-        if image.dtype == tf.uint8:
-            image = tf.cast(image, tf.float32) / 255.0
-        return {"image": tf.cast(image, tf.float32), "label": tf.cast(batch["label"], tf.int64)}
+        base.read_as_numbers(self, batch, ("label",))
+        return {"image": base.float_image(self, batch), "label": tf.cast(batch["label"], tf.int64)}
 
     def models(self, create):
         dim = self.config.contrastive_dim

@@ -66,10 +66,7 @@ class Task(base.Task):
             )
 
     def prepare(self, batch):
-        image = batch["image"]
-        if image.dtype == tf.uint8:
-            image = tf.cast(image, tf.float32) / 255.0
-        return {"image": tf.cast(image, tf.float32)}
+        return {"image": base.float_image(self, batch)}
 
     def models(self, create):
         del create  # no family of models/ generates images from noise

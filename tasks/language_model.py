@@ -43,6 +43,7 @@ class Task(base.Task):
         return len(self.info["vocabulary"])
 
     def prepare(self, batch):
+        base.read_as_numbers(self, batch, ("tokens",))
         return {"tokens": tf.cast(batch["tokens"], tf.int32)}
 
     def models(self, create):

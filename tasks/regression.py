@@ -40,6 +40,7 @@ class Task(base.Task):
         return target * self.target_std + self.target_mean
 
     def prepare(self, batch):
+        base.read_as_numbers(self, batch, ("features", "target"))
         target = (tf.cast(batch["target"], tf.float32) - self.target_mean) / self.target_std
         return {"features": self.standardize(batch["features"]), "target": target}
 

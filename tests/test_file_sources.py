@@ -121,11 +121,18 @@ def test_split_folders_are_used_as_given(data_dir, tmp_path):
         ({"readme.txt": b"hi"}, "has no class folders (a sub-folder per class of JPEG or PNG files)"),
         ({"ant/1.jpg": "photo", "bee/notes.txt": b"hi"}, "class folder {root}/bee holds no JPEG or PNG files"),
         ({"ant/notes.txt": b"hi", "bee/.hidden.png": b"x"}, "no JPEG or PNG files (.jpg, .jpeg, .png) in the class"),
-        ({"ant/1.jpg": "photo"}, "none of its 1 photos fall in the held-out 10% (--folder_eval_percent)"),
+        (
+            {"ant/1.jpg": "photo", "bee/1.jpg": "photo"},
+            "none of its 2 photos fall in the held-out 10% (--folder_eval_percent)",
+        ),
         # A traceback-free line blaming sources/folder.py's info before (num_classes=1), naming no folder.
         ({f"ant/{i}.jpg": "photo" for i in range(30)}, "one class folder (ant): a folder of classes holds a folder"),
+        # "none of its 1 photos fall in the held-out 10%": adding photos then met "one class folder".
+        ({"ant/1.jpg": "photo"}, "one class folder (ant): a folder of classes holds a folder"),
+        # A sub-folder named as a photo was read as one: "cannot decode .../bee/old.png: Is a directory".
+        ({"ant/1.jpg": "photo", "bee/old.png/1.jpg": "photo"}, "class folder {root}/bee holds no JPEG or PNG files"),
     ],
-    ids=["missing", "no-classes", "empty-class", "no-photos", "none-held-out", "one-class"],
+    ids=["missing", "no-classes", "empty-class", "no-photos", "none-held-out", "one-class", "one-photo", "sub-folder"],
 )
 def test_a_bad_folder_is_refused_naming_it(data_dir, tmp_path, layout, why):
     root = tmp_path / "photos"
@@ -148,6 +155,11 @@ def test_a_folder_needs_a_path_an_image_size_and_splits_it_has(data_dir, tmp_pat
     _refused(_config(data_dir, tmp_path, eval_split="dev"), why)
     why = f"--train_split=all: {tmp_path} has no folder 'all'; without split folders its photos are carved"
     _refused(_config(data_dir, tmp_path, train_split="all"), why)
+    # Evaluated on its training photos, it needs none held out (refused: "none of its 2 photos fall in the held-out").
+    _photo(tmp_path / "few" / "ant" / "1.jpg", seed=1)
+    _photo(tmp_path / "few" / "bee" / "1.jpg", seed=2)
+    source = folder.load(_config(data_dir, tmp_path / "few", eval_split="train"), "train")
+    assert (source.train.examples, source.evals.examples) == (2, 2)
 
 
 def test_folder_photos_decode_to_the_image_size(data_dir, tmp_path):
@@ -618,6 +630,26 @@ def test_an_example_too_large_for_memory_is_refused_by_the_memory_check_before_a
     config = dataclasses.replace(config, image_size=0, workdir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^--model=mlp: needs about 352 TB of memory \(model, gradients"):
         loop.train(config, one_device)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_feature_of_strings_a_task_reads_as_numbers_is_refused_before_anything_is_written(
+    data_dir, tmp_path, one_device
+):
+    # image:string ended in "Cast string to float is not supported" as the first batch was read, the workdir written.
+    from engine.run import loop
+
+    _shards(tmp_path, "train", [16])
+    _shards(tmp_path, "test", [8])
+    glob = f"{tmp_path}/{{split}}-*"
+    config = _config(data_dir, glob, "tfrecord", tfrecord_features="image:string,label:int64", tfrecord_classes=3)
+    config = dataclasses.replace(config, image_size=0, workdir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError) as refused:
+        loop.train(config, one_device)
+    assert str(refused.value) == (
+        f"--dataset=tfrecord:{glob}: its image holds strings (encoded photos: image:jpeg or image:png), which "
+        "--task=classification reads as numbers"
+    )
     assert not (tmp_path / "run").exists()
 
 

@@ -40,7 +40,7 @@ import tensorflow as tf
 from engine.data import source_checks, tfds_source
 from engine.data.pipeline import AUTOTUNE, Pipelines
 from engine.settings import plugins
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, raising_task_errors
 from engine.settings.fields import FIELD_BY_NAME
 
 
@@ -95,7 +95,8 @@ def prepare(data, source, task, split=None, service=""):
 
     # Traced on a batch of one's spec, not run: nothing the size of an example is made before the memory check.
     one = {k: tf.TensorSpec([1, *s.shape], s.dtype) for k, s in source.spec.items()}
-    traced = tf.function(prepared).get_concrete_function(one).structured_outputs
+    with raising_task_errors():  # what the task's prepare refuses: one line
+        traced = tf.function(prepared).get_concrete_function(one).structured_outputs
     task.spec = {k: tf.TensorSpec(t.shape[1:], t.dtype) for k, t in traced.items()}
     pipelines = Pipelines(data, source)
 

@@ -38,10 +38,11 @@ class Preempted(Exception):
 
 
 def task_error(error):
-    """The TaskError behind `error`, or None: tracing a step wraps what a task's code raises in errors of its own
-    (autograph's StagingError), which keep it as their cause."""
+    """The ConfigError behind `error` (a TaskError: the task's code cannot run; another: bad input it found), or
+    None: tracing wraps what a task's code raises in errors of its own (autograph's StagingError), which keep it as
+    their cause."""
     while error is not None:
-        if isinstance(error, TaskError):
+        if isinstance(error, ConfigError):
             return error
         error = error.__cause__ or error.__context__
     return None
@@ -49,7 +50,8 @@ def task_error(error):
 
 @contextlib.contextmanager
 def raising_task_errors():
-    """Raises a TaskError found behind an error inside (task_error) as itself: one line, naming the task."""
+    """Raises a ConfigError found behind an error inside (task_error) as itself: one line, naming the task's file
+    or the input."""
     try:
         yield
     except Exception as e:
