@@ -653,6 +653,32 @@ def test_a_feature_of_strings_a_task_reads_as_numbers_is_refused_before_anything
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_whose_class_folders_changed_is_refused_on_resume_and_evaluation(data_dir, tmp_path, one_device):
+    # A class folder renamed under a trained run: it resumed with exit 0, label 0 now another class, and config.json
+    # was rewritten with the new names.
+    from engine.run import modes
+
+    root, workdir = tmp_path / "photos", tmp_path / "run"
+    _photos(root, per_class=8)
+    config = _config(data_dir, root, workdir=str(workdir), train_steps=2)
+    loop.train(config, one_device)
+    saved = (workdir / "config.json").read_text()
+    os.rename(root / "ant", root / "zebra")
+    refused = (
+        f"--dataset=folder:{root}: label 0 is 'bee' here, 'ant' in the run of {workdir} ({workdir}/config.json): its "
+        "classes changed since that run trained; restore the data as it was, or train in a new --workdir"
+    )
+    with pytest.raises(ConfigError) as caught:
+        loop.train(dataclasses.replace(config, train_steps=4), one_device)
+    assert str(caught.value) == refused
+    with pytest.raises(ConfigError) as caught:
+        modes.evaluate(dataclasses.replace(config, mode="eval"), one_device)
+    assert str(caught.value) == refused
+    assert (workdir / "config.json").read_text() == saved
+    os.rename(root / "zebra", root / "ant")  # restored: it trains on
+    assert loop.train(dataclasses.replace(config, train_steps=4), one_device)["step"] == 4
+
+
 def _source(data_dir, root, split):
     """The folder source's split `split` (train, or the held-out test)."""
     source = folder.load(_config(data_dir, root), "test")

@@ -45,6 +45,8 @@ def train(config, strategy=None, on_eval=None):
         if config.compile_cache and run.program.jit_compile and not _nothing_left(config, checkpoints.directory):
             trace(run)
         restored = _restore(run, checkpoints)
+        if restored:  # its labels must mean what they meant
+            workdir_lib.check_same_classes(config.workdir, run.task)
         current = int(run.state.step.numpy())
         finished = _ended_at(config, current) if restored else None
         if finished:

@@ -14,7 +14,7 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state.files import append_text, make_workdir, write_json
 from engine.state.report import format_metrics
-from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, held_job
+from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, check_same_classes, held_job
 
 
 def run_config(config, mode, given=None):
@@ -66,6 +66,7 @@ def _evaluated(config, strategy, purpose="evaluate"):
     """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program), and
     what it restores."""
     run = build.run(config, strategy or distribute.create_strategy(config.cluster), purpose)
+    check_same_classes(_run_of(config.checkpoint) if config.checkpoint else config.workdir, run.task)
     return run, run.state.evaluated()
 
 

@@ -12,6 +12,7 @@ How a run writes its files there: engine/state/files.py.
 """
 
 import dataclasses
+import json
 import os
 
 import tensorflow as tf
@@ -131,6 +132,31 @@ def others_results(workdir, results, said, job):
     return ConfigError(
         f"--workdir={workdir} holds another job's results ({results}, and no {said}): {job} needs a --workdir of its "
         "own"
+    )
+
+
+def check_same_classes(workdir, task):
+    """Refuses data that names its classes otherwise than the run of `workdir` trained on (config.json's
+    class_names): a class folder renamed, added or removed moves the labels, and the trained model would read each
+    as another class, its export name them wrong. Nothing to hold it against where config.json names none."""
+    path = os.path.join(workdir, "config.json")
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            saved = json.loads(f.read()).get("class_names")
+    except (tf.errors.NotFoundError, ValueError, AttributeError):  # none, damaged (its own check speaks), not a dict
+        return
+    names = None if task.class_names is None else list(task.class_names)
+    if not isinstance(saved, list) or names is None or names == saved:
+        return
+    differs = next((i for i, (old, new) in enumerate(zip(saved, names)) if old != new), None)
+    said = (
+        f"label {differs} is {names[differs]!r} here, {saved[differs]!r} in the run of {workdir}"
+        if differs is not None
+        else f"it has {len(names)} classes here, {len(saved)} in the run of {workdir}"
+    )
+    raise ConfigError(
+        f"--dataset={task.config.dataset}: {said} ({path}): its classes changed since that run trained; restore "
+        "the data as it was, or train in a new --workdir"
     )
 
 
