@@ -569,7 +569,7 @@ def test_a_file_that_no_longer_holds_its_counted_records_stops_the_stream_naming
     if counted == 20:
         expected = f"{path}: holds more than the 20 records counted: it changed after they were counted"
     else:
-        expected = f"{path}: truncated or corrupt: 40 of its 50 records could be read"
+        expected = f"{path}: truncated or corrupt: it cannot be read past its first 40 records (of 50)"
     assert unreadable(raised.value).startswith(expected), unreadable(raised.value)
 
 

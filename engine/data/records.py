@@ -143,7 +143,8 @@ def unreadable(error):
     if code == 2:
         return f"{path}: holds more than the {counted(expected, 'record')} counted: {_CHANGED}"
     read = sum(1 for _ in tf.data.TFRecordDataset(path).ignore_errors())  # only when it failed: read it whole
-    return f"{path}: truncated or corrupt: {read} of its {counted(expected, 'record')} could be read"
+    # TensorFlow's reader stops at the first record that fails its checksum: those after it are not counted as read.
+    return f"{path}: truncated or corrupt: it cannot be read past its first {counted(read, 'record')} (of {expected})"
 
 
 @dataclasses.dataclass(frozen=True)
