@@ -679,6 +679,28 @@ def test_a_run_whose_class_folders_changed_is_refused_on_resume_and_evaluation(d
     assert loop.train(dataclasses.replace(config, train_steps=4), one_device)["step"] == 4
 
 
+def test_too_few_record_files_for_the_input_pipelines_are_refused_before_anything_is_written(
+    data_dir, tmp_path, one_device, monkeypatch
+):
+    # Refused as the first batch was read, the workdir holding config.json, train/ and eval/ by then.
+    from engine.cluster import distribute
+
+    _shards(tmp_path, "train", [16])
+    _shards(tmp_path, "test", [8])
+    glob = f"{tmp_path}/{{split}}-*"
+    config = _config(data_dir, glob, "tfrecord", tfrecord_features="image:uint8:4x4x1,label:int64", tfrecord_classes=3)
+    config = dataclasses.replace(config, image_size=0, workdir=str(tmp_path / "run"))
+    placement = distribute.placement  # one of two workers, each an input pipeline
+    monkeypatch.setattr(distribute, "placement", lambda *a: dataclasses.replace(placement(*a), workers=2))
+    with pytest.raises(ConfigError) as refused:
+        loop.train(config, one_device)
+    assert str(refused.value) == (
+        f"--dataset=tfrecord:{glob}: its 1 record file of --train_split=train cannot feed 2 input pipelines "
+        "(workers), each of which reads its own files; write the split in more files"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def _source(data_dir, root, split):
     """The folder source's split `split` (train, or the held-out test)."""
     source = folder.load(_config(data_dir, root), "test")

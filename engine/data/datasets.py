@@ -64,6 +64,7 @@ class Data:
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
     sharded: bool = False  # the training stream depends on the number of input pipelines
     train_bytes: int = 0  # record bytes of the training files, when sharded
+    train_files: int = 0  # the training split's record files, when sharded
     origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
     # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
     # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
@@ -122,6 +123,7 @@ def prepare(data, source, task, split=None, service=""):
         task.spec,
         sharded=bool(train.files),
         train_bytes=pipelines.train_bytes,
+        train_files=len(train.files),
         origin=pipelines.origin,
         gather=gather if train.fetch is not None and source.decode is None else None,
         unread=unread,

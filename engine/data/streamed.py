@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine.data.records import counted_records, record_example
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, counted
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -26,15 +26,21 @@ def _permutation(n, seed):
     return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
 
 
+def check_enough_files(files, data, pipelines):
+    """Refuses a streamed training split of fewer record `files` than input `pipelines`, each of which reads files
+    of its own: a run checks it as it is built, before anything is written. `data`: the run's config.data."""
+    if files < pipelines:
+        raise ConfigError(
+            f"--dataset={data.dataset}: its {counted(files, 'record file')} of --train_split={data.train_split} "
+            f"cannot feed {pipelines} input pipelines (workers), each of which reads its own files; write the split "
+            "in more files"
+        )
+
+
 def owned(files, data, ctx):
     """Input pipeline ctx's files of the split's `files` ((path, records), ...): every n-th of a permutation fixed by
     the seed. `data`: the run's config.data."""
-    if len(files) < ctx.num_input_pipelines:
-        raise ConfigError(
-            f"--dataset={data.dataset}: its {len(files)} record files of --train_split="
-            f"{data.train_split} cannot feed {ctx.num_input_pipelines} input pipelines (workers), "
-            "each of which reads its own files; write the split in more files"
-        )
+    check_enough_files(len(files), data, ctx.num_input_pipelines)
     order = np.random.default_rng(data.seed).permutation(len(files))
     return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
 

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: not in tf.config
 
+from engine.data import streamed
 from engine.numerics import replica, updates
 from engine.run import inputs, xla
 from engine.settings import plugins
@@ -53,6 +54,8 @@ class TrainProgram:
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
         self.counts_bytes = coordinator is None and not config.tf_data_service
         self.stops_each_step = stops_each_step(placement)
+        if data.sharded:  # now, not as its first batch is read: nothing is written yet
+            streamed.check_enough_files(data.train_files, config.data, self.pipelines)
         self.input = self.input_path()
         self.retraced = set()
         self._build()
