@@ -127,6 +127,14 @@ def test_help_exits_zero():
             "--num_ps=100: with --local_workers=4 starts 105 TensorFlow processes here (a chief, 4 workers, 100 "
             "parameter servers); at most ",
         ),
+        (  # each task ran it and said so: two errors, after both processes had started
+            dict(strategy="multi_worker", local_workers=2, mode="eval"),
+            "--local_workers=2: starts the workers of a train run, not --mode=eval",
+        ),
+        (
+            dict(strategy="multi_worker", local_workers=2, cluster_resolver="slurm"),
+            "--local_workers=2: writes the cluster's TF_CONFIG, which --cluster_resolver=slurm would not read",
+        ),
         (  # "a chief, 1 workers"
             dict(strategy="parameter_server", local_workers=1, num_ps=64),
             "--num_ps=64: with --local_workers=1 starts 66 TensorFlow processes here (a chief, 1 worker, 64 "
@@ -183,7 +191,7 @@ def test_memory_estimate_names_its_size():
     # pass in training; 5,120 synthetic examples of 256 floats and a label, and the 256 x 10 labelling projection.
     assert str(error.value) == (
         "--hidden_sizes=300000,300000: needs about 1.44 TB of memory (model, gradients and optimizer slots 1.44 TB, "
-        "training batch 615 MB, evaluation batch 307 MB, synthetic data 5.29 MB), more than this machine's 17.2 GB"
+        "training batch 615 MB, evaluation batch 307 MB, synthetic data 5.62 MB), more than this machine's 17.2 GB"
     )
 
 
