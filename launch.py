@@ -155,6 +155,7 @@ def main(argv):
     except ConfigError as e:
         _exit(str(e))
     SIGNALS.install()  # before TensorFlow starts any thread: they all inherit the blocked signals
+    launcher.end_with_the_launcher()  # a task the launcher started: stopped as it ends, however it ends
     with _quiet_native_stderr():
         # Deferred: TensorFlow starts here, after the flags are known good.
         from engine.cluster import distribute

@@ -206,6 +206,55 @@ def test_a_dead_parameter_server_leaves_the_chief_to_say_so(tmp_path, monkeypatc
     assert signalled == ["chief 0 SIGTERM"]
 
 
+# The launcher in a process of its own, its tasks the fake ones above, each stopped as the launcher ends.
+_LAUNCHER = """
+import sys
+sys.path.insert(0, {root!r})
+from engine.cluster import launcher
+launcher.GRACE_SECONDS = 1  # what a server waits for the chief to save, as the launcher ends
+task = "import sys; sys.path.insert(0, {root!r}); from engine.cluster import launcher\\n"
+task += "getattr(launcher, 'end_with_the_launcher', int)()  # the old launcher's tasks stayed, as a test of it shows"
+sys.exit(launcher.run("parameter_server", 1, 1, [sys.executable, "-c", task + "\\n" + {task!r}], network="host"))
+"""
+
+
+@pytest.mark.parametrize("ending", ["SIGKILL", "SIGHUP"])
+def test_no_task_outlives_its_launcher_however_it_ends(tmp_path, monkeypatch, ending):
+    # A launcher killed, or sent SIGHUP as its terminal closed, left its tasks running forever (parent pid 1).
+    monkeypatch.setenv("SIGNALLED", str(tmp_path / "signalled"))
+    program = _LAUNCHER.format(root=helpers.ROOT, task=_FAKE_TASK)
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline().split(" pid ")[1].split()[0]) for _ in range(3)]  # chief, worker, ps
+    time.sleep(1)  # each task past its start-up
+    try:
+        if ending == "SIGHUP":
+            proc.stdout.close()  # the terminal is gone: the launcher's lines have no reader
+        proc.send_signal(getattr(signal, ending))
+        code = proc.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    signalled = sorted((tmp_path / "signalled").read_text().splitlines())
+    if ending == "SIGKILL":  # each task stopped as a preemption
+        assert (code, signalled) == (-9, ["chief 0 SIGTERM", "ps 0 SIGTERM", "worker 0 SIGTERM"])
+    else:  # a preemption of the chief, which saves; the servers, with nothing to save, ended after it
+        assert (code, signalled) == (75, ["chief 0 SIGTERM"])
+
+
+def _running(pid):
+    """Whether process `pid` runs (a zombie, ended and not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_lost_parameter_server_is_named(monkeypatch):
     spec = {"chief": ["localhost:1000"], "worker": ["localhost:1001"], "ps": ["localhost:1002"]}
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(

@@ -45,9 +45,50 @@ def cluster_for(strategy, workers, num_ps):
 
 
 def _stream(proc, name, out):
-    for line in proc.stdout:
-        out.write(f"[{name}] {line}")
+    for line in proc.stdout:  # read to its end whatever becomes of `out`: a task blocks on a full pipe
+        _say(out, f"[{name}] {line}")
+
+
+def _say(out, text):
+    """Writes `text` to `out`, flushed; nothing where `out` is gone (the launcher's terminal closed, a pipe's reader
+    ended): the job goes on, and is stopped as the signal that came with it says."""
+    try:
+        out.write(text)
         out.flush()
+    except (OSError, ValueError):
+        pass
+
+
+# The environment variable that names, in a task the launcher started, the file descriptor of a pipe whose other
+# end the launcher alone holds, which reads as ended once the launcher has, however it ended; and the seconds the
+# task waits then before it stops: "FD:SECONDS" (end_with_the_launcher).
+LAUNCHER_FD = "ENGINE_LAUNCHER_FD"
+
+
+def end_with_the_launcher():
+    """In a task the launcher started: SIGTERM to itself, once, as the launcher ends, however it ends (SIGKILL too),
+    which stops the task as a preemption (a trainer saves and exits, a server stops): no task is left running
+    without it. A server waits GRACE_SECONDS first, as the launcher's own stop does: a parameter-server chief saves
+    from its servers. Call it once SIGNALS are installed (its thread must not take the signal itself). Nothing for a
+    process the launcher did not start. (Not prctl's parent-death signal: a launcher's threads each send it again
+    as they end, and a second SIGTERM exits without saving.)"""
+    given = os.environ.pop(LAUNCHER_FD, None)  # popped: what this task starts is not the launcher's
+    if given is None:
+        return
+    fd, _, seconds = given.partition(":")
+
+    def wait():
+        while os.read(int(fd), 1):  # the launcher writes nothing: its end reads as end of file
+            pass
+        time.sleep(float(seconds or 0))
+        # No one reads this task's output any more (the launcher copied it): a line written to its pipe would end
+        # the task before it saved.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="launcher", daemon=True).start()
 
 
 def run(strategy, workers, num_ps, argv, out=sys.stdout, network="loopback"):
@@ -56,20 +97,24 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout, network="loopback"):
     if network == "loopback" and not _isolated():
         return 2
     cluster = cluster_for(strategy, workers, num_ps)
-    tasks = {
-        f"{job} {index}": _start(job, index, cluster, argv, out)
-        for job, addresses in cluster.items()
-        for index in range(len(addresses))
-    }
-    _say_where(cluster, network, out)
+    # Each task holds the reading end, this process alone the writing one: it closes as this process ends.
+    ended, alive = os.pipe()
     # The job is done when its trainers are: every worker (multi-worker), or the chief (parameter servers,
     # whose workers and servers serve until stopped). A parameter-server worker that dies is not fatal:
     # the chief's coordinator moves its work to the others.
-    trainers = [n for n in tasks if n.startswith("worker")] if strategy == "multi_worker" else ["chief 0"]
+    trainer = "worker" if strategy == "multi_worker" else "chief"
+    tasks = {
+        f"{job} {index}": _start(job, index, cluster, argv, out, f"{ended}:{0 if job == trainer else GRACE_SECONDS}")
+        for job, addresses in cluster.items()
+        for index in range(len(addresses))
+    }
+    os.close(ended)
+    _say_where(cluster, network, out)
+    trainers = [n for n in tasks if n.startswith(trainer)]
     code = _supervise(tasks, trainers, out)
+    os.close(alive)  # every task has ended
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
-    out.write(f"[launcher] job finished with exit code {code}\n")
-    out.flush()
+    _say(out, f"[launcher] job finished with exit code {code}\n")
     return code
 
 
@@ -90,14 +135,16 @@ def _isolated():
     return True
 
 
-def _start(job, index, cluster, argv, out):
-    """Starts task `index` of `job` with its TF_CONFIG; a thread copies its output to `out`, each line prefixed
-    with the task's name."""
+def _start(job, index, cluster, argv, out, ended):
+    """Starts task `index` of `job` with its TF_CONFIG and `ended`, "FD:SECONDS": the reading end of the pipe that
+    says when this process ends, and how long the task waits then (end_with_the_launcher); a thread copies its
+    output to `out`, each line prefixed with the task's name."""
     name = f"{job} {index}"
     task_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
     proc = subprocess.Popen(
         argv,
-        env={**os.environ, "TF_CONFIG": task_config},
+        env={**os.environ, "TF_CONFIG": task_config, LAUNCHER_FD: ended},
+        pass_fds=(int(ended.partition(":")[0]),),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -107,7 +154,7 @@ def _start(job, index, cluster, argv, out):
         start_new_session=True,
     )
     threading.Thread(target=_stream, args=(proc, name, out), daemon=True).start()
-    out.write(f"[launcher] {name} pid {proc.pid} on {cluster[job][index]}\n")
+    _say(out, f"[launcher] {name} pid {proc.pid} on {cluster[job][index]}\n")
     return proc
 
 
@@ -115,7 +162,7 @@ def _say_where(cluster, network, out):
     """Who can reach the tasks' servers, which listen without authentication."""
     ports = ", ".join(address.rpartition(":")[2] for addresses in cluster.values() for address in addresses)
     if network == "loopback":
-        out.write(
+        said = (
             f"[launcher] the tasks share a network namespace that holds only loopback: their servers (ports {ports}) "
             "cannot be reached from outside it, and the tasks cannot reach the network (--local_cluster_network=host "
             "gives them this machine's)\n"
@@ -123,20 +170,21 @@ def _say_where(cluster, network, out):
     else:
         # TensorFlow's gRPC server binds 0.0.0.0:PORT, hard-coded (grpc_server_lib.cc), with no option to bind
         # 127.0.0.1 instead; gRPC makes that a dual-stack [::]:PORT socket.
-        out.write(
+        said = (
             f"[launcher] note: --local_cluster_network=host: TensorFlow's servers listen on every network interface "
             f"without authentication (ports {ports}): run this on a trusted network only, or firewall these ports\n"
         )
-    out.flush()
+    _say(out, said)
 
 
 def _supervise(tasks, trainers, out):
-    """The job's exit status (_wait), with SIGTERM and SIGINT forwarded to the trainers meanwhile; every task
-    stopped after (_stop)."""
+    """The job's exit status (_wait), with SIGTERM and SIGINT forwarded to the trainers meanwhile, and SIGHUP (its
+    terminal closed) as SIGTERM; every task stopped after (_stop)."""
     servers = [n for n in tasks if n not in trainers]
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    forwarded = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM}
+    previous = {signum: signal.getsignal(signum) for signum in forwarded}
     for signum in previous:  # preemption reaches every trainer, which saves and exits
-        signal.signal(signum, lambda signum, frame: [tasks[n].send_signal(signum) for n in trainers])
+        signal.signal(signum, lambda signum, frame: [tasks[n].send_signal(forwarded[signum]) for n in trainers])
     try:
         return _wait(tasks, trainers, out)
     finally:
@@ -158,18 +206,18 @@ def _wait(tasks, trainers, out):
             if name in trainers and status in STOPPED_AND_SAVED:
                 continue  # preempted: the other trainers stop at the same step and are still saving it
             if name in trainers:
-                out.write(f"[launcher] {name} exited with {status}; stopping the others\n")
+                _say(out, f"[launcher] {name} exited with {status}; stopping the others\n")
                 return status
             if name.startswith("ps"):
                 # The job cannot go on without it. The chief finds out and says so (exit 5): give it the time.
-                out.write(f"[launcher] {name} exited with {status}; the chief stops too\n")
+                _say(out, f"[launcher] {name} exited with {status}; the chief stops too\n")
                 lost, deadline = lost or status, deadline or time.monotonic() + GRACE_SECONDS
                 continue
-            out.write(f"[launcher] {name} exited with {status}; the job goes on without it\n")
+            _say(out, f"[launcher] {name} exited with {status}; the job goes on without it\n")
         if all(tasks[n].poll() is not None for n in trainers):
             return max(tasks[n].returncode for n in trainers)
         if deadline is not None and time.monotonic() > deadline:
-            out.write(f"[launcher] the chief did not stop within {GRACE_SECONDS} s of losing a server; stopping it\n")
+            _say(out, f"[launcher] the chief did not stop within {GRACE_SECONDS} s of losing a server; stopping it\n")
             return lost
 
 

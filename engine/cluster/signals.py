@@ -118,9 +118,13 @@ class Signals:
         os._exit(self.exit_code)
 
     def _last_words(self, message):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(self._stderr, f"error: {message}\n".encode())
+        """The error line, where there is anyone to read it: a closed pipe or terminal must not stop the exit."""
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.write(self._stderr, f"error: {message}\n".encode())
+        except (OSError, ValueError):
+            pass
 
     @property
     def cause(self):
