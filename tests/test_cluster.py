@@ -18,8 +18,9 @@ import pytest
 import tensorflow as tf
 
 from engine.cluster import distribute, launcher
-from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE, PeerLost
+from engine.cluster.resolvers import NOT_FORMED_EXIT_CODE, PeerLost
 from engine.cluster.schedulers import SLURM_VARIABLES
+from engine.cluster.signals import LOST_PEER_EXIT_CODE
 from engine.run import build, inputs, loop
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
@@ -160,13 +161,14 @@ sys.exit(int(role))
 """
 
 
-def run_fake_job(tmp_path, monkeypatch, *roles):
-    """launcher.run on a parameter-server job of fake tasks, on this machine's network (the namespace would be
-    this test process's); returns its code, the launcher's own lines and the signals its tasks were sent."""
+def run_fake_job(tmp_path, monkeypatch, *roles, strategy="parameter_server", workers=1):
+    """launcher.run on a job of fake tasks (a parameter-server job of one worker and one server by default), on this
+    machine's network (the namespace would be this test process's); returns its code, the launcher's own lines and
+    the signals its tasks were sent."""
     monkeypatch.setenv("SIGNALLED", str(tmp_path / "signalled"))
     out = io.StringIO()
     argv = [sys.executable, "-c", _FAKE_TASK, *roles]
-    code = launcher.run("parameter_server", 1, 1, argv, out=out, network="host")
+    code = launcher.run(strategy, workers, 1, argv, out=out, network="host")
     lines = [line for line in out.getvalue().splitlines() if line.startswith("[launcher]") and " pid " not in line]
     signalled = (tmp_path / "signalled").read_text().splitlines() if (tmp_path / "signalled").exists() else []
     assert lines[0].startswith(
@@ -253,6 +255,30 @@ def _running(pid):
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_parameter_server_job_without_a_worker_left_ends(tmp_path, monkeypatch):
+    # Every worker dead: the chief waited for one forever, and one signal could not stop it.
+    code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "worker 0=die")
+    assert code == LOST_PEER_EXIT_CODE
+    assert lines == [
+        "[launcher] worker 0 exited with -9; the job goes on without it",
+        "[launcher] every worker exited: the chief cannot train without one; stopping it",
+        "[launcher] job finished with exit code 5",
+    ]
+    assert signalled == ["chief 0 SIGTERM"]
+
+
+def test_a_worker_preempted_before_the_cluster_formed_has_the_others_preempted_too(tmp_path, monkeypatch):
+    # It could not tell its peers, which waited --connect_timeout (300 s) for it and ended the job with exit 10.
+    monkeypatch.setattr(launcher, "GRACE_SECONDS", 1)
+    code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "worker 1=75", strategy="multi_worker", workers=2)
+    assert code == 75
+    assert lines == [
+        "[launcher] worker 0 still running 1 s after a preempted peer; SIGTERM",
+        "[launcher] job finished with exit code 75",
+    ]
+    assert signalled == ["worker 0 SIGTERM"]
 
 
 def test_a_lost_parameter_server_is_named(monkeypatch):

@@ -243,7 +243,8 @@ def exit_code_tables(readme):
 def test_the_readme_has_one_table_of_every_exit_code():
     import launch as launch_module  # defines the flags: imported here, by the tests that need them
     from engine.cluster import signals as preemption
-    from engine.cluster.resolvers import LOST_PEER_EXIT_CODE, NOT_FORMED_EXIT_CODE
+    from engine.cluster.resolvers import NOT_FORMED_EXIT_CODE
+    from engine.cluster.signals import LOST_PEER_EXIT_CODE
 
     with open(os.path.join(helpers.ROOT, "docs", "exit-codes.md")) as f:
         tables = exit_code_tables(f.read())

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from engine.cluster.signals import PREEMPTED_EXIT_CODE
+from engine.cluster.signals import LOST_PEER_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 
@@ -195,7 +195,8 @@ def _supervise(tasks, trainers, out):
 
 def _wait(tasks, trainers, out):
     """The job's exit status, once its trainers are done or a task that matters failed."""
-    noted, lost, deadline = set(), None, None
+    noted, lost, deadline, preempted = set(), None, None, None
+    workers = [n for n in tasks if n.startswith("worker") and n not in trainers]  # a parameter-server job's
     while True:
         time.sleep(0.2)
         for name, proc in tasks.items():
@@ -204,7 +205,10 @@ def _wait(tasks, trainers, out):
                 continue
             noted.add(name)
             if name in trainers and status in STOPPED_AND_SAVED:
-                continue  # preempted: the other trainers stop at the same step and are still saving it
+                # Preempted: the other trainers stop at the same step and are still saving it. Stopped before the
+                # training loop, it could not tell them: they are told after the grace period.
+                preempted = preempted or time.monotonic() + GRACE_SECONDS
+                continue
             if name in trainers:
                 _say(out, f"[launcher] {name} exited with {status}; stopping the others\n")
                 return status
@@ -216,6 +220,18 @@ def _wait(tasks, trainers, out):
             _say(out, f"[launcher] {name} exited with {status}; the job goes on without it\n")
         if all(tasks[n].poll() is not None for n in trainers):
             return max(tasks[n].returncode for n in trainers)
+        if preempted is not None and time.monotonic() > preempted:
+            running = [n for n in trainers if tasks[n].poll() is None]
+            _say(
+                out,
+                f"[launcher] {', '.join(running)} still running {GRACE_SECONDS} s after a preempted peer; SIGTERM\n",
+            )
+            for n in running:
+                tasks[n].send_signal(signal.SIGTERM)
+            preempted = float("inf")  # once
+        if workers and all(tasks[n].poll() is not None for n in workers):
+            _say(out, "[launcher] every worker exited: the chief cannot train without one; stopping it\n")
+            return LOST_PEER_EXIT_CODE
         if deadline is not None and time.monotonic() > deadline:
             _say(out, f"[launcher] the chief did not stop within {GRACE_SECONDS} s of losing a server; stopping it\n")
             return lost

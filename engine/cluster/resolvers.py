@@ -19,6 +19,7 @@ import time
 import tensorflow as tf
 
 from engine.cluster.schedulers import kubernetes_cluster, slurm_cluster
+from engine.cluster.signals import LOST_PEER_EXIT_CODE
 from engine.settings.checks import data_service_address
 from engine.settings.config import first_line
 from engine.settings.environment import tf_config
@@ -267,8 +268,6 @@ def watch_servers(cluster_spec, seconds):
 class PeerLost(RuntimeError):
     """A multi-worker peer died or stopped answering; restarting every worker resumes the job."""
 
-
-LOST_PEER_EXIT_CODE = 5  # launch.py's code for PeerLost
 
 # What TensorFlow raises on a task whose peer is gone or silent.
 LOST_PEER_ERRORS = (

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+LOST_PEER_EXIT_CODE = 5  # a peer of the cluster lost (engine/cluster/resolvers.py PeerLost): restart the job
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", as a scheduler's restart policy reads it
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for Ctrl-C
 
