@@ -310,6 +310,10 @@ def test_a_lost_parameter_server_is_named(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
     assert str(distribute.lost_peer(config, error)) == str(lost)
     assert distribute.lost_peer(config, ValueError("not a peer's")) is None
+    # Several at once: their count said nothing ("lost ps 0 (...): 2 root error(s) found.; a peer that ...").
+    several = tf.errors.UnavailableError(None, None, f"2 root error(s) found.\n  (0) UNAVAILABLE: {error.message}")
+    said = str(lost).replace("(localhost:1002): ", "(localhost:1002): UNAVAILABLE: ")
+    assert str(distribute.explain_failure(strategy, config, several)) == said
 
 
 @pytest.mark.slow

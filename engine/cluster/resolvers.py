@@ -294,9 +294,11 @@ def peer_lost(resolver, settings, error):
     else:
         peer = "a peer (not named by TensorFlow)"
     # An error inside a tf.function starts "Graph execution error:", then the Python stack of the failing op.
-    lines = [line for line in text.splitlines() if line.strip()]
+    # Several errors at once ("2 root error(s) found.") list theirs as "  (0) UNAVAILABLE: ...": the first one's.
+    lines = [line for line in text.splitlines() if line.strip() and not re.match(r"\d+ root error", line.strip())]
     skip = ("Graph execution error", "Detected at node", "  File ", "\t")
     first = next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "").rstrip(":")
+    first = re.sub(r"^\s*\(\d+\) ", "", first)
     return PeerLost(
         f"lost {peer}: {first}; a peer that dies or is silent for --collective_timeout="
         f"{settings.collective_timeout:g}s stops the job; restart every task of the job to resume from the last "
