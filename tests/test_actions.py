@@ -262,6 +262,21 @@ def test_the_rollback_restores_the_checkpoint_and_reads_on_from_the_rounds_data_
     ]
 
 
+def test_a_rollback_of_a_round_a_signal_cut_short_reads_on_from_where_it_was_to_end(tmp_path):
+    # It read on from where the signal cut the round (batch 25), and its resume trained other batches than the run
+    # never stopped (which reads on from batch 30) trains.
+    run, report = _Run(tmp_path), Lines()
+    run.step.assign(25)
+    run.batches.assign(25)
+    cut = dataclasses.replace(_round(20, 25, skipped=3.0), stopping=True, planned=30)
+    assert run.policy(report)(cut) == ROLLED_BACK
+    assert (int(run.step.numpy()), int(run.batches.numpy())) == (20, 30)
+    assert report.lines[0].endswith(
+        "discarding the 5 steps 21-25 since that checkpoint; the 5 batches they read are not trained on, nor are the "
+        "5 batches of its steps a signal cut short (--on_nan=rollback)"
+    )
+
+
 def test_the_rollback_line_counts_the_steps_and_the_batches_discarded(tmp_path):
     # "discarding the 1 steps 21-21 ...; the 1 batches": and a step of fresh repetitions (WGAN-GP's critic) reads
     # several batches, which the line counted as one a step.

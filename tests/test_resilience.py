@@ -195,6 +195,37 @@ def test_nan_rollback_discards_every_step_since_the_checkpoint_and_says_so(
     assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 40
 
 
+def test_nan_rollback_of_a_round_a_signal_cut_short_resumes_as_the_run_never_stopped(
+    data_dir, one_device, tmp_path, monkeypatch
+):
+    # The signal lands in the round that diverges (its first step, on the poisoned batch 25): the rollback read on
+    # from batch 26, not 30, and the resumed run trained other batches than the run never stopped.
+    from engine.run.program import TrainProgram
+    from engine.settings.errors import Preempted
+
+    _poison(monkeypatch, [25])
+    settings = dict(train_steps=40, steps_per_loop=5, checkpoint_every=10, on_nan="rollback", deterministic=True)
+    straight = loop.train(helpers.make_config(data_dir, str(tmp_path / "straight"), **settings), one_device)
+    real = TrainProgram.run_round
+
+    def run_round(self, iterator, steps, extras=frozenset()):
+        if int(self.state.step.numpy()) == 25 and not self.stop.numpy():  # a signal during the round's first step
+            self.stop.assign(True)
+        return real(self, iterator, steps, extras)
+
+    config = helpers.make_config(data_dir, str(tmp_path / "cut"), **settings)
+    with monkeypatch.context() as signalled:
+        signalled.setattr(TrainProgram, "run_round", run_round)
+        with pytest.raises(Preempted, match="at step 21;"):  # the first step after the rollback, on batch 30
+            loop.train(config, one_device)
+    resumed = loop.train(config, one_device)
+    assert (resumed["eval"], resumed["train_loss"]) == (straight["eval"], straight["train_loss"])
+    assert checkpoint_tensors(tmp_path / "cut")[1].keys() == checkpoint_tensors(tmp_path / "straight")[1].keys()
+    for name, value in checkpoint_tensors(tmp_path / "straight")[1].items():
+        if name != "save_counter/.ATTRIBUTES/VARIABLE_VALUE":
+            np.testing.assert_array_equal(checkpoint_tensors(tmp_path / "cut")[1][name], value, err_msg=name)
+
+
 def test_nan_rollback_without_checkpoints_to_roll_back_to_is_refused(data_dir, tmp_path):
     # --checkpoint_every=0 saves only at the end: a rollback would go back to the run's first step.
     with pytest.raises(ConfigError) as refused:

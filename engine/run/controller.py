@@ -156,7 +156,7 @@ class Controller:
             return None
         seconds, traced = time.perf_counter() - tic, run.program.traces() != traces
         ended = current + int(out["steps"])
-        return Round(current, ended, seconds, out, Extras(extra), stopping(out, run.program), traced)
+        return Round(current, ended, seconds, out, Extras(extra), stopping(out, run.program), traced, end)
 
     def _act(self, ran):
         """The round's bookkeeping, then each due action in turn: ROLLED_BACK or Stop ends the round's actions."""

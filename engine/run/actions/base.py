@@ -41,7 +41,8 @@ class Round:
     needed from the round's last step ({"gradients": {<model>/<path>: numpy array}}, and alike "updates");
     `stopping`: a signal stops the run after this round (every worker alike); `traced`: the round traced (and
     compiled) a step it had not run before, the first round's or the one that returns an action's extras, so its
-    seconds are not the steps' own."""
+    seconds are not the steps' own; `planned`: the step it was to end at, past `end` where a signal cut it short
+    (None: `end`)."""
 
     start: int
     end: int
@@ -50,6 +51,7 @@ class Round:
     extras: dict = dataclasses.field(default_factory=dict)
     stopping: bool = False
     traced: bool = False
+    planned: int | None = None
 
     @property
     def steps(self):

@@ -118,7 +118,7 @@ class NanPolicy(Action):
                 f"{diverged}{gave_up if self.rollback and last_good else ''}; last good checkpoint: "
                 f"{last_good or 'none'}; lower --learning_rate or set --clip_norm"
             )
-        self._roll_back(context, diverged, round.end, last_good)
+        self._roll_back(context, diverged, round, last_good)
         return ROLLED_BACK
 
     def _last_good(self, checkpoints, start):
@@ -139,9 +139,12 @@ class NanPolicy(Action):
     def _scheduled(self, step):
         return step == 0 or bool(self.checkpoint_every and step % self.checkpoint_every == 0)
 
-    def _roll_back(self, context, diverged, reached, last_good):
-        state = context.run.state
+    def _roll_back(self, context, diverged, round, last_good):
+        state, reached, batches_per_step = context.run.state, round.end, context.run.program.batches_per_step
         position, saved = int(state.batches.numpy()), context.checkpoints.saved_path
+        # A round a signal cut short reads on from where it was to end, as the run never stopped does: its resume
+        # then trains what that run trains.
+        ahead = ((round.planned or reached) - reached) * batches_per_step
         try:
             checkpoint_lib.restore(context.checkpoints.checkpoint, last_good)
         except checkpoint_lib.Unreadable as e:  # one found on disk, not this process's own: the one it knows
@@ -152,16 +155,17 @@ class NanPolicy(Action):
             last_good = saved
         context.checkpoints.saved_path = last_good  # the checkpoint that holds the state now
         context.checkpoints.discard_after(checkpoint_lib.step_of(last_good))
-        state.batches.assign(position)  # read on from here: the discarded steps' batches are not redone
+        state.batches.assign(position + ahead)  # read on from here: the discarded steps' batches are not redone
         current, self.rollbacks = int(state.step.numpy()), self.rollbacks + 1
         context.report.rewind(current)
-        one, read = reached - current == 1, (reached - current) * context.run.program.batches_per_step
+        one, read = reached - current == 1, (reached - current) * batches_per_step
         steps = _steps(current + 1, reached)
         batches = f"the batch {'it' if one else 'they'} read is" if read == 1 else f"the {read} batches"
         batches += "" if read == 1 else f" {'it' if one else 'they'} read are"
+        skipped = f", nor are the {ahead} batches of its steps a signal cut short" if ahead else ""
         context.report.line(
             f"{diverged}: rolled back to step {current} ({last_good}), discarding {steps} since that checkpoint; "
-            f"{batches} not trained on (--on_nan=rollback)"
+            f"{batches} not trained on{skipped} (--on_nan=rollback)"
         )
 
 
