@@ -212,21 +212,6 @@ def check_training(config):
 # ---- Devices and clusters --------------------------------------------------------------------------------------
 
 
-def check_local_workers(config):
-    """--local_workers starts a cluster's workers here, whose TF_CONFIG it writes: only to train, with a strategy that
-    has workers, and no other source of the cluster."""
-    if config.local_workers and config.strategy not in ("multi_worker", "parameter_server"):
-        fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
-    if config.local_workers and config.mode != "train":  # each task would run the mode alone, and say so alone
-        fail("local_workers", config.local_workers, f"starts the workers of a train run, not --mode={config.mode}")
-    if config.local_workers and config.cluster_resolver not in ("", "tf_config"):
-        fail(
-            "local_workers",
-            config.local_workers,
-            f"writes the cluster's TF_CONFIG, which --cluster_resolver={config.cluster_resolver} would not read",
-        )
-
-
 def check_strategy(config):
     """The refusals that depend on the strategy, judged on the one the run will use (planned_strategy), whether
     --strategy, TF_CONFIG or --cluster_resolver chose it."""

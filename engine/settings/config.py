@@ -43,9 +43,8 @@ def validate(config):
     checks.check_signs(config)
     checks.check_limits(config)
     checks.check_training(config)
-    checks.check_local_workers(config)
     if config.local_workers:
-        _check_local_tasks(config)
+        _check_local_workers(config)
     checks.check_strategy(config)
     config = checks.resolve_task(config)
     checks.check_data(config)
@@ -58,11 +57,23 @@ def first_line(error):
     return (text.strip().splitlines() or [type(error).__name__])[0]
 
 
-# ---- What this machine holds ----------------------------------------------------------------------------------
+# ---- --local_workers: a cluster on this machine, in what it holds ------------------------------------------
 
 
-def _check_local_tasks(config):
-    """--local_workers starts every task of its cluster here: no more than MAX_LOCAL_TASKS, nor than fit in memory."""
+def _check_local_workers(config):
+    """--local_workers starts a cluster's workers here, whose TF_CONFIG it writes: only to train, with a strategy that
+    has workers and no other source of the cluster; every task of its cluster, no more than MAX_LOCAL_TASKS, nor
+    than fit in memory."""
+    if config.strategy not in ("multi_worker", "parameter_server"):
+        fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
+    if config.mode != "train":  # each task would run the mode alone, and say so alone
+        fail("local_workers", config.local_workers, f"starts the workers of a train run, not --mode={config.mode}")
+    if config.cluster_resolver not in ("", "tf_config"):
+        fail(
+            "local_workers",
+            config.local_workers,
+            f"writes the cluster's TF_CONFIG, which --cluster_resolver={config.cluster_resolver} would not read",
+        )
     total = host_memory_bytes()
     limit = max(1, min(MAX_LOCAL_TASKS, total // LOCAL_TASK_BYTES))
     why = (
