@@ -57,13 +57,6 @@ def load(config, eval_split):
         split, _, feature = name.rpartition("/")
         if not split:
             raise ConfigError(f"{where}: array {name!r} is not named <split>/<feature> (e.g. train/image)")
-        if not isinstance(values, np.ndarray):  # a member numpy did not write: it gives its bytes
-            raise ConfigError(f"{where}: {name!r} is not an array (.npy) but a file of another kind in the archive")
-        if feature in ENGINE_FEATURES:  # a column of the engine's would be overwritten, or taken for its own
-            raise ConfigError(
-                f"{where}: array {name!r}: {feature} is a feature the engine sets itself ({ENGINE_FEATURES[feature]})"
-                "; name the array otherwise"
-            )
         _check_array(where, name, values)
         if values.dtype.kind == "f" and not np.isfinite(values).all():  # every step reading it would be NaN
             at = int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0][0])
@@ -94,7 +87,16 @@ def load(config, eval_split):
 
 def _check_array(where, name, values):
     """Refuses an array TensorFlow would misread: strings or complex numbers (cast to float they fail, or lose
-    their imaginary part), a single value, examples that hold no values, a label that is not one integer each."""
+    their imaginary part), a single value, examples that hold no values, a label that is not one integer each; a
+    member numpy did not write, and a feature the engine sets itself."""
+    if not isinstance(values, np.ndarray):  # a member numpy did not write: it gives its bytes
+        raise ConfigError(f"{where}: {name!r} is not an array (.npy) but a file of another kind in the archive")
+    feature = name.rpartition("/")[2]
+    if feature in ENGINE_FEATURES:  # a column of the engine's would be overwritten, or taken for its own
+        raise ConfigError(
+            f"{where}: array {name!r}: {feature} is a feature the engine sets itself ({ENGINE_FEATURES[feature]}); "
+            "name the array otherwise"
+        )
     kinds = {"U": "strings", "S": "strings", "c": "complex numbers"}
     if values.dtype.kind not in "biuf":
         what = kinds.get(values.dtype.kind, "values of another kind")
