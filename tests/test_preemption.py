@@ -257,25 +257,3 @@ def test_a_run_stopped_where_its_own_actions_are_due_keeps_their_records(data_di
     expected = recorded(straight)
     assert expected and all(steps == [5, 10] for steps in expected.values()), expected
     assert recorded(config.workdir) == expected
-
-
-def test_a_signal_during_an_evaluation_saves_at_its_step(data_dir, one_device, tmp_path, monkeypatch, straight):
-    # The evaluation ran to its end, then one more step trained before the run saved (at step 6, not 5).
-    from engine.run.actions import builtin
-
-    real = builtin.Evaluate.__call__
-
-    def evaluating(self, round, context):
-        results = real(self, round, context)
-        if round.end == 5:  # the signal came as it evaluated
-            context.run.program.stop.assign(True)
-        return results
-
-    monkeypatch.setattr(builtin.Evaluate, "__call__", evaluating)
-    config = helpers.make_config(data_dir, str(tmp_path), **WINDOWS)
-    with pytest.raises(Preempted, match="at step 5;"):
-        loop.train(config, one_device)
-    monkeypatch.undo()
-    summary = loop.train(config, one_device)
-    assert _jsonl(tmp_path, "eval.jsonl") == _jsonl(straight[0], "eval.jsonl")  # steps 5 and 10, once each
-    assert summary["eval"] == straight[1]["eval"] and summary["train_loss"] == straight[1]["train_loss"]

@@ -125,8 +125,6 @@ class Controller:
                     _renew(iterators, run)
                     continue
                 current = ran.end
-                if not ran.stopping and run.program.stopping_anywhere():  # a signal during its actions (evaluating)
-                    break  # saved here, not a step on
             self.context.checkpoints.save()  # nothing to do when this step is saved already
             if run.program.stopping_anywhere():  # a signal during the last round: every worker stops here alike
                 stop(current, self.context)
