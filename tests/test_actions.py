@@ -271,9 +271,13 @@ def test_a_rollback_of_a_round_a_signal_cut_short_reads_on_from_where_it_was_to_
     cut = dataclasses.replace(_round(20, 25, skipped=3.0), stopping=True, planned=30)
     assert run.policy(report)(cut) == ROLLED_BACK
     assert (int(run.step.numpy()), int(run.batches.numpy())) == (20, 30)
+    run.step.assign(29)
+    run.batches.assign(29)
+    assert run.policy(report)(dataclasses.replace(cut, end=29)) == ROLLED_BACK  # one step short: one batch
+    assert report.lines[-1].endswith("nor is the 1 batch of the steps a signal cut short (--on_nan=rollback)")
     assert report.lines[0].endswith(
         "discarding the 5 steps 21-25 since that checkpoint; the 5 batches they read are not trained on, nor are the "
-        "5 batches of its steps a signal cut short (--on_nan=rollback)"
+        "5 batches of the steps a signal cut short (--on_nan=rollback)"
     )
 
 

@@ -255,11 +255,7 @@ def test_memory_is_checked_again_with_the_datasets_own_shape(data_dir, monkeypat
 def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, monkeypatch):
     """Each of these ended in a traceback and exit 1, or (a run inside another's workdir) mixed two runs' files."""
     import json
-    import zipfile
 
-    import numpy as np
-
-    from engine.data import datasets
     from engine.settings.errors import CheckpointError
     from engine.state import report
     from engine.state import workdir as workdir_lib
@@ -285,6 +281,15 @@ def test_input_the_last_hunt_found_ending_in_a_traceback_is_one_line(tmp_path, m
     (tmp_path / "logs" / "metrics.jsonl").mkdir(parents=True)
     with pytest.raises(CheckpointError, match=f"cannot write {tmp_path}/logs/metrics.jsonl"):
         report.Report(str(tmp_path / "logs"), True, 10, resume_step=5)
+
+
+def test_a_file_given_as_an_npz_that_is_no_npz_of_good_arrays_is_one_line(tmp_path):
+    import zipfile
+
+    import numpy as np
+
+    from engine.data import datasets
+
     # A .npy file given as an npz, and features holding NaN (every step would diverge, "lower --learning_rate").
     np.save(tmp_path / "one.npy", np.zeros((10, 4)))
     features = np.ones((8, 3), np.float32)

@@ -152,6 +152,7 @@ def stopped(signum, frame):
     sys.exit(75)
 
 signal.signal(signal.SIGTERM, stopped)
+signal.signal(signal.SIGINT, stopped)
 if role == "die":
     os.kill(os.getpid(), signal.SIGKILL)
 if role == "serve":
@@ -275,10 +276,10 @@ def test_a_worker_preempted_before_the_cluster_formed_has_the_others_preempted_t
     code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "worker 1=75", strategy="multi_worker", workers=2)
     assert code == 75
     assert lines == [
-        "[launcher] worker 0 still running 1 s after a preempted peer; SIGTERM",
+        "[launcher] worker 0 still running 1 s after a preempted peer; SIGINT",
         "[launcher] job finished with exit code 75",
     ]
-    assert signalled == ["worker 0 SIGTERM"]
+    assert signalled == ["worker 0 SIGINT"]
 
 
 def test_a_lost_parameter_server_is_named(monkeypatch):

@@ -351,4 +351,4 @@ def test_sidecar_evaluates_each_new_checkpoint(data_dir, one_device, tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert results[-1]["accuracy"] == pytest.approx(summary["eval"]["accuracy"], abs=1e-6)
     assert logged_steps(tmp_path, "continuous_eval.jsonl") == steps
-    assert any(name.startswith("events.out") for name in os.listdir(tmp_path / "continuous_eval"))
+    assert any(name.startswith("events.out") for name in os.listdir(tmp_path / "continuous_eval" / "test"))

@@ -568,3 +568,23 @@ def test_a_remote_workdir_or_export_dir_inside_a_run_is_refused_as_a_local_one()
     )
     workdir_lib.check_not_inside_a_run("ram://bucket/runs/beside")  # beside it: its own
     workdir_lib.check_not_in_run_folders("ram://bucket/exports/1", "export_dir", f"{run}/export/STEP")
+    # A run at a bucket's root holds the folders below it too.
+    tf.io.gfile.makedirs("ram://root/checkpoints")
+    with tf.io.gfile.GFile("ram://root/config.json", "w") as f:
+        f.write("{}")
+    with pytest.raises(
+        ConfigError, match=r"^--workdir=ram://root/sub is inside the workdir of another run \(ram://root\)"
+    ):
+        workdir_lib.check_not_inside_a_run("ram://root/sub")
+
+
+def test_a_workdir_below_a_folder_named_in_bytes_that_are_not_utf8_is_checked_by_its_bytes(tmp_path):
+    # TensorFlow's file system cannot name such a folder: the upward walk ended in a UnicodeEncodeError traceback.
+    parent = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9")
+    os.makedirs(os.path.join(parent, "run", "checkpoints"))
+    with open(os.path.join(parent, "run", "config.json"), "w") as f:
+        f.write("{}")
+    workdir_lib.check_not_inside_a_run(os.path.join(parent, "other"))
+    with pytest.raises(ConfigError, match="is inside the workdir of another run"):
+        workdir_lib.check_not_inside_a_run(os.path.join(parent, "run", "train"))
+    workdir_lib.check_not_in_run_folders(os.path.join(parent, "exports"), "export_dir", "there")

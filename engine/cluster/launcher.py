@@ -179,23 +179,33 @@ def _say_where(cluster, network, out):
 
 def _supervise(tasks, trainers, out):
     """The job's exit status (_wait), with SIGTERM and SIGINT forwarded to the trainers meanwhile, and SIGHUP (its
-    terminal closed) as SIGTERM; every task stopped after (_stop)."""
+    terminal closed) once, as SIGTERM, unless it is ignored (nohup); every task stopped after (_stop)."""
     servers = [n for n in tasks if n not in trainers]
     forwarded = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM}
     previous = {signum: signal.getsignal(signum) for signum in forwarded}
-    for signum in previous:  # preemption reaches every trainer, which saves and exits
-        signal.signal(signum, lambda signum, frame: [tasks[n].send_signal(forwarded[signum]) for n in trainers])
+    told = set()  # what was forwarded: a second signal makes a trainer exit unsaved
+
+    def forward(signum, frame):  # preemption reaches every trainer, which saves and exits
+        if signum != signal.SIGHUP or signum not in told:  # a closed terminal may send SIGHUP more than once
+            told.update([signum, *trainers])
+            for n in trainers:
+                tasks[n].send_signal(forwarded[signum])
+
+    for signum, handler in previous.items():
+        if signum != signal.SIGHUP or handler != signal.SIG_IGN:
+            signal.signal(signum, forward)
     try:
-        return _wait(tasks, trainers, out)
+        return _wait(tasks, trainers, out, told)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _stop([tasks[n] for n in trainers], [tasks[n] for n in servers])
 
 
-def _wait(tasks, trainers, out):
-    """The job's exit status, once its trainers are done or a task that matters failed."""
-    noted, lost, deadline, preempted = set(), None, None, None
+def _wait(tasks, trainers, out, told=()):
+    """The job's exit status, once its trainers are done or a task that matters failed. `told`: the trainers a
+    signal was forwarded to."""
+    noted, lost, deadline, preempted, nudged = set(), None, None, None, set()
     workers = [n for n in tasks if n.startswith("worker") and n not in trainers]  # a parameter-server job's
     while True:
         time.sleep(0.2)
@@ -204,7 +214,7 @@ def _wait(tasks, trainers, out):
             if status in (None, 0) or name in noted:
                 continue
             noted.add(name)
-            if name in trainers and status in STOPPED_AND_SAVED:
+            if name in trainers and (status in STOPPED_AND_SAVED or name in nudged):
                 # Preempted: the other trainers stop at the same step and are still saving it. Stopped before the
                 # training loop, it could not tell them: they are told after the grace period.
                 preempted = preempted or time.monotonic() + GRACE_SECONDS
@@ -219,15 +229,15 @@ def _wait(tasks, trainers, out):
                 continue
             _say(out, f"[launcher] {name} exited with {status}; the job goes on without it\n")
         if all(tasks[n].poll() is not None for n in trainers):
-            return max(tasks[n].returncode for n in trainers)
+            return max(tasks[n].returncode for n in trainers if n not in nudged)
         if preempted is not None and time.monotonic() > preempted:
-            running = [n for n in trainers if tasks[n].poll() is None]
-            _say(
-                out,
-                f"[launcher] {', '.join(running)} still running {GRACE_SECONDS} s after a preempted peer; SIGTERM\n",
-            )
-            for n in running:
-                tasks[n].send_signal(signal.SIGTERM)
+            # SIGINT: forming its cluster, a task waits where only SIGINT's default action ends it (interruptible)
+            nudged = {n for n in trainers if tasks[n].poll() is None and n not in told}
+            late = ", ".join(sorted(nudged))
+            if nudged:
+                _say(out, f"[launcher] {late} still running {GRACE_SECONDS} s after a preempted peer; SIGINT\n")
+            for n in nudged:
+                tasks[n].send_signal(signal.SIGINT)
             preempted = float("inf")  # once
         if workers and all(tasks[n].poll() is not None for n in workers):
             _say(out, "[launcher] every worker exited: the chief cannot train without one; stopping it\n")

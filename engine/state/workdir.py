@@ -71,8 +71,7 @@ def check_not_inside_a_run(workdir):
         what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
         raise ConfigError(f"--workdir={workdir} is {what}: give the run a folder of its own, as runs/NAME")
     for parent in _upward(_parent(path)):
-        config, checkpoints = os.path.join(parent, "config.json"), os.path.join(parent, "checkpoints")
-        if tf.io.gfile.exists(config) and not tf.io.gfile.isdir(config) and tf.io.gfile.isdir(checkpoints):
+        if _is_file(os.path.join(parent, "config.json")) and _is_dir(os.path.join(parent, "checkpoints")):
             raise ConfigError(
                 f"--workdir={workdir} is inside the workdir of another run ({parent}): give this run a folder of its "
                 "own, beside it"
@@ -87,8 +86,7 @@ def check_not_in_run_folders(path, flag, instead):
     """Refuses --`flag`=`path` inside a run's own folders (RUN_FOLDERS): a SavedModel in checkpoints/ reads as a
     checkpoint to every later eval and resume of that run. `instead`: where it goes without the flag."""
     for parent in _upward(path.rstrip("/") if "://" in path else os.path.abspath(path)):
-        config = os.path.join(_parent(parent), "config.json")
-        if os.path.basename(parent) in RUN_FOLDERS and tf.io.gfile.exists(config) and not tf.io.gfile.isdir(config):
+        if os.path.basename(parent) in RUN_FOLDERS and _is_file(os.path.join(_parent(parent), "config.json")):
             raise ConfigError(
                 f"--{flag}={path} is inside {parent}, the folder of a run's own {os.path.basename(parent)} files: give "
                 f"it a folder of its own (without --{flag}: {instead})"
@@ -96,10 +94,25 @@ def check_not_in_run_folders(path, flag, instead):
 
 
 def _upward(path):
-    """`path` and the folders above it, nearest first, short of the file system's root (a bucket's: gs://b)."""
+    """`path` and the folders above it, nearest first, short of a local file system's root; a bucket's root (gs://b)
+    included, which may hold a run."""
     while _parent(path) != path:
         yield path
         path = _parent(path)
+    if "://" in path:
+        yield path
+
+
+def _is_file(path):
+    """os.path's answer for a local path (a folder named in bytes that are not UTF-8 is one TensorFlow cannot name),
+    tf.io.gfile's for a remote one."""
+    if "://" not in path:
+        return os.path.isfile(path)
+    return tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path)
+
+
+def _is_dir(path):
+    return tf.io.gfile.isdir(path) if "://" in path else os.path.isdir(path)
 
 
 def _parent(path):

@@ -10,7 +10,7 @@ import tensorflow as tf
 from engine.cluster.signals import SIGNALS
 from engine.numerics.precision import FLOOR
 from engine.run.actions.base import ROLLED_BACK, Action, Stop
-from engine.settings.errors import Preempted, TrainingError
+from engine.settings.errors import Preempted, TrainingError, counted
 from engine.state import checkpoint as checkpoint_lib
 
 # What stopped a run whose `on_eval` stopped it (a tuner's pruning), as its summary's `stopped_by` says.
@@ -162,7 +162,10 @@ class NanPolicy(Action):
         steps = _steps(current + 1, reached)
         batches = f"the batch {'it' if one else 'they'} read is" if read == 1 else f"the {read} batches"
         batches += "" if read == 1 else f" {'it' if one else 'they'} read are"
-        skipped = f", nor are the {ahead} batches of its steps a signal cut short" if ahead else ""
+        verb = "is" if ahead == 1 else "are"
+        skipped = (
+            f", nor {verb} the {counted(ahead, 'batch', 'batches')} of the steps a signal cut short" if ahead else ""
+        )
         context.report.line(
             f"{diverged}: rolled back to step {current} ({last_good}), discarding {steps} since that checkpoint; "
             f"{batches} not trained on{skipped} (--on_nan=rollback)"
