@@ -62,9 +62,8 @@ class Data:
     train_examples: int
     task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/run/inputs.py, received here)
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
-    sharded: bool = False  # the training stream depends on the number of input pipelines
     train_bytes: int = 0  # record bytes of the training files, when sharded
-    train_files: int = 0  # the training split's record files, when sharded
+    train_files: int = 0  # the training split's record files, when it streams them (sharded)
     origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
     # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
     # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
@@ -72,6 +71,11 @@ class Data:
     # The order settings (--shuffle_buffer, --interleave_files) the training split does not read: a resume may change
     # them (engine/state/workdir.py check_same_run).
     unread: tuple = ()
+
+    @property
+    def sharded(self):
+        """Whether the training stream depends on the number of input pipelines: its record files are shared out."""
+        return self.train_files > 0
 
 
 def task_class(config):
@@ -121,7 +125,6 @@ def prepare(data, source, task, split=None, service=""):
         train.examples,
         task,
         task.spec,
-        sharded=bool(train.files),
         train_bytes=pipelines.train_bytes,
         train_files=len(train.files),
         origin=pipelines.origin,

@@ -23,7 +23,7 @@ from engine.settings.errors import ConfigError
 from engine.settings.fields import show
 from engine.settings.identity import ORDER_SETTINGS, identity_changes
 from engine.state.checkpoint import list_checkpoints
-from engine.state.files import write_json
+from engine.state.files import is_local, write_json
 
 STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), which a train run is refused
 
@@ -65,7 +65,7 @@ def check_same_run(config, unread=ORDER_SETTINGS):
 def check_not_inside_a_run(workdir):
     """Refuses a workdir that is the checkout itself or a file system's root, or inside another train run's workdir
     (its checkpoints/ or eval/ folder): the two runs' files would mix there (TensorBoard would draw both)."""
-    remote = "://" in workdir
+    remote = not is_local(workdir)
     path = workdir.rstrip("/") if remote else os.path.abspath(workdir)
     if not remote and (path == plugins.ROOT or path == os.path.dirname(path)):  # the checkout, or a disk's root
         what = "this checkout itself" if path == plugins.ROOT else "the root of the file system"
@@ -85,7 +85,7 @@ RUN_FOLDERS = ("checkpoints", "train", "eval", "continuous_eval")
 def check_not_in_run_folders(path, flag, instead):
     """Refuses --`flag`=`path` inside a run's own folders (RUN_FOLDERS): a SavedModel in checkpoints/ reads as a
     checkpoint to every later eval and resume of that run. `instead`: where it goes without the flag."""
-    for parent in _upward(path.rstrip("/") if "://" in path else os.path.abspath(path)):
+    for parent in _upward(os.path.abspath(path) if is_local(path) else path.rstrip("/")):
         if os.path.basename(parent) in RUN_FOLDERS and _is_file(os.path.join(_parent(parent), "config.json")):
             raise ConfigError(
                 f"--{flag}={path} is inside {parent}, the folder of a run's own {os.path.basename(parent)} files: give "
@@ -99,20 +99,20 @@ def _upward(path):
     while _parent(path) != path:
         yield path
         path = _parent(path)
-    if "://" in path:
+    if not is_local(path):
         yield path
 
 
 def _is_file(path):
     """os.path's answer for a local path (a folder named in bytes that are not UTF-8 is one TensorFlow cannot name),
     tf.io.gfile's for a remote one."""
-    if "://" not in path:
+    if is_local(path):
         return os.path.isfile(path)
     return tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path)
 
 
 def _is_dir(path):
-    return tf.io.gfile.isdir(path) if "://" in path else os.path.isdir(path)
+    return os.path.isdir(path) if is_local(path) else tf.io.gfile.isdir(path)
 
 
 def _parent(path):
