@@ -9,8 +9,9 @@ feature, named `<split>/<feature>`:
 Every array of a split has one row per example, of real numbers or booleans. A `label` is a class, an integer
 0 .. N-1, one per example; the task's number of classes is the largest label + 1 over all splits (a label may name
 classes no example has, up to MANY_CLASSES of them, or as many as the file has examples). The splits are held in
-memory; a file that cannot be read, a missing or empty split, arrays of different lengths, an array of another kind
-or a label outside these bounds stop the run naming the file, the array and what is wrong.
+memory; a file that cannot be read, a missing or empty split, arrays of different lengths, an array of another kind,
+a label outside these bounds, or NaN or infinity in a split the run reads stop the run naming the file, the array
+and what is wrong.
 """
 
 import zipfile
@@ -58,9 +59,6 @@ def load(config, eval_split):
         if not split:
             raise ConfigError(f"{where}: array {name!r} is not named <split>/<feature> (e.g. train/image)")
         _check_array(where, name, values)
-        if values.dtype.kind == "f" and not np.isfinite(values).all():  # every step reading it would be NaN
-            at = int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0][0])
-            raise ConfigError(f"{where}: {name} holds NaN or infinity (example {at} first)")
         splits.setdefault(split, {})[feature] = values
     for split, features in splits.items():
         lengths = {feature: len(values) for feature, values in features.items()}
@@ -71,6 +69,11 @@ def load(config, eval_split):
             raise ConfigError(f"--{flag}={split}: not a split of {path} (splits: {', '.join(sorted(splits))})")
         if not len(next(iter(splits[split].values()))):
             raise ConfigError(f"{where}: split {split!r} (--{flag}={split}) holds no examples")
+    for split in dict.fromkeys((config.train_split, eval_split)):  # those the run reads: a step reading one is NaN
+        for feature, values in splits[split].items():
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                at = int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0][0])
+                raise ConfigError(f"{where}: {split}/{feature} holds NaN or infinity (example {at} first)")
     train = splits[config.train_split]
     for split, features in splits.items():
         if {f: (v.dtype, v.shape[1:]) for f, v in features.items()} != {

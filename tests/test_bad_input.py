@@ -295,6 +295,12 @@ def test_a_file_given_as_an_npz_that_is_no_npz_of_good_arrays_is_one_line(tmp_pa
     features = np.ones((8, 3), np.float32)
     features[5, 1] = np.nan
     np.savez(tmp_path / "nan.npz", **{"train/image": features, "train/label": np.arange(8) % 2})
+    # The same NaN in a split the run does not read is no one's business: it reads train, evaluates test.
+    unread = {"train/image": np.ones((8, 3), np.float32), "train/label": np.arange(8) % 2}
+    unread.update({"test/image": np.ones((4, 3), np.float32), "test/label": np.arange(4) % 2})
+    np.savez(tmp_path / "unread.npz", **unread, **{"validation/image": features, "validation/label": np.arange(8) % 2})
+    unread_config = helpers.make_config("", dataset=f"npz:{tmp_path / 'unread.npz'}", eval_split="test")
+    assert datasets.load_source(unread_config, ("image", "label")).info["num_classes"] == 2
     (tmp_path / "text.npz").write_text("hello world")  # numpy called it "pickled data"
     (tmp_path / "empty.npz").write_bytes(b"")
     # A column named as a feature the engine sets: a test/weight weighted the evaluation's means in silence (the

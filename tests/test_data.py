@@ -273,3 +273,44 @@ def test_an_order_setting_the_training_split_does_not_read_is_said(data_dir, mon
     _store("streamed", monkeypatch)
     inputs.run_data(config)
     assert "warning: --" not in capsys.readouterr().out
+
+
+def _toy_builder_with_a_weight_feature():
+    """A tensorflow-datasets builder whose examples carry a feature named `weight`, as some datasets do."""
+    import tensorflow_datasets as tfds
+
+    class ToyWithWeights(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            features = {
+                "image": tfds.features.Tensor(shape=(2,), dtype=np.float32),
+                "label": tfds.features.ClassLabel(num_classes=2),
+                "weight": tfds.features.Tensor(shape=(), dtype=np.float32),
+            }
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples(), "test": self._generate_examples()}
+
+        def _generate_examples(self):
+            for i in range(4):
+                yield i, {"image": np.full(2, i, np.float32), "label": i % 2, "weight": 0.5}
+
+    return ToyWithWeights
+
+
+def test_a_tfds_feature_named_as_the_engines_own_is_refused_naming_the_dataset(tmp_path):
+    from engine.settings.errors import ConfigError
+
+    _toy_builder_with_a_weight_feature()(data_dir=str(tmp_path)).download_and_prepare()
+    config = helpers.make_config(str(tmp_path), dataset="toy_with_weights")
+    with pytest.raises(ConfigError) as raised:
+        data.load_source(config, ())  # a task reading every feature
+    assert str(raised.value) == (
+        "--dataset=toy_with_weights: --task=classification reads every feature (its `features` is empty), weight too, "
+        "a name the engine gives a feature of its own (how much an evaluation example counts in the means, which a "
+        "source's own code sets): list the features the task reads in its `features`, leaving weight out"
+    )
+    source = data.load_source(config, ("image", "label"))  # the task's own, weight left
+    assert list(source.spec) == ["image", "label"]

@@ -283,15 +283,28 @@ def test_a_loss_that_breaks_the_per_example_contract_is_one_line(data_dir, one_d
     assert isinstance(raised.value, ConfigError) and "\n" not in str(raised.value)
 
 
-def test_launch_ends_a_forks_mistake_in_one_line_with_exit_2(tmp_path):
-    """The same as a user meets it: a task file whose step applies its gradients twice."""
+def _fork_with(tmp_path, files):
+    """A copy of the checkout with `files` ({path: text}) added, as a researcher's fork holds them."""
     import shutil
-    import subprocess
-    import sys
 
     fork = tmp_path / "fork"
     shutil.copytree(helpers.ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
-    (fork / "tasks" / "twice.py").write_text(
+    for path, text in files.items():
+        (fork / path).write_text(text)
+    return fork
+
+
+def _launch_in(fork, *flags):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "launch.py", *flags, "--train_steps=2", f"--workdir={fork.parent / 'run'}"]
+    return subprocess.run(command, cwd=fork, capture_output=True, text=True, timeout=300)
+
+
+def test_launch_ends_a_forks_mistake_in_one_line_with_exit_2(tmp_path):
+    """The same as a user meets it: a task file whose step applies its gradients twice."""
+    twice = (
         "from engine.api import DEFAULT\nfrom tasks import classification\n\n\n"
         "class Task(classification.Task):\n"
         "    def replica_step(self, step, batch):\n"
@@ -299,53 +312,44 @@ def test_launch_ends_a_forks_mistake_in_one_line_with_exit_2(tmp_path):
         "        step.apply(DEFAULT, gradients)\n"
         "        step.apply(DEFAULT, gradients)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "launch.py", "--task=twice", "--train_steps=2", f"--workdir={tmp_path / 'run'}"],
-        cwd=fork,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _launch_in(_fork_with(tmp_path, {"tasks/twice.py": twice}), "--task=twice")
     assert result.returncode == 2 and result.stderr.splitlines() == [
         "error: tasks/twice.py: replica_step: step.apply('train', ...): these gradients were applied already; "
         "take new step.gradients('train', ...)"
     ], result.stderr
 
-    # A fork's code that raises an error of its own: a traceback of 90 lines and exit 1 before. In the traced step
-    # (a setting no file declares, read in the loss), and in an action between rounds.
-    (fork / "tasks" / "weighted.py").write_text(
+
+# A fork's code that raises an error of its own: a traceback of 90 lines and exit 1 before. In the traced step (a
+# setting no file declares, read in the loss), and in an action between rounds.
+OWN_ERRORS = [
+    (
+        "tasks/weighted.py",
         "from tasks import classification\n\n\n"
         "class Task(classification.Task):\n"
         "    def loss(self, outputs, batch):\n"
-        "        return super().loss(outputs, batch) * self.config.my_weight\n"
-    )
-    (fork / "engine" / "run" / "actions" / "broken.py").write_text(
+        "        return super().loss(outputs, batch) * self.config.my_weight\n",
+        "--task=weighted",
+        "error: tasks/weighted.py:6 in loss: AttributeError: no setting my_weight: the engine declares none, nor "
+        "does any file of this checkout; a model, task, source or action declares its own in its file's SETTINGS "
+        "(docs/forking.md)",
+    ),
+    (
+        "engine/run/actions/broken.py",
         "from engine.run.actions import base\n\n\n"
         "class Action(base.Action):\n"
         "    def __call__(self, round, context):\n"
-        "        raise RuntimeError(f'my action broke at step {round.end}')\n"
-    )
-    for flags, said in (
-        (
-            ["--task=weighted"],
-            "error: tasks/weighted.py:6 in loss: AttributeError: no setting my_weight: the engine declares none, nor "
-            "does any file of this checkout; a model, task, source or action declares its own in its file's SETTINGS "
-            "(docs/forking.md)",
-        ),
-        (
-            ["--actions=broken"],
-            "error: engine/run/actions/broken.py:6 in __call__: RuntimeError: my action broke at step 2",
-        ),
-    ):
-        result = subprocess.run(
-            [sys.executable, "launch.py", *flags, "--train_steps=2", f"--workdir={tmp_path / flags[0][2:]}"],
-            cwd=fork,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
-        assert "Traceback" not in result.stderr
+        "        raise RuntimeError(f'my action broke at step {round.end}')\n",
+        "--actions=broken",
+        "error: engine/run/actions/broken.py:6 in __call__: RuntimeError: my action broke at step 2",
+    ),
+]
+
+
+@pytest.mark.parametrize("path, text, flag, said", OWN_ERRORS, ids=["in_the_step", "in_an_action"])
+def test_launch_ends_an_error_a_forks_code_raises_in_one_line_with_exit_2(tmp_path, path, text, flag, said):
+    result = _launch_in(_fork_with(tmp_path, {path: text}), flag)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
 
 
 def _metrics(extra):

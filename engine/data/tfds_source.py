@@ -12,7 +12,7 @@ import urllib.request
 
 import tensorflow as tf
 
-from engine.data.records import Source, Split, in_memory, sharded
+from engine.data.records import ENGINE_FEATURES, Source, Split, in_memory, sharded
 from engine.settings.config import first_line
 from engine.settings.errors import ConfigError
 
@@ -39,6 +39,12 @@ def load(config, name, features, eval_split):
         raise ConfigError(
             f"--dataset={name}: --task={config.task} needs the features {', '.join(keep)} "
             f"(it has {', '.join(info.features.keys())})"
+        )
+    for feature in (f for f in keep if f in ENGINE_FEATURES):  # it would be taken for the engine's own
+        reads = f"reads {feature}" if features else f"reads every feature (its `features` is empty), {feature} too"
+        raise ConfigError(
+            f"--dataset={name}: --task={config.task} {reads}, a name the engine gives a feature of its own "
+            f"({ENGINE_FEATURES[feature]}): list the features the task reads in its `features`, leaving {feature} out"
         )
     encoded, decoders, spec, decode = _decoding(config.data, info, keep)
     for feature, feature_spec in spec.items():
