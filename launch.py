@@ -140,6 +140,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # tensorflow-datasets logs every file it opens at INFO
     _print_bytes_as_they_are()
     if len(argv) > 1:
+        marked = any(a.startswith("\ufeff") for a in argv) and _with_byte_order_mark(_flagfiles(sys.argv[1:]))
+        if marked:  # absl reads it as part of the first line, which then is neither a flag nor a comment
+            _exit(
+                f"--flagfile={marked}: starts with a byte order mark (U+FEFF, as some Windows editors save UTF-8), "
+                "which hides its first line; save it as UTF-8 without one"
+            )
         _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     config = _checked_config()
     from engine.cluster import launcher
@@ -188,6 +194,34 @@ def main(argv):
             raise
         _exit(failed)
     _print_result(config, result)
+
+
+def _flagfiles(args):
+    """The --flagfile values among `args` (--flagfile=PATH, or --flagfile PATH)."""
+    named = [a.partition("=")[2] for a in args if a.startswith(("--flagfile=", "-flagfile="))]
+    return named + [after for flag, after in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
+
+
+def _with_byte_order_mark(paths, seen=None):
+    """The first of the flagfiles `paths`, or of those they name in turn, that starts with a UTF-8 byte order mark;
+    None if none does."""
+    seen = set() if seen is None else seen
+    for path in paths:
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if data.startswith(b"\xef\xbb\xbf"):
+            return path
+        lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines()]
+        found = _with_byte_order_mark(_flagfiles(lines), seen)
+        if found:
+            return found
+    return None
 
 
 def _checked_config():
@@ -286,8 +320,7 @@ def _parse_flags(argv):
         sys.exit(0)
     args = argv[1:]
     # absl reads nothing of an empty one and says nothing: --flagfile=, --flagfile= " ", --flagfile "".
-    given = [a.partition("=")[2] for a in args if a.startswith(("--flagfile=", "-flagfile="))]
-    given += [after for flag, after in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
+    given = _flagfiles(args)
     if any(not value.strip() for value in given):
         _exit("--flagfile=: names no file (an empty variable in a script?); give the flag file's path")
     try:

@@ -87,6 +87,22 @@ def test_dataset_neither_prepared_nor_reachable_fails_at_once(tmp_path):
     assert not (tmp_path / "work").exists() and not (tmp_path / "tfds").exists()
 
 
+def test_a_flagfile_saved_with_a_byte_order_mark_is_named_in_one_line(tmp_path):
+    # A recipe saved by a Windows editor as "UTF-8 with BOM" ended in "error: unexpected arguments '\ufeff# The
+    # default job, ...' (flags look like --name=value)": a comment called a flag, and no flagfile named.
+    recipe = open(helpers.ROOT + "/experiments/digits_mlp.flags", "rb").read()
+    (tmp_path / "bom.flags").write_bytes(b"\xef\xbb\xbf" + recipe)
+    (tmp_path / "outer.flags").write_text(f"# a recipe of mine\n--flagfile={tmp_path}/bom.flags\n")
+    for args in ([f"--flagfile={tmp_path}/bom.flags"], ["--flagfile", f"{tmp_path}/outer.flags"]):
+        result = launch(f"--workdir={tmp_path}/work", *args, "--train_steps=5", timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.splitlines() == [
+            f"error: --flagfile={tmp_path}/bom.flags: starts with a byte order mark (U+FEFF, as some Windows editors "
+            "save UTF-8), which hides its first line; save it as UTF-8 without one"
+        ]
+    assert not (tmp_path / "work").exists()
+
+
 def test_help_exits_zero():
     result = launch("--help")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -170,13 +170,22 @@ def test_a_trained_model_of_another_task_is_refused_naming_the_flag(data_dir, tm
         create.trained(other, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")
 
 
-def test_a_trained_model_is_rebuilt_restored_and_frozen(data_dir, tmp_path, one_device):
+def test_a_trained_model_is_rebuilt_restored_and_frozen(data_dir, tmp_path, one_device, capsys):
     teacher = str(tmp_path / "teacher")
     config = helpers.make_config(data_dir, teacher, hidden_sizes=(16,), train_steps=10)
     loop.train(config, one_device)
     create = build.Create(helpers.make_config(data_dir, hidden_sizes=(4,)), {})  # this run's own model differs
+    capsys.readouterr()
     with one_device.scope():
         model = create.trained(teacher, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")
+    assert capsys.readouterr().out == f"teacher: 4 variables from {teacher}/checkpoints/ckpt-10\n"
+    # A run that restores its own checkpoint takes the teacher frozen there: the line named the teacher's newest.
+    for restoring in (dict(mode="eval"), dict(workdir=teacher)):
+        again = build.Create(helpers.make_config(data_dir, **{"hidden_sizes": (4,), **restoring}), {})
+        with one_device.scope():
+            again.trained(teacher, tf.TensorSpec([8, 8, 1]), 10, flag="teacher", task="classification")
+        said = capsys.readouterr().out
+        assert said == f"teacher: the model of {teacher}, its weights as this run's checkpoint holds them\n", said
     _, saved = helpers.checkpoint_tensors(teacher)
     assert not model.trainable and [tuple(v.shape) for v in model.variables] == [(64, 16), (16,), (16, 10), (10,)]
     for v in model.variables:

@@ -350,6 +350,57 @@ def test_an_export_killed_as_it_writes_leaves_no_half_savedmodel_and_the_same_co
     assert "serving_default" in tf.saved_model.load(export).signatures
 
 
+def test_an_exports_leftover_incomplete_link_is_removed_without_emptying_its_target(trained, tmp_path):
+    # export removed a leftover export/<step>.incomplete with tf.io.gfile.rmtree, which follows a link there and
+    # emptied the folder it pointed to; then it failed with exit 4 ("...incomplete; Not a directory").
+    config = dataclasses.replace(copy_of(trained, tmp_path), mode="export")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "sub").mkdir(parents=True)
+    (elsewhere / "precious").write_text("keep me\n")
+    (elsewhere / "sub" / "more").write_text("keep me too\n")
+    os.makedirs(os.path.join(config.workdir, "export"))
+    os.symlink(elsewhere, os.path.join(config.workdir, "export", "20.incomplete"))
+    precious = contents(elsewhere)
+    export = evaluate.export(config)
+    assert export == os.path.join(config.workdir, "export", "20")
+    assert contents(elsewhere) == precious
+    assert sorted(os.listdir(os.path.dirname(export))) == ["20"]
+    assert "serving_default" in tf.saved_model.load(export).signatures
+
+
+def test_an_export_dir_that_is_a_link_is_refused_in_one_line_and_nothing_is_written(trained, tmp_path):
+    # A link to an empty folder passed the "exists and is not an empty directory" check; the rename then failed
+    # with exit 4 (a storage error: "restart, same command") and left <link>.incomplete beside it.
+    config = dataclasses.replace(copy_of(trained, tmp_path), mode="export")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name, target in (("link", empty), ("dangling", tmp_path / "nowhere")):
+        link = tmp_path / name
+        os.symlink(target, link)
+        with pytest.raises(ConfigError) as refused:
+            evaluate.export(dataclasses.replace(config, export_dir=str(link)))
+        assert str(refused.value) == (
+            f"--export_dir={link}: is a symbolic link (to {target}); an export is renamed into place, not written "
+            "through a link: name the folder itself"
+        )
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "empty", "link", "run"]  # no <link>.incomplete
+    assert os.listdir(empty) == []
+
+
+def test_an_export_dir_spelled_with_a_dot_exports_into_that_folder(trained, tmp_path, monkeypatch):
+    # --export_dir=. (from an empty folder) and --export_dir=out/. wrote the SavedModel to "..incomplete" inside the
+    # folder, then failed to rename it onto the folder: exit 4, "Device or resource busy" / "Directory not empty".
+    config = dataclasses.replace(copy_of(trained, tmp_path), mode="export")
+    for name, spelled in (("here", "."), ("out", str(tmp_path / "out") + "/.")):
+        folder = tmp_path / name
+        folder.mkdir()
+        monkeypatch.chdir(folder if spelled == "." else tmp_path)
+        assert evaluate.export(dataclasses.replace(config, export_dir=spelled)) == spelled
+        assert sorted(os.listdir(folder)) == ["assets", "fingerprint.pb", "saved_model.pb", "variables"]
+        assert "serving_default" in tf.saved_model.load(str(folder)).signatures
+    assert sorted(os.listdir(tmp_path)) == ["here", "out", "run"]
+
+
 def test_a_sidecar_with_a_short_timeout_evaluates_the_checkpoint_before_one_without_its_index(
     trained, tmp_path, one_device
 ):

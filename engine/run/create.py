@@ -4,6 +4,7 @@ path; and another run's trained model, frozen (a distillation teacher)."""
 
 import collections
 import inspect
+import os
 
 import keras
 import tensorflow as tf
@@ -12,6 +13,7 @@ from keras.src.backend.common import global_state
 from engine.settings import plugins
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError, TaskError, check_call, described
+from engine.state.checkpoint import list_checkpoints
 from engine.state.warm_start import warm_start
 
 
@@ -102,7 +104,7 @@ class Create:
                 f"--{flag}={workdir}: trained on --dataset={saved.dataset}, not this run's {self.config.dataset}"
             )
         model = self(saved.model, spec, outputs, config=saved)
-        found = warm_start({flag: model}, workdir, flag=flag)
+        found = warm_start({flag: model}, workdir, flag=flag, log=self._restored_later(flag, workdir))
         if found["missing"] or found["reshaped"]:  # a partly restored model would teach noise
             raise ConfigError(
                 f"--{flag}={workdir}: its checkpoint does not fit its config.json's model "
@@ -110,3 +112,11 @@ class Create:
             )
         model.trainable = False
         return model
+
+    def _restored_later(self, flag, workdir):
+        """How a warm start from `workdir` is told: a run that restores its own checkpoint (resumed, evaluated) takes
+        the frozen model that checkpoint holds, as it was when the run began, not `workdir`'s newest."""
+        restores = self.config.mode != "train" or list_checkpoints(os.path.join(self.config.workdir, "checkpoints"))
+        if not restores:
+            return print
+        return lambda line: print(f"{flag}: the model of {workdir}, its weights as this run's checkpoint holds them")

@@ -12,7 +12,7 @@ from engine.run import build
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
-from engine.state.files import append_text, make_workdir, write_json
+from engine.state.files import append_text, is_local, make_workdir, write_json
 from engine.state.report import format_metrics
 from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, check_same_classes, held_job
 
@@ -307,6 +307,15 @@ def export(config, given=None):
     path = _restore(checkpoint, config, paths)
     step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
+    # The folder itself, whatever the spelling: "." or "out/." named a partial "..incomplete" inside it, and the
+    # rename into place failed (exit 4), leaving it there.
+    where = os.path.abspath(export_dir) if is_local(export_dir) else export_dir.rstrip("/")
+    if is_local(where) and os.path.islink(where):  # the rename would fail on it, exit 4
+        target = os.readlink(where)
+        raise ConfigError(
+            f"--export_dir={export_dir}: is a symbolic link (to {target}); an export is renamed into place, not "
+            "written through a link: name the folder itself"
+        )
     if tf.io.gfile.exists(export_dir) and (not tf.io.gfile.isdir(export_dir) or tf.io.gfile.listdir(export_dir)):
         raise ConfigError(f"--export_dir={export_dir}: exists and is not an empty directory; refusing to overwrite it")
     module = tf.Module()
@@ -318,13 +327,13 @@ def export(config, given=None):
             module.class_names = tf.Variable(names, trainable=False, name="class_names")
     # Written beside it, then renamed into place: a killed export leaves no half SavedModel where a server looks
     # for versions, and the same command (exit 75: restart) removes what it left and exports again.
-    partial = export_dir.rstrip("/") + ".incomplete"
+    partial = where + ".incomplete"
     with run.weights.averaged():  # --ema_decay: the moving averages are what the run evaluated
         try:
-            if tf.io.gfile.exists(partial):
-                tf.io.gfile.rmtree(partial)
+            if tf.io.gfile.exists(partial) or (is_local(partial) and os.path.islink(partial)):
+                checkpoint_lib.remove_tree(partial)  # a link there itself, never what it points to
             tf.saved_model.save(module, partial, signatures={"serving_default": module.serve})
-            tf.io.gfile.rename(partial, export_dir, overwrite=True)  # over an empty folder the check let through
+            tf.io.gfile.rename(partial, where, overwrite=True)  # over an empty folder the check let through
         except (tf.errors.OpError, OSError) as e:
             raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
     signature = module.serve.get_concrete_function()

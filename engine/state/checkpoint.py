@@ -134,7 +134,7 @@ class Checkpoints:
         file from the checkpoints' own files when it is damaged or missing: the manager reads it to know which
         old checkpoints to delete."""
         for temp in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp")):
-            _remove_tree(temp)
+            remove_tree(temp)
         found = list_checkpoints(self.directory)
         state_file = os.path.join(self.directory, "checkpoint")
         try:
@@ -227,7 +227,7 @@ class Checkpoints:
             ) from None
         if not self.chief:
             with contextlib.suppress(OSError, tf.errors.OpError):
-                _remove_tree(self.manager.directory)
+                remove_tree(self.manager.directory)
         self.saved_path = os.path.join(self.directory, os.path.basename(path))  # a worker's own copy is gone
         return self.saved_path
 
@@ -260,7 +260,7 @@ def _local(path):
     return "://" not in path
 
 
-def _remove_tree(path):
+def remove_tree(path):
     """Removes a directory of this run's; a link there is removed itself, never what it points to (TensorFlow's
     rmtree follows it and empties its target)."""
     if not _local(path):
