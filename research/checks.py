@@ -3,6 +3,7 @@ that their declarations cannot say: each raises ConfigError naming the flag and 
 launch.py runs them before TensorFlow starts, and tune() and ensemble() again before they write anything."""
 
 import importlib.util
+import os
 import re
 
 from engine.settings.checks import fail, strategy_plan
@@ -59,9 +60,12 @@ def _check_tune(config):
 def _check_ensemble(config):
     if len(members(config)) < 2:
         fail("members", config.members, "--mode=ensemble needs at least two comma-separated members")
-    twice = sorted({m for m in members(config) if members(config).count(m) > 1})
-    if twice:
-        fail("members", config.members, f"names {twice[0]} twice: an ensemble of one model with itself")
+    seen = {}
+    for member in members(config):  # the same workdir or file however it is spelled: m, m/, ./m, a link to it
+        first = seen.setdefault(_where(member), member)
+        if first != member or members(config).count(member) > 1:
+            said = member if first == member else f"{first} (as {member} too)"
+            fail("members", config.members, f"names {said} twice: an ensemble of one model with itself")
     if config.validation_split == config.eval_split:
         fail("validation_split", config.validation_split, "must differ from --eval_split, the split it reports on")
 
@@ -81,6 +85,11 @@ def check_given(config, given):
         else:
             why = "--mode=ensemble predicts each member in this process, on one device, with the member's own settings"
         fail(name, getattr(config, name), f"{why}, which no flag changes; drop the flag")
+
+
+def _where(member):
+    """What a --members entry names: a local path resolved (links, '.', a trailing '/'); a URL as it is written."""
+    return member.rstrip("/") if "://" in member else os.path.realpath(member)
 
 
 def members(config):

@@ -78,6 +78,12 @@ def parse_space(path, config=None):
                 param = Param(name, kind, choices=tuple(_choice_value(field.type, a) for a in args))
             except ValueError:
                 bad(f"every value must be a {field.type.__name__} as --{name} takes it")
+            if len(param.choices) < 2:  # every trial the same run: a study that searches nothing
+                bad(f"choice needs two values or more (one searches nothing: give --{name}={args[0]} as a flag)")
+            for i, value in enumerate(param.choices):
+                if value in param.choices[:i]:  # Optuna would draw it twice as often as the others
+                    first = args[param.choices.index(value)]
+                    bad(f"--{name}={args[i]} is given twice" + (f" (as {first} too)" if first != args[i] else ""))
         else:
             wanted = int if kind == "int" else float
             if field.type is not wanted:

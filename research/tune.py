@@ -229,6 +229,9 @@ def _objective(config, space, strategy, name):
         trial.set_user_attr("steps", summary["step"])
         if summary.get("stopped_by") == ON_EVAL and not pruned_at:  # pruned before a kill: its rerun says so
             pruned_at.append(summary["step"])
+            # With the evaluation it was pruned at, which this trial (a requeued one) never reported: its value and
+            # step, as a trial pruned without a kill has them.
+            trial.report(_value(summary["eval"], name, config), summary["step"])
         if pruned_at:
             raise optuna.TrialPruned(f"at step {pruned_at[0]}")
         return _value(summary["eval"], name, config)

@@ -19,6 +19,10 @@ from research.space import with_values
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
+# Beside the identity settings, what makes a trial's number and what best.flags says of it: its length, the split that
+# scores it (a trial's --eval_split), and whether it ran with --deterministic (best.flags promises "the same numbers").
+# The command line's --eval_split is no trial's: trials evaluate on --validation_split.
+TRIAL_SETTINGS = ("train_steps", "validation_split", "deterministic")
 DIRECTIONS = {"max": optuna.study.StudyDirection.MAXIMIZE, "min": optuna.study.StudyDirection.MINIMIZE}
 
 
@@ -39,8 +43,8 @@ def _trials_are_alike(study, config, space, where):
                 "space": [dataclasses.asdict(p) for p in space],
                 "settings": {
                     name: getattr(config, name)
-                    for name in (*IDENTITY_SETTINGS, "train_steps")
-                    if name not in searched and applies(name, config)
+                    for name in (*IDENTITY_SETTINGS, *TRIAL_SETTINGS)
+                    if name not in searched and name != "eval_split" and applies(name, config)
                 },
             }
         )

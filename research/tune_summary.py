@@ -45,6 +45,8 @@ def results(config, study, space, objective, direction, wall_seconds):
                 "steps": t.user_attrs.get("steps"),
                 "workdir": t.user_attrs.get("workdir"),
                 "seconds": t.duration.total_seconds() if t.duration else None,
+                # Why a pruned trial that diverged stopped (its loss, the steps, the last good checkpoint); None else.
+                "diverged": t.user_attrs.get("diverged"),
             }
             for t in trials
         ],

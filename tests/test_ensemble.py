@@ -249,12 +249,23 @@ def test_member_config_round_trips_through_config_json(members, data_dir):
     assert dataclasses.asdict(config)["hidden_sizes"] == (32, 32)
 
 
-def test_ensemble_needs_two_members_and_a_split_other_than_test(data_dir, tmp_path):
+def test_ensemble_needs_two_members_and_a_split_other_than_test(data_dir, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="--members=runs/a: --mode=ensemble needs at least two"):
         ensemble_config(data_dir, tmp_path, ["runs/a"])
     # Before: a "two-member" ensemble of one model with itself.
     with pytest.raises(ConfigError, match="^--members=runs/a,runs/b,runs/a: names runs/a twice: an ensemble of one"):
         ensemble_config(data_dir, tmp_path, ["runs/a", "runs/b", "runs/a"])
+    # And one spelled two ways (before: an ensemble of one model with itself, at weights 0.5 and 0.5).
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    for other in ("runs/a/", "./runs/a", f"{tmp_path}/link/a"):
+        with pytest.raises(ConfigError) as refused:
+            ensemble_config(data_dir, tmp_path, [f"{tmp_path}/runs/a", other])
+        assert str(refused.value) == (
+            f"--members={tmp_path}/runs/a,{other}: names {tmp_path}/runs/a (as {other} too) twice: an ensemble of "
+            "one model with itself"
+        )
+    assert checks.members(ensemble_config(data_dir, tmp_path, ["gs://b/a", "gs://b/ab"])) == ["gs://b/a", "gs://b/ab"]
     with pytest.raises(ConfigError, match="--validation_split=test: .* never look at the test split"):
         ensemble_config(data_dir, tmp_path, ["a", "b"], validation_split="test")
     with pytest.raises(ConfigError, match="--members: .*nowhere has no config.json"):

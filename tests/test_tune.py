@@ -347,6 +347,10 @@ def test_an_objective_is_refused_before_any_trial_without_its_direction_or_when_
         ("warmup_steps float 0 10\n", r"--warmup_steps takes a int: use int"),
         ("hidden_sizes choice 64 6x4\n", r"every value must be a tuple"),
         ("# only a comment\n", r"no searched flag"),
+        # Before: accepted, and a study of identical trials ran, or drew one value twice as often as the others.
+        ("hidden_sizes choice 64\n", r"choice needs two values or more \(one searches nothing: give --hidden_sizes=64"),
+        ("hidden_sizes choice 64 32 64\n", r"--hidden_sizes=64 is given twice$"),
+        ("learning_rate choice 0.1 1e-1\n", r"--learning_rate=1e-1 is given twice \(as 0.1 too\)$"),
     ],
 )
 def test_bad_search_space_is_refused_naming_the_line(tmp_path, text, message):
@@ -520,3 +524,58 @@ def test_a_study_resumed_with_other_settings_or_another_space_is_refused_and_lef
     )
     assert listing(tmp_path) == {**before, "trials/search.space": b"weight_decay float 0 1e-3\n"}
     assert len(load_study(tmp_path).trials) == 1
+
+
+def test_a_study_resumed_with_another_validation_split_or_determinism_is_refused(data_dir, one_device, tmp_path):
+    # Before: --validation_split=train on a resumed study scored its new trials on the training split beside the
+    # old ones scored on validation, and crowned one of them best; without --deterministic, best.flags said of a best
+    # trial that ran with it "the trials ran without --deterministic" and --deterministic=false.
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    config = tune_config(data_dir, tmp_path, space, tune_trials=1, train_steps=20, eval_every=10, hidden_sizes=(16,))
+    tune.tune(config, one_device)
+    before = listing(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, tune_trials=2, validation_split="train"), one_device)
+    assert str(refused.value) == (
+        f"--validation_split=train: study 'tune' in sqlite:///{tmp_path}/study.db ran its trials with "
+        "--validation_split=validation; resume it with the same settings, or use another --tune_study or --workdir"
+    )
+    with pytest.raises(ConfigError, match=r"^--deterministic=false: study 'tune' .* with --deterministic=true;"):
+        tune.tune(dataclasses.replace(config, tune_trials=2, deterministic=False), one_device)
+    assert listing(tmp_path) == before
+    # The command line's --eval_split is no trial's (they evaluate on --validation_split): it changes nothing.
+    assert tune.tune(dataclasses.replace(config, eval_split="validation"), one_device)["trials"] == 1
+
+
+def test_a_trial_pruned_just_before_a_kill_is_reported_at_its_step_with_its_value(data_dir, one_device, tmp_path):
+    # Before: the rerun of a trial whose run the pruner had stopped (its summary written) before the tuner was killed
+    # printed "tune: trial 1 pruned at step None" and left its value out of summary.json.
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    config = tune_config(
+        data_dir, tmp_path / "study", space, tune_trials=1, train_steps=20, eval_every=10, hidden_sizes=(16,)
+    )
+    # What such a kill leaves: trial 0's run stopped by the pruner at its first evaluation, the trial requeued.
+    enqueue(config)
+    study = load_study(config.workdir)
+    study.enqueue_trial({"learning_rate": 0.01}, user_attrs={tune_study.RESUMES: 0})
+    stopped = loop.train(tune_study.trial_config(config, {"learning_rate": 0.01}, 0), one_device, lambda *_: True)
+    assert stopped["step"] == 10
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        summary = tune.tune(config, one_device)
+    accuracy = stopped["eval"]["accuracy"]
+    trial = summary["all"][0]
+    assert (trial["state"], trial["steps"], trial["value"]) == ("pruned", 10, accuracy)
+    assert f"tune: trial 0 pruned at step 10 (accuracy={accuracy:.5g}) in " in console.getvalue()
+
+
+def test_a_diverged_trial_is_pruned_and_the_summary_says_why(data_dir, one_device, tmp_path):
+    # Before: summary.json listed it as any pruned trial, with no step and no value, and nothing said it diverged.
+    space = write_space(tmp_path, "learning_rate log 1e5 1e6\n")
+    config = tune_config(
+        data_dir, tmp_path, space, tune_trials=1, train_steps=20, eval_every=10, optimizer="sgd", clip_norm=0.0
+    )
+    summary = tune.tune(config, one_device)
+    (trial,) = summary["all"]
+    assert (trial["state"], summary["pruned"], summary["best"]) == ("pruned", 1, None)
+    assert trial["diverged"].startswith("non-finite loss or gradient between steps 1 and 10")
