@@ -140,13 +140,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # tensorflow-datasets logs every file it opens at INFO
     _print_bytes_as_they_are()
     if len(argv) > 1:
-        marked = any(a.startswith("\ufeff") for a in argv) and _with_byte_order_mark(_flagfiles(sys.argv[1:]))
-        if marked:  # absl reads it as part of the first line, which then is neither a flag nor a comment
-            _exit(
-                f"--flagfile={marked}: starts with a byte order mark (U+FEFF, as some Windows editors save UTF-8), "
-                "which hides its first line; save it as UTF-8 without one"
-            )
-        _exit(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
+        _exit(_unexpected(argv[1:]))
     config = _checked_config()
     from engine.cluster import launcher
 
@@ -202,9 +196,29 @@ def _flagfiles(args):
     return named + [after for flag, after in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
 
 
-def _with_byte_order_mark(paths, seen=None):
-    """The first of the flagfiles `paths`, or of those they name in turn, that starts with a UTF-8 byte order mark;
-    None if none does."""
+def _unexpected(arguments):
+    """What is wrong where absl left `arguments` over: a flagfile's line it read as an argument, named with its file,
+    or arguments typed on the command line."""
+    bom = _flagfile_with(_flagfiles(sys.argv[1:]), lambda lines: lines[0].startswith("\ufeff"))
+    if bom and any(a.startswith("\ufeff") for a in arguments):  # absl reads it as part of the first line
+        return (
+            f"--flagfile={bom}: starts with a byte order mark (U+FEFF, as some Windows editors save UTF-8), which "
+            "hides its first line; save it as UTF-8 without one"
+        )
+    for argument in (a for a in arguments if a.startswith(("#", "//"))):  # absl: a comment starts its line
+        indented = lambda lines: any(line.strip() == argument != line.rstrip() for line in lines)  # noqa: E731
+        path = _flagfile_with(_flagfiles(sys.argv[1:]), indented)
+        if path:
+            return (
+                f"--flagfile={path}: the comment {argument!r} is indented, so it is read as an argument: begin its "
+                f"line with {argument[0]}"
+            )
+    return f"unexpected arguments {' '.join(arguments)!r} (flags look like --name=value)"
+
+
+def _flagfile_with(paths, holds, seen=None):
+    """The first of the flagfiles `paths`, or of those they name in turn, whose lines `holds(lines)` is true of;
+    None if none."""
     seen = set() if seen is None else seen
     for path in paths:
         if path in seen:
@@ -212,13 +226,12 @@ def _with_byte_order_mark(paths, seen=None):
         seen.add(path)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                lines = f.read().decode("utf-8", "replace").splitlines() or [""]
         except OSError:
             continue
-        if data.startswith(b"\xef\xbb\xbf"):
+        if holds(lines):
             return path
-        lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines()]
-        found = _with_byte_order_mark(_flagfiles(lines), seen)
+        found = _flagfile_with(_flagfiles([line.strip() for line in lines]), holds, seen)
         if found:
             return found
     return None

@@ -87,7 +87,7 @@ def test_dataset_neither_prepared_nor_reachable_fails_at_once(tmp_path):
     assert not (tmp_path / "work").exists() and not (tmp_path / "tfds").exists()
 
 
-def test_a_flagfile_saved_with_a_byte_order_mark_is_named_in_one_line(tmp_path):
+def test_a_flagfile_with_a_byte_order_mark_or_an_indented_comment_is_named_in_one_line(tmp_path):
     # A recipe saved by a Windows editor as "UTF-8 with BOM" ended in "error: unexpected arguments '\ufeff# The
     # default job, ...' (flags look like --name=value)": a comment called a flag, and no flagfile named.
     recipe = open(helpers.ROOT + "/experiments/digits_mlp.flags", "rb").read()
@@ -100,6 +100,14 @@ def test_a_flagfile_saved_with_a_byte_order_mark_is_named_in_one_line(tmp_path):
             f"error: --flagfile={tmp_path}/bom.flags: starts with a byte order mark (U+FEFF, as some Windows editors "
             "save UTF-8), which hides its first line; save it as UTF-8 without one"
         ]
+
+    # A comment indented in a flagfile is no comment to absl: "unexpected arguments '# my note'", naming no file.
+    (tmp_path / "noted.flags").write_text("--train_steps=5\n   # my note\n")
+    result = launch(f"--workdir={tmp_path}/work", f"--flagfile={tmp_path}/noted.flags", timeout=120)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: --flagfile={tmp_path}/noted.flags: the comment '# my note' is indented, so it is read as an argument: "
+        "begin its line with #"
+    ], result.stderr[-2000:]
     assert not (tmp_path / "work").exists()
 
 

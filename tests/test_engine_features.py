@@ -245,6 +245,13 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run, t
         with pytest.raises(ConfigError, match=f"^--export_dir={taken}: exists and is not an empty directory"):
             evaluate.export(helpers.make_config(data_dir, config.workdir, mode="export", export_dir=str(taken)))
         assert before == (sorted(os.walk(taken)) if os.path.isdir(taken) else pathlib.Path(taken).read_text())
+    # The same without --export_dir: the message named an --export_dir the user never typed.
+    with pytest.raises(ConfigError) as refused:
+        evaluate.export(helpers.make_config(data_dir, config.workdir, mode="export"))
+    assert str(refused.value) == (
+        f"--mode=export: step 6 is exported already, to {export_dir} (not an empty directory); refusing to overwrite "
+        "it: give --export_dir to export it elsewhere"
+    )
 
 
 # ---- --run_eagerly ---------------------------------------------------------------------------------------------

@@ -317,6 +317,11 @@ def export(config, given=None):
             "written through a link: name the folder itself"
         )
     if tf.io.gfile.exists(export_dir) and (not tf.io.gfile.isdir(export_dir) or tf.io.gfile.listdir(export_dir)):
+        if not config.export_dir:  # where it goes unless told: the user typed no --export_dir
+            raise ConfigError(
+                f"--mode=export: step {step} is exported already, to {export_dir} (not an empty directory); refusing "
+                "to overwrite it: give --export_dir to export it elsewhere"
+            )
         raise ConfigError(f"--export_dir={export_dir}: exists and is not an empty directory; refusing to overwrite it")
     module = tf.Module()
     module.variables_by_path = checkpoint_lib.model_state(run.models)  # tracked: the SavedModel holds them
