@@ -114,6 +114,7 @@ def test_parameter_servers_train_to_one_device_accuracy_and_survive_a_dead_worke
     # may log the killed worker's refused connection, "... last error: UNKNOWN: ...", when a call to it was under
     # way: that is the failure the coordinator recovers from, not one of the run's.)
     assert re.findall(r"^(?:\[[^\]]*\] )?error:.*", text, re.MULTILINE) == []
+    assert "cluster_coordinator.py" not in text  # the coordinator's logs of the calls that failed (distribute.py)
     summary = json.load(open(tmp_path / "ps" / "summary.json"))
     assert summary["step"] == 400 and summary["strategy"] == "parameter_server"
     reader = tf.train.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "ps" / "checkpoints")[0])
@@ -673,3 +674,21 @@ def test_a_parameter_server_rounds_step_count_is_the_chiefs(data_dir, one_device
     run.program.input, run.program.coordinator = RunAgain(), object()
     assert run.program.run_steps(iterator, 5)["steps"] == 5
     assert (int(run.state.step.numpy()), int(run.state.batches.numpy())) == (5, 5)
+
+
+def test_a_parameter_server_chief_leaves_out_the_coordinators_logs_of_failed_remote_functions(monkeypatch):
+    # A parameter server killed mid-run printed 55 lines of "E... cluster_coordinator.py:906] Remote function on
+    # worker ... failed with UnavailableError" and gRPC details before the chief's one line "error: lost ps 0 (...)".
+    import logging
+
+    logger = logging.getLogger("tensorflow")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))  # the filter leaves with the test
+    monkeypatch.setattr(tf.distribute.coordinator, "ClusterCoordinator", lambda strategy: ("coordinating", strategy))
+    assert distribute.coordinator("ps") == ("coordinating", "ps")
+    distribute.coordinator("ps")  # a second run in one process adds no second filter
+    assert logger.filters.count(distribute.COORDINATOR_LOGS) == 1
+    kept = []
+    monkeypatch.setattr(logger, "handlers", [type("Keep", (logging.Handler,), {"emit": lambda _, r: kept.append(r)})()])
+    for path in ("/site-packages/tensorflow/python/distribute/coordinator/cluster_coordinator.py", "/engine/x.py"):
+        logger.handle(logger.makeRecord("tensorflow", logging.ERROR, path, 906, "Remote function failed", (), None))
+    assert [record.pathname for record in kept] == ["/engine/x.py"]

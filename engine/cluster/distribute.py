@@ -8,6 +8,8 @@ the facts the rest of the engine reads of a strategy (its device, workers, chief
 """
 
 import dataclasses
+import logging
+import os
 
 import tensorflow as tf
 
@@ -205,3 +207,22 @@ def lost_peer(settings, error):
     ):
         return None
     return cluster.peer_lost(cluster_resolver(settings), settings, error)
+
+
+def coordinator(strategy):
+    """The ClusterCoordinator of a parameter-server chief, its logs of failed remote functions left out: tens of lines
+    of gRPC errors for each peer that dies, which the job says in one line (the chief's `error: lost ps 0 (...)`, the
+    launcher's `worker 1 exited with -9; the job goes on without it`). A failure it cannot recover from is raised from
+    the round, and reported as any other."""
+    logger = logging.getLogger("tensorflow")
+    if COORDINATOR_LOGS not in logger.filters:
+        logger.addFilter(COORDINATOR_LOGS)
+    return tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+class _CoordinatorLogs(logging.Filter):
+    def filter(self, record):
+        return os.path.basename(record.pathname) != "cluster_coordinator.py"
+
+
+COORDINATOR_LOGS = _CoordinatorLogs()  # on TensorFlow's logger once a parameter-server chief coordinates

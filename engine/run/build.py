@@ -128,7 +128,7 @@ def run(config, strategy, purpose="train", on_eval=None):
         plans = updates.build_plans(task, weights, config.optimization, config.numerics, task_file) if training else []
         state = checkpointed_state(models, plans, weights)
     # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy) if where.parameter_server else None
+    coordinator = distribute.coordinator(strategy) if where.parameter_server else None
     jit = xla.Choice(*xla.resolve(config.numerics, where, models)) if evaluating else None
     program = TrainProgram(config, where, task, models, plans, data, state, jit, coordinator) if training else None
     evaluator = (
