@@ -42,6 +42,11 @@ class Task(base.Task):
     def outputs(self):
         return len(self.info["vocabulary"])
 
+    @property
+    def class_names(self):
+        """What each logit means: the vocabulary's characters, in token order (an export holds them)."""
+        return tuple(self.info["vocabulary"])
+
     def prepare(self, batch):
         base.read_as_numbers(self, batch, ("tokens",))
         return {"tokens": tf.cast(batch["tokens"], tf.int32)}
@@ -86,12 +91,16 @@ class Task(base.Task):
         return {**means, "bits_per_character": base.bits(means["loss"])}
 
     def serve(self, models):
-        length = self.spec["tokens"].shape[0] - 1
+        window = self.spec["tokens"].shape[0] - 1
 
-        @tf.function(input_signature=[tf.TensorSpec([None, length], tf.int32, name="tokens")])
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="tokens")])
         def serve(tokens):
-            # The logits at the last position: those of the character after the window.
-            return {"logits": tf.cast(models["model"](tokens, training=False)[:, -1], tf.float32)}
+            # The logits of the character after the prompts (at least one token each; their last `window` tokens
+            # are the context): a shorter context is padded after its end, which causal attention does not see.
+            context = tokens[:, -window:]
+            n = tf.shape(context)[1]
+            padded = tf.pad(context, [[0, 0], [0, window - n]])
+            return {"logits": tf.cast(models["model"](padded, training=False)[:, n - 1], tf.float32)}
 
         return serve
 

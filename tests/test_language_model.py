@@ -202,6 +202,27 @@ def test_sample_and_export_build_the_models_and_their_state_alone(trained, tmp_p
     assert tf.io.gfile.exists(os.path.join(export_dir, "saved_model.pb"))
 
 
+def test_the_export_continues_a_prompt_of_any_length_and_holds_the_vocabulary(trained, tmp_path):
+    # Before: its signature took exactly a window of tokens, and held no vocabulary to map characters to them.
+    from engine.run import modes as evaluate
+
+    workdir, _ = trained
+    config = _config(workdir=workdir, mode="export", seed=0, export_dir=str(tmp_path / "export"))
+    loaded = tf.saved_model.load(evaluate.export(config))
+    chars = shakespeare.vocabulary()
+    assert "".join(v.decode() for v in loaded.class_names.numpy()) == chars
+    serve = loaded.signatures["serving_default"]
+    window = TINY["sequence_length"]
+    text = shakespeare.text()[: window + 7]
+    tokens = tf.constant([[chars.index(c) for c in text]], tf.int32)
+    # A prompt longer than the window: its last window of tokens, as before.
+    np.testing.assert_array_equal(serve(tokens=tokens)["logits"], serve(tokens=tokens[:, -window:])["logits"])
+    # A short prompt: the character the likeliest-only sample draws after it.
+    greedy = dataclasses.replace(config, mode="sample", sample_prompt="ROMEO:", sample_length=1, sample_top_k=1)
+    prompt = tf.constant([[chars.index(c) for c in "ROMEO:"]], tf.int32)
+    assert evaluate.sample(greedy) == "ROMEO:" + chars[int(tf.argmax(serve(tokens=prompt)["logits"][0]))]
+
+
 def test_sample_refuses_a_prompt_with_characters_outside_the_vocabulary(trained):
     workdir, _ = trained
     process = helpers.launch("--mode=sample", f"--workdir={workdir}", "--sample_prompt=Ro\u00e9meo\u2014")

@@ -344,7 +344,8 @@ def export(config, given=None):
     signature = module.serve.get_concrete_function()
     inputs = ", ".join(f"{s.name} {s.dtype.name} {s.shape.as_list()}" for s in signature.structured_input_signature[0])
     outputs = ", ".join(sorted(signature.structured_outputs))
-    shown = f"; classes {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}" if names is not None else ""
+    plain = [name if name.isprintable() and name.strip() == name != "" else repr(name) for name in names or ()]
+    shown = f"; classes {', '.join(plain[:5])}{', ...' if len(plain) > 5 else ''}" if names is not None else ""
     print(
         f"exported step {step} from {path} to {export_dir} (serving_default: {inputs} -> {outputs}{shown})", flush=True
     )
