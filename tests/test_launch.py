@@ -225,6 +225,22 @@ def test_bad_input_found_with_tensorflow_running(data_dir, mirrored, overrides, 
         build.run(helpers.make_config(data_dir, **overrides), mirrored)
 
 
+def test_an_evaluation_checks_the_batch_it_reads_against_the_replicas(data_dir):
+    # An evaluation on 3 devices of a run trained at --global_batch_size=128 was refused over that batch, which it
+    # does not read, even with --eval_batch_size=120.
+    from engine.settings.checks import check_batch
+
+    check_batch(helpers.make_config(data_dir, global_batch_size=128, eval_batch_size=120), 3, training=False)
+    with pytest.raises(ConfigError) as refused:
+        check_batch(helpers.make_config(data_dir, global_batch_size=128), 3, training=False)
+    assert str(refused.value) == (
+        "--global_batch_size=128: the evaluation's batch (no --eval_batch_size given) must be divisible by the number "
+        "of replicas (3): give --eval_batch_size"
+    )
+    with pytest.raises(ConfigError, match=r"^--global_batch_size=128: must be divisible by the number of replicas"):
+        check_batch(helpers.make_config(data_dir, global_batch_size=128, eval_batch_size=120), 3)
+
+
 def exit_code_tables(readme):
     """The first column of each Markdown table in `readme` whose header starts with `exit code`."""
     tables, rows = [], None

@@ -108,7 +108,7 @@ def run(config, strategy, purpose="train", on_eval=None):
         raise ValueError(f"purpose={purpose!r}: one of {', '.join(PURPOSES)}")
     training, evaluating = purpose == "train", purpose != "weights"
     where = distribute.placement(strategy, distribute.strategy_name(config.cluster))
-    check_batch(config, where.replicas)
+    check_batch(config, where.replicas, training)
     tf.config.run_functions_eagerly(config.run_eagerly)
     memory.check_data(config)
     if config.tf_data_service:  # before anything is written: a dispatcher that never answers is refused
