@@ -32,7 +32,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
 from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
-from engine.settings import plugins
+from engine.settings import flagfiles, plugins
 from engine.settings.checks import TASKS_OWN
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
@@ -140,7 +140,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # tensorflow-datasets logs every file it opens at INFO
     _print_bytes_as_they_are()
     if len(argv) > 1:
-        _exit(_unexpected(argv[1:]))
+        _exit(flagfiles.unexpected(argv[1:], sys.argv[1:]))
     config = _checked_config()
     from engine.cluster import launcher
 
@@ -188,53 +188,6 @@ def main(argv):
             raise
         _exit(failed)
     _print_result(config, result)
-
-
-def _flagfiles(args):
-    """The --flagfile values among `args` (--flagfile=PATH, or --flagfile PATH)."""
-    named = [a.partition("=")[2] for a in args if a.startswith(("--flagfile=", "-flagfile="))]
-    return named + [after for flag, after in zip(args, args[1:]) if flag in ("--flagfile", "-flagfile")]
-
-
-def _unexpected(arguments):
-    """What is wrong where absl left `arguments` over: a flagfile's line it read as an argument, named with its file,
-    or arguments typed on the command line."""
-    bom = _flagfile_with(_flagfiles(sys.argv[1:]), lambda lines: lines[0].startswith("\ufeff"))
-    if bom and any(a.startswith("\ufeff") for a in arguments):  # absl reads it as part of the first line
-        return (
-            f"--flagfile={bom}: starts with a byte order mark (U+FEFF, as some Windows editors save UTF-8), which "
-            "hides its first line; save it as UTF-8 without one"
-        )
-    for argument in (a for a in arguments if a.startswith(("#", "//"))):  # absl: a comment starts its line
-        indented = lambda lines: any(line.strip() == argument != line.rstrip() for line in lines)  # noqa: E731
-        path = _flagfile_with(_flagfiles(sys.argv[1:]), indented)
-        if path:
-            return (
-                f"--flagfile={path}: the comment {argument!r} is indented, so it is read as an argument: begin its "
-                f"line with {argument[0]}"
-            )
-    return f"unexpected arguments {' '.join(arguments)!r} (flags look like --name=value)"
-
-
-def _flagfile_with(paths, holds, seen=None):
-    """The first of the flagfiles `paths`, or of those they name in turn, whose lines `holds(lines)` is true of;
-    None if none."""
-    seen = set() if seen is None else seen
-    for path in paths:
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            with open(path, "rb") as f:
-                lines = f.read().decode("utf-8", "replace").splitlines() or [""]
-        except OSError:
-            continue
-        if holds(lines):
-            return path
-        found = _flagfile_with(_flagfiles([line.strip() for line in lines]), holds, seen)
-        if found:
-            return found
-    return None
 
 
 def _checked_config():
@@ -333,7 +286,7 @@ def _parse_flags(argv):
         sys.exit(0)
     args = argv[1:]
     # absl reads nothing of an empty one and says nothing: --flagfile=, --flagfile= " ", --flagfile "".
-    given = _flagfiles(args)
+    given = flagfiles.named(args)
     if any(not value.strip() for value in given):
         _exit("--flagfile=: names no file (an empty variable in a script?); give the flag file's path")
     try:

@@ -234,8 +234,8 @@ def test_an_evaluation_checks_the_batch_it_reads_against_the_replicas(data_dir):
     with pytest.raises(ConfigError) as refused:
         check_batch(helpers.make_config(data_dir, global_batch_size=128), 3, training=False)
     assert str(refused.value) == (
-        "--global_batch_size=128: the evaluation's batch (no --eval_batch_size given) must be divisible by the number "
-        "of replicas (3): give --eval_batch_size"
+        "--global_batch_size=128: must be divisible by the number of replicas (3), as the evaluation's batch (give "
+        "--eval_batch_size)"
     )
     with pytest.raises(ConfigError, match=r"^--global_batch_size=128: must be divisible by the number of replicas"):
         check_batch(helpers.make_config(data_dir, global_batch_size=128, eval_batch_size=120), 3)

@@ -297,18 +297,13 @@ def planned_strategy(cluster):
 def check_batch(config, num_replicas, training=True):
     """The batch checks that need the replica count (known once the strategy exists). A run that does not train
     (an evaluation) reads only the evaluation's batch: --eval_batch_size, else --global_batch_size."""
-    for name in ("global_batch_size", "eval_batch_size") if training else ("eval_batch_size",):
+    evaluated = "eval_batch_size" if config.eval_batch_size else "global_batch_size"
+    for name in ("global_batch_size", "eval_batch_size") if training else (evaluated,):
         value = getattr(config, name)
         if value and value % num_replicas:
-            fail(name, value, f"must be divisible by the number of replicas ({num_replicas})")
+            why = "" if training or config.eval_batch_size else ", as the evaluation's batch (give --eval_batch_size)"
+            fail(name, value, f"must be divisible by the number of replicas ({num_replicas}){why}")
     if not training:
-        if config.per_eval_batch_size % num_replicas:  # --global_batch_size stands in for it
-            fail(
-                "global_batch_size",
-                config.global_batch_size,
-                f"the evaluation's batch (no --eval_batch_size given) must be divisible by the number of replicas "
-                f"({num_replicas}): give --eval_batch_size",
-            )
         return
     per_replica = config.global_batch_size // num_replicas
     if per_replica % config.grad_accum_steps:
