@@ -72,18 +72,7 @@ def parse_space(path, config=None):
         if kind not in KINDS:
             bad(f"the type must be one of {', '.join(KINDS)}")
         if kind == "choice":
-            if not args:
-                bad("choice needs at least one value")
-            try:
-                param = Param(name, kind, choices=tuple(_choice_value(field.type, a) for a in args))
-            except ValueError:
-                bad(f"every value must be a {field.type.__name__} as --{name} takes it")
-            if len(param.choices) < 2:  # every trial the same run: a study that searches nothing
-                bad(f"choice needs two values or more (one searches nothing: give --{name}={args[0]} as a flag)")
-            for i, value in enumerate(param.choices):
-                if value in param.choices[:i]:  # Optuna would draw it twice as often as the others
-                    first = args[param.choices.index(value)]
-                    bad(f"--{name}={args[i]} is given twice" + (f" (as {first} too)" if first != args[i] else ""))
+            param = _choice(name, field, args, bad)
         else:
             wanted = int if kind == "int" else float
             if field.type is not wanted:
@@ -113,6 +102,21 @@ def parse_space(path, config=None):
             f"--tune_space={path}: no searched flag in it (lines look like 'learning_rate log 1e-4 1e-1')"
         )
     return list(params.values())
+
+
+def _choice(name, field, args, bad):
+    """The Param of a choice line's values `args` for the flag `field`; `bad(why)` refuses the line."""
+    if len(args) < 2:  # every trial the same run: a study that searches nothing
+        bad(f"choice needs two values or more (one searches nothing: give --{name}={(args or ['VALUE'])[0]} as a flag)")
+    try:
+        param = Param(name, "choice", choices=tuple(_choice_value(field.type, a) for a in args))
+    except ValueError:
+        bad(f"every value must be a {field.type.__name__} as --{name} takes it")
+    for i, value in enumerate(param.choices):
+        if value in param.choices[:i]:  # Optuna would draw it twice as often as the others
+            first = args[param.choices.index(value)]
+            bad(f"--{name}={args[i]} is given twice" + (f" (as {first} too)" if first != args[i] else ""))
+    return param
 
 
 def with_values(config, values, workdir=None):
