@@ -226,3 +226,15 @@ def test_resume_quick_reads_each_byte_once_per_epoch_and_restarts_by_arithmetic(
     # The replay's ratio compares a far restart with a near one.
     far, near = re.search(r"^replay: step ([\d,]+) / step ([\d,]+):", result.stdout, re.M).groups()
     assert int(far.replace(",", "")) > int(near.replace(",", ""))
+
+
+def test_end_to_end_quick_judges_no_row(monkeypatch, capsys):
+    """`python -m bench.end_to_end --quick` times a tiny MLP once, under mlp_1024's name: it printed PASS and FALL
+    SHORT against mlp_1024's targets (its matmul share, 10% against >= 95%), as bench.run --quick does not."""
+    row = {"engine": [60000.0], "fit": {0: [50000.0]}, "jit_choice": "true (auto: ...)", "input_wait": [0.0]}
+    row["matmuls"] = {"seconds_per_step": 32 / 600000.0, "flops_per_step": 1.4e6}
+    monkeypatch.setattr(end_to_end, "measure_all", lambda *args, **kwargs: {"mlp_1024": {"float32": row}})
+    assert end_to_end.main(["--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "PASS" not in printed and "FALL SHORT" not in printed
+    assert printed.count("not judged") == 2 and "no row is judged" in printed
