@@ -254,7 +254,8 @@ def _print_result(config, result):
         headline = importlib.import_module(f"tasks.{config.task}").Task.headline
         print(
             f"{config.eval_split} {headline} {results[headline]:.4f} on {results['examples']} examples "
-            f"({counted(result['step'], 'step')}, {result['wall_seconds']:.1f} s)"
+            f"({counted(result['step'], 'step')}, {result['wall_seconds']:.1f} s"
+            + (f" since it resumed at step {result['resumed_at']})" if result.get("resumed_at") else ")")
         )
     elif config.mode == "tune":
         best = result["best"]

@@ -204,7 +204,8 @@ def test_a_run_killed_after_its_last_checkpoint_writes_the_summary_with_each_upd
     straight = loop.train(config, one_device)
     os.remove(tmp_path / "summary.json")  # killed after its last checkpoint, before the summary
     resumed = loop.train(config, one_device)  # trains nothing: the step is --train_steps
-    timing = ("wall_seconds", "examples_per_sec", "input_wait_fraction")
+    timing = ("wall_seconds", "examples_per_sec", "input_wait_fraction", "resumed_at")  # this process's
+    assert straight["resumed_at"] is None and resumed["resumed_at"] == 4
     assert "generator/loss" in straight and "discriminator/grad_norm" in straight
     assert {k: v for k, v in resumed.items() if k not in timing} == {
         k: v for k, v in straight.items() if k not in timing

@@ -25,6 +25,7 @@ SUMMARY_KEYS = {
     "skipped_steps",
     "loss_scale",
     "wall_seconds",
+    "resumed_at",
     "strategy",
     "num_replicas",
     "precision",
@@ -346,6 +347,11 @@ def test_the_last_line_counts_one_step_as_one(capsys):
     for step, said in ((1, "1 step"), (2, "2 steps")):
         entry._print_result(config, {"eval": {"accuracy": 0.5, "examples": 360}, "step": step, "wall_seconds": 3.0})
         assert capsys.readouterr().out == f"test accuracy 0.5000 on 360 examples ({said}, 3.0 s)\n"
+    # A resumed run's time is this process's: it read "(3000 steps, 8.8 s)" of a run resumed at step 1349.
+    result = {"eval": {"accuracy": 0.5, "examples": 360}, "step": 3000, "wall_seconds": 8.8, "resumed_at": 1349}
+    entry._print_result(config, result)
+    said = capsys.readouterr().out
+    assert said == "test accuracy 0.5000 on 360 examples (3000 steps, 8.8 s since it resumed at step 1349)\n"
 
 
 def test_a_studys_last_line_counts_one_trial_as_one(capsys):

@@ -87,6 +87,7 @@ def test_same_command_resumes_more_steps_continue_and_cadence_never_blocks(
     out = capsys.readouterr().out
     assert "resumed from step 20" in out and "--train_steps=30 (was 20): training on to step 30" in out
     assert summary["step"] == 30 and summary["num_replicas"] == 2
+    assert first["resumed_at"] is None and summary["resumed_at"] == 20  # what its time and rate count from
     assert logged_steps(tmp_path) == [10, 20, 25, 30] and logged_steps(tmp_path, "eval.jsonl") == [20, 25, 30]
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-30"]
     before = files(tmp_path)

@@ -99,6 +99,7 @@ class Report:
         """`redo_eval`: the run evaluates `resume_step` again (an evaluation step it may have stopped at unevaluated),
         so that step's evaluation is dropped too."""
         self.workdir, self.chief, self.total_steps = workdir, chief, total_steps
+        self.resume_step = resume_step  # where this process began: its time and rate are of the steps after it
         self.stream = stream or sys.stdout
         self.live = chief and self.stream.isatty()
         self._progress_shown = False
