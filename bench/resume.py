@@ -21,7 +21,8 @@ import tensorflow as tf
 from bench.common import machine
 from engine.data.pipeline import Pipelines
 from engine.data.records import Source, sharded
-from tests.helpers import make_config
+from engine.settings.config import validate
+from engine.settings.fields import Config
 
 RECORD_BYTES = 3072  # a 32 x 32 x 3 uint8 image
 
@@ -86,7 +87,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     files, records = (16, 200) if args.quick else (64, 1000)
-    config = make_config("", global_batch_size=256, shuffle_buffer=1024)
+    config = validate(Config(global_batch_size=256, shuffle_buffer=1024))
     with tempfile.TemporaryDirectory() as directory:
         split = sharded(write(directory, files, records), parse)
         spec = {"image": tf.TensorSpec([32, 32, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
