@@ -240,9 +240,9 @@ def test_the_skip_warning_names_each_updates_loss_scale():
     run.plans[0].name = "discriminator"
     warn(_round(0, 4, skipped=4.0), _context(run, report))
     assert report.lines == [
-        "warning: mixed_float16: 4 of the 4 steps 1-4 were skipped (non-finite gradients: nothing trained); each "
-        "update's loss scale halves at each step it skips; they are now discriminator 256, generator 2 "
-        "(--initial_loss_scale=1024)"
+        "warning: mixed_float16: 4 of the 4 steps 1-4 were skipped (non-finite gradients in an update: that update "
+        "did not train there, the others did); each update's loss scale halves at each step it skips; they are now "
+        "discriminator 256, generator 2 (--initial_loss_scale=1024)"
     ]
 
 
@@ -619,6 +619,26 @@ def test_a_summarys_update_numbers_are_the_whole_last_round_where_a_preemption_s
     assert controller._update_metrics(program, last, resumed) == {
         "d/loss": 2.0, "d/grad_norm": 3.0, "d/learning_rate": 0.1, "d/loss_scale": None
     }  # fmt: skip
+
+
+def test_a_float16_updates_numbers_where_a_preemption_split_the_round_count_the_steps_it_did_not_skip(tmp_path):
+    # float16, two updates: the body skipped every step of 21-30, the head none. The head's numbers are its means
+    # over its own steps; stitched over the split round they were weighted by the steps every update was finite in.
+    from engine.state.report import Report
+
+    def line(step, loss):
+        return {"step": step, "loss": None, "head/loss": loss, "head/grad_norm": 1.0, "head/loss_scale": 8.0,
+                "body/loss": None, "body/grad_norm": None, "body/loss_scale": 2.0, "examples_per_sec": 1.0,
+                "skipped_steps": step - 20, "body/skipped_steps": step - 20, "head/skipped_steps": 0}  # fmt: skip
+
+    first = Report(str(tmp_path), True, 30)
+    first.train(20, {**line(20, 9.0), "skipped_steps": 10, "body/skipped_steps": 10})
+    first.train(25, {**line(25, 1.0), "skipped_steps": 5, "body/skipped_steps": 5})
+    resumed = Report(str(tmp_path), True, 30, resume_step=25)
+    resumed.count_losses(20, 25)
+    resumed.train(30, {**line(30, 3.0), "skipped_steps": 5, "body/skipped_steps": 5})
+    assert resumed.window_mean("head/loss") == 2.0 and resumed.window_mean("body/loss") is None
+    assert [json.loads(text)["head/skipped_steps"] for text in open(tmp_path / "metrics.jsonl")] == [0, 0, 0]
 
 
 class _Settingless(base.Action):  # no __init__: built as Action(config) by the interface's own

@@ -106,3 +106,25 @@ def test_the_public_face_loads_no_part_of_the_run_that_builds_plugins():
     # The action interface and a run's inputs (training_batches), nothing that composes or drives a run.
     loaded = out.stdout.strip().splitlines()[-1]
     assert loaded == "['engine.run.actions', 'engine.run.actions.base', 'engine.run.inputs']"
+
+
+def test_a_reference_script_that_leaves_its_training_batches_open_exits(tmp_path):
+    """docs/forking.md's reference reads `engine.api.training_batches(config)` and takes the batches it needs: a
+    script that keeps the generator at its top level and ends (or fails) with it open closes it as the interpreter
+    finalizes. Closing it started a thread then, which Python 3.11 never runs while Thread.start waits for it: the
+    script printed its result and hung forever."""
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from engine.api import training_batches\n"
+        "from engine.settings.config import validate\n"
+        "from engine.settings.fields import Config\n"
+        f"config = validate(Config(train_steps=2, global_batch_size=8, data_dir={str(tmp_path / 'data')!r}))\n"
+        "stream = training_batches(config)\n"
+        "print('batch', next(stream)['image'].shape, flush=True)\n"
+    )
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the script hung after it ended: {e.stdout!r}")
+    assert result.returncode == 0 and result.stdout.endswith("batch (8, 8, 8, 1)\n"), result.stderr[-2000:]

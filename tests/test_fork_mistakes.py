@@ -342,10 +342,36 @@ OWN_ERRORS = [
         "--actions=broken",
         "error: engine/run/actions/broken.py:6 in __call__: RuntimeError: my action broke at step 2",
     ),
+    # A feature the batch lacks, the commonest slip in a loss: autograph wraps the KeyError in its StagingError (of
+    # TensorFlow's module), which kept the engine's traceback and exit 1 before.
+    (
+        "tasks/misnamed.py",
+        "from tasks import classification\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def loss(self, outputs, batch):\n"
+        "        return super().loss(outputs, {**batch, 'label': batch['lbl']})\n",
+        "--task=misnamed",
+        "error: tasks/misnamed.py:6 in loss: KeyError: 'lbl'",
+    ),
+    # The same in a source's decode, which tf.data traces: autograph's MultilineMessageKeyError.
+    (
+        "sources/decoded.py",
+        "import tensorflow as tf\nfrom engine.api import Source, in_memory\n\n\n"
+        "def load(config, eval_split):\n"
+        "    split = in_memory({'image': tf.zeros([256, 4]), 'label': tf.zeros([256], tf.int64)})\n"
+        "    spec = {'image': tf.TensorSpec([4], tf.float32), 'label': tf.TensorSpec([], tf.int64)}\n"
+        "    return Source(split, split, spec, {'num_classes': 2}, decode=decode)\n\n\n"
+        "def decode(example, seed, training):\n"
+        "    return {'image': example['img'], 'label': example['label']}\n",
+        "--dataset=decoded",
+        "error: sources/decoded.py:12 in decode: KeyError: 'img'",
+    ),
 ]
 
 
-@pytest.mark.parametrize("path, text, flag, said", OWN_ERRORS, ids=["in_the_step", "in_an_action"])
+@pytest.mark.parametrize(
+    "path, text, flag, said", OWN_ERRORS, ids=["in_the_step", "in_an_action", "key_error", "key_error_in_a_decode"]
+)
 def test_launch_ends_an_error_a_forks_code_raises_in_one_line_with_exit_2(tmp_path, path, text, flag, said):
     result = _launch_in(_fork_with(tmp_path, {path: text}), flag)
     assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
@@ -541,3 +567,37 @@ def test_a_forks_error_is_its_line_and_the_engines_keeps_its_traceback():
     # TensorFlow's runtime (a device out of memory, a file that cannot be read) keeps its traceback.
     assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _traced(mine, said="OOM"))) is None
     assert plugins.failure(ValueError("not from a plugin")) is None
+
+
+class ListedModels(classification.Task):
+    def models(self, create):
+        return [create(self.config.model, self.spec[self.input], self.outputs)]
+
+
+class ListedMetrics(classification.Task):
+    def metrics(self, outputs, batch):
+        return [self.loss(outputs, batch)]
+
+
+class MisnamedHeadline(classification.Task):
+    headline = "f1"
+
+
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        (ListedModels, f"{FILE}: models(create) returned a list, not a dict of {{name: model}}"),
+        (ListedMetrics, f"{FILE}: metrics: returned a list, not a dict of per-example values by name"),
+        (MisnamedHeadline, f"{FILE}: headline = 'f1' names no number its evaluation reports (accuracy, loss)"),
+    ],
+    ids=["models_a_list", "metrics_a_list", "headline_unreported"],
+)
+def test_a_task_returning_the_wrong_structure_is_one_line(data_dir, one_device, monkeypatch, task, message):
+    # Each was a traceback and exit 1 before: "'list' object has no attribute 'items'" in the engine's code, and for
+    # the headline a KeyError in launch.py after the whole run had trained and written its summary.
+    monkeypatch.setattr(data_lib, "task_class", lambda config: task)
+    with pytest.raises(TaskError) as raised:
+        trainer = build.run(helpers.make_config(data_dir, **SGD), one_device)
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
+        trainer.evaluator.evaluate()
+    assert str(raised.value) == message

@@ -127,3 +127,29 @@ def test_a_float16_run_skipping_steps_at_the_scale_floor_stops_with_exit_3(data_
         "set --clip_norm"
     ]
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_an_update_that_trains_where_another_skips_logs_its_numbers(data_dir, one_device, monkeypatch):
+    """float16, two updates: the hidden layer's gradients overflow (float16, a loss scale of 1e12), the float32 head's
+    do not, so each step skips the body's update alone and the head trains on its due steps. The head's loss and
+    gradient norm were dropped with the body's before (null: "-" on the console), its training unsaid."""
+    from engine.api import Update
+    from engine.data import datasets as data_lib
+    from engine.run import build
+    from tasks import classification
+
+    class Task(classification.Task):
+        def updates(self):
+            return (Update("body", trains=r"/dense/"), Update("head", trains=r"/dense_1/", every=2))
+
+    monkeypatch.setattr(data_lib, "task_class", lambda config: Task)
+    config = helpers.make_config(
+        data_dir, precision="mixed_float16", initial_loss_scale=1e12, optimizer="sgd", hidden_sizes=(8,)
+    )
+    trainer = build.run(config, one_device)
+    out = trainer.program.run_steps(trainer.program.train_iterator(), 4)
+    iterations = {plan.name: int(plan.optimizer.iterations.numpy()) for plan in trainer.plans}
+    assert iterations == {"body": 0, "head": 2}  # the head trained at steps 0 and 2, the body never
+    assert out["skipped"] == 4
+    assert np.isnan(out["body/loss"]) and np.isnan(out["body/grad_norm"])
+    assert 2.0 < out["head/loss"] < 3.0 and 0.0 < out["head/grad_norm"] < 10.0, out

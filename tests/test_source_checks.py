@@ -109,6 +109,15 @@ CASES = {
         _with(evals={**_arrays(64, 1), "label": tf.range(64, dtype=tf.int64) % 4 - 1}),
         "the evaluation split holds the label -1, outside [0, 4) of the info's num_classes=4",
     ),
+    # Called in the input pipeline as decode(example, seed, training): a traceback from the engine's pipeline before.
+    "a decode of two parameters": (
+        lambda c, s: _good(c, s, decode=lambda example, training: example),
+        "decode(example, training) is called as decode(example, seed, training)",
+    ),
+    "a decode that is no function": (
+        lambda c, s: _good(c, s, decode="jpeg"),
+        "the Source's decode is a str, not a function",
+    ),
 }
 
 

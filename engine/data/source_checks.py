@@ -77,6 +77,10 @@ def checked(source, where, dataset):
         raise TaskError(
             f"{where}: the Source's info is {described(info)}: a dict of what the source knows ({{}} for none)"
         )
+    if source.decode is not None:  # called in the input pipeline, where a wrong signature was a traceback
+        if not callable(source.decode):
+            raise TaskError(f"{where}: the Source's decode is {described(source.decode)}, not a function")
+        check_call(source.decode, (None, None, None), where, "decode", "decode(example, seed, training)")
     for role, split in (("training", source.train), ("evaluation", source.evals)):
         if not isinstance(split, Split):
             raise TaskError(

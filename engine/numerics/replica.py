@@ -342,6 +342,10 @@ def make_eval_sums(task, models, task_file, jit_compile=False):
     def sums(batch):
         weights = batch["weight"]
         values = task.metrics(task.forward(models, batch, training=False), batch)
+        if not isinstance(values, dict):  # a list of values would fail in the engine's code, with its traceback
+            raise TaskError(
+                f"{task_file}: metrics: returned {described(values)}, not a dict of per-example values by name"
+            )
         values = {name: checked_metric(name, v, weights, task_file) for name, v in values.items()}
         return {name: tf.reduce_sum(weights * v) for name, v in values.items()}, tf.reduce_sum(weights)
 

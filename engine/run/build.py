@@ -26,7 +26,7 @@ from engine.run.inputs import examples, source_and_task
 from engine.run.program import TrainProgram
 from engine.settings import plugins
 from engine.settings.checks import check_batch
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, TaskError, described
 from engine.state import checkpoint
 
 
@@ -121,6 +121,11 @@ def run(config, strategy, purpose="train", on_eval=None):
     seed(config)
     with strategy.scope():
         models = task.models(Create(config, source.info))
+        if not isinstance(models, dict):  # a list of models would fail in the engine's code, with its traceback
+            raise TaskError(
+                f"{plugins.file('task', config.task)}: models(create) returned {described(models)}, not a dict of "
+                "{name: model}"
+            )
         weights = trained_weights(models, config.freeze, config.ema_decay)
         if training:
             check_freeze(models, config.freeze)

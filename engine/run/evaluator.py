@@ -171,6 +171,11 @@ class Evaluator:
         results = self.task.report({name: float(total / examples) for name, total in zip(self.metric_names, sums)})
         results = reported(results, f"{where}: report")
         results.update(reported(self.task.probe(self.models, self.examples), f"{where}: probe"))
+        headline = self.task.headline
+        if headline not in results:  # the run's last line and --mode=tune read it: found now, not after the run
+            raise TaskError(
+                f"{where}: headline = {headline!r} names no number its evaluation reports ({', '.join(results)})"
+            )
         return {**results, "examples": int(examples)}
 
 

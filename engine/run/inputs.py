@@ -11,6 +11,7 @@ the workers in pieces (PerWorker, parameter servers).
 
 import contextlib
 import re
+import sys
 import threading
 
 import tensorflow as tf
@@ -30,6 +31,9 @@ def release(iterators):
     with the GIL released: the run goes on meanwhile. Not a daemon: the interpreter waits for it
     before exiting (a daemon thread still in TensorFlow's destructor when the interpreter finalized aborted the
     process)."""
+    if sys.is_finalizing():  # a thread started now never runs (Python 3.11), and start() waits for it forever
+        iterators.clear()  # (a training_batches generator left open at a script's end is closed here)
+        return
     try:
         threading.Thread(target=iterators.clear, name="release_iterators").start()
     except RuntimeError:  # the interpreter is shutting down: no new thread

@@ -166,13 +166,9 @@ class TrainProgram:
         return inputs.first_replica(self.strategy, self.strategy.run(replica_stop)) > 0
 
     def _train_loop(self, train_step, extras, iterator, steps, first_batch):
-        # The loss summed in float64: the sums of two parts of a logging window (a run preempted inside it, then
-        # resumed) then add up to the whole window's, exactly. Each update's loss (in a run of several) and gradient
-        # norm alike: a logged line holds their means over the round's finite steps.
-        summed = [
-            name for p in self.plans for name in ((p.prefix + "loss",) if p.prefix else ()) + (p.prefix + "grad_norm",)
-        ]
+        summed, own = _summed_numbers(self.plans)
         sums = {name: tf.constant(0.0, tf.float64) for name in ["loss", *summed]}
+        counted = {name: tf.constant(0.0, tf.float64) for name in own}
         finite_steps, ran = tf.constant(0.0), tf.constant(0)
         floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale
         waited = tf.constant(0.0, tf.float64)
@@ -185,7 +181,10 @@ class TrainProgram:
             out = feed.step(train_step, iterator, first_batch, i, timed, self.batches_per_step)
             waited += out.pop("waited")
             carried = {name: out.pop(name) for name in extras}
-            sums = {k: v + tf.where(out["finite"], tf.cast(out[k], tf.float64), 0.0) for k, v in sums.items()}
+            sums = {
+                k: v + tf.where(out[own.get(k, "finite")], tf.cast(out[k], tf.float64), 0.0) for k, v in sums.items()
+            }
+            counted = {k: v + tf.cast(out[own[k]], tf.float64) for k, v in counted.items()}
             finite_steps += tf.cast(out["finite"], tf.float32)
             if self.float16:  # a due apply skipped with its loss scale at the floor (ReplicaStep.outputs)
                 floor_skipped += tf.cast(out.pop("at_floor"), tf.float32)
@@ -197,11 +196,12 @@ class TrainProgram:
                 break
         skipped = tf.cast(ran, tf.float32) - finite_steps
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
-        means = {k: v / tf.cast(finite_steps, tf.float64) for k, v in sums.items()}
+        means = {k: v / counted.get(k, tf.cast(finite_steps, tf.float64)) for k, v in sums.items()}
         return {
             **means,
             **{f"{k}_sum": v for k, v in sums.items()},
             "skipped": skipped,
+            **_each_skipped(self.plans, ran, counted),
             "floor_skipped": floor_skipped,
             "steps": ran,
             "input_wait": waited,
@@ -297,6 +297,23 @@ def warn_retraced(name, function, warned):
             "batch or outputs?); every retrace recompiles the step",
             flush=True,
         )
+
+
+def _summed_numbers(plans):
+    """What a round's loop sums, in float64 (the sums of two parts of a logging window, a run preempted inside it
+    and resumed, add up to the whole window's exactly): the loss, and each update's loss (in a run of several) and
+    gradient norm; and {number: its update's finite flag} for those a run of several counts over the steps where
+    that update's gradients were finite. A logged line holds their means: in float16 each update skips alone (a
+    discriminator's overflow does not stop its generator from training), and the step's finite flag (every
+    update's) would drop the numbers of the updates that did train there."""
+    summed = [name for p in plans for name in ((p.prefix + "loss",) if p.prefix else ()) + (p.prefix + "grad_norm",)]
+    own = {name: p.prefix + "finite" for p in plans if p.prefix for name in (p.prefix + "loss", p.prefix + "grad_norm")}
+    return summed, own
+
+
+def _each_skipped(plans, ran, counted):
+    """Each update's own skipped steps in a run of several (<update>/skipped): the steps its numbers leave out."""
+    return {p.prefix + "skipped": tf.cast(ran, tf.float64) - counted[p.prefix + "loss"] for p in plans if p.prefix}
 
 
 def _zeros(plans):

@@ -88,7 +88,11 @@ def failure(error):
     raising); None for an error of the engine's own code, or of TensorFlow's runtime (a device out of memory, a
     file that cannot be read), which keep their traceback. A step's function is traced: its lines are those
     autograph writes into the message."""
-    if type(error).__module__.startswith("tensorflow"):
+    # TensorFlow's own errors are its runtime's, but for autograph's: the wrappers of what a traced function's user
+    # code raised (StagingError, MultilineMessageKeyError: a KeyError of a feature the batch lacks), its lines in
+    # their message.
+    module = type(error).__module__
+    if module.startswith("tensorflow") and not module.startswith("tensorflow.python.autograph"):
         return None
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     message = str(error)

@@ -154,7 +154,7 @@ class Report:
         includes tracing and compilation (this process's first round, the first that returned an action's extras),
         so the summary's throughput leaves it out."""
         record = {"step": step, **{k: None if v is None else _number(v) for k, v in metrics.items()}}
-        record["skipped_steps"] = int(metrics["skipped_steps"])
+        record.update({k: int(v) for k, v in metrics.items() if k.endswith("skipped_steps")})  # each update's too
         record["traced"] = bool(traced)
         # A number that is none (the mean loss of a line whose every step float16 skipped): "-" on the console, no
         # TensorBoard point, null in metrics.jsonl alike; not NaN in two of them.
@@ -253,8 +253,10 @@ class Report:
         process or was stopped and resumed inside the window. The lines' sums add up in float64, as the rounds
         summed their steps. None before the window's first line."""
         total, finite, counted_from = 0.0, 0, self._window_from
+        own = name.rpartition("/")[0] + "/skipped_steps"  # an update's own, where each skips alone (float16)
         for record in self._window:
-            steps, counted_from = record["step"] - counted_from - record.get("skipped_steps", 0), record["step"]
+            skipped = record.get(own, record.get("skipped_steps", 0))
+            steps, counted_from = record["step"] - counted_from - skipped, record["step"]
             value = record.get(name)
             if steps and value is not None:
                 total, finite = total + value * steps, finite + steps

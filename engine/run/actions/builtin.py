@@ -181,6 +181,14 @@ def _scales_now(run):
     return f"each update's loss scale halves at each step it skips; they are now {now}"
 
 
+def _what_skipped(run):
+    """What a skipped step left untrained: everything, or with several updates, each skips alone, those whose
+    gradients were not finite (a generator trains where its discriminator overflowed)."""
+    if len(run.plans) == 1:
+        return "non-finite gradients: nothing trained"
+    return "non-finite gradients in an update: that update did not train there, the others did"
+
+
 class SkippedWarning(Action):
     """mixed_float16: a warning when more than half of the round's steps were skipped (non-finite gradients)."""
 
@@ -190,7 +198,7 @@ class SkippedWarning(Action):
             return
         context.report.line(
             f"warning: mixed_float16: {_some_of(round.out['skipped'], round.start + 1, round.end)} "
-            f"{'was' if round.steps == 1 else 'were'} skipped (non-finite gradients: nothing trained); "
+            f"{'was' if round.steps == 1 else 'were'} skipped ({_what_skipped(run)}); "
             f"{_scales_now(run)} "
             f"(--initial_loss_scale={run.config.initial_loss_scale:g})"
         )
@@ -214,6 +222,12 @@ class Log(Action):
             # Every example the steps read: a step whose update reads a fresh batch per repetition reads several.
             "examples_per_sec": round.steps * read / round.seconds,
             "skipped_steps": out["skipped"],
+            # float16, several updates: each skips alone, and its numbers are over the steps it did not skip.
+            **(
+                {f"{p.prefix}skipped_steps": int(out[p.prefix + "skipped"]) for p in run.plans}
+                if len(run.plans) > 1 and run.program.float16
+                else {}
+            ),
         }
         context.report.train(round.end, metrics, traced=not context.timing.timed)
 
