@@ -214,9 +214,7 @@ def coordinator(strategy):
     of gRPC errors for each peer that dies, which the job says in one line (the chief's `error: lost ps 0 (...)`, the
     launcher's `worker 1 exited with -9; the job goes on without it`). A failure it cannot recover from is raised from
     the round, and reported as any other."""
-    logger = logging.getLogger("tensorflow")
-    if COORDINATOR_LOGS not in logger.filters:
-        logger.addFilter(COORDINATOR_LOGS)
+    logging.getLogger("tensorflow").addFilter(COORDINATOR_LOGS)  # once: a filter already there is not added again
     return tf.distribute.coordinator.ClusterCoordinator(strategy)
 
 

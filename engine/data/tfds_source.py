@@ -40,7 +40,8 @@ def load(config, name, features, eval_split):
             f"--dataset={name}: --task={config.task} needs the features {', '.join(keep)} "
             f"(it has {', '.join(info.features.keys())})"
         )
-    for feature in (f for f in keep if f in ENGINE_FEATURES):  # it would be taken for the engine's own
+    feature = next((f for f in keep if f in ENGINE_FEATURES), None)  # it would be taken for the engine's own
+    if feature:
         reads = f"reads {feature}" if features else f"reads every feature (its `features` is empty), {feature} too"
         raise ConfigError(
             f"--dataset={name}: --task={config.task} {reads}, a name the engine gives a feature of its own "

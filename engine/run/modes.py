@@ -12,7 +12,7 @@ from engine.run import build
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
-from engine.state.files import append_text, is_local, make_workdir, write_json
+from engine.state.files import append_text, is_local, make_workdir, remove_tree, write_json
 from engine.state.report import format_metrics
 from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, check_same_classes, held_job
 
@@ -341,8 +341,7 @@ def export(config, given=None):
     partial = where + ".incomplete"
     with run.weights.averaged():  # --ema_decay: the moving averages are what the run evaluated
         try:
-            if tf.io.gfile.exists(partial) or (is_local(partial) and os.path.islink(partial)):
-                checkpoint_lib.remove_tree(partial)  # a link there itself, never what it points to
+            remove_tree(partial)  # what a killed export left; a link there itself, never what it points to
             tf.saved_model.save(module, partial, signatures={"serving_default": module.serve})
             tf.io.gfile.rename(partial, where, overwrite=True)  # over an empty folder the check let through
         except (tf.errors.OpError, OSError) as e:

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import shutil
 import tempfile
 
 import tensorflow as tf
@@ -18,7 +17,7 @@ from google.protobuf import text_format
 from engine.numerics import updates
 from engine.settings.config import first_line
 from engine.settings.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
-from engine.state.files import replace_text
+from engine.state.files import is_local, remove_tree, replace_text
 
 
 def model_state(models):
@@ -116,7 +115,7 @@ class Checkpoints:
         # to be readable, unlike whatever is newest on disk.
         self.saved_path = None
         write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
-        if _local(self.directory) and os.path.islink(self.directory):
+        if is_local(self.directory) and os.path.islink(self.directory):
             # Rotation deletes the old ckpt-N files in it: through a link, another run's.
             raise ConfigError(
                 f"{self.directory} is a symbolic link (to {os.readlink(self.directory)}); checkpoints rotate inside "
@@ -217,7 +216,7 @@ class Checkpoints:
         if bad:  # never let a diverged model replace a good checkpoint
             raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]}")
         temp = os.path.join(self.manager.directory, f"ckpt-{step}_temp")
-        if _local(temp) and os.path.islink(temp):  # TensorFlow would write the shards there, then empty it
+        if is_local(temp) and os.path.islink(temp):  # TensorFlow would write the shards there, then empty it
             os.remove(temp)
         try:
             path = self.manager.save(checkpoint_number=step)
@@ -256,23 +255,6 @@ class Checkpoints:
         return None
 
 
-def _local(path):
-    return "://" not in path
-
-
-def remove_tree(path):
-    """Removes a directory of this run's; a link there is removed itself, never what it points to (TensorFlow's
-    rmtree follows it and empties its target)."""
-    if not _local(path):
-        tf.io.gfile.rmtree(path)
-        return
-    path = os.path.normpath(path)  # as TensorFlow reads it: a/../b is b even where a does not exist
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path)  # never follows the links inside
-
-
 def _listed(state):
     """The checkpoint paths a `checkpoint` state file lists (TensorFlow has made the relative ones absolute)."""
     if state is None:
@@ -282,7 +264,7 @@ def _listed(state):
 
 def _inside(path, directory):
     """Whether the checkpoint prefix `path` is in `directory` itself (not beside it, not below it)."""
-    if not _local(path):
+    if not is_local(path):
         return os.path.dirname(path) == directory.rstrip("/") and ".." not in path.split("/")
     return os.path.dirname(os.path.abspath(path)) == os.path.abspath(directory)
 

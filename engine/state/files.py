@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import uuid
 
 import tensorflow as tf
@@ -23,6 +24,20 @@ from engine.settings.errors import CheckpointError
 
 def is_local(path):
     return "://" not in path
+
+
+def remove_tree(path):
+    """Removes a directory or file of this run's, and nothing where there is none; a link there is removed itself,
+    never what it points to (TensorFlow's rmtree follows it and empties its target)."""
+    if not is_local(path):
+        if tf.io.gfile.exists(path):
+            tf.io.gfile.rmtree(path)
+        return
+    path = os.path.normpath(path)  # as TensorFlow reads it: a/../b is b even where a does not exist
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)  # never follows the links inside
 
 
 def local_path(path):
