@@ -80,7 +80,11 @@ _DEFINE = {
     Switch: lambda name, default, help_text: flags.DEFINE_flag(_SwitchFlag(name, default, help_text)),
 }
 
-_ABSL_FLAGS = set(flags.FLAGS)  # absl's own: --flagfile, --log_dir, ...
+# absl's own: --flagfile, --log_dir, ..., and the help flags app.run defines only as it starts (--help, --helpshort,
+# --helpxml, --only_check_flags), defined here first so a plugin's setting of one of their names is a clash said in one
+# line, not absl's DuplicateFlagError traceback as the run starts.
+app.define_help_flags()
+_ABSL_FLAGS = set(flags.FLAGS)
 for _field in dataclasses.fields(Config):
     if _field.name in _ABSL_FLAGS:  # a plugin's setting named as one: every command stops on it, as on any clash
         _file = plugins.file(*_field.metadata["owner"])
@@ -279,9 +283,18 @@ def _print_result(config, result):
         )
 
 
+def _print_help():
+    """The engine's help (absl's own, --helpfull, lists every flag alphabetically in one group), to a reader who may
+    stop reading: `--help | head` ends quietly, not in a BrokenPipeError traceback."""
+    try:
+        print(usage(), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exiting flushes what is left: to nowhere
+
+
 def _parse_flags(argv):
     if any(arg in ("-h", "-help", "--help", "-helpshort", "--helpshort", "-?") for arg in argv[1:]):
-        print(usage())  # absl's own (--helpfull) lists every flag alphabetically in one group
+        _print_help()
         if DECLARATION_ERRORS:  # what stops every other command: two files declare one setting
             _exit(DECLARATION_ERRORS[0])
         sys.exit(0)

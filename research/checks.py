@@ -6,10 +6,11 @@ import importlib.util
 import os
 import re
 
-from engine.settings.checks import fail, strategy_plan
+from engine.settings.checks import fail
 from engine.settings.fields import FIELD_BY_NAME
 from engine.settings.identity import IDENTITY_SETTINGS
 from engine.settings.plugins import RESEARCH_MODES
+from engine.settings.strategy import strategy_plan
 
 # What --mode=ensemble reads of the command line besides its own settings: the splits it fits on and reports on, the
 # seed of --ensemble_search=random, where the data and its own files are. A member's model, data and training are its

@@ -42,12 +42,13 @@ class Reference:
     shapes: dict  # split -> shape of one example's predictions
 
 
-def _restored(checkpoint, workdir, found):
-    """Restores `found`, the newest checkpoint of the member `workdir`, or the newest since: a member still training
-    rotates its checkpoints away (--keep_checkpoints) after they were listed. ConfigError for one that is damaged."""
+def _restored(state, workdir, found):
+    """Restores `found` into `state`, the newest checkpoint of the member `workdir`, or the newest since: a member
+    still training rotates its checkpoints away (--keep_checkpoints) after they were listed. ConfigError for one that
+    is damaged. Each try restores through a checkpoint object of its own (engine/run/modes.py _restore_from)."""
     while True:
         try:
-            checkpoint_lib.restore(checkpoint, found, partial=True)
+            checkpoint_lib.restore(state.evaluated(), found, partial=True)
             return
         except checkpoint_lib.Unreadable as e:
             newer = checkpoint_lib.superseded(found)  # rotated away as it was read, its index first
@@ -77,7 +78,7 @@ def load_run(workdir, member_config, splits, reference):
                         f"{where} takes {feature} {_spec_text(ours)} but {described} takes {feature} "
                         f"{_spec_text(theirs)}: an ensemble's members must share one input space"
                     )
-        _restored(run.state.evaluated(), workdir, found)
+        _restored(run.state, workdir, found)
         task = run.task
         predict = tf.function(lambda batch: task.predictions(task.forward(run.models, batch, False)))
         predictions, examples = {}, {}

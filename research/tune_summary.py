@@ -10,13 +10,14 @@ import optuna
 from engine.settings.fields import Config, show
 from engine.state.files import write_json, write_text
 from research import tune_report
-from research.tune_study import FINISHED, best_trial, masked, storage_url, trial_config
+from research.tune_study import FINISHED, RESUMES, best_trial, masked, storage_url, trial_config
 
 
 def results(config, study, space, objective, direction, wall_seconds):
     """Writes summary.json, best.flags (once a trial is complete) and tune_report.png; returns the summary."""
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state in FINISHED]
+    resumed = interrupted(trials)
     best = best_trial(study)
     importances = param_importances(study)
     summary = {
@@ -31,7 +32,8 @@ def results(config, study, space, objective, direction, wall_seconds):
         "trials": len(finished),
         "complete": sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials),
         "pruned": sum(t.state == optuna.trial.TrialState.PRUNED for t in trials),
-        "failed": sum(t.state == optuna.trial.TrialState.FAIL for t in trials),
+        "failed": sum(t.state == optuna.trial.TrialState.FAIL and t.number not in resumed for t in trials),
+        "interrupted": len(resumed),
         "wall_seconds": wall_seconds,
         "trial_seconds": sum(t.duration.total_seconds() for t in finished if t.duration),
         "importances": importances,
@@ -39,7 +41,7 @@ def results(config, study, space, objective, direction, wall_seconds):
         "all": [
             {
                 "number": t.number,
-                "state": t.state.name.lower(),
+                "state": "interrupted" if t.number in resumed else t.state.name.lower(),
                 "value": t.value,
                 "params": t.params,
                 "steps": t.user_attrs.get("steps"),
@@ -67,6 +69,21 @@ def results(config, study, space, objective, direction, wall_seconds):
         os.path.join(config.workdir, "tune_report.png"), config, trials, space, best, importances, objective, direction
     )
     return summary
+
+
+def interrupted(trials):
+    """The numbers of the failed trials that a later trial resumed from their checkpoints (a tuner preempted or
+    killed inside them; research/tune_study.py requeue): they failed no draw."""
+
+    def origin(trial):
+        return trial.user_attrs.get(RESUMES, trial.number)
+
+    return {
+        t.number
+        for t in trials
+        if t.state == optuna.trial.TrialState.FAIL
+        and any(r.number > t.number and r.user_attrs.get(RESUMES) == origin(t) for r in trials)
+    }
 
 
 def param_importances(study):

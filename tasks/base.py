@@ -7,8 +7,10 @@ run, as `Task(config, spec, info)`: `spec` is {feature: tf.TensorSpec} of one ex
 it, `info` what the source knows (`num_classes` of a label, a text's `vocabulary`). Then the task's data: the
 engine receives the task, runs `prepare` in the input pipeline and sets `self.spec` to the prepared example's
 spec (what `models` and `serve` read). Then `models(create)`, the updates and the step. `config` holds every
-setting of the run; its sections (`config.optimization`, `config.loop`, ...) and a file's own settings
-(`config.own("task", "language_model")`) are read-only views of it (engine/settings/sections.py).
+engine setting of the run, the settings the task's file declares and those its READS names (another file's setting,
+unnamed, is an AttributeError naming the READS to add); its sections (`config.optimization`, `config.loop`, ...) and
+a file's own settings (`config.own("task", "language_model")`) are read-only views of the run's Config
+(engine/settings/sections.py).
 
 The engine owns everything else: the step (the global-batch loss, loss scaling, one all-reduce, the finite
 check, clipping, the update: a task says its updates, or writes its replica step from the engine's

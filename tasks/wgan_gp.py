@@ -39,6 +39,7 @@ from engine.api import ConfigError, Update
 from tasks import base, gan
 
 DATASET = "digits"  # the default --dataset
+READS = ("hidden_sizes",)  # models/mlp.py's setting: the widths of its own networks' hidden layers
 SETTINGS = {
     "wgan_latent": (16, "width of the generator's noise z"),
     "wgan_critic_steps": (5, "critic updates per generator update, each on a fresh batch of its own"),

@@ -7,6 +7,7 @@ nor reachable fails as the data loads, still before the workdir exists.
 import concurrent.futures
 import dataclasses
 import importlib
+import os
 
 import pytest
 
@@ -15,6 +16,7 @@ from engine.settings import plugins
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
+from engine.settings.machine import human_bytes
 from tests import helpers
 from tests.helpers import launch
 
@@ -117,11 +119,34 @@ def test_help_exits_zero():
     assert "--hidden_sizes" in result.stdout and result.stderr == ""
 
 
+def test_help_to_a_reader_that_stopped_reading_ends_quietly():
+    """`python launch.py --help | head -2`: the pipe closes before the help is written (a BrokenPipeError traceback,
+    exit 1, before)."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        result = subprocess.run(
+            [sys.executable, "launch.py", "--help"], cwd=helpers.ROOT, stdout=write, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_bytes_past_the_largest_unit_are_said_in_it():
+    assert human_bytes(615 * 10**6) == "615 MB"
+    assert human_bytes(1.5 * 10**24) == "1.5e+06 EB"  # "over 1000 EB": "needs about over 1000 EB of memory"
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
         (dict(seed=2**32), "--seed=4294967296: must be in [0, 2**32)"),
         (dict(seed=2**32 - 1), None),
+        (dict(workdir=" "), "--workdir= : must name a directory"),
         (dict(model="transformer"), None),
         (
             dict(model="_private"),
@@ -136,6 +161,25 @@ def test_help_exits_zero():
         # Accepted before, then nonsense: a non-finite loss, a launcher starting every process, accuracy 1.0.
         (dict(epsilon=0.0), "--epsilon=0.0: must be a positive number"),
         (dict(momentum=1.0), "--momentum=1.0: must be in [0, 1)"),
+        # In range as Python floats, not as the float32 the step computes in: a non-finite loss blamed on the
+        # learning rate (epsilon 0, beta_1 1), a run that never moved a weight (beta_2 1), or one whose every step
+        # was skipped at a loss scale of inf and that ended as if it had trained (exit 0).
+        (dict(epsilon=1e-50), "--epsilon=1e-50: is 0 in float32, which the step computes in: must be in"),
+        (dict(epsilon=1e-40), "--epsilon=1e-40: is 9.99995e-41 in float32, which the step computes in: must be in"),
+        (dict(epsilon=1e-37), None),
+        (
+            dict(beta_1=0.99999999),
+            "--beta_1=0.99999999: rounds to 1 in float32, which the step computes in: at most 0.99999994",
+        ),
+        (dict(beta_2=0.99999999), "--beta_2=0.99999999: rounds to 1 in float32"),
+        (dict(beta_2=0.9999999), None),
+        (
+            dict(precision="mixed_float16", initial_loss_scale=1e39),
+            "--initial_loss_scale=1e+39: is inf in float32, which the step computes in: must be in [1.1754944e-38, "
+            "3.4028235e+38]",
+        ),
+        (dict(learning_rate=1e39), "--learning_rate=1e+39: is inf in float32"),
+        (dict(learning_rate=1e-50), "--learning_rate=1e-50: is 0 in float32"),
         (dict(weight_decay=999.0), None),
         (
             dict(weight_decay=2.0, learning_rate=0.25, lr_scaling="linear", global_batch_size=512),

@@ -632,6 +632,30 @@ def test_tf_data_service_serves_the_same_batches(data_dir):
     assert sorted(b.tobytes() for b in served) == sorted(b.tobytes() for b in direct)
 
 
+def test_tf_data_service_serves_each_run_its_own_batches_from_its_own_start(data_dir):
+    """Two runs through one dispatcher, one after the other: each reads its own stream from its own position. (Both
+    named their job train-0-0-0: the second joined the first's job and trained on its batches, from where it
+    stopped: another seed's, or another dataset's.)"""
+    dispatcher = tf.data.experimental.service.DispatchServer()
+    worker = tf.data.experimental.service.WorkerServer(
+        tf.data.experimental.service.WorkerConfig(dispatcher_address=dispatcher.target.split("://")[1])
+    )
+    try:
+        read = {}
+        for seed in (1, 2):
+            config = helpers.make_config(data_dir, seed=seed, tf_data_service=dispatcher.target)
+            batches = inputs.run_data(config).train_fn(tf.distribute.InputContext()).take(2)
+            read[seed] = [(b["index"].numpy(), b["image"].numpy()) for b in batches]
+        direct = helpers.make_config(data_dir, seed=2)
+        expected = [b["image"].numpy() for b in inputs.run_data(direct).train_fn(tf.distribute.InputContext()).take(2)]
+    finally:
+        worker._stop()
+        dispatcher._stop()
+    size = helpers.make_config(data_dir).global_batch_size
+    assert sorted(np.concatenate([index for index, _ in read[2]]).tolist()) == list(range(2 * size))
+    assert sorted(b.tobytes() for _, b in read[2]) == sorted(b.tobytes() for b in expected)
+
+
 @pytest.mark.parametrize(
     "hostlist,hosts",
     [

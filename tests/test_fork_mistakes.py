@@ -342,6 +342,19 @@ OWN_ERRORS = [
         "--actions=broken",
         "error: engine/run/actions/broken.py:6 in __call__: RuntimeError: my action broke at step 2",
     ),
+    # A setting another file declares, read without naming it in READS: it read sam's default, silently, and
+    # --sam_rho typed was refused as read by no part of the run.
+    (
+        "tasks/sharp.py",
+        "from tasks import classification\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def loss(self, outputs, batch):\n"
+        "        return super().loss(outputs, batch) * self.config.sam_rho\n",
+        "--task=sharp",
+        "error: tasks/sharp.py:6 in loss: AttributeError: tasks/sharp.py reads the setting sam_rho, which tasks/sam.py "
+        "declares: name it in tasks/sharp.py's READS (READS = ('sam_rho',)), so a run of tasks/sharp.py depends on it "
+        "and takes --sam_rho",
+    ),
     # A feature the batch lacks, the commonest slip in a loss: autograph wraps the KeyError in its StagingError (of
     # TensorFlow's module), which kept the engine's traceback and exit 1 before.
     (
@@ -370,12 +383,30 @@ OWN_ERRORS = [
 
 
 @pytest.mark.parametrize(
-    "path, text, flag, said", OWN_ERRORS, ids=["in_the_step", "in_an_action", "key_error", "key_error_in_a_decode"]
+    "path, text, flag, said",
+    OWN_ERRORS,
+    ids=["in_the_step", "in_an_action", "another_files_setting", "key_error", "key_error_in_a_decode"],
 )
 def test_launch_ends_an_error_a_forks_code_raises_in_one_line_with_exit_2(tmp_path, path, text, flag, said):
     result = _launch_in(_fork_with(tmp_path, {path: text}), flag)
     assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_setting_another_file_declares_is_read_once_the_file_names_it_in_reads(tmp_path):
+    """Named in READS, another file's setting is the reader's: typed, it is taken and read."""
+    sharp = (
+        "from tasks import classification\n\n"
+        "READS = ('sam_rho',)\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def loss(self, outputs, batch):\n"
+        "        return super().loss(outputs, batch) * self.config.sam_rho\n"
+    )
+    result = _launch_in(_fork_with(tmp_path, {"tasks/sharp.py": sharp}), "--task=sharp", "--sam_rho=0.0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["loss"] for line in lines if "loss" in line] == [0.0]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["sam_rho"] == 0.0
 
 
 def _metrics(extra):

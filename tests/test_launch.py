@@ -226,6 +226,16 @@ def test_bad_input_found_with_tensorflow_running(data_dir, mirrored, overrides, 
         build.run(helpers.make_config(data_dir, **overrides), mirrored)
 
 
+def test_a_split_tensorflow_datasets_cannot_parse_is_one_line(data_dir, one_device):
+    # tfds's own error is two lines (where its format is documented, then the split): the refusal was too.
+    with pytest.raises(ConfigError) as refused:
+        build.run(helpers.make_config(data_dir, train_split="train["), one_device)
+    assert str(refused.value).startswith(
+        "--train_split=train[: not a split of digits (splits: train, validation, test;"
+    )
+    assert "\n" not in str(refused.value), str(refused.value)
+
+
 def test_an_evaluation_checks_the_batch_it_reads_against_the_replicas(data_dir):
     # An evaluation on 3 devices of a run trained at --global_batch_size=128 was refused over that batch, which it
     # does not read, even with --eval_batch_size=120.

@@ -116,6 +116,27 @@ def test_plugin_settings_sit_under_their_owner():
             assert FIELD_BY_NAME[name].metadata.get("owner") == owner or owner in Config.READ_BY.get(name, ())
 
 
+def test_a_plugin_is_handed_every_engine_setting_its_own_and_what_its_reads_names():
+    config = Config(model="resnet", resnet_depth=14, sequence_length=32, sam_rho=0.2)
+    resnet = sections.plugin(config, "model", "resnet")
+    assert (resnet.resnet_depth, resnet.seed, resnet.dropout, resnet.per_eval_batch_size) == (14, 0, 0.0, 128)
+    assert resnet.data.global_batch_size == 128 and resnet.own("model", "resnet").resnet_depth == 14
+    assert type(resnet).__name__ == "ResnetModelConfig" and type(resnet).__annotations__["resnet_depth"] is int
+    assert sections.plugin(config, "dataset", "shakespeare").sequence_length == 32  # its READS
+    assert sections.plugin(resnet, "task", "sam").sam_rho == 0.2  # what another plugin was handed: the same run
+    with pytest.raises(AttributeError) as raised:
+        _ = sections.plugin(config, "task", "classification").sam_rho
+    assert str(raised.value) == (
+        "tasks/classification.py reads the setting sam_rho, which tasks/sam.py declares: name it in "
+        "tasks/classification.py's READS (READS = ('sam_rho',)), so a run of tasks/classification.py depends on it "
+        "and takes --sam_rho"
+    )
+    with pytest.raises(AttributeError, match=r"^no setting sam_rhoo: the engine declares none"):
+        _ = resnet.sam_rhoo
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resnet.seed = 1
+
+
 @pytest.mark.parametrize(
     "kind, folder, name, what",
     [
@@ -159,7 +180,9 @@ def test_a_flat_config_json_from_before_sections_loads_and_resumes(tmp_path):
     assert summary["step"] == 6 and os.path.exists(old / "checkpoints" / "ckpt-6.index")
     with open(old / "config.json") as f:
         written = json.load(f)
-    assert set(written) - {"class_names"} == set(FIELD_BY_NAME) and not set(written) & set(sections.SECTIONS)
+    # Beside the settings, what the labels mean and what the training split held: no setting, no section.
+    assert set(written) - {"class_names", "training_split"} == set(FIELD_BY_NAME)
+    assert not set(written) & set(sections.SECTIONS)
 
 
 def _run_optimizer(settings, groups=()):

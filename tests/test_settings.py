@@ -15,12 +15,12 @@ import pytest
 
 from engine.cluster import distribute
 from engine.settings import fields
-from engine.settings.checks import planned_strategy
 from engine.settings.config import validate
 from engine.settings.declared import declared_settings
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config, applies
 from engine.settings.identity import identity_changes
+from engine.settings.strategy import planned_strategy
 from engine.state import workdir
 from tests.helpers import ROOT
 
@@ -164,6 +164,31 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
     assert errors[7].endswith("a range (low, high) of numbers, not (None, 64)")  # every command failed on it
 
 
+def test_a_default_its_own_checks_refuse_is_one_error_naming_the_file(tmp_path):
+    # Each refused every run, of any model or task, as a flag nobody gave: "--h_dims=: must be a list of positive
+    # integers", naming no file.
+    files = {
+        "h_empty": "SETTINGS = {'h_dims': ((), 'd')}",
+        "i_zero": "SETTINGS = {'i_size': (0, 'n')}",
+        "j_inf": "SETTINGS = {'j_scale': (1e400, 's')}",
+        "k_choice": "SETTINGS = {'k_kind': ('gelu', 'k', ('relu', 'tanh'))}",
+        "l_range": "SETTINGS = {'l_rate': (-1.0, 'r', (0.0, None)), 'l_frac': (2.0, 'f', (0.0, 1.0))}",
+        "m_good": "SETTINGS = {'m_top': (0, 'k', (0, 9)), 'm_opt': ('', 'o', ('', 'a')), 'm_t': (0.0, 't', (0, None))}",
+    }
+    packages = [("model", *_package(tmp_path, "models", files))]
+    fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"})
+    assert sorted(name for name, _, _ in fields) == ["m_opt", "m_t", "m_top"]
+    assert [error.split(":")[0] for error in errors] == [f"models/{name}.py" for name in sorted(files)[:-1]] + [
+        "models/l_range.py"
+    ]
+    assert errors[0].endswith("a tuple default is of positive integers, not ()")
+    assert errors[1].endswith("a number's default with no range is positive, not 0")
+    assert errors[2].endswith("a number's default with no range is positive, not inf")
+    assert errors[3].endswith("its default 'gelu' is none of its choices ('relu', 'tanh')")
+    assert errors[4].endswith("its default -1.0 is outside its range (0.0, None)")
+    assert errors[5].endswith("its default 2.0 is outside its range (0.0, 1.0)")
+
+
 def test_a_source_whose_argument_is_not_a_name_and_its_meaning_is_one_error_naming_it(tmp_path):
     sources = {"mine": 'ARGUMENT = "PATH"', "good": 'ARGUMENT = ("GLOB", "record files")'}
     packages = [("dataset", *_package(tmp_path, "sources", sources))]
@@ -194,6 +219,15 @@ def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
     assert result.returncode == 2 and result.stderr == (
         "error: tasks/clash.py: declares the setting log_dir, which absl's own flags define: rename it\n"
     ), result.stderr[-2000:]
+    # absl's help flags, which app.run defines only as it starts: the same line, not its DuplicateFlagError.
+    for name in ("help", "helpshort", "helpxml", "only_check_flags"):
+        (fork / "tasks" / "clash.py").write_text(f'SETTINGS = {{"{name}": ("", "a name absl takes")}}\n')
+        result = subprocess.run(
+            [sys.executable, "launch.py", f"--workdir={tmp_path}/work"], cwd=fork, capture_output=True, text=True
+        )
+        assert result.returncode == 2 and result.stderr == (
+            f"error: tasks/clash.py: declares the setting {name}, which absl's own flags define: rename it\n"
+        ), result.stderr[-2000:]
     (fork / "tasks" / "clash.py").write_text('SETTINGS = {"resnet_depth": (8, "a name models/resnet.py has")}\n')
     # --help lists the flags, and says what stops every other command: a help read as healthy would hide it.
     result = subprocess.run([sys.executable, "launch.py", "--help"], cwd=fork, capture_output=True, text=True)

@@ -14,9 +14,10 @@ import pytest
 import tensorflow as tf
 
 from engine.data import datasets as data
+from engine.data import streamed
 from engine.data.pipeline import Pipelines
 from engine.data.records import Source, in_memory, sharded
-from engine.run import build, inputs
+from engine.run import build, inputs, loop
 from engine.run.actions.builtin import INPUT_WINDOW_STEPS
 from engine.settings.errors import ConfigError
 from tests import helpers
@@ -168,6 +169,57 @@ def test_a_changed_worker_count_is_refused_for_files_and_exact_in_memory(records
     halves = [next(iter(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 5))) for i in range(2)]
     assert sorted(batch["index"].numpy()) == sorted(np.concatenate([h["index"] for h in halves]))
     assert int(trainer.state.input_pipelines.numpy()) == 1  # what the next checkpoint says
+
+
+def test_a_run_resumed_on_other_record_files_says_so(records, one_device, tmp_path, monkeypatch, capsys):
+    """A record file removed between two runs of one workdir: the resumed run's data position counts into another
+    order, which it says (it went on silently)."""
+    config = _config(workdir=str(tmp_path / "run"), train_steps=4, steps_per_loop=2, checkpoint_every=2)
+    loop.train(config, one_device)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["training_split"] == {
+        "examples": sum(COUNTS),
+        "files": len(COUNTS),
+    }
+    loop.train(dataclasses.replace(config, train_steps=6), one_device)  # the same files: nothing to say
+    assert "warning" not in capsys.readouterr().out
+    fewer = records[:-1]
+    before = data.load_source(config, ())
+    source = Source(sharded(fewer, _parse), before.evals, before.spec, before.info)
+    monkeypatch.setattr(data, "load_source", lambda config, features, split=None: source)
+    loop.train(dataclasses.replace(config, train_steps=8), one_device)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert said == [
+        f"warning: --dataset=digits: its --train_split=train holds {sum(COUNTS[:-1])} examples in 11 record files now, "
+        f"{sum(COUNTS)} examples in 12 record files when this run last started ({tmp_path}/run/config.json): it goes "
+        "on from its data position at step 6 in the order of what the split holds now, not the examples an "
+        "uninterrupted run would have read"
+    ]
+
+
+def test_a_pipeline_left_only_empty_files_is_refused_naming_them(tmp_path, monkeypatch):
+    """Two files, one empty, for two pipelines: the one that owns the empty file had nothing to read, ever (its
+    epoch of no records divided the position by zero: a traceback, exit 1, after config.json was written)."""
+    files = _write(str(tmp_path), counts=(20, 0))
+    evals = in_memory({"image": tf.zeros([10, 4]), "label": tf.range(10, dtype=tf.int64)})
+    spec = {"image": tf.TensorSpec([4], tf.float32), "label": tf.TensorSpec([], tf.int64)}
+    source = Source(sharded(files, _parse), evals, spec, {"num_classes": 10})
+    monkeypatch.setattr(data, "load_source", lambda config, features, split=None: source)
+    loaded = inputs.run_data(_config())
+    refused = []
+    for i in range(2):
+        try:
+            next(iter(loaded.train_fn(tf.distribute.InputContext(2, i, 2), 0)))
+        except ConfigError as e:
+            refused.append(str(e))
+    assert len(refused) == 2 and refused[0] == refused[1], refused  # every worker refuses it alike
+    assert re.search(
+        r"input pipeline [01] of 2 \(workers\) would read only record files of --train_split=train that hold no "
+        r"records \(.*train-00001\.tfrecord\)",
+        refused[0],
+    ), refused[0]
+    # The run checks it as it is built, before anything is written: the same line.
+    with pytest.raises(ConfigError, match=r"would read only record files .* hold no records"):
+        streamed.check_enough_files(loaded.train_shards, _config().data, 2)
 
 
 def test_a_truncated_record_file_stops_the_run_naming_it(records, one_device):

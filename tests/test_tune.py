@@ -292,7 +292,9 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
     assert sorted(os.listdir(workdir / "trials")) == ["0", "1", "2", "4"]
     assert helpers.logged_steps(killed_trial) == list(range(10, 201, 10))
     summary = json.loads(read(workdir, "summary.json"))
-    assert (summary["trials"], summary["complete"], summary["failed"]) == (4, 4, 1)
+    # Trial 2 failed no draw: trial 3 resumed it from its checkpoint (it counted as failed).
+    assert (summary["trials"], summary["complete"], summary["failed"], summary["interrupted"]) == (4, 4, 0, 1)
+    assert [t["state"] for t in summary["all"]] == ["complete", "complete", "interrupted", "complete", "complete"]
     assert "tune: trial 2 was interrupted; requeued to resume in trials/2" in out.stdout
 
 

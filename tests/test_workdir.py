@@ -451,6 +451,68 @@ def test_evaluation_follows_a_run_whose_checkpoints_are_damaged_rotated_or_evalu
     assert on_test["loss"] != validation[0]["loss"]
 
 
+def test_evaluation_goes_on_after_a_checkpoint_rotated_away_part_way_through_its_restore(
+    data_dir, one_device, tmp_path, capsys, monkeypatch
+):
+    # A run still training (--keep_checkpoints=1, a save every step) deleted ckpt-20 after TensorFlow had restored
+    # some of its values: the restore's checkpoint object kept ckpt-20's deferred restorations, so every later
+    # restore through it failed, and the sidecar stopped with "error: checkpoint .../ckpt-10 does not fit this run:
+    # its objects differ from this run's (another model?)", exit 2 (eval and export too).
+    from tensorflow.python.checkpoint import functional_saver
+
+    config = helpers.make_config(
+        data_dir, str(tmp_path), train_steps=20, checkpoint_every=10, keep_checkpoints=5, hidden_sizes=(8,)
+    )
+    loop.train(config, one_device)
+    directory = tmp_path / "checkpoints"
+    saved = {path.name: path.read_bytes() for path in directory.iterdir()}
+    read = functional_saver.io_ops.restore_v2
+
+    def rotated_as_read(prefix, *args, **kwargs):  # ckpt-20 rotated away after its first values were read
+        values = read(prefix, *args, **kwargs)
+        if prefix.numpy().decode().endswith("ckpt-20"):
+            for path in directory.glob("ckpt-20.*"):
+                path.unlink()
+        return values
+
+    given = validate(Config(mode="eval", workdir=str(tmp_path), data_dir=data_dir))
+    expected = evaluate.evaluate(dataclasses.replace(given, checkpoint=str(directory / "ckpt-10")), one_device)
+    monkeypatch.setattr(functional_saver.io_ops, "restore_v2", rotated_as_read)
+    follow = dataclasses.replace(given, mode="continuous_eval", eval_timeout=1.5)
+    results = evaluate.follow(follow, one_device, poll_seconds=0.1)
+    assert [(r["step"], r["checkpoint"]) for r in results] == [(10, str(directory / "ckpt-10"))]
+    assert (results[0]["accuracy"], results[0]["loss"]) == (expected["eval"]["accuracy"], expected["eval"]["loss"])
+    for name, content in saved.items():  # as the trainer left it
+        (directory / name).write_bytes(content)
+    evaluated = evaluate.evaluate(given, one_device)
+    assert (evaluated["step"], evaluated["checkpoint"]) == (10, str(directory / "ckpt-10"))
+    assert evaluated["eval"] == expected["eval"]
+    assert "unreadable" not in capsys.readouterr().out
+
+
+def test_a_second_continuous_eval_of_one_split_is_refused(data_dir, one_device, tmp_path):
+    # Two sidecars of one workdir and split each evaluated every checkpoint and appended it: continuous_eval.jsonl
+    # held step 20 twice, and continuous_eval/test two events files with the same points.
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, hidden_sizes=(8,))
+    loop.train(config, one_device)
+    follow = validate(Config(mode="continuous_eval", workdir=str(tmp_path), data_dir=data_dir, eval_timeout=1.5))
+    with lock_lib.Lock(str(tmp_path), doing="evaluating", name="continuous_eval_test.lock"):
+        with pytest.raises(
+            ConfigError, match=rf"--workdir={tmp_path}: another run is evaluating here: pid {os.getpid()}"
+        ):
+            evaluate.follow(follow, one_device, poll_seconds=0.1)
+        assert not (tmp_path / "continuous_eval.jsonl").exists()
+        # Another split's sidecar is not this one's.
+        validation = evaluate.follow(dataclasses.replace(follow, eval_split="validation"), one_device, poll_seconds=0.1)
+        assert [(r["step"], r["split"]) for r in validation] == [(20, "validation")]
+    assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.1)] == [20]
+    assert [(r["step"], r["split"]) for r in jsonl(tmp_path / "continuous_eval.jsonl")] == [
+        (20, "validation"),
+        (20, "test"),
+    ]
+    assert not list(tmp_path.glob("continuous_eval_*.lock"))
+
+
 @pytest.mark.parametrize(
     "saved,why",
     [

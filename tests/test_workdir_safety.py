@@ -171,8 +171,8 @@ def test_an_ensemble_member_rotated_away_as_it_is_read_moves_to_the_newer_checkp
     config = dataclasses.replace(copy_of(trained, tmp_path), mode="eval")
     listed = os.path.join(config.workdir, "checkpoints", "ckpt-10")
     os.remove(listed + ".index")
-    run, restored = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
-    ensemble_members._restored(restored, config.workdir, listed)
+    run = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    ensemble_members._restored(run.state, config.workdir, listed)
     assert int(run.state.step.numpy()) == 20
 
 
@@ -183,8 +183,8 @@ def test_eval_of_a_run_still_training_reads_the_checkpoint_that_replaced_one_rot
     config = dataclasses.replace(copy_of(trained, tmp_path), mode="eval")
     listed = os.path.join(config.workdir, "checkpoints", "ckpt-10")
     os.remove(listed + ".index")
-    run, restored = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
-    assert evaluate._restore(restored, config, [listed]) == os.path.join(config.workdir, "checkpoints", "ckpt-20")
+    run = evaluate._evaluated(config, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    assert evaluate._restore(run, config, [listed]) == os.path.join(config.workdir, "checkpoints", "ckpt-20")
     assert int(run.state.step.numpy()) == 20
 
 

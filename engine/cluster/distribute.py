@@ -15,9 +15,9 @@ import tensorflow as tf
 
 from engine.cluster import resolvers as cluster
 from engine.cluster.signals import SIGNALS
-from engine.settings.checks import planned_strategy
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
+from engine.settings.strategy import planned_strategy
 
 
 def _setup_cpu_devices(count):

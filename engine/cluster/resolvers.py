@@ -20,10 +20,10 @@ import tensorflow as tf
 
 from engine.cluster.schedulers import kubernetes_cluster, slurm_cluster
 from engine.cluster.signals import LOST_PEER_EXIT_CODE
-from engine.settings.checks import data_service_address
 from engine.settings.config import first_line
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError
+from engine.settings.strategy import data_service_address
 
 
 def resolve(settings, strategy):

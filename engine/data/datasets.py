@@ -34,6 +34,7 @@ imports what it uses of them from engine/api.py).
 
 import dataclasses
 import math
+import uuid
 
 import tensorflow as tf
 
@@ -64,6 +65,7 @@ class Data:
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
     train_bytes: int = 0  # record bytes of the training files, when sharded
     train_files: int = 0  # the training split's record files, when it streams them (sharded)
+    train_shards: tuple = ()  # those files with their records, ((path, records), ...)
     origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
     # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
     # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
@@ -127,6 +129,7 @@ def prepare(data, source, task, split=None, service=""):
         task.spec,
         train_bytes=pipelines.train_bytes,
         train_files=len(train.files),
+        train_shards=train.files,
         origin=pipelines.origin,
         gather=gather if train.fetch is not None and source.decode is None else None,
         unread=unread,
@@ -166,12 +169,15 @@ def _through_service(service, ds, ctx, stream, start_batch):
     if not service:
         return ds
     # The service's workers build the batches; each is built once (dynamic sharding), but they
-    # arrive in the order the service's workers finish them, not always the stream's.
+    # arrive in the order the service's workers finish them, not always the stream's. The job's name is this
+    # pipeline's alone: a dispatcher serves a named job to every client that names it, whatever dataset it sends,
+    # so a name another run (or this run before its restart) used would read that run's batches from where it
+    # stopped, of its dataset.
     return ds.apply(
         tf.data.experimental.service.distribute(
             processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
             service=service,
-            job_name=f"train-{ctx.input_pipeline_id}-{stream}-{start_batch}",
+            job_name=f"train-{ctx.input_pipeline_id}-{stream}-{start_batch}-{uuid.uuid4().hex}",
         )
     )
 
@@ -183,7 +189,8 @@ def load_source(config, features, split=None):
     kind = name.partition(":")[0]  # KIND:ARGUMENT, e.g. npz:PATH, is sources/KIND.py's to read
     if kind in plugins.names("dataset"):
         load = plugins.member("dataset", kind)
-        source = source_checks.loaded(load, plugins.file("dataset", kind), config, split or config.eval_split)
+        handed = config.plugin("dataset", kind)
+        source = source_checks.loaded(load, plugins.file("dataset", kind), handed, split or config.eval_split)
     else:
         source = tfds_source.load(config, name, features, split or config.eval_split)
         source = source_checks.checked(source, "engine/data/tfds_source.py", name)

@@ -27,20 +27,32 @@ def _permutation(n, seed):
 
 
 def check_enough_files(files, data, pipelines):
-    """Refuses a streamed training split of fewer record `files` than input `pipelines`, each of which reads files
-    of its own: a run checks it as it is built, before anything is written. `data`: the run's config.data."""
-    if files < pipelines:
+    """Refuses a streamed training split of fewer record `files` ((path, records), ...) than input `pipelines`, each
+    of which reads files of its own, or one that leaves a pipeline only files without records (it would have
+    nothing to read, ever): a run checks it as it is built, before anything is written. `data`: the run's
+    config.data."""
+    if len(files) < pipelines:
         raise ConfigError(
-            f"--dataset={data.dataset}: its {counted(files, 'record file')} of --train_split={data.train_split} "
+            f"--dataset={data.dataset}: its {counted(len(files), 'record file')} of --train_split={data.train_split} "
             f"cannot feed {pipelines} input pipelines (workers), each of which reads its own files; write the split "
             "in more files"
         )
+    order = np.random.default_rng(data.seed).permutation(len(files))
+    for pipeline in range(pipelines):
+        own = [files[i] for i in order[pipeline::pipelines]]
+        if not sum(records for _, records in own):
+            named = ", ".join(path for path, _ in own[:3]) + (", ..." if len(own) > 3 else "")
+            raise ConfigError(
+                f"--dataset={data.dataset}: input pipeline {pipeline} of {pipelines} (workers) would read only "
+                f"record files of --train_split={data.train_split} that hold no records ({named}): remove the "
+                "empty files, or write the split in more files"
+            )
 
 
 def owned(files, data, ctx):
     """Input pipeline ctx's files of the split's `files` ((path, records), ...): every n-th of a permutation fixed by
     the seed. `data`: the run's config.data."""
-    check_enough_files(len(files), data, ctx.num_input_pipelines)
+    check_enough_files(files, data, ctx.num_input_pipelines)
     order = np.random.default_rng(data.seed).permutation(len(files))
     return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
 

@@ -66,7 +66,7 @@ def load(config, name, features, eval_split):
             split_info = info.splits[split]
         except (KeyError, ValueError, AssertionError) as e:
             raise ConfigError(
-                f"--{flag}={split}: not a split of {name} (splits: {', '.join(info.splits.keys())}; {e})"
+                f"--{flag}={split}: not a split of {name} (splits: {', '.join(info.splits.keys())}; {first_line(e)})"
             ) from None
         size = split_info.num_examples
         if not size:  # tfds would fail on reading it ("corresponds to no data")

@@ -27,7 +27,8 @@ def create_model(config, family, spec, outputs, info=None):
     global_state.set_global_attribute("object_name_uids", collections.defaultdict(int))
     try:
         try:
-            model = _factory_call(factory, where, config, spec, outputs, {} if info is None else info)
+            handed = config.plugin("model", family)
+            model = _factory_call(factory, where, handed, spec, outputs, {} if info is None else info)
         except TaskError:
             raise
         except ValueError as e:  # a setting, or data, the family cannot build from: its message says which

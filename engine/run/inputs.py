@@ -60,7 +60,7 @@ def source_and_task(config, split=None):
     --eval_split), and the task built from what the source gives: its examples' spec and its info."""
     cls = datasets.task_class(config)
     source = datasets.load_source(config, cls.features, split)
-    return source, cls(config, source.spec, source.info)
+    return source, cls(config.plugin("task", config.task), source.spec, source.info)
 
 
 def run_data(config, split=None):

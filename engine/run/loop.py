@@ -52,6 +52,8 @@ def train(config, strategy=None, on_eval=None):
         if finished:
             print(f"{_ended(finished, current)} ({restored}); nothing to do", flush=True)
             return finished
+        if restored and chief:  # its data position means what it meant only on the examples it counted in
+            workdir_lib.warn_of_another_split(config, run.data, current)
         if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
             trainable = {name: model for name, model in run.models.items() if model.trainable}
@@ -60,7 +62,7 @@ def train(config, strategy=None, on_eval=None):
         redo_eval = evaluates_on_resume(config.loop, current)
         report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
         if chief:
-            workdir_lib.write_config(config, run.task, updates.effective_settings(run.plans))
+            workdir_lib.write_config(config, run.task, updates.effective_settings(run.plans), run.data)
         if restored:
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:

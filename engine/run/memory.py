@@ -27,7 +27,7 @@ def model_size(config, input_shape, outputs):
     size = getattr(importlib.import_module(f"models.{config.model}"), "size", None)
     if size is None:
         return None
-    sized = size(config, input_shape, outputs)
+    sized = size(config.plugin("model", config.model), input_shape, outputs)
     if not isinstance(sized, (tuple, list)) or len(sized) not in (2, 3) or not all(_count(n) for n in sized):
         raise TaskError(
             f"{plugins.file('model', config.model)}: size(config, input_shape, outputs) returned {sized!r:.80}, not "
@@ -45,7 +45,7 @@ def source_memory(config):
     memory = getattr(module, "memory", None)
     if memory is None:
         return 0
-    needed = memory(config)
+    needed = memory(config.plugin("dataset", kind))
     if not _count(needed):
         raise TaskError(
             f"{plugins.file('dataset', kind)}: memory(config) returned {needed!r:.80}, not the bytes its data takes "

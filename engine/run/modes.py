@@ -13,6 +13,7 @@ from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state.files import append_text, is_local, make_workdir, remove_tree, write_json
+from engine.state.lock import Lock
 from engine.state.report import format_metrics
 from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, check_same_classes, held_job
 
@@ -63,11 +64,10 @@ def _check_workdir_is_the_checkpoints(config):
 
 
 def _evaluated(config, strategy, purpose="evaluate"):
-    """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program), and
-    what it restores."""
+    """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program)."""
     run = build.run(config, strategy or distribute.create_strategy(config.cluster), purpose)
     check_same_classes(_run_of(config.checkpoint) if config.checkpoint else config.workdir, run.task)
-    return run, run.state.evaluated()
+    return run
 
 
 def _check_not_another_job(workdir):
@@ -104,15 +104,15 @@ def _checkpoint_paths(config):
     return found
 
 
-def _restore(checkpoint, config, paths):
-    """Restores the first readable of `paths`; a damaged one in the workdir is reported and the previous one
-    used, as training does. One gone, or going, since they were listed was rotated away by a run still training (a
+def _restore(run, config, paths):
+    """Restores the first readable of `paths` into `run`; a damaged one in the workdir is reported and the previous
+    one used, as training does. One gone, or going, since they were listed was rotated away by a run still training (a
     newer one appeared): the workdir's checkpoints are listed again. Returns the path restored."""
     tried, damaged = set(), 0
     while path := next((p for p in paths if p not in tried), None):
         tried.add(path)
         try:
-            checkpoint_lib.restore(checkpoint, path, partial=True)
+            _restore_from(run, path)
             return path
         except checkpoint_lib.Unreadable as e:
             if config.checkpoint:
@@ -126,6 +126,13 @@ def _restore(checkpoint, config, paths):
     raise ConfigError(f"--workdir={config.workdir}: no readable checkpoint (all {damaged} are damaged)")
 
 
+def _restore_from(run, path):
+    """Restores `path` into `run` through a checkpoint object of its own: one whose restore failed part way (its files
+    rotated away as they were read) keeps TensorFlow's deferred restorations of that checkpoint, and every later
+    restore through it fails ("does not fit this run") or reads the files that failed."""
+    checkpoint_lib.restore(run.state.evaluated(), path, partial=True)
+
+
 def evaluate(config, strategy=None, given=None):
     """--mode=eval: evaluates one checkpoint (--checkpoint, or the latest readable in --workdir) of the run
     rebuilt from its config.json."""
@@ -134,8 +141,8 @@ def evaluate(config, strategy=None, given=None):
     paths = _checkpoint_paths(config)
     if config.checkpoint:  # of a run elsewhere: a new --workdir is made before the evaluation, not after it
         make_workdir(config.workdir)
-    run, checkpoint = _evaluated(config, strategy)
-    path = _restore(checkpoint, config, paths)
+    run = _evaluated(config, strategy)
+    path = _restore(run, config, paths)
     step = int(run.state.step.numpy())
     results = run.evaluator.evaluate()
     print(f"eval step={step} split={config.eval_split} {format_metrics(results)} checkpoint={path}", flush=True)
@@ -169,7 +176,20 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
     if results and max(r["step"] for r in results) >= config.train_steps:
         print(f"continuous_eval: step {config.train_steps} was evaluated already (continuous_eval.jsonl)", flush=True)
         return results
-    run, checkpoint = _evaluated(config, strategy)
+    # One sidecar a split: a second would evaluate and record each checkpoint again beside the first's.
+    doing = f"evaluating --eval_split={config.eval_split} (--mode=continuous_eval)"
+    with Lock(config.workdir, doing=doing, name=f"continuous_eval_{config.eval_split}.lock"):
+        return _follow(config, strategy, poll_seconds)
+
+
+def _follow(config, strategy, poll_seconds):
+    """follow's loop, under its sidecar lock: the records read again now that no other sidecar of this split runs."""
+    results = _followed(config.workdir, config.eval_split)
+    if results and max(r["step"] for r in results) >= config.train_steps:
+        print(f"continuous_eval: step {config.train_steps} was evaluated already (continuous_eval.jsonl)", flush=True)
+        return results
+    directory = os.path.join(config.workdir, "checkpoints")
+    run = _evaluated(config, strategy)
     # By name (ckpt-N): a restart may spell --workdir otherwise.
     writer, evaluated, waited_since = None, {os.path.basename(r["checkpoint"]) for r in results}, time.monotonic()
     unreadable = FailedReads(poll_seconds, config.eval_timeout)
@@ -179,7 +199,7 @@ def follow(config, strategy=None, poll_seconds=2.0, given=None):
             time.sleep(poll_seconds)
             continue
         try:
-            checkpoint_lib.restore(checkpoint, latest, partial=True)
+            _restore_from(run, latest)
         except checkpoint_lib.Unreadable as e:
             unreadable.failed(latest, e)  # still being written (tried again), or damaged (the previous one next)
             time.sleep(poll_seconds)
@@ -322,10 +342,10 @@ def export(config, given=None):
         _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "export", given)
     paths = _checkpoint_paths(config)
-    run, checkpoint = _evaluated(
+    run = _evaluated(
         dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None, "weights"
     )
-    path = _restore(checkpoint, config, paths)
+    path = _restore(run, config, paths)
     step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     where = _export_target(config, export_dir, step)
@@ -362,14 +382,14 @@ def sample(config, given=None):
     --sample_prompt, for tasks that generate (language_model)."""
     config = run_config(config, "sample", given)
     paths = _checkpoint_paths(config)
-    run, checkpoint = _evaluated(
+    run = _evaluated(
         dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None, "weights"
     )
     if run.task.sample is None:
         raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
-    path = _restore(checkpoint, config, paths)
+    path = _restore(run, config, paths)
     with run.weights.averaged():
-        text = run.task.sample(run.models, config)
+        text = run.task.sample(run.models, config.plugin("task", config.task))
     print(text, flush=True)
     print(f"(sampled {config.sample_length} tokens from step {int(run.state.step.numpy())}, {path})", flush=True)
     return text

@@ -55,7 +55,7 @@ class TrainProgram:
         self.counts_bytes = coordinator is None and not config.tf_data_service
         self.stops_each_step = stops_each_step(placement)
         if data.sharded:  # now, not as its first batch is read: nothing is written yet
-            streamed.check_enough_files(data.train_files, config.data, self.pipelines)
+            streamed.check_enough_files(data.train_shards, config.data, self.pipelines)
         self.input = self.input_path()
         self.retraced = set()
         self._build()

@@ -5,9 +5,9 @@ engine/settings/config.py's validate runs them: each raises ConfigError naming t
 import dataclasses
 import math
 import re
+import struct
 
 from engine.settings import plugins
-from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import (
     BUNDLED_DATASETS,
@@ -66,7 +66,7 @@ def _non_negative(config, *names):
 def check_choices(config):
     """Every setting that names one of a fixed set of choices."""
     _choice(config, "mode", MODES)
-    if not config.workdir:
+    if not config.workdir.strip():  # " " made a folder named so, wherever the run started
         fail("workdir", config.workdir, "must name a directory")
     _choice(config, "strategy", STRATEGIES, allow_empty=True)
     _choice(config, "cluster_resolver", CLUSTER_RESOLVERS, allow_empty=True)
@@ -178,6 +178,40 @@ def check_limits(config):
     for name in ("beta_1", "beta_2", "dropout", "ema_decay", "momentum"):
         if not 0 <= getattr(config, name) < 1:
             fail(name, getattr(config, name), "must be in [0, 1)")
+    # The step computes in float32: a value that rounds there to what the checks above refuse is refused as they
+    # are. A beta of 1 - 1e-8 is 1.0 there (Adam's bias correction 1 - beta**t divides by 0, or never moves a
+    # weight); an epsilon of 1e-50 is 0 (below float32's smallest normal number, flushed to 0 on a CPU: 0 / 0 on a
+    # zero gradient); a learning rate or loss scale of 1e39 is inf (an initial scale of inf halves to inf: every
+    # step is skipped, and the run ends as if it had trained).
+    for name in ("beta_1", "beta_2"):
+        if _float32(getattr(config, name)) >= 1:
+            fail(
+                name,
+                getattr(config, name),
+                f"rounds to 1 in float32, which the step computes in: at most {_BELOW_1:.8g}",
+            )
+    for name in ("learning_rate", "epsilon", "initial_loss_scale"):
+        value = getattr(config, name)
+        if not FLOAT32_TINY <= _float32(value) <= FLOAT32_MAX:
+            fail(
+                name,
+                value,
+                f"is {_float32(value):g} in float32, which the step computes in: must be in "
+                f"[{FLOAT32_TINY:.8g}, {FLOAT32_MAX:.8g}]",
+            )
+
+
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number: below it a CPU flushes a value to 0
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
+_BELOW_1 = 1 - 2.0**-24  # the largest float32 below 1, 0.99999994
+
+
+def _float32(value):
+    """`value` as float32 holds it: rounded to the nearest, +-inf past its largest."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 # ---- Optimizer, schedule and the loop's policies ---------------------------------------------------------------
@@ -209,89 +243,7 @@ def check_training(config):
         )
 
 
-# ---- Devices and clusters --------------------------------------------------------------------------------------
-
-
-def check_strategy(config):
-    """The refusals that depend on the strategy, judged on the one the run will use (planned_strategy), whether
-    --strategy, TF_CONFIG or --cluster_resolver chose it."""
-    name, said = strategy_plan(config.cluster)
-    if name == "parameter_server" and config.precision == "mixed_float16":
-        fail(
-            "precision",
-            config.precision,
-            f"is not supported with {said}: asynchronous "
-            "workers cannot share one dynamic loss scale; use mixed_bfloat16 or float32",
-        )
-    if name == "parameter_server" and config.jit_compile == "true":
-        fail(
-            "jit_compile",
-            config.jit_compile,
-            f"cannot compile the step with {said}: an XLA program cannot read the variables on parameter servers "
-            "(--jit_compile=auto compiles nothing there)",
-        )
-    if name == "parameter_server" and config.cluster_resolver == "kubernetes":
-        fail(
-            "cluster_resolver",
-            config.cluster_resolver,
-            f"reads one job of worker pods; {said} needs chief, worker and ps jobs: give them in TF_CONFIG (a TFJob "
-            "sets it)",
-        )
-    jobs = (tf_config() or {}).get("cluster") or {}
-    if name == "multi_worker" and "ps" in jobs:  # TensorFlow's multi-worker strategy has no parameter servers
-        fail("strategy", config.strategy, "runs no 'ps' job, which TF_CONFIG has: use --strategy=parameter_server")
-    if name == "tpu" and not config.tpu:
-        fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
-    if config.tf_data_service and data_service_address(config.tf_data_service) is None:
-        fail("tf_data_service", config.tf_data_service, "must be grpc://host:port or host:port of its dispatcher")
-    if name == "tpu" and config.precision == "mixed_float16":
-        # An explicit --strategy=tpu keeps the words it has always been refused with.
-        computes = "TPUs compute" if config.strategy else f"{said} computes"
-        fail("precision", config.precision, f"{computes} in bfloat16, not float16: use --precision=mixed_bfloat16")
-
-
-def data_service_address(service):
-    """(host, port) of a --tf_data_service value ([grpc://]host:port), or None when it is not one."""
-    found = re.fullmatch(r"(?:grpc://)?(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):(\d{1,5})", service)
-    if not found or not 0 < int(found.group(2)) < 65536:
-        return None
-    return found.group(1).strip("[]"), int(found.group(2))
-
-
-def _plan(cluster):
-    """(strategy name or None, what chose it): see planned_strategy."""
-    if cluster.strategy:
-        return cluster.strategy, f"--strategy={cluster.strategy}"
-
-    jobs = (tf_config() or {}).get("cluster")
-    if jobs and "ps" in jobs:
-        return "parameter_server", "TF_CONFIG has a 'ps' job"
-    if jobs:
-        return "multi_worker", "TF_CONFIG has a cluster"
-    if cluster.cluster_resolver in ("tf_config", "slurm", "kubernetes"):
-        return "multi_worker", f"--cluster_resolver={cluster.cluster_resolver}"
-    if cluster.cluster_resolver == "tpu":
-        return "tpu", "--cluster_resolver=tpu"
-    if cluster.num_cpu_devices > 1:
-        return "mirrored", f"--num_cpu_devices={cluster.num_cpu_devices}"
-    return None, "the devices"
-
-
-def strategy_plan(cluster):
-    """(planned_strategy, what chose it in words: the flag "--strategy=multi_worker", or "the multi_worker strategy
-    (TF_CONFIG has a cluster)"), for a refusal to name."""
-    name, origin = _plan(cluster)
-    return name, origin if cluster.strategy else f"the {name} strategy ({origin})"
-
-
-def planned_strategy(cluster):
-    """The strategy a run will use, as its cluster settings (config.cluster) and environment decide it: --strategy;
-    else a cluster in TF_CONFIG (parameter_server when it has a 'ps' job, else multi_worker); else
-    --cluster_resolver's (tpu, or multi_worker); else mirrored over --num_cpu_devices; None where only the devices
-    decide (mirrored over several GPUs, else one_device), which needs TensorFlow: engine/cluster/distribute.py's
-    strategy_name completes this. Every check that depends on the strategy reads this one answer, before anything
-    starts."""
-    return _plan(cluster)[0]
+# ---- Devices and clusters (the strategy a run plans, and what it refuses: engine/settings/strategy.py) -------------
 
 
 def check_batch(config, num_replicas, training=True):

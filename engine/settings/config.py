@@ -1,9 +1,10 @@
 """A run's checked Config: validate() for one built from flags, from_json() and load_run_config() for the one a
-run saved, for_evaluation() for the one that evaluates a trained run; and the checks that need this machine.
+run saved, for_evaluation() for the one that evaluates a trained run.
 
 Every setting is declared in engine/settings/fields.py (the engine's) or in the file of the model, task, source or
 action that owns it (engine/settings/declared.py finds them); the checks that need neither TensorFlow nor this
-machine are engine/settings/checks.py's, by section; engine/settings/identity.py says which saved settings are a
+machine are engine/settings/checks.py's, by section, the strategy's (and --local_workers' against this machine's
+memory) engine/settings/strategy.py's; engine/settings/identity.py says which saved settings are a
 run's identity. Whether a run fits its device's memory is judged once its data is known (engine/run/memory.py).
 No TensorFlow on this module's import path: launch.py reads it before TensorFlow starts.
 """
@@ -12,13 +13,10 @@ import dataclasses
 import json
 import os
 
-from engine.settings import checks, plugins
-from engine.settings.checks import fail
-from engine.settings.errors import ConfigError, counted
+from engine.settings import checks, plugins, strategy
+from engine.settings.errors import ConfigError
 from engine.settings.fields import (
     DECLARATION_ERRORS,
-    LOCAL_TASK_BYTES,
-    MAX_LOCAL_TASKS,
     REFUSED_UNLESS_READ,
     Config,
     applies,
@@ -30,7 +28,6 @@ from engine.settings.identity import (
     KINDS,
     holds,
 )
-from engine.settings.machine import host_memory_bytes, human_bytes
 
 
 def validate(config):
@@ -43,9 +40,7 @@ def validate(config):
     checks.check_signs(config)
     checks.check_limits(config)
     checks.check_training(config)
-    if config.local_workers:
-        _check_local_workers(config)
-    checks.check_strategy(config)
+    strategy.check_strategy(config)
     config = checks.resolve_task(config)
     checks.check_data(config)
     return config
@@ -55,41 +50,6 @@ def first_line(error):
     """The first line of an error's message (a TensorFlow error's own message, without its context)."""
     text = getattr(error, "message", None) or str(error)
     return (text.strip().splitlines() or [type(error).__name__])[0]
-
-
-# ---- --local_workers: a cluster on this machine, in what it holds ------------------------------------------
-
-
-def _check_local_workers(config):
-    """--local_workers starts a cluster's workers here, whose TF_CONFIG it writes: only to train, with a strategy that
-    has workers and no other source of the cluster; every task of its cluster, no more than MAX_LOCAL_TASKS, nor
-    than fit in memory."""
-    if config.strategy not in ("multi_worker", "parameter_server"):
-        fail("local_workers", config.local_workers, "needs --strategy=multi_worker or --strategy=parameter_server")
-    if config.mode != "train":  # each task would run the mode alone, and say so alone
-        fail("local_workers", config.local_workers, f"starts the workers of a train run, not --mode={config.mode}")
-    if config.cluster_resolver not in ("", "tf_config"):
-        fail(
-            "local_workers",
-            config.local_workers,
-            f"writes the cluster's TF_CONFIG, which --cluster_resolver={config.cluster_resolver} would not read",
-        )
-    total = host_memory_bytes()
-    limit = max(1, min(MAX_LOCAL_TASKS, total // LOCAL_TASK_BYTES))
-    why = (
-        f"at most {limit} fit (each is a TensorFlow process of about {human_bytes(LOCAL_TASK_BYTES)}, this machine has "
-        f"{human_bytes(total)}; the launcher's cap is {MAX_LOCAL_TASKS})"
-    )
-    if config.local_workers > limit:
-        fail("local_workers", config.local_workers, f"starts {config.local_workers} TensorFlow processes here; {why}")
-    if config.strategy == "parameter_server" and 1 + config.local_workers + config.num_ps > limit:
-        count = 1 + config.local_workers + config.num_ps
-        fail(
-            "num_ps",
-            config.num_ps,
-            f"with --local_workers={config.local_workers} starts {count} TensorFlow processes here (a chief, "
-            f"{counted(config.local_workers, 'worker')}, {counted(config.num_ps, 'parameter server')}); {why}",
-        )
 
 
 # ---- A run's saved settings (workdir/config.json) ----------------------------------------------------------------

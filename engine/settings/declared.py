@@ -5,6 +5,7 @@ and the settings it reads that another file declares (READS), read from the plug
 
 import dataclasses
 import keyword
+import math
 import os
 
 from engine.settings import plugins
@@ -96,18 +97,30 @@ def _malformed(declaration):
         return f"its help is {help_text!r:.60}, not a string"
     if kind is tuple and not all(type(v) is int for v in default):
         return f"a tuple default is of integers (a flag's 64,64), not {default!r:.60}"
+    # A default its own checks (engine/settings/checks.py _check_declared) refuse would refuse every run, of any
+    # model or task, naming a flag nobody gave: said here, naming the file.
+    if kind is tuple and not (default and min(default) > 0):
+        return f"a tuple default is of positive integers, not {default!r:.60}"
+    if kind in (int, float) and not bounds and not (default > 0 and math.isfinite(default)):
+        return f"a number's default with no range is positive, not {default!r:.60}"
     if not bounds:
         return ""
     bound = bounds[0]
     if kind is str:
         good = bound == "required" or (isinstance(bound, tuple) and all(isinstance(c, str) for c in bound))
+        if good and isinstance(bound, tuple) and default not in bound:
+            return f"its default {default!r:.60} is none of its choices {bound!r:.60}"
         return "" if good else f'a string\'s choices are a tuple of strings or "required", not {bound!r:.60}'
     # (low, high), or (low, None) for no upper bound: a lower one is always given.
     number = lambda b: isinstance(b, (int, float)) and not isinstance(b, bool)  # noqa: E731
     numbers = (
         isinstance(bound, tuple) and len(bound) == 2 and number(bound[0]) and (bound[1] is None or number(bound[1]))
     )
-    return "" if kind in (int, float) and numbers else f"a range (low, high) of numbers, not {bound!r:.60}"
+    if not (kind in (int, float) and numbers):
+        return f"a range (low, high) of numbers, not {bound!r:.60}"
+    low, high = bound
+    inside = low <= default <= high if high is not None else default >= low >= 0
+    return "" if inside else f"its default {default!r:.60} is outside its range {bound!r:.60}"
 
 
 def _readers(files, root, owners, errors):

@@ -42,9 +42,7 @@ def gpu_memory_bytes():
 
 def human_bytes(count):
     """A byte count as people read it: 1.44 TB, 615 MB."""
-    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
-    if count >= 1000 ** len(units):
-        return f"over 1000 {units[-1]}"
+    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")  # past 1000 EB: 1.5e+06 EB
     power = min(int(math.log10(max(count, 1)) // 3), len(units) - 1)
     value = count / 1000**power
     return f"{value:.3g} {units[power]}"

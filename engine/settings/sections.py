@@ -39,6 +39,8 @@ def home(field):
 
 
 def _where(section):
+    if isinstance(section, tuple) and section[0] == "plugin":
+        return f"the settings {section[1]} {section[2]} is handed"
     if isinstance(section, tuple):
         return f"config.own{section!r}"
     return f"config.{section}"
@@ -95,7 +97,7 @@ class Section:
 
     def replace(self, **changes):
         """This section of the config with `changes` (a setting of any section, as dataclasses.replace takes)."""
-        return Section(dataclasses.replace(self._config, **changes), self._name, self._names)
+        return type(self)(dataclasses.replace(self._config, **changes), self._name, self._names)
 
 
 def whole(config):
@@ -140,18 +142,84 @@ def section(config, name):
     return cls(whole, name, cls.NAMES)
 
 
-def _typed(config_type, name, names):
+def _typed(config_type, name, names, base=Section, title=None, doc=None):
     """The class of section `name`'s views: a Section named after it (Optimization, Loop; ResnetSettings for a
-    file's own), its settings annotated with their types, so a reader and a type checker see what it holds."""
+    file's own; `title` where given), its settings annotated with their types, so a reader and a type checker see
+    what it holds."""
     fields = {f.name: f.type for f in dataclasses.fields(config_type)}
-    if isinstance(name, tuple):
+    if title is None and isinstance(name, tuple):
         title = f"{name[1].title().replace('_', '')}Settings"
         doc = f"the settings {name[0]} {name[1]} declares in its file, and those its READS names"
-    else:
+    elif title is None:
         title, doc = name.title(), SECTIONS[name]
     # A derived value (per_eval_batch_size) is annotated with what its property returns.
     annotations = {n: fields.get(n) or getattr(config_type, n).fget.__annotations__["return"] for n in sorted(names)}
-    return type(title, (Section,), {"__doc__": f"{title}: {doc}.", "__annotations__": annotations, "NAMES": names})
+    return type(title, (base,), {"__doc__": f"{title}: {doc}.", "__annotations__": annotations, "NAMES": names})
+
+
+def undeclared(name):
+    """What a read of a setting no file declares is told."""
+    return (
+        f"no setting {name}: the engine declares none, nor does any file of this checkout; a model, task, source or "
+        "action declares its own in its file's SETTINGS (docs/forking.md)"
+    )
+
+
+class Plugin(Section):
+    """What one plugin reads of a run's settings (a task's `self.config`, a model's `create(config, ...)`, a
+    source's `load(config, ...)`, an action's `Action(config)`): every engine setting, the settings its own file
+    declares and those its READS names, with the sections and `own` a Config answers. A setting another file declares
+    is an AttributeError naming both files: read unnamed, the run would neither depend on it nor accept it typed."""
+
+    __slots__ = ()
+    run, loop, data, models, optimization, numerics, cluster = (
+        property(lambda self, name=name: section(self, name)) for name in SECTIONS
+    )
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        field = {f.name: f for f in dataclasses.fields(self._config)}.get(name)
+        if field is None and name not in DERIVED:
+            raise AttributeError(undeclared(name))
+        if field is None or name in self._names:
+            return Section.__getattr__(self, name)
+        kind, module = self._name[1:]
+        reader, owner = _file(kind, module), _file(*home(field))
+        raise AttributeError(
+            f"{reader} reads the setting {name}, which {owner} declares: name it in {reader}'s READS (READS = "
+            f"({name!r},)), so a run of {reader} depends on it and takes --{name}"
+        )
+
+    def own(self, kind, module):
+        """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task"), the source <module>
+        ("dataset") or the action <module> ("actions") declares, and those its READS names."""
+        return section(self, (kind, module))
+
+    def plugin(self, kind, module):
+        """What another plugin of this run is handed (a model a task creates with `config=`)."""
+        return plugin(self, kind, module)
+
+
+def _file(kind, module):
+    from engine.settings import plugins  # deferred: plugins reads this module's path
+
+    return plugins.file(kind, module)
+
+
+def plugin(config, kind, module):
+    """What plugin `module` of `kind` ("model", "task", "dataset", "actions") is handed of `config` (a Config, or
+    what another plugin was handed): a Plugin view."""
+    whole = config._config if isinstance(config, Section) else config
+    key = (type(whole), ("plugin", kind, module))
+    if key not in _CACHE:
+        engine = {f.name for f in dataclasses.fields(whole) if "section" in f.metadata}
+        names = engine | _names(type(whole), (kind, module)) | set(DERIVED)
+        title = f"{module.title().replace('_', '')}{kind.title()}Config"
+        doc = f"what {kind} {module} reads: every engine setting, its file's own and those its READS names"
+        _CACHE[key] = _typed(type(whole), key[1], names, Plugin, title, doc)
+    cls = _CACHE[key]
+    return cls(whole, key[1], cls.NAMES)
 
 
 class Sectioned:
@@ -169,12 +237,14 @@ class Sectioned:
         # Python's and TensorFlow's own probes (copy, pickle, tracing); a property of Config's that failed inside.
         if name.startswith("_") or hasattr(type(self), name):
             raise AttributeError(name)
-        raise AttributeError(
-            f"no setting {name}: the engine declares none, nor does any file of this checkout; a model, task, "
-            "source or action declares its own in its file's SETTINGS (docs/forking.md)"
-        )
+        raise AttributeError(undeclared(name))
 
     def own(self, kind, module):
         """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task") or the source <module>
         ("dataset") declares, and those its READS names."""
         return section(self, (kind, module))
+
+    def plugin(self, kind, module):
+        """What plugin `module` of `kind` ("model", "task", "dataset", "actions") is handed of this run: every engine
+        setting, its file's own and those its READS names (a Plugin view)."""
+        return plugin(self, kind, module)

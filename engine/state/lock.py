@@ -71,10 +71,11 @@ def _alive_here(holder):
 class Lock:
     """workdir/train.lock for the life of a `with` block (see the module's docstring)."""
 
-    def __init__(self, workdir, log=print, doing="training"):
-        # `doing` is what a refused process is told the holder does ("tuning study 'x'" for a tuner).
+    def __init__(self, workdir, log=print, doing="training", name=LOCK_NAME):
+        # `doing` is what a refused process is told the holder does ("tuning study 'x'" for a tuner); `name`: the
+        # lock's file (a continuous_eval sidecar holds one of its own, beside the trainer's train.lock).
         self.workdir, self.log, self.doing = workdir, log, doing
-        self.path = local_path(os.path.join(workdir, LOCK_NAME))
+        self.path = local_path(os.path.join(workdir, name))
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread = None

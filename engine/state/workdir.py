@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from engine.settings import plugins
 from engine.settings.config import load_run_config
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import show
 from engine.settings.identity import ORDER_SETTINGS, identity_changes
 from engine.state.checkpoint import list_checkpoints
@@ -148,16 +148,22 @@ def others_results(workdir, results, said, job):
     )
 
 
+def _saved(workdir, key):
+    """(config.json's path, what it says of `key`, None where it says nothing, or cannot be read: its own check
+    speaks)."""
+    path = os.path.join(workdir, "config.json")
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            return path, json.loads(f.read()).get(key)
+    except (tf.errors.NotFoundError, ValueError, AttributeError):  # none, damaged, not a dict
+        return path, None
+
+
 def check_same_classes(workdir, task):
     """Refuses data that names its classes otherwise than the run of `workdir` trained on (config.json's
     class_names): a class folder renamed, added or removed moves the labels, and the trained model would read each
     as another class, its export name them wrong. Nothing to hold it against where config.json names none."""
-    path = os.path.join(workdir, "config.json")
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            saved = json.loads(f.read()).get("class_names")
-    except (tf.errors.NotFoundError, ValueError, AttributeError):  # none, damaged (its own check speaks), not a dict
-        return
+    path, saved = _saved(workdir, "class_names")
     names = None if task.class_names is None else list(task.class_names)
     if not isinstance(saved, list) or names is None or names == saved:
         return
@@ -173,16 +179,46 @@ def check_same_classes(workdir, task):
     )
 
 
-def write_config(config, task, updates=None):
+def training_split(data):
+    """What config.json says of the training split a run reads (engine/data/datasets.py Data): its examples, and its
+    record files where it streams them."""
+    return {"examples": data.train_examples, "files": data.train_files}
+
+
+def warn_of_another_split(config, data, step):
+    """Warns where the training split holds other examples than when the run of config.json last started (record
+    files added or removed, a file of arrays replaced): the run goes on from its data position (step `step`), which
+    counts into the order of what the split holds now, not into the order an uninterrupted run read. Not refused: a
+    job a scheduler restarts would stop on it for good."""
+    path, saved = _saved(config.workdir, "training_split")
+    now = training_split(data)
+    if isinstance(saved, dict) and saved != now:
+        print(
+            f"warning: --dataset={config.dataset}: its --train_split={config.train_split} holds {_split(now)} now, "
+            f"{_split(saved)} when this run last started ({path}): it goes on from its data position at step {step} "
+            "in the order of what the split holds now, not the examples an uninterrupted run would have read",
+            flush=True,
+        )
+
+
+def _split(held):
+    files = f" in {counted(held['files'], 'record file')}" if held.get("files") else ""
+    return f"{counted(held.get('examples'), 'example')}{files}"
+
+
+def write_config(config, task, updates=None, data=None):
     """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
     settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble. Beside
     them, what the labels mean (a classification task's class_names, null for others): no setting, read by
     people and by the programs that use the export; and in a run of several updates the settings each trains with
-    (`updates`: engine/numerics/updates.py effective_settings), read by people, not by the engine."""
+    (`updates`: engine/numerics/updates.py effective_settings), read by people, not by the engine; and what the
+    training split held (`data`), which a resumed run holds its split against."""
     names = task.class_names
     saved = {**dataclasses.asdict(config), "class_names": None if names is None else list(names)}
     if updates:
         saved["updates"] = updates
+    if data is not None:
+        saved["training_split"] = training_split(data)
     write_json(os.path.join(config.workdir, "config.json"), saved)
 
 

@@ -16,7 +16,10 @@ from engine.settings.fields import named_actions
 def load(config):
     """The actions a run of `config` adds (engine/settings/fields.py named_actions), each built as
     engine/run/actions/<name>.py's Action(config)."""
-    return [checked(built(plugins.member("actions", name), config, name), name) for name in named_actions(config)]
+    return [
+        checked(built(plugins.member("actions", name), config.plugin("actions", name), name), name)
+        for name in named_actions(config)
+    ]
 
 
 def built(cls, config, name):
