@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -316,6 +317,108 @@ def test_a_lost_parameter_server_is_named(monkeypatch):
     several = tf.errors.UnavailableError(None, None, f"2 root error(s) found.\n  (0) UNAVAILABLE: {error.message}")
     said = str(lost).replace("(localhost:1002): ", "(localhost:1002): UNAVAILABLE: ")
     assert str(distribute.explain_failure(strategy, config, several)) == said
+
+
+def test_a_parameter_server_lost_during_a_save_is_a_lost_peer_not_a_full_disk(
+    data_dir, one_device, tmp_path, monkeypatch
+):
+    """A server killed while the chief saved ended the job with `error: cannot write checkpoint for step 16 to ...:
+    Graph execution error:` and exit 4 (fix the storage), not exit 5 naming the server (restart every task)."""
+    from engine.run import build
+
+    spec = {"chief": ["localhost:1000"], "worker": ["localhost:1001"], "ps": ["localhost:1002"]}
+    checkpoints = checkpoint.Checkpoints(build.run(helpers.make_config(data_dir), one_device).state, str(tmp_path), 1)
+    # What the chief's save raised as ps 0 was SIGKILLed (its message as TensorFlow 2.21 wrote it, trimmed).
+    remote = "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while calling /x:"
+    lost = tf.errors.UnavailableError(
+        None,
+        None,
+        "Graph execution error:\n\nDetected at node SaveV2/_7 defined at (most recent call last):\n"
+        f"<stack traces unavailable>\n2 root error(s) found.\n  (0) UNAVAILABLE:  Socket closed\n{remote}\n"
+        f"  (1) UNAVAILABLE:  Socket closed\n{remote}\n0 successful operations.",
+    )
+
+    def save(error):
+        def raising(checkpoint_number):
+            raise error
+
+        monkeypatch.setattr(checkpoints.manager, "save", raising)
+        checkpoints.save()
+
+    with pytest.raises(tf.errors.UnavailableError):  # not CheckpointError, which launch.py ends with exit 4
+        save(lost)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
+    config = Config(strategy="parameter_server", collective_timeout=5).cluster
+    assert str(distribute.lost_peer(config, lost)) == (  # launch.py's line for it, exit 5
+        "lost ps 0 (localhost:1002): UNAVAILABLE:  Socket closed; a peer that dies or is silent for "
+        "--collective_timeout=5s stops the job; restart every task of the job to resume from the last checkpoint"
+    )
+    # The storage's own failures stay the storage's, a server's shard's included.
+    full = tf.errors.ResourceExhaustedError(None, None, f"No space left on device\n{remote}")
+    with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoint for step 0 to .*No space left"):
+        save(full)
+    with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoint for step 0 to .*Unavailable"):
+        save(tf.errors.UnavailableError(None, None, "Unavailable: the bucket did not answer"))
+
+
+# A chief whose Python lock a native call holds (TensorFlow removing a retraced save function from every task of the
+# cluster, as each checkpoint of a parameter-server job does, waits for a stopped worker with it held), as a
+# silent peer (a socket that accepts and never answers) stays silent.
+_HELD_CHIEF = """
+import ctypes, socket, sys, time
+sys.path.insert(0, {root!r})
+import tensorflow as tf
+from engine.cluster import resolvers
+silent = socket.socket()
+silent.bind(("127.0.0.1", 0))
+silent.listen(8)  # the kernel accepts its connections; nothing ever answers them
+address = "127.0.0.1:%d" % silent.getsockname()[1]
+resolvers.watch_servers(tf.train.ClusterSpec({{"worker": [address]}}), 1.0)
+print("holding", flush=True)
+ctypes.PyDLL(None).sleep(30)  # a native call that keeps Python's lock, as TensorFlow's remove_function does
+print("never here: the watch waited for the lock", flush=True)
+"""
+
+
+def test_a_silent_peer_ends_a_chief_whose_python_lock_is_held():
+    """A worker stopped as the chief saved a checkpoint held the job for as long as it stayed stopped (40 s of 40
+    with --collective_timeout=10): the watch was a Python thread, which cannot run while TensorFlow holds the lock."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELD_CHIEF.format(root=ROOT)], capture_output=True, text=True, timeout=120
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == LOST_PEER_EXIT_CODE, proc.stdout + proc.stderr[-2000:]
+    assert "holding" in proc.stdout and "never here" not in proc.stdout
+    assert re.match(r"error: lost worker 0 \(127\.0\.0\.1:\d+\): no answer within --collective_timeout=1s", lines[-1])
+    # TensorFlow's import and the 1 s probe: well within the 30 s that the held lock would have taken.
+    assert time.monotonic() - start < 25
+
+
+@pytest.mark.parametrize("strategy, job", [("multi_worker", "worker"), ("parameter_server", "ps")])
+def test_a_task_whose_port_is_taken_is_one_line(tmp_path, strategy, job):
+    """A TF_CONFIG naming a port another process holds ended in TensorFlow's traceback, exit 1:
+    `tensorflow.python.framework.errors_impl.UnknownError: Could not start gRPC server`."""
+    ports = helpers.free_ports(3)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", ports[0]))
+        taken.listen(1)
+        if strategy == "multi_worker":
+            spec = {"worker": [f"localhost:{ports[0]}", f"localhost:{ports[1]}"]}
+        else:
+            spec = {
+                "chief": [f"localhost:{ports[1]}"],
+                "worker": [f"localhost:{ports[2]}"],
+                job: [f"localhost:{ports[0]}"],
+            }
+        env = {"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": job, "index": 0}})}
+        result = launch(f"--workdir={tmp_path / 'run'}", f"--strategy={strategy}", "--connect_timeout=30", env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {job} 0 could not listen on localhost:{ports[0]}, its address in the cluster (Could not start gRPC "
+        f"server): is port {ports[0]} in use by another process? Give this task a free port"
+    )
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()  # nothing in the workdir touched
 
 
 @pytest.mark.slow

@@ -86,7 +86,8 @@ def test_sigterm_saves_the_current_step_and_the_restart_redoes_nothing(data_dir,
     out, err = proc.communicate(timeout=60)
     print(f"SIGTERM to exit: {time.monotonic() - sent:.2f} s")
     assert proc.returncode == preemption.PREEMPTED_EXIT_CODE, err[-2000:]
-    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", out).group(1))
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", err).group(1))
+    assert (out + err).count("stopped by SIGTERM") == 1  # said once, as the last line (the console said it twice)
     assert 20000 < stopped < 40000  # inside the second round: the step loop itself noticed
     assert err.strip().splitlines()[-1].startswith("error: preempted: stopped by SIGTERM")
     assert checkpoint.list_checkpoints(tmp_path / "checkpoints")[0].endswith(f"ckpt-{stopped}")
@@ -300,6 +301,8 @@ def test_full_disk_fails_at_the_first_save_naming_the_path(data_dir, tmp_path):
     lines = err.strip().splitlines()
     assert code == 4, err[-2000:]
     assert lines[-1].startswith("error: cannot write checkpoint for step 20 to ") and str(tmp_path) in lines[-1]
+    # What failed, as a person reads it: not TensorFlow's graph function and the shard's temporary file.
+    assert lines[-1] == f"error: cannot write checkpoint for step 20 to {tmp_path}/checkpoints: File too large"
     path, tensors = checkpoint_tensors(tmp_path)  # the earlier checkpoint is intact and readable
     assert path.endswith("ckpt-10") and len(tensors) > 10
 

@@ -150,8 +150,7 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
         "f_syntax": "def create(config, spec, outputs, info)\n    pass\n",
         "g_good": "SETTINGS = {'g_size': (5, 'n', (1, None)), 'g_kind': ('x', 'k', ('x', 'y')), 'g_dims': ((8,), 'd')}",
     }
-    packages = [("model", *_package(tmp_path, "models", files))]
-    fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"})
+    fields, _, errors = _declared_models(tmp_path, files)
     assert sorted(name for name, _, _ in fields) == ["g_dims", "g_kind", "g_size"]
     assert [error.split(":")[0] for error in errors] == [f"models/{name}.py" for name in sorted(files)[:-1]]
     assert errors[0].startswith("models/a_expression.py: SETTINGS must be written as a literal (numbers, strings")
@@ -162,6 +161,11 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
     assert errors[5].endswith("a range (low, high) of numbers, not ('1', None)")
     assert errors[6] == "models/f_syntax.py: not Python that parses: expected ':' (line 1)"  # not blamed on SETTINGS
     assert errors[7].endswith("a range (low, high) of numbers, not (None, 64)")  # every command failed on it
+
+
+def _declared_models(tmp_path, files):
+    """declared_settings of model files `files` ({module: text}) in a checkout at `tmp_path`."""
+    return declared_settings([("model", *_package(tmp_path, "models", files))], str(tmp_path), {"dropout"})
 
 
 def test_a_default_its_own_checks_refuse_is_one_error_naming_the_file(tmp_path):
@@ -175,8 +179,7 @@ def test_a_default_its_own_checks_refuse_is_one_error_naming_the_file(tmp_path):
         "l_range": "SETTINGS = {'l_rate': (-1.0, 'r', (0.0, None)), 'l_frac': (2.0, 'f', (0.0, 1.0))}",
         "m_good": "SETTINGS = {'m_top': (0, 'k', (0, 9)), 'm_opt': ('', 'o', ('', 'a')), 'm_t': (0.0, 't', (0, None))}",
     }
-    packages = [("model", *_package(tmp_path, "models", files))]
-    fields, _, errors = declared_settings(packages, str(tmp_path), {"dropout"})
+    fields, _, errors = _declared_models(tmp_path, files)
     assert sorted(name for name, _, _ in fields) == ["m_opt", "m_t", "m_top"]
     assert [error.split(":")[0] for error in errors] == [f"models/{name}.py" for name in sorted(files)[:-1]] + [
         "models/l_range.py"

@@ -639,3 +639,54 @@ def test_a_workdir_below_a_folder_named_in_bytes_that_are_not_utf8_is_checked_by
     with pytest.raises(ConfigError, match="is inside the workdir of another run"):
         workdir_lib.check_not_inside_a_run(os.path.join(parent, "run", "train"))
     workdir_lib.check_not_in_run_folders(os.path.join(parent, "exports"), "export_dir", "there")
+
+
+# A checkpoints/ folder the run cannot list, a summary.json or train.lock it cannot read: exit 4, nothing changed.
+
+
+def test_a_checkpoints_folder_that_cannot_be_listed_stops_the_run_before_its_logs_are_rewound(
+    trained, tmp_path, one_device, monkeypatch
+):
+    config = copy_of(trained, tmp_path)
+    directory = os.path.join(config.workdir, "checkpoints")
+    before = contents(config.workdir)
+    os.chmod(directory, 0)
+    if os.getuid() == 0:  # root lists it all the same: as another user, where TensorFlow's glob finds nothing in it
+        listdir, glob = os.listdir, tf.io.gfile.glob
+
+        def refused(path):
+            if os.path.normpath(path) == directory:
+                raise PermissionError(13, "Permission denied", path)
+            return listdir(path)
+
+        monkeypatch.setattr(os, "listdir", refused)
+        monkeypatch.setattr(tf.io.gfile, "glob", lambda p: [] if p.startswith(directory + "/") else glob(p))
+    try:
+        with pytest.raises(CheckpointError) as failed:
+            loop.train(dataclasses.replace(config, train_steps=30), one_device)
+    finally:
+        os.chmod(directory, 0o755)
+    assert str(failed.value) == (
+        f"cannot read checkpoint directory {directory}: Permission denied; nothing was changed: run the same command "
+        "again once it can be read"
+    )
+    monkeypatch.undo()
+    assert contents(config.workdir) == before  # metrics.jsonl, eval.jsonl and the events not rewound to step 0
+
+
+def test_a_summary_that_cannot_be_read_is_an_error_naming_it(trained, tmp_path, one_device):
+    config = copy_of(trained, tmp_path)
+    summary = os.path.join(config.workdir, "summary.json")
+    os.remove(summary)
+    os.mkdir(summary)
+    with pytest.raises(CheckpointError) as failed:
+        loop.train(config, one_device)
+    assert str(failed.value) == f"cannot write {summary}: Is a directory"
+
+
+def test_a_lock_that_cannot_be_read_is_an_error_naming_it(tmp_path):
+    (tmp_path / "run" / lock.LOCK_NAME).mkdir(parents=True)
+    with pytest.raises(CheckpointError) as failed:
+        with lock.Lock(str(tmp_path / "run")):
+            pass
+    assert str(failed.value) == f"cannot write {tmp_path}/run/{lock.LOCK_NAME}: Is a directory"

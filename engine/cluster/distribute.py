@@ -7,6 +7,7 @@ before the runtime starts. Who a cluster's tasks are is engine/cluster/resolvers
 the facts the rest of the engine reads of a strategy (its device, workers, chief), a Placement the run holds.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -63,7 +64,7 @@ def create_strategy(settings):
     if name == "tpu":
         return cluster.tpu_strategy(settings)
     resolver = cluster.resolve(settings, name)
-    with cluster.connect_deadline(settings, resolver):
+    with cluster.connect_deadline(settings, resolver), listening(resolver):
         if name == "parameter_server":
             strategy = tf.distribute.ParameterServerStrategy(resolver)
             cluster.watch_servers(resolver.cluster_spec(), settings.collective_timeout)
@@ -83,6 +84,24 @@ def create_strategy(settings):
         )
 
 
+@contextlib.contextmanager
+def listening(resolver):
+    """A task whose gRPC server cannot listen on its own address (another process holds the port: a TF_CONFIG that
+    names a taken port, or another job's task) is refused in one line (ConfigError, exit 2), not TensorFlow's
+    traceback ending `UnknownError: Could not start gRPC server`."""
+    try:
+        yield
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in (e.message or ""):
+            raise
+        job, index = resolver.task_type, resolver.task_id
+        address = resolver.cluster_spec().task_address(job, index)
+        raise ConfigError(
+            f"{job} {index} could not listen on {address}, its address in the cluster (Could not start gRPC server): "
+            f"is port {address.rpartition(':')[2]} in use by another process? Give this task a free port"
+        ) from None
+
+
 def cluster_resolver(settings):
     """The cluster of a multi-worker or parameter-server job (`settings`: config.cluster): from TF_CONFIG (the
     default), Slurm or Kubernetes."""
@@ -97,13 +116,14 @@ def serve(settings):
     resolver = cluster_resolver(settings)
     if resolver.task_type not in ("worker", "ps"):
         return False
-    server = tf.distribute.Server(
-        resolver.cluster_spec(),
-        job_name=resolver.task_type,
-        task_index=resolver.task_id,
-        protocol=resolver.rpc_layer or "grpc",
-        start=True,
-    )
+    with listening(resolver):
+        server = tf.distribute.Server(
+            resolver.cluster_spec(),
+            job_name=resolver.task_type,
+            task_index=resolver.task_id,
+            protocol=resolver.rpc_layer or "grpc",
+            start=True,
+        )
     print(f"{resolver.task_type} {resolver.task_id} serving the parameter-server job", flush=True)
     server.join()
     return True

@@ -163,19 +163,25 @@ class connect_deadline:
         self.command = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(settings.connect_timeout), *peers]
 
     def __enter__(self):
-        # The process waits in native code that holds Python's lock, where no Python handler can run: libc's
-        # _exit is the handler, called with the signal's number, which becomes the exit code.
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.signal.restype = ctypes.c_void_p
-        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        self.previous = libc.signal(NOT_FORMED_EXIT_CODE, ctypes.cast(libc._exit, ctypes.c_void_p))
-        self.libc = libc
+        self.previous = _exits_on(NOT_FORMED_EXIT_CODE)
         self.watchdog = subprocess.Popen(self.command, stdin=subprocess.PIPE)
 
     def __exit__(self, *exc):
         self.watchdog.stdin.close()
         self.watchdog.wait()  # before the handler goes: a watchdog that timed out as the cluster formed still ends it
-        self.libc.signal(NOT_FORMED_EXIT_CODE, self.previous)
+        _LIBC.signal(NOT_FORMED_EXIT_CODE, self.previous)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.signal.restype = ctypes.c_void_p
+_LIBC.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+
+def _exits_on(number):
+    """Makes signal `number` end this process with the signal's number as its exit code, even inside native code that
+    holds Python's lock (where TensorFlow waits for its peers, and no Python handler runs): libc's _exit is its
+    handler. Returns the handler it replaced."""
+    return _LIBC.signal(number, ctypes.cast(_LIBC._exit, ctypes.c_void_p))
 
 
 def detect_dead_peers(cluster_spec, seconds):
@@ -222,47 +228,61 @@ def reach_data_service(settings):
         time.sleep(min(_PROBE_INTERVAL, max(0.0, deadline - time.monotonic())))
 
 
-def _silent(address, seconds):
-    """Whether the server at `address` (host:port) sends nothing within `seconds`. Refusing the connection or
-    closing it is an answer: the process is gone or alive, and TensorFlow's own errors say which."""
+# The parameter-server chief's watch, a process beside it: the chief waits for its peers inside native calls that
+# hold Python's lock (TensorFlow removing the save function each checkpoint retraces, from every task of the cluster,
+# waits there for a stopped worker), where a thread of the chief's could not run. It ends with its parent's stdin.
+_SERVER_WATCH = """
+import os, select, signal, socket, sys
+parent, seconds, interval = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+preface = bytes.fromhex(sys.argv[4])
+peers = [p.split("=", 1) for p in sys.argv[5:]]
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the chief's to handle
+def silent(address):  # sends nothing within the timeout: refusing or closing the connection is an answer
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=seconds) as connection:
-            connection.sendall(_HTTP2_PREFACE)
+            connection.sendall(preface)
             connection.recv(1)
     except TimeoutError:
         return True
     except OSError:
         pass
     return False
+while not select.select([sys.stdin], [], [], interval)[0]:  # until the chief ends, closing our stdin
+    for name, address in peers:
+        if silent(address):
+            print(
+                f"error: lost {name}: no answer within --collective_timeout={seconds:g}s (a stopped process or a "
+                "host cut off); a peer that dies or is silent that long stops the job; restart every task of the job "
+                "to resume from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(parent, signal.SIGTRAP)  # the parent's handler exits with the signal's number, 5 (watch_servers)
+            sys.exit(0)
+"""
+
+# Its signal: libc's _exit is the chief's handler, called with the signal's number, the lost-peer exit code.
+LOST_PEER_SIGNAL = signal.SIGTRAP
+assert int(LOST_PEER_SIGNAL) == LOST_PEER_EXIT_CODE
+
+_watches = []  # the chief's watch processes, whose stdin it holds open while it lives
 
 
 def watch_servers(cluster_spec, seconds):
-    """A parameter-server chief: a thread that ends the process (exit 5) naming a parameter server or worker
+    """A parameter-server chief: a process beside it that ends it (exit 5) naming a parameter server or worker
     that has answered nothing for `seconds`. A hung task fails no RPC, so without this the chief waits for it
     forever. A task that is gone is left to TensorFlow: a lost server fails the step, a lost worker's share moves
     to the others."""
     spec = cluster_spec.as_dict()
     peers = [
-        (f"{job} {i} ({address})", address) for job in ("ps", "worker") for i, address in enumerate(spec.get(job, []))
+        f"{job} {i} ({address})={address}" for job in ("ps", "worker") for i, address in enumerate(spec.get(job, []))
     ]
-
-    def probe():
-        while True:
-            for name, address in peers:
-                if _silent(address, seconds):
-                    sys.stdout.flush()
-                    print(
-                        f"error: lost {name}: no answer within --collective_timeout={seconds:g}s (a stopped process "
-                        "or a host cut off); a peer that dies or is silent that long stops the job; restart every "
-                        "task of the job to resume from the last checkpoint",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    os._exit(LOST_PEER_EXIT_CODE)
-            time.sleep(_PROBE_INTERVAL)
-
-    threading.Thread(target=probe, name="server-watch", daemon=True).start()
+    _exits_on(int(LOST_PEER_SIGNAL))
+    sys.stdout.flush()
+    command = [sys.executable, "-c", _SERVER_WATCH, str(os.getpid()), f"{seconds:g}", f"{_PROBE_INTERVAL:g}"]
+    command += [_HTTP2_PREFACE.hex(), *peers]
+    _watches.append(subprocess.Popen(command, stdin=subprocess.PIPE))
 
 
 class PeerLost(RuntimeError):
@@ -296,7 +316,8 @@ def peer_lost(resolver, settings, error):
     # An error inside a tf.function starts "Graph execution error:", then the Python stack of the failing op.
     # Several errors at once ("2 root error(s) found.") list theirs as "  (0) UNAVAILABLE: ...": the first one's.
     lines = [line for line in text.splitlines() if line.strip() and not re.match(r"\d+ root error", line.strip())]
-    skip = ("Graph execution error", "Detected at node", "  File ", "\t")
+    # Where TensorFlow kept no Python stack (a node of a saver's function), "<stack traces unavailable>" stands in it.
+    skip = ("Graph execution error", "Detected at node", "  File ", "\t", "<stack traces unavailable>")
     first = next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "").rstrip(":")
     first = re.sub(r"^\s*\(\d+\) ", "", first)
     return PeerLost(

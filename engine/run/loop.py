@@ -18,6 +18,7 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import lock, warm_start
 from engine.state import workdir as workdir_lib
+from engine.state.files import writing
 from engine.state.report import Report
 
 
@@ -133,7 +134,8 @@ def _summary_at(workdir, step):
     if not tf.io.gfile.exists(path):
         return None
     try:
-        with tf.io.gfile.GFile(path) as f:
+        # One the run cannot read (a folder in its place) is one it cannot write either: exit 4, naming it
+        with writing(path), tf.io.gfile.GFile(path) as f:
             summary = json.loads(f.read())
     except ValueError:  # damaged: the final evaluation runs again and rewrites it
         return None

@@ -178,11 +178,15 @@ def check_limits(config):
     for name in ("beta_1", "beta_2", "dropout", "ema_decay", "momentum"):
         if not 0 <= getattr(config, name) < 1:
             fail(name, getattr(config, name), "must be in [0, 1)")
-    # The step computes in float32: a value that rounds there to what the checks above refuse is refused as they
-    # are. A beta of 1 - 1e-8 is 1.0 there (Adam's bias correction 1 - beta**t divides by 0, or never moves a
-    # weight); an epsilon of 1e-50 is 0 (below float32's smallest normal number, flushed to 0 on a CPU: 0 / 0 on a
-    # zero gradient); a learning rate or loss scale of 1e39 is inf (an initial scale of inf halves to inf: every
-    # step is skipped, and the run ends as if it had trained).
+    _check_float32(config)
+
+
+def _check_float32(config):
+    """The step computes in float32: a value that rounds there to what check_limits refuses is refused as it is."""
+    # A beta of 1 - 1e-8 is 1.0 there (Adam's bias correction 1 - beta**t divides by 0, or never moves a weight); an
+    # epsilon of 1e-50 is 0 (below float32's smallest normal number, flushed to 0 on a CPU: 0 / 0 on a zero
+    # gradient); a learning rate or loss scale of 1e39 is inf (an initial scale of inf halves to inf: every step is
+    # skipped, and the run ends as if it had trained).
     for name in ("beta_1", "beta_2"):
         if _float32(getattr(config, name)) >= 1:
             fail(

@@ -7,6 +7,7 @@ worker stops after the same step, and the loop saves here and exits.
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import tempfile
@@ -17,7 +18,7 @@ from google.protobuf import text_format
 from engine.numerics import updates
 from engine.settings.config import first_line
 from engine.settings.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
-from engine.state.files import is_local, remove_tree, replace_text
+from engine.state.files import check_listable, failed_file, is_local, remove_tree, replace_text
 
 
 def model_state(models):
@@ -78,7 +79,11 @@ def step_of(path):
 
 def list_checkpoints(directory):
     """Checkpoint prefixes in `directory`, newest first, found by their files (so a damaged `checkpoint`
-    state file hides nothing, and a checkpoint missing its index is still found and reported)."""
+    state file hides nothing, and a checkpoint missing its index is still found and reported). A local directory
+    that is there but cannot be listed (a permission, a file in its place) is CheckpointError: TensorFlow's glob
+    finds nothing in it, and a run would start again from step 0, rewinding its logs, over its checkpoints."""
+    directory = os.fspath(directory)
+    check_listable(directory, "checkpoint directory")
     found = tf.io.gfile.glob(os.path.join(directory, "ckpt-*"))
     prefixes = {re.sub(r"\.(index|data-\d+-of-\d+)$", "", p) for p in found}
     return sorted((p for p in prefixes if re.search(r"ckpt-\d+$", p)), key=step_of, reverse=True)
@@ -221,8 +226,12 @@ class Checkpoints:
         try:
             path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:
+            if isinstance(e, PEER_ERRORS) and REMOTE_TASK.search(e.message or ""):
+                # A peer that holds variables (a parameter server) died or went silent as they were read: not the
+                # storage's failure (exit 4), the job's lost peer, which launch.py names (exit 5).
+                raise
             raise CheckpointError(
-                f"cannot write checkpoint for step {step} to {self.manager.directory}: {first_line(e)}"
+                f"cannot write checkpoint for step {step} to {self.manager.directory}: {failed_file(e)[1]}"
             ) from None
         if not self.chief:
             with contextlib.suppress(OSError, tf.errors.OpError):
@@ -253,6 +262,17 @@ class Checkpoints:
                 f"start this run over from step 0 on purpose, move {self.directory} away"
             )
         return None
+
+
+# What a save raises where a peer that holds some of the variables stops answering, its gRPC context naming the
+# task ("... from remote target /job:ps/replica:0/task:0 ..."); a storage error (a full disk) is none of them.
+PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+)
+REMOTE_TASK = re.compile(r"remote target /job:\w+/replica:\d+/task:\d+")
 
 
 def _listed(state):
@@ -319,6 +339,9 @@ def restore(checkpoint, path, partial=False):
         if not partial:
             status.assert_consumed()
     except (tf.errors.OpError, IndexError) as e:
+        # Failed inside TensorFlow, the restore returned no status to expect_partial() on: what it had not restored
+        # yet is logged as it is collected, some 20 lines after the one line this error becomes.
+        logging.getLogger("tensorflow").addFilter(_unrestored)  # once: a filter already there is not added again
         if not is_damage(e):
             raise storage_error(path, e) from None
         raise Unreadable(first_line(e)) from None
@@ -329,6 +352,11 @@ def restore(checkpoint, path, partial=False):
         if "keyed variables by path" not in why:
             why += " (a run with other settings saved it)"
         raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
+
+
+def _unrestored(record):
+    """False for TensorFlow's account, at garbage collection, of the values a failed restore left unrestored."""
+    return not str(record.msg).startswith(("Detecting that an object", "Value in checkpoint", "An attribute in the"))
 
 
 def _whole(path):

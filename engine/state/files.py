@@ -93,11 +93,35 @@ def writing(path):
     except OSError as e:
         raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
     except tf.errors.OpError as e:
-        why = re.sub(r"^\{\{.*?\}\}\s*", "", first_line(e))  # TensorFlow's "{{function_node ...}} file; why"
-        named = re.fullmatch(r"(\S+); (.+)", why)
+        file, reason = failed_file(e)
+        raise CheckpointError(f"cannot write {file or path}: {reason}") from None
+
+
+def check_listable(directory, what):
+    """CheckpointError where a local `directory` is there but cannot be listed (a permission, a file in its place),
+    which TensorFlow's glob takes for an empty one: a run would find no checkpoint and start again from step 0."""
+    if not is_local(directory) or not os.path.lexists(directory):
+        return
+    try:
+        os.listdir(directory)
+    except FileNotFoundError:
+        pass  # a link to nowhere (Checkpoints refuses a link)
+    except OSError as e:
         raise CheckpointError(
-            f"cannot write {named[1]}: {named[2]}" if named else f"cannot write {path}: {why}"
+            f"cannot read {what} {directory}: {e.strerror}; nothing was changed: run the same command again once it "
+            "can be read"
         ) from None
+
+
+def failed_file(error):
+    """(the file, or None where it names none; the reason) of a failed file operation, for a person: an OSError's,
+    or a TensorFlow error's first line without what it adds for its own ("{{function_node __wrapped__SaveV2...}}
+    file; why [Op:SaveV2]")."""
+    if isinstance(error, OSError):
+        return error.filename, error.strerror or str(error)
+    said = re.sub(r"\s*\[Op:\w+\]$", "", re.sub(r"^\{\{.*?\}\}\s*", "", first_line(error)))
+    named = re.fullmatch(r"(\S+); (.+)", said)
+    return (named[1], named[2]) if named else (None, said)
 
 
 def write_text(path, text):

@@ -22,7 +22,15 @@ import uuid
 import tensorflow as tf
 
 from engine.settings.errors import ConfigError
-from engine.state.files import is_local, local_path, make_workdir, missing_directories, open_new, replace_text
+from engine.state.files import (
+    is_local,
+    local_path,
+    make_workdir,
+    missing_directories,
+    open_new,
+    replace_text,
+    writing,
+)
 
 LOCK_NAME = "train.lock"
 HEARTBEAT_SECONDS = 10.0  # how often the holder rewrites its heartbeat
@@ -120,7 +128,8 @@ class Lock:
                 self._thread = threading.Thread(target=self._heartbeat, name="workdir-lock", daemon=True)
                 self._thread.start()
                 return
-            raw = self._read()
+            with writing(self.path):  # a lock the run cannot read (a folder in its place) it cannot take: exit 4
+                raw = self._read()
             if raw is None:
                 continue  # released between our create and our read: try again
             holder = _parse(raw)

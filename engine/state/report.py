@@ -141,10 +141,15 @@ class Report:
 
     def line(self, text):
         """A plain console line, clearing the live progress line first."""
+        self.clear()
+        print(text, file=self.stream, flush=True)
+
+    def clear(self):
+        """Clears the live progress line, where one is shown: what follows (an error on stderr) starts a line."""
         if self._progress_shown:
             self.stream.write("\r\033[K")
+            self.stream.flush()
             self._progress_shown = False
-        print(text, file=self.stream, flush=True)
 
     def train(self, step, metrics, traced=False):
         """metrics: loss (the mean over the finite steps since the last line; None in a run of several updates, whose

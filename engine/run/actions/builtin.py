@@ -313,9 +313,10 @@ class StopOnSignal(Action):
 
 
 def stop(step, context):
-    """Ends the run at `step`, saved: Preempted, said on the console."""
+    """Ends the run at `step`, saved: Preempted, which launch.py says as the run's last line (said here too, it was
+    said twice)."""
     message = (
         f"{SIGNALS.cause} at step {step}; checkpoint {context.checkpoints.saved_path}; run the same command to resume"
     )
-    context.report.line(message)
+    context.report.clear()
     raise Preempted(message, SIGNALS.exit_code)
