@@ -28,8 +28,15 @@ from tests.helpers import launch
          "(read by --strategy=parameter_server)"),
         (["--slurm_port_base=9000"], "--slurm_port_base=9000: no part of this run reads it (read by "
          "--cluster_resolver=slurm)"),
+        # Accepted before, recorded in config.json as if the run sampled so, and searched by a tuner: only
+        # --mode=sample reads it.
+        (["--task=language_model", "--sample_length=7"], "--sample_length=7: no part of this run reads it (read by "
+         "--mode=sample of --task=language_model)"),
     ],
-    ids=["task", "model", "optimizer", "source", "sam_rho", "gan_latent", "warmup", "action", "tpu", "num_ps", "slurm"],
+    ids=[
+        "task", "model", "optimizer", "source", "sam_rho", "gan_latent", "warmup", "action", "tpu", "num_ps", "slurm",
+        "sample",
+    ],
 )  # fmt: skip
 def test_a_setting_no_part_of_the_run_reads_is_refused_naming_its_readers(tmp_path, args, line):
     result = launch(*args, f"--workdir={tmp_path / 'run'}")

@@ -306,12 +306,19 @@ def dataset_kind(dataset):
     return kind if kind in BUNDLED_DATASETS else TFDS_NAMES
 
 
+# The settings only --mode=sample reads, which a task that generates declares (tasks/language_model.py): no train,
+# eval or tune run of that task reads them.
+SAMPLING = ("sample_length", "sample_prompt", "sample_temperature", "sample_top_k")
+
+
 def applies(name, config):
     """Whether setting `name` affects a run of `config`: every run's, or one of its readers is selected
     (--resnet_depth means nothing to an MLP, --sequence_length much to any run on shakespeare)."""
     who = readers(name)
     if who is None:
         return True
+    if name in SAMPLING and config.mode != "sample":
+        return False
     selected = {(selector, getattr(config, selector)) for selector in SELECTORS}
     selected.add(("dataset", dataset_kind(config.dataset)))
     selected.update(("actions", name) for name in named_actions(config))
@@ -342,4 +349,5 @@ def read_by(name):
     names = sorted(f"--{selector}={value}" for selector, value in readers(name) if value != TFDS_NAMES)
     if ("dataset", TFDS_NAMES) in readers(name):
         names.append("tensorflow-datasets names")
-    return "read by " + (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0])
+    said = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    return f"read by --mode=sample of {said}" if name in SAMPLING else f"read by {said}"

@@ -4,7 +4,7 @@ it executes, and which values a flag could hold (what a config.json may say).
 
 import dataclasses
 
-from engine.settings.fields import Config, Switch, applies
+from engine.settings.fields import SAMPLING, Config, Switch, applies
 
 # (The sample_* settings are language_model's own, declared in its file: how a trained run is sampled.)
 # Where and how a run executes, not what it computes: a run resumes under other values (another strategy or
@@ -31,10 +31,7 @@ EXECUTION_SETTINGS = CLUSTER_SETTINGS | frozenset(
         "checkpoint",
         "export_dir",
         "eval_timeout",
-        "sample_length",
-        "sample_prompt",
-        "sample_temperature",
-        "sample_top_k",
+        *SAMPLING,
         "tf_data_service",
         "data_dir",
         "jit_compile",
