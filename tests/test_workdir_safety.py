@@ -482,6 +482,22 @@ def test_a_state_file_naming_checkpoints_elsewhere_deletes_nothing_there(trained
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(os.path.dirname(state))] == ["ckpt-30"]
 
 
+def test_a_state_file_listing_a_checkpoint_that_is_gone_is_rebuilt_and_rotation_goes_on(
+    trained, tmp_path, one_device, capsys
+):
+    # A state file naming a checkpoint no longer there (ckpt-90) was kept: the manager never deleted ckpt-10 and
+    # ckpt-20, which it did not list, and a run of --keep_checkpoints=2 ended holding 4.
+    config = copy_of(trained, tmp_path)
+    state = os.path.join(config.workdir, "checkpoints", "checkpoint")
+    with open(state, "w") as f:
+        f.write('model_checkpoint_path: "ckpt-90"\nall_model_checkpoint_paths: "ckpt-90"\n')
+    capsys.readouterr()
+    loop.train(dataclasses.replace(config, train_steps=40), one_device)
+    warning = f"warning: {state} lists ckpt-90, the folder holds ckpt-10, ckpt-20; rebuilt from the files"
+    assert warning in capsys.readouterr().out.splitlines()
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(os.path.dirname(state))] == ["ckpt-40", "ckpt-30"]
+
+
 def test_a_leftover_temp_link_is_removed_without_touching_its_target(trained, tmp_path, one_device):
     config = copy_of(trained, tmp_path)
     elsewhere = tmp_path / "elsewhere"

@@ -149,12 +149,14 @@ class Checkpoints:
         if not damaged:  # what it lists (nothing, where there is none yet) tells a save that never finished
             found = self._unfinished(found, _listed(state))
         readable = not damaged and (state is not None or not found)
-        # The manager deletes what the state file lists: a path outside this directory (absolute, or through
-        # ..) would make it delete another run's files.
+        # The manager deletes what the state file lists: a path outside this directory (absolute, or through ..)
+        # would make it delete another run's files; one gone, or one left out, it would never delete.
         strays = [p for p in _listed(state) if not _inside(p, self.directory)]
-        if strays:
-            where = f"{state_file} names checkpoints outside {self.directory} ({strays[0]})"
-            print(f"warning: {where}; rebuilt from the files")
+        listed, held = _names(_listed(state)), _names(found)
+        if readable and state is not None and (strays or listed != held):
+            where = f"names checkpoints outside {self.directory} ({strays[0]})" if strays else ""
+            where = where or f"lists {', '.join(listed)}, the folder holds {', '.join(held) or 'none'}"
+            print(f"warning: {state_file} {where}; rebuilt from the files")
             readable = False
         if not readable:
             self._write_state(found)
@@ -280,6 +282,11 @@ def _listed(state):
     if state is None:
         return []
     return [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
+
+
+def _names(paths):
+    """The checkpoints `paths` name, by their names (ckpt-N), oldest first."""
+    return sorted({os.path.basename(p) for p in paths}, key=step_of)
 
 
 def _inside(path, directory):
