@@ -64,8 +64,7 @@ class Data:
     task: object  # the tasks/<name>.py Task this data was prepared for (built by engine/run/inputs.py, received here)
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
     train_bytes: int = 0  # record bytes of the training files, when sharded
-    train_files: int = 0  # the training split's record files, when it streams them (sharded)
-    train_shards: tuple = ()  # those files with their records, ((path, records), ...)
+    train_shards: tuple = ()  # the training split's record files with their records, ((path, records), ...)
     origin: object = None  # (position, training, pipelines) -> the file of an example, for a decode failure
     # (batch, pipeline, pipelines) -> input pipeline `pipeline`'s prepared share of global batch `batch` (tensors),
     # gathered from memory inside a step: what train_fn's batch would be. None: the split is not held in memory.
@@ -78,6 +77,11 @@ class Data:
     def sharded(self):
         """Whether the training stream depends on the number of input pipelines: its record files are shared out."""
         return self.train_files > 0
+
+    @property
+    def train_files(self):
+        """The training split's record files, when it streams them (sharded); 0 when it holds none."""
+        return len(self.train_shards)
 
 
 def task_class(config):
@@ -128,7 +132,6 @@ def prepare(data, source, task, split=None, service=""):
         task,
         task.spec,
         train_bytes=pipelines.train_bytes,
-        train_files=len(train.files),
         train_shards=train.files,
         origin=pipelines.origin,
         gather=gather if train.fetch is not None and source.decode is None else None,

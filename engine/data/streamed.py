@@ -37,9 +37,7 @@ def check_enough_files(files, data, pipelines):
             f"cannot feed {pipelines} input pipelines (workers), each of which reads its own files; write the split "
             "in more files"
         )
-    order = np.random.default_rng(data.seed).permutation(len(files))
-    for pipeline in range(pipelines):
-        own = [files[i] for i in order[pipeline::pipelines]]
+    for pipeline, own in enumerate(_shares(files, data, pipelines)):
         if not sum(records for _, records in own):
             named = ", ".join(path for path, _ in own[:3]) + (", ..." if len(own) > 3 else "")
             raise ConfigError(
@@ -53,8 +51,13 @@ def owned(files, data, ctx):
     """Input pipeline ctx's files of the split's `files` ((path, records), ...): every n-th of a permutation fixed by
     the seed. `data`: the run's config.data."""
     check_enough_files(files, data, ctx.num_input_pipelines)
+    return _shares(files, data, ctx.num_input_pipelines)[ctx.input_pipeline_id]
+
+
+def _shares(files, data, pipelines):
+    """Each of `pipelines` input pipelines' files of `files`: every n-th of a permutation fixed by the seed."""
     order = np.random.default_rng(data.seed).permutation(len(files))
-    return [files[i] for i in order[ctx.input_pipeline_id :: ctx.num_input_pipelines]]
+    return [[files[i] for i in order[pipeline::pipelines]] for pipeline in range(pipelines)]
 
 
 def examples(files, data, ctx, start_batch, stream, counter, position):

@@ -12,6 +12,8 @@ No TensorFlow here: launch.py reads engine/settings/fields.py, which reads this,
 
 import dataclasses
 
+from engine.settings import plugins
+
 # The sections of the engine's own settings, in the order a reader meets them.
 SECTIONS = {
     "run": "what to run and where: the mode, the workdir, what is trained (task, model) and the seed",
@@ -165,63 +167,6 @@ def undeclared(name):
     )
 
 
-class Plugin(Section):
-    """What one plugin reads of a run's settings (a task's `self.config`, a model's `create(config, ...)`, a
-    source's `load(config, ...)`, an action's `Action(config)`): every engine setting, the settings its own file
-    declares and those its READS names, with the sections and `own` a Config answers. A setting another file declares
-    is an AttributeError naming both files: read unnamed, the run would neither depend on it nor accept it typed."""
-
-    __slots__ = ()
-    run, loop, data, models, optimization, numerics, cluster = (
-        property(lambda self, name=name: section(self, name)) for name in SECTIONS
-    )
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        field = {f.name: f for f in dataclasses.fields(self._config)}.get(name)
-        if field is None and name not in DERIVED:
-            raise AttributeError(undeclared(name))
-        if field is None or name in self._names:
-            return Section.__getattr__(self, name)
-        kind, module = self._name[1:]
-        reader, owner = _file(kind, module), _file(*home(field))
-        raise AttributeError(
-            f"{reader} reads the setting {name}, which {owner} declares: name it in {reader}'s READS (READS = "
-            f"({name!r},)), so a run of {reader} depends on it and takes --{name}"
-        )
-
-    def own(self, kind, module):
-        """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task"), the source <module>
-        ("dataset") or the action <module> ("actions") declares, and those its READS names."""
-        return section(self, (kind, module))
-
-    def plugin(self, kind, module):
-        """What another plugin of this run is handed (a model a task creates with `config=`)."""
-        return plugin(self, kind, module)
-
-
-def _file(kind, module):
-    from engine.settings import plugins  # deferred: plugins reads this module's path
-
-    return plugins.file(kind, module)
-
-
-def plugin(config, kind, module):
-    """What plugin `module` of `kind` ("model", "task", "dataset", "actions") is handed of `config` (a Config, or
-    what another plugin was handed): a Plugin view."""
-    whole = config._config if isinstance(config, Section) else config
-    key = (type(whole), ("plugin", kind, module))
-    if key not in _CACHE:
-        engine = {f.name for f in dataclasses.fields(whole) if "section" in f.metadata}
-        names = engine | _names(type(whole), (kind, module)) | set(DERIVED)
-        title = f"{module.title().replace('_', '')}{kind.title()}Config"
-        doc = f"what {kind} {module} reads: every engine setting, its file's own and those its READS names"
-        _CACHE[key] = _typed(type(whole), key[1], names, Plugin, title, doc)
-    cls = _CACHE[key]
-    return cls(whole, key[1], cls.NAMES)
-
-
 class Sectioned:
     """The sections of a Config, as properties: config.optimization, config.loop, ..., and config.own(...)."""
 
@@ -240,11 +185,51 @@ class Sectioned:
         raise AttributeError(undeclared(name))
 
     def own(self, kind, module):
-        """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task") or the source <module>
-        ("dataset") declares, and those its READS names."""
+        """The settings models/<module>.py (kind "model"), tasks/<module>.py ("task"), the source <module>
+        ("dataset") or the action <module> ("actions") declares, and those its READS names."""
         return section(self, (kind, module))
 
     def plugin(self, kind, module):
         """What plugin `module` of `kind` ("model", "task", "dataset", "actions") is handed of this run: every engine
         setting, its file's own and those its READS names (a Plugin view)."""
         return plugin(self, kind, module)
+
+
+class Plugin(Section, Sectioned):
+    """What one plugin reads of a run's settings (a task's `self.config`, a model's `create(config, ...)`, a
+    source's `load(config, ...)`, an action's `Action(config)`): every engine setting, the settings its own file
+    declares and those its READS names, with the sections, `own` and `plugin` a Config answers (Sectioned). A
+    setting another file declares is an AttributeError naming both files: read unnamed, the run would neither depend
+    on it nor accept it typed."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        field = {f.name: f for f in dataclasses.fields(self._config)}.get(name)
+        if field is None and name not in DERIVED:
+            raise AttributeError(undeclared(name))
+        if field is None or name in self._names:
+            return Section.__getattr__(self, name)
+        kind, module = self._name[1:]
+        reader, owner = plugins.file(kind, module), plugins.file(*home(field))
+        raise AttributeError(
+            f"{reader} reads the setting {name}, which {owner} declares: name it in {reader}'s READS (READS = "
+            f"({name!r},)), so a run of {reader} depends on it and takes --{name}"
+        )
+
+
+def plugin(config, kind, module):
+    """What plugin `module` of `kind` ("model", "task", "dataset", "actions") is handed of `config` (a Config, or
+    what another plugin was handed): a Plugin view."""
+    whole = config._config if isinstance(config, Section) else config
+    key = (type(whole), ("plugin", kind, module))
+    if key not in _CACHE:
+        engine = {f.name for f in dataclasses.fields(whole) if "section" in f.metadata}
+        names = engine | _names(type(whole), (kind, module)) | set(DERIVED)
+        title = f"{module.title().replace('_', '')}{kind.title()}Config"
+        doc = f"what {kind} {module} reads: every engine setting, its file's own and those its READS names"
+        _CACHE[key] = _typed(type(whole), key[1], names, Plugin, title, doc)
+    cls = _CACHE[key]
+    return cls(whole, key[1], cls.NAMES)
