@@ -662,6 +662,33 @@ def test_a_run_whose_class_folders_changed_is_refused_on_resume_and_evaluation(d
     assert loop.train(dataclasses.replace(config, train_steps=4), one_device)["step"] == 4
 
 
+def test_export_builds_the_model_from_what_config_json_keeps_of_the_source_not_from_the_data(
+    data_dir, tmp_path, one_device
+):
+    # An export loaded the whole source: a run whose photos were elsewhere (a cluster's storage) exported nothing,
+    # refused as "--dataset=folder:...: not a folder".
+    from engine.run import modes
+
+    root, workdir = tmp_path / "photos", tmp_path / "run"
+    _photos(root, per_class=8)
+    config = _config(data_dir, root, workdir=str(workdir), train_steps=2)
+    loop.train(config, one_device)
+    kept = json.loads((workdir / "config.json").read_text())["source"]
+    assert kept["spec"] == {"image": {"dtype": "uint8", "shape": [16, 16, 3]}, "label": {"dtype": "int64", "shape": []}}
+    assert kept["info"]["dict"]["class_names"] == {"tuple": list(CLASSES)}
+    exported = modes.export(dataclasses.replace(config, mode="export", export_dir=str(tmp_path / "with")))
+    os.rename(root, tmp_path / "elsewhere")
+    without = modes.export(dataclasses.replace(config, mode="export", export_dir=str(tmp_path / "without")))
+    images = tf.constant(np.random.default_rng(0).random((5, 16, 16, 3), dtype=np.float32))
+    served = [tf.saved_model.load(path).signatures["serving_default"](images=images) for path in (exported, without)]
+    assert sorted(served[1]) == ["class_names", "classes", "logits", "probabilities"]
+    for name, value in served[0].items():
+        np.testing.assert_array_equal(served[1][name].numpy(), value.numpy())
+    assert [n.decode() for n in tf.saved_model.load(without).class_names.numpy()] == list(CLASSES)
+    with pytest.raises(ConfigError, match="--dataset=folder:"):  # evaluation reads its split: the data it needs
+        modes.evaluate(dataclasses.replace(config, mode="eval"), one_device)
+
+
 def test_too_few_record_files_for_the_input_pipelines_are_refused_before_anything_is_written(
     data_dir, tmp_path, one_device, monkeypatch
 ):

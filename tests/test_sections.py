@@ -143,8 +143,12 @@ def test_a_plugin_is_handed_every_engine_setting_its_own_and_what_its_reads_name
         ("model", "models", "loop", "a section of Config"),
         # config.dataset_name is the dataset a run reads: a task's setting so named replaced it for every run.
         ("task", "tasks", "dataset_name", "a value Config derives"),
+        # config.json holds the run's class names beside its settings: they replaced a model's setting so named,
+        # and the resume read them back as its value.
+        ("model", "models", "class_names", "a key config.json holds"),
+        ("dataset", "sources", "source", "a key config.json holds"),
     ],
-    ids=["section", "derived"],
+    ids=["section", "derived", "class_names", "source"],
 )
 def test_a_file_may_not_declare_a_setting_named_as_config_names_its_own(tmp_path, kind, folder, name, what):
     os.makedirs(tmp_path / folder)

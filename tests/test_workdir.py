@@ -632,3 +632,39 @@ def test_eval_of_another_runs_checkpoint_never_replaces_this_workdirs_results(da
                 f"({tmp_path / job / held}), which this would stand beside as their own; use --workdir={theirs}"
             )
         assert os.listdir(tmp_path / job) == [held]
+
+
+def test_what_config_json_keeps_of_a_source_reads_back_exactly_or_is_not_kept():
+    from engine.state import kept_source
+
+    spec = {"features": tf.TensorSpec([11], tf.float32), "tokens": tf.TensorSpec([4, 2], tf.int32)}
+    info = {
+        "feature_mean": np.arange(6, dtype=np.float32).reshape(2, 3) / 3,
+        "target_std": np.float64(1 / 3),
+        "class_names": ("ant", "bée"),
+        "vocabulary": ["x", "\n"],
+        "num_classes": 3,
+        "weight_counts_targets": True,
+        "nothing": None,
+        "nested": {"ids": np.array([[1], [2]], np.int64)},
+    }
+    saved = json.loads(json.dumps(kept_source.record(spec, info)))  # as config.json holds it
+    read_spec, read = kept_source.source(saved)
+    assert read_spec == spec
+    assert read.keys() == info.keys()
+    for name in ("feature_mean", "target_std"):
+        assert type(read[name]) is type(info[name]) and read[name].dtype == info[name].dtype
+        np.testing.assert_array_equal(read[name], info[name])
+    assert read["feature_mean"].shape == (2, 3)
+    assert read["nested"]["ids"].dtype == np.int64 and read["nested"]["ids"].tolist() == [[1], [2]]
+    assert [read[k] for k in ("class_names", "vocabulary", "num_classes", "weight_counts_targets", "nothing")] == [
+        ("ant", "bée"),
+        ["x", "\n"],
+        3,
+        True,
+        None,
+    ]
+    # What JSON cannot hold exactly, or too much of it, is not kept: export and sampling read the data then.
+    for unkept in (object(), b"bytes", float("nan"), np.array([np.inf]), {1: "one"}, np.zeros(300_000)):
+        assert kept_source.record(spec, {"value": unkept}) is None
+    assert kept_source.source({"spec": {}}) is None  # edited by hand: the data is read

@@ -72,6 +72,7 @@ class Data:
     # The order settings (--shuffle_buffer, --interleave_files) the training split does not read: a resume may change
     # them (engine/state/workdir.py check_same_run).
     unread: tuple = ()
+    source_spec: dict = dataclasses.field(default_factory=dict)  # {feature: tf.TensorSpec} as the source gives one
 
     @property
     def sharded(self):
@@ -99,16 +100,8 @@ def prepare(data, source, task, split=None, service=""):
     unread = _unread_order(data, train)
     eval_steps = math.ceil(evals.examples / data.per_eval_batch_size)
 
-    def prepared(batch):
-        # The task sees its features; the engine's own (index, weight) pass around it.
-        own = {k: batch[k] for k in ("index", "weight") if k in batch}
-        return {**task.prepare({k: v for k, v in batch.items() if k not in own}), **own}
-
-    # Traced on a batch of one's spec, not run: nothing the size of an example is made before the memory check.
-    one = {k: tf.TensorSpec([1, *s.shape], s.dtype) for k, s in source.spec.items()}
-    with raising_task_errors():  # what the task's prepare refuses: one line
-        traced = tf.function(prepared).get_concrete_function(one).structured_outputs
-    task.spec = {k: tf.TensorSpec(t.shape[1:], t.dtype) for k, t in traced.items()}
+    prepared = _prepared(task)
+    prepare_spec(task, source.spec)
     pipelines = Pipelines(data, source)
 
     def train_fn(ctx, start_batch=0, stream=0, counter=None):
@@ -136,7 +129,29 @@ def prepare(data, source, task, split=None, service=""):
         origin=pipelines.origin,
         gather=gather if train.fetch is not None and source.decode is None else None,
         unread=unread,
+        source_spec=source.spec,
     )
+
+
+def _prepared(task):
+    """batch -> the batch after the task's `prepare`: the task sees its features; the engine's own (index, weight)
+    pass around it."""
+
+    def prepared(batch):
+        own = {k: batch[k] for k in ("index", "weight") if k in batch}
+        return {**task.prepare({k: v for k, v in batch.items() if k not in own}), **own}
+
+    return prepared
+
+
+def prepare_spec(task, spec):
+    """Sets `task.spec` to the spec of one example after the task's `prepare`, from `spec`, the source's: traced on
+    a batch of one's spec, not run (nothing the size of an example is made before the memory check, and a run
+    rebuilt from what its config.json keeps of the source reads no data)."""
+    one = {k: tf.TensorSpec([1, *s.shape], s.dtype) for k, s in spec.items()}
+    with raising_task_errors():  # what the task's prepare refuses: one line
+        traced = tf.function(_prepared(task)).get_concrete_function(one).structured_outputs
+    task.spec = {k: tf.TensorSpec(t.shape[1:], t.dtype) for k, t in traced.items()}
 
 
 def _unread_order(data, train):

@@ -22,7 +22,7 @@ from engine.run import actions, memory, xla
 from engine.run.actions.builtin import engine_actions
 from engine.run.create import Create
 from engine.run.evaluator import Evaluator
-from engine.run.inputs import examples, source_and_task
+from engine.run.inputs import examples, source_and_task, task_of
 from engine.run.program import TrainProgram
 from engine.settings import plugins
 from engine.settings.checks import check_batch
@@ -71,7 +71,7 @@ class Run:
     `state`: what a checkpoint holds (engine/state/checkpoint.py State); `program`: the step and its loop (None
     outside training); `evaluator`: None for export and sample; `actions`: what the controller does after each
     round, in order; `placement`: where its steps execute (engine/cluster/distribute.py), worked out once from its
-    strategy."""
+    strategy; `data`: None for its weights built from what config.json keeps of the source (run's `source`)."""
 
     config: object
     placement: distribute.Placement
@@ -100,27 +100,25 @@ class Run:
 PURPOSES = ("train", "evaluate", "weights")
 
 
-def run(config, strategy, purpose="train", on_eval=None):
+def run(config, strategy, purpose="train", on_eval=None, source=None):
     """The run `config` describes on `strategy`, built in order, every variable under the strategy's scope before
     the first trace, with what `purpose` (PURPOSES) reads and nothing more. `on_eval`: the Evaluate action's
-    callback (a tuner's pruning)."""
+    callback (a tuner's pruning). `source`: (spec, info) as the trained run's config.json keeps them
+    (engine/state/workdir.py saved_source), from which a run built for "weights" builds its task: it reads no data
+    (its `data` is None)."""
     if purpose not in PURPOSES:
         raise ValueError(f"purpose={purpose!r}: one of {', '.join(PURPOSES)}")
     training, evaluating = purpose == "train", purpose != "weights"
     where = distribute.placement(strategy, distribute.strategy_name(config.cluster))
     check_batch(config, where.replicas, training)
     tf.config.run_functions_eagerly(config.run_eagerly)
-    memory.check_data(config)
-    if config.tf_data_service:  # before anything is written: a dispatcher that never answers is refused
-        resolvers.reach_data_service(config.cluster)
-    source, task = source_and_task(config)
-    data = datasets.prepare(config.data, source, task, service=config.tf_data_service)
+    task, data = task_and_data(config, source if purpose == "weights" else None)
     memory.check(config, where, *shape_and_outputs(task))
     # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
     # seeds its initializers from that generator, so seeding after it keeps the weights the same.
     seed(config)
     with strategy.scope():
-        models = task.models(Create(config, source.info))
+        models = task.models(Create(config, task.info))
         if not isinstance(models, dict):  # a list of models would fail in the engine's code, with its traceback
             raise TaskError(
                 f"{plugins.file('task', config.task)}: models(create) returned {described(models)}, not a dict of "
@@ -143,6 +141,21 @@ def run(config, strategy, purpose="train", on_eval=None):
     )
     run_actions = engine_actions(config.loop, actions.load(config), on_eval) if training else []
     return Run(config, where, task, data, models, weights, plans, state, program, evaluator, run_actions)
+
+
+def task_and_data(config, kept=None):
+    """The run's task and its Data: the task built from the source `config` names, and the source prepared for it;
+    from `kept` instead, (spec, info) as a trained run's config.json keeps them, the task alone (Data None), no data
+    read."""
+    if kept is not None:
+        task = task_of(config, *kept)
+        datasets.prepare_spec(task, kept[0])
+        return task, None
+    memory.check_data(config)
+    if config.tf_data_service:  # before anything is written: a dispatcher that never answers is refused
+        resolvers.reach_data_service(config.cluster)
+    source, task = source_and_task(config)
+    return task, datasets.prepare(config.data, source, task, service=config.tf_data_service)
 
 
 def shape_and_outputs(task):

@@ -58,9 +58,14 @@ def batches(dataset):
 def source_and_task(config, split=None):
     """The source `config.dataset` names, keeping the features its task reads (its evaluation split `split`, else
     --eval_split), and the task built from what the source gives: its examples' spec and its info."""
-    cls = datasets.task_class(config)
-    source = datasets.load_source(config, cls.features, split)
-    return source, cls(config.plugin("task", config.task), source.spec, source.info)
+    source = datasets.load_source(config, datasets.task_class(config).features, split)
+    return source, task_of(config, source.spec, source.info)
+
+
+def task_of(config, spec, info):
+    """The run's task (tasks/<config.task>.py's Task) built from what its source gives: one example's spec and the
+    source's info."""
+    return datasets.task_class(config)(config.plugin("task", config.task), spec, info)
 
 
 def run_data(config, split=None):

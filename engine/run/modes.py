@@ -12,10 +12,10 @@ from engine.run import build
 from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
+from engine.state import workdir as workdir_lib
 from engine.state.files import append_text, is_local, make_workdir, remove_tree, write_json
 from engine.state.lock import Lock
 from engine.state.report import format_metrics
-from engine.state.workdir import check_not_in_run_folders, check_not_inside_a_run, check_same_classes, held_job
 
 
 def run_config(config, mode, given=None):
@@ -46,9 +46,11 @@ def _check_workdir_is_the_checkpoints(config):
     if not config.checkpoint:
         return
     _check_exists(config.checkpoint)
-    check_not_inside_a_run(config.workdir)  # the checkout, another run's checkpoints/ or TensorBoard folders
+    workdir_lib.check_not_inside_a_run(
+        config.workdir
+    )  # the checkout, another run's checkpoints/ or TensorBoard folders
     theirs = _run_of(config.checkpoint)
-    job, marker = held_job(config.workdir)
+    job, marker = workdir_lib.held_job(config.workdir)
     if os.path.abspath(theirs) == os.path.abspath(config.workdir) or job is None:
         return
     if job == "run":
@@ -64,16 +66,21 @@ def _check_workdir_is_the_checkpoints(config):
 
 
 def _evaluated(config, strategy, purpose="evaluate"):
-    """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program)."""
-    run = build.run(config, strategy or distribute.create_strategy(config.cluster), purpose)
-    check_same_classes(_run_of(config.checkpoint) if config.checkpoint else config.workdir, run.task)
+    """The run `config` rebuilds for `purpose` (engine/run/build.py PURPOSES: no optimizers, no train program); for
+    its weights alone, from what its config.json keeps of its source where it does (engine/state/kept_source.py)."""
+    workdir = _run_of(config.checkpoint) if config.checkpoint else config.workdir
+    if purpose == "weights":  # export, sample: on one device, in float32
+        config = dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32")
+    kept = workdir_lib.saved_source(workdir) if purpose == "weights" else None
+    run = build.run(config, strategy or distribute.create_strategy(config.cluster), purpose, source=kept)
+    workdir_lib.check_same_classes(workdir, run.task)
     return run
 
 
 def _check_not_another_job(workdir):
     """Refuses a workdir that holds a tuning study or an ensemble, which have no checkpoints of their own (a study's
     trials are train runs in its trials/ folder)."""
-    job, marker = held_job(workdir)
+    job, marker = workdir_lib.held_job(workdir)
     if job == "study":
         raise ConfigError(
             f"--workdir={workdir} holds a tuning study ({marker}), not a train run: its trials are the runs, in "
@@ -337,14 +344,14 @@ def export(config, given=None):
     training precision (the weights are float32 in every precision): a mixed_bfloat16 graph would need
     TensorFlow ops that TFLite lacks (ERROR_NEEDS_FLEX_OPS), and serving CPUs rarely have bfloat16 units."""
     if config.export_dir:  # where it is told, but not where a run's files are
-        check_not_in_run_folders(config.export_dir, "export_dir", os.path.join(config.workdir, "export", "STEP"))
+        workdir_lib.check_not_in_run_folders(
+            config.export_dir, "export_dir", os.path.join(config.workdir, "export", "STEP")
+        )
     else:
         _check_workdir_is_the_checkpoints(config)
     config = run_config(config, "export", given)
     paths = _checkpoint_paths(config)
-    run = _evaluated(
-        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None, "weights"
-    )
+    run = _evaluated(config, None, "weights")
     path = _restore(run, config, paths)
     step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
@@ -382,9 +389,7 @@ def sample(config, given=None):
     --sample_prompt, for tasks that generate (language_model)."""
     config = run_config(config, "sample", given)
     paths = _checkpoint_paths(config)
-    run = _evaluated(
-        dataclasses.replace(config, strategy="one_device", num_cpu_devices=1, precision="float32"), None, "weights"
-    )
+    run = _evaluated(config, None, "weights")
     if run.task.sample is None:
         raise ConfigError(f"--mode=sample: --task={config.task} generates nothing (a language_model run does)")
     path = _restore(run, config, paths)

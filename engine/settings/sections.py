@@ -32,6 +32,9 @@ RESERVED = {
     **dict.fromkeys(SECTIONS, "a section of Config"),
     **dict.fromkeys(("own", "READ_BY", "names", "values", "replace", "fields"), "a name a section answers itself"),
     **dict.fromkeys(DERIVED, "a value Config derives"),
+    # What engine/state/workdir.py write_config saves in config.json beside the settings, which would replace a
+    # setting so named there (and a resume read it back as that setting's value).
+    **dict.fromkeys(("class_names", "updates", "training_split", "source"), "a key config.json holds"),
 }
 
 

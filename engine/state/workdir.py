@@ -22,6 +22,7 @@ from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import show
 from engine.settings.identity import ORDER_SETTINGS, identity_changes
+from engine.state import kept_source
 from engine.state.checkpoint import list_checkpoints
 from engine.state.files import is_local, write_json
 
@@ -212,14 +213,25 @@ def write_config(config, task, updates=None, data=None):
     them, what the labels mean (a classification task's class_names, null for others): no setting, read by
     people and by the programs that use the export; and in a run of several updates the settings each trains with
     (`updates`: engine/numerics/updates.py effective_settings), read by people, not by the engine; and what the
-    training split held (`data`), which a resumed run holds its split against."""
+    training split held (`data`), which a resumed run holds its split against, and what the source gave the task
+    (engine/state/kept_source.py), from which export and sampling build it without the data."""
     names = task.class_names
     saved = {**dataclasses.asdict(config), "class_names": None if names is None else list(names)}
     if updates:
         saved["updates"] = updates
     if data is not None:
         saved["training_split"] = training_split(data)
+        kept = kept_source.record(data.source_spec, task.info)
+        if kept is not None:
+            saved["source"] = kept
     write_json(os.path.join(config.workdir, "config.json"), saved)
+
+
+def saved_source(workdir):
+    """(spec, info) of the source the run of `workdir` trained on, as its config.json keeps them; None where it keeps
+    none (engine/state/kept_source.py)."""
+    _, kept = _saved(workdir, "source")
+    return None if kept is None else kept_source.source(kept)
 
 
 def _free_name(workdir):
