@@ -421,3 +421,19 @@ def test_an_optimizer_group_that_matches_nothing_is_named(capsys):
     assert capsys.readouterr().out == (
         "warning: optimizer group '^mlp/dense/' matches no trained variable (e.g. model/mlp/dense/bias)\n"
     )
+
+
+def test_the_evaluation_sums_its_batches_to_float32_precision_however_many_there_are(one_device):
+    # Added plainly in float32, 4,000 batches of 0.1 after one of 1e7 summed to 10,000,000 (the 400 lost), and an
+    # odd count of examples past 2**24 lost one.
+    from engine.run.evaluator import Evaluator
+
+    batches = np.tile(np.array([[0.1, 37.0]], np.float32), (4001, 1))
+    batches[0] = [1e7, 2.0**24]
+    evaluator = types.SimpleNamespace(metric_names=["loss"], strategy=one_device, eval_step=tf.identity)
+    iterator = iter(tf.data.Dataset.from_tensor_slices(batches))
+    loop = tf.function(lambda iterator, steps: Evaluator._eval_loop(evaluator, iterator, steps))
+    total = loop(iterator, tf.constant(len(batches))).numpy()
+    exact = batches.astype(np.float64).sum(axis=0)
+    assert total[1] == exact[1] == 2**24 + 4000 * 37  # every example counted
+    assert total[0] == np.float32(exact[0])  # 10,000,400 to float32's precision (exactly so here)

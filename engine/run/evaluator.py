@@ -82,10 +82,11 @@ class Evaluator:
         return iter(self.dataset)
 
     def _eval_loop(self, iterator, steps):
-        totals = tf.zeros([len(self.metric_names) + 1])
+        total = carried = tf.zeros([len(self.metric_names) + 1])
         for _ in tf.range(steps):
-            totals += inputs.first_replica(self.strategy, self.strategy.run(self.eval_step, args=(next(iterator),)))
-        return totals
+            batch = inputs.first_replica(self.strategy, self.strategy.run(self.eval_step, args=(next(iterator),)))
+            total, carried = added(total, carried, batch)
+        return total + carried
 
     def trace(self):
         """Traces the evaluation now (engine/run/loop.py trace: before a checkpoint is restored, so that XLA's
@@ -160,10 +161,10 @@ class Evaluator:
 
     @tf.function
     def _on_chief(self, dataset):
-        totals = tf.zeros([len(self.metric_names) + 1])
+        total = carried = tf.zeros([len(self.metric_names) + 1])
         for batch in dataset:
-            totals += self.eval_step(batch)
-        return totals
+            total, carried = added(total, carried, self.eval_step(batch))
+        return total + carried
 
     def _results(self, totals):
         *sums, examples = totals.numpy()
@@ -177,6 +178,16 @@ class Evaluator:
                 f"{where}: headline = {headline!r} names no number its evaluation reports ({', '.join(results)})"
             )
         return {**results, "examples": int(examples)}
+
+
+def added(total, carried, value):
+    """(total, carried) after adding `value`: a sum of float32 batches kept to float32's precision however many there
+    are (Neumaier's compensated sum; the sum is total + carried). Added plainly, each batch's sum was rounded to the
+    total's precision: an evaluation's mean drifted with its number of batches (one 2**24 times smaller than the
+    total added nothing), and a count of examples past 2**24 lost each odd batch's last one."""
+    summed = total + value
+    lost = tf.where(tf.abs(total) >= tf.abs(value), (total - summed) + value, (value - summed) + total)
+    return summed, carried + lost
 
 
 def reported(numbers, where):
