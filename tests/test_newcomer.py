@@ -128,6 +128,23 @@ def test_help_groups_every_flag_once_by_what_it_is_about(help_text):
     assert jit.startswith("  --jit_compile=auto|true|false ")
     (nesterov,) = [line for line in sections["Optimizer"] if line.startswith("  --[no]nesterov")]
     (steps,) = [line for line in sections["The run"] if line.startswith("  --train_steps=1000 ")]
+    # A plugin's setting says what its file declares it accepts: it was refused at once, --help having said nothing.
+    data = " ".join(" ".join(line.split()) for line in sections["Data"])
+    assert "hash of each path) (from 1 to 50) --synthetic_shape" in data
+    assert "(required where read; default: empty) --tfrecord_classes" in data
+
+
+def test_help_says_the_choices_and_range_a_plugins_file_declares():
+    from types import SimpleNamespace
+
+    from engine.settings.help import accepted
+
+    assert accepted(SimpleNamespace(type=str, metadata={"bounds": ("", "sgd", "adam")})) == "one of (empty)|sgd|adam"
+    assert accepted(SimpleNamespace(type=int, metadata={"bounds": (0, None)})) == "at least 0"
+    assert accepted(SimpleNamespace(type=float, metadata={"bounds": (0.5, 20000)})) == "from 0.5 to 20,000"
+    assert accepted(SimpleNamespace(type=str, metadata={"bounds": "required"})) == "required where read"
+    assert accepted(SimpleNamespace(type=int, metadata={"bounds": None})) == ""
+    assert accepted(SimpleNamespace(type=int, metadata={"help": "an engine setting: its help says it"})) == ""
 
 
 def test_help_starts_with_flagfiles_resuming_datasets_and_gpus(help_text):

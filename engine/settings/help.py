@@ -135,6 +135,21 @@ def _flag_line(field):
     return f"--{field.name}={default}", ""
 
 
+def accepted(field):
+    """What a plugin's setting accepts beyond its type, as its file declares it (engine/settings/declared.py): a
+    number's range, a string's choices, "required"; "" for none declared, and for the engine's own settings, whose
+    help says it."""
+    bounds = field.metadata.get("bounds")
+    if bounds == "required":
+        return "required where read"
+    if not bounds:
+        return ""
+    if field.type is str:
+        return "one of " + "|".join(c or "(empty)" for c in bounds)
+    low, high = bounds
+    return f"at least {low:,}" if high is None else f"from {low:,} to {high:,}"
+
+
 def summary(path):
     """The first line of a file's docstring (its summary line), read without importing it: what the plugin is, in
     its own words."""
@@ -171,7 +186,8 @@ def usage(width=110, column=34):
         grouped = [f for f in fields if _group(f) == title]
         for field in sorted(grouped, key=lambda f: names.index(f.name) if f.name in names else len(names)):
             flag, default = _flag_line(field)
-            text = field.metadata["help"] + (f" ({default})" if default else "")
+            said = "; ".join(part for part in (accepted(field), default) if part)
+            text = field.metadata["help"] + (f" ({said})" if said else "")
             wrapped = textwrap.wrap(text, width - column)
             if len(flag) + 2 >= column - 1:
                 lines.append(f"  {flag}")
