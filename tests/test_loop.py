@@ -113,6 +113,16 @@ def test_profile_steps_trace_exactly_those_steps(data_dir, one_device, tmp_path)
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
+def test_a_run_resumed_inside_the_profile_window_says_which_steps_it_traced(data_dir, one_device, tmp_path, capsys):
+    loop.train(helpers.make_config(data_dir, str(tmp_path), train_steps=3, steps_per_loop=100), one_device)
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=9, steps_per_loop=100, profile_steps=(2, 5))
+    capsys.readouterr()
+    loop.train(config, one_device)
+    # This process resumed at step 3: its trace holds steps 4..5, not the window's 3..5.
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("profile of")]
+    assert said == [f"profile of steps 4..5 in {tmp_path / 'profile'} (tensorboard --logdir)"]
+
+
 @pytest.mark.parametrize("steps", [(5, 2), (3,), (2, 10)])
 def test_profile_steps_out_of_range_refused(data_dir, steps):
     with pytest.raises(ConfigError, match=rf"--profile_steps={','.join(map(str, steps))}: must be A,B with"):

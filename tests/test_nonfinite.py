@@ -7,7 +7,9 @@ import os
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
+from engine.numerics import precision
 from engine.run import loop
 from tests import helpers
 
@@ -153,3 +155,32 @@ def test_an_update_that_trains_where_another_skips_logs_its_numbers(data_dir, on
     assert out["skipped"] == 4
     assert np.isnan(out["body/loss"]) and np.isnan(out["body/grad_norm"])
     assert 2.0 < out["head/loss"] < 3.0 and 0.0 < out["head/grad_norm"] < 10.0, out
+
+
+def test_the_loss_scale_never_doubles_past_float32s_largest_number():
+    # A scale of inf would halve to inf: every later step skipped, above the floor, the run ending as if it trained.
+    largest = precision.LossScale(2.0**127, growth_interval=1)
+    scale, good = largest.next_state(tf.constant(True))
+    assert float(scale) == 2.0**127 and int(good) == 0
+    scale, good = precision.LossScale(2.0**15, growth_interval=1).next_state(tf.constant(True))
+    assert float(scale) == 2.0**16 and int(good) == 0  # below it, growth as before
+
+
+def test_a_float16_run_whose_gradients_stay_in_float32_keeps_a_finite_loss_scale(data_dir, one_device, tmp_path):
+    # Only the float32 head trains (the float16 hidden layer frozen): nothing overflows float16 to stop the growth,
+    # and a scale doubled at every step reaches float32's largest number within a few steps.
+    config = helpers.make_config(
+        data_dir,
+        str(tmp_path),
+        precision="mixed_float16",
+        initial_loss_scale=2.0**124,
+        loss_scale_growth_interval=1,
+        freeze="^model/mlp/dense/",
+        train_steps=8,
+        steps_per_loop=4,
+        hidden_sizes=(8,),
+        jit_compile=False,
+    )
+    summary = loop.train(config, one_device)
+    assert summary["skipped_steps"] == 0 and summary["loss_scale"] == 2.0**127
+    assert summary["train_loss"] is not None

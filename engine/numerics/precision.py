@@ -13,7 +13,8 @@ def set_policy(precision):
 
 
 class LossScale(tf.Module):
-    """Dynamic loss scale: halves on a non-finite step, doubles after `growth_interval` finite steps.
+    """Dynamic loss scale: halves on a non-finite step, doubles after `growth_interval` finite steps, but never past
+    float32's largest number: a scale of inf would halve to inf, every later step skipped above the floor.
 
     Updated from the all-reduced finite flag, so every replica computes the same new state.
     """
@@ -28,6 +29,10 @@ class LossScale(tf.Module):
         """(scale, good_steps) after a step whose gradients were all finite or not."""
         good = self.good_steps + 1
         grow = good >= self.growth_interval
-        scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale), tf.maximum(self.scale / 2.0, FLOOR))
+        # Where all of a step's gradients stay in float32 (a trained head over a frozen float16 body), nothing
+        # overflows to stop the growth: doubled past float32's largest number the scale is inf, which halves to inf.
+        grown = self.scale * 2.0
+        grown = tf.where(tf.math.is_finite(grown), grown, self.scale)
+        scale = tf.where(finite, tf.where(grow, grown, self.scale), tf.maximum(self.scale / 2.0, FLOOR))
         good = tf.where(finite & ~grow, good, tf.zeros_like(good))
         return scale, good

@@ -237,6 +237,7 @@ class Profile(Action):
 
     def __init__(self, steps):
         self.steps, self.running = steps, False  # rounds end at A and B (Action.steps)
+        self.started = None  # the step this process's trace started after: A, or where a resumed run began inside A..B
 
     def _logdir(self, context):
         return os.path.join(context.run.config.workdir, "profile")
@@ -246,7 +247,7 @@ class Profile(Action):
         step-time views need a marker (one per round: its steps run in one call of the traced loop)."""
         if self.steps and context.chief and not self.running and self.steps[0] <= start < self.steps[1]:
             tf.profiler.experimental.start(self._logdir(context))
-            self.running = True
+            self.running, self.started = True, start
         if not self.running:
             return super().around(start, end, context)
         return tf.profiler.experimental.Trace("train", step_num=start + 1, _r=1)
@@ -255,7 +256,7 @@ class Profile(Action):
         if self.running and round.end >= self.steps[1]:
             self.close(context)
             context.report.line(
-                f"profile of steps {self.steps[0] + 1}..{round.end} in {self._logdir(context)} (tensorboard --logdir)"
+                f"profile of steps {self.started + 1}..{round.end} in {self._logdir(context)} (tensorboard --logdir)"
             )
 
     def close(self, context):
