@@ -184,8 +184,9 @@ def test_a_flat_config_json_from_before_sections_loads_and_resumes(tmp_path):
     assert summary["step"] == 6 and os.path.exists(old / "checkpoints" / "ckpt-6.index")
     with open(old / "config.json") as f:
         written = json.load(f)
-    # Beside the settings, what the labels mean and what the training split held: no setting, no section.
-    assert set(written) - {"class_names", "training_split"} == set(FIELD_BY_NAME)
+    # Beside the settings, what the labels mean, what the training split held and what the source gave the task: no
+    # setting, no section.
+    assert set(written) - {"class_names", "training_split", "source"} == set(FIELD_BY_NAME)
     assert not set(written) & set(sections.SECTIONS)
 
 
