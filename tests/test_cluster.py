@@ -473,6 +473,14 @@ def test_a_hung_parameter_server_ends_the_job_within_the_collective_timeout(tmp_
 SLURM = {"SLURM_STEP_NODELIST": "gpu-node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_TASKS": "4"}
 
 
+@pytest.fixture(autouse=True)
+def _not_a_slurm_task(monkeypatch):
+    """Tests run inside a Slurm job (a cluster's CI) see its own task's node and local index: the fake steps here
+    name theirs, or none."""
+    for name in ("SLURMD_NODENAME", "SLURM_LOCALID", "SLURM_DISTRIBUTION"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_slurm_allocation_resolves_to_the_cluster(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     for name, value in {**SLURM, "SLURM_PROCID": "3"}.items():
@@ -766,6 +774,9 @@ def test_tf_data_service_serves_each_run_its_own_batches_from_its_own_start(data
         ("node[1-3]", ["node1", "node2", "node3"]),
         ("a[098-101]", ["a098", "a099", "a100", "a101"]),  # the width of the first number pads them all
         ("solo", ["solo"]),
+        # The text after a name's brackets was taken for a node of its own ("-ib"), and the nodes lost it.
+        ("node[1-2]-ib", ["node1-ib", "node2-ib"]),
+        ("r[1-2]n[1-2],x", ["r1n1", "r1n2", "r2n1", "r2n2", "x"]),
     ],
 )
 def test_slurms_compressed_node_list_expands_in_order(hostlist, hosts):
@@ -779,6 +790,52 @@ def test_slurms_tasks_per_node_expand_their_repeats():
 
     assert schedulers.expand_counts("2(x3),1") == [2, 2, 2, 1]
     assert schedulers.expand_counts("4") == [4]
+
+
+@pytest.mark.parametrize("hostlist", ["node[01-03", "node[3-1]", "node[1-2,]", "", "a,,b", "n]1["])
+def test_a_node_list_slurm_would_not_write_is_refused(hostlist):
+    # Each expanded to made-up nodes ("node", "01-03"), or none, without a word.
+    from engine.cluster import schedulers
+
+    with pytest.raises(ValueError):
+        schedulers.expand_hostlist(hostlist)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # All 4 tasks were placed on gpu-node07, the other node's counts left out by zip().
+        ({"SLURM_STEP_TASKS_PER_NODE": "4"}, "SLURM_STEP_TASKS_PER_NODE='4' counts 1 nodes, SLURM_STEP_NODELIST="),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x2)x"}, "SLURM_STEP_TASKS_PER_NODE='2(x2)x' is not tasks per node"),
+        # srun --distribution=cyclic: task 1 runs on the second node; its address was gpu-node07:8889, where nothing
+        # listens, and the cluster waited --connect_timeout to fail naming a peer that was up.
+        (
+            {
+                "SLURM_PROCID": "1",
+                "SLURMD_NODENAME": "gpu-node08",
+                "SLURM_LOCALID": "0",
+                "SLURM_DISTRIBUTION": "cyclic",
+            },
+            "task 1 runs on gpu-node08 as its local task 0 (SLURMD_NODENAME, SLURM_LOCALID), not on gpu-node07 as "
+            "local task 1, where numbering node by node places it: run srun with --distribution=block "
+            "(SLURM_DISTRIBUTION='cyclic')",
+        ),
+    ],
+)
+def test_a_slurm_step_the_cluster_cannot_be_worked_out_of_is_one_line(monkeypatch, change, message):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    for name, value in {**SLURM, "SLURM_PROCID": "0", **change}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(f"--cluster_resolver=slurm: {message}")):
+        distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm").cluster)
+
+
+def test_a_slurm_task_where_the_block_distribution_places_it_resolves(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    for name, value in {**SLURM, "SLURM_PROCID": "2", "SLURMD_NODENAME": "gpu-node08", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    resolver = distribute.cluster_resolver(Config(strategy="multi_worker", cluster_resolver="slurm").cluster)
+    assert resolver.cluster_spec().task_address("worker", 2) == "gpu-node08:8888"
 
 
 def test_a_parameter_server_rounds_step_count_is_the_chiefs(data_dir, one_device):

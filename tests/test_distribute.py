@@ -40,12 +40,64 @@ def test_good_tf_config_parses():
         (json.dumps({**GOOD, "cluster": {"worker": ["local host:1"]}}), "'local host:1' is not host:port"),
         (json.dumps({**GOOD, "cluster": {"worker": ["h:1", "h:1"]}}), "the address 'h:1' is listed for more than one"),
         (json.dumps({**GOOD, "rpc_layer": "bogus"}), "rpc_layer 'bogus' is not 'grpc'"),
+        # Each passed the check, then ended in a traceback (exit 1) or a cluster that never formed (exit 10).
+        (json.dumps({**GOOD, "task": {"type": ["worker"], "index": 0}}), "task type ['worker'] is not a job"),
+        (
+            json.dumps(
+                {"cluster": {"chief": ["h:1", "h:2"], "worker": ["h:3"]}, "task": {"type": "chief", "index": 1}}
+            ),
+            "cluster['chief'] lists 2 tasks: a cluster has at most one chief",
+        ),
+        (
+            json.dumps({**GOOD, "cluster": {**GOOD["cluster"], "evaluator": ["h:3", "h:4"]}}),
+            "cluster['evaluator'] lists 2 tasks: a cluster has at most one evaluator",
+        ),
+        (
+            json.dumps(
+                {"cluster": {**GOOD["cluster"], "evaluator": ["h:3"]}, "task": {"type": "evaluator", "index": 0}}
+            ),
+            "task type 'evaluator': the engine runs no evaluator task inside a cluster",
+        ),
+        (
+            json.dumps({**GOOD, "cluster": {"worker": ["grpc://h:1", "h:2"]}}),
+            "'grpc://h:1' is not host:port (no scheme",
+        ),
+        (json.dumps({**GOOD, "cluster": {"worker": ["::1:2222", "h:2"]}}), "(an IPv6 host goes in brackets"),
     ],
 )
 def test_malformed_tf_config_names_the_field(raw, message):
     with pytest.raises(ConfigError, match="TF_CONFIG=") as error:
         parse_tf_config(raw)
     assert message in str(error.value)
+
+
+def test_a_bracketed_ipv6_address_and_a_chief_beside_workers_parse():
+    ipv6 = {"cluster": {"worker": ["[::1]:2222", "[fe80::1]:2223"]}, "task": {"type": "worker", "index": 0}}
+    assert parse_tf_config(json.dumps(ipv6)) == ipv6
+    chief = {
+        "cluster": {"chief": ["h:1"], "worker": ["h:2"], "evaluator": ["h:3"]},
+        "task": {"type": "chief", "index": 0},
+    }
+    assert parse_tf_config(json.dumps(chief)) == chief
+
+
+def test_a_multi_worker_chief_job_counts_among_the_workers():
+    # A TFJob's Chief replica trains beside its Workers under MultiWorkerMirroredStrategy, reading an input pipeline
+    # of its own: a chief and a worker were counted as 1 worker, so a streamed run recorded 1 input pipeline for 2
+    # and was resumed on one device without the refusal a run of 2 workers gets (its data position read wrongly).
+    import tensorflow as tf
+
+    def workers(spec, task):
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), task_type=task[0], task_id=task[1]
+        )
+        strategy = type("Strategy", (), {"cluster_resolver": resolver})()
+        return distribute.num_workers(strategy)
+
+    assert workers({"chief": ["h:1"], "worker": ["h:2"]}, ("chief", 0)) == 2
+    assert workers({"chief": ["h:1"], "worker": ["h:2", "h:3"], "evaluator": ["h:4"]}, ("worker", 1)) == 3
+    assert workers({"worker": ["h:2", "h:3"]}, ("worker", 0)) == 2
+    assert workers({}, (None, None)) == 1
 
 
 def test_default_strategy_for_the_machine(monkeypatch):

@@ -194,7 +194,12 @@ def num_workers(strategy):
     """The processes that share each global batch: a multi-worker job's workers; 1 where the strategy holds no
     resolver (one process; parameter servers, whose strategy keeps its resolver to itself: scheduled_workers)."""
     resolver = getattr(strategy, "cluster_resolver", None)
-    return len(resolver.cluster_spec().as_dict().get("worker", [0])) if resolver is not None else 1
+    if resolver is None:
+        return 1
+    # A multi-worker cluster's chief job (a TFJob's Chief replica) trains beside its workers, one input pipeline more:
+    # counted as none, a chief and a worker recorded 1 pipeline for 2, and a streamed run resumed on 1 was not refused.
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("chief", ())) + len(spec.get("worker", ())))
 
 
 def scheduled_workers(strategy):

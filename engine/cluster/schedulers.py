@@ -1,6 +1,7 @@
 """The cluster as a scheduler gives it: Slurm's variables of an `srun` step, Kubernetes' worker pods. Each returns
 a resolver of the job's tasks with this task's own type and index (engine/cluster/resolvers.py resolve)."""
 
+import itertools
 import os
 import re
 import socket
@@ -28,7 +29,15 @@ def slurm_cluster(settings, strategy):
         hosts = expand_hostlist(os.environ["SLURM_STEP_NODELIST"])
     except ValueError:
         raise ConfigError(_slurm_bad("SLURM_STEP_NODELIST", "a node list as gpu[07-08,10],login1")) from None
-    per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
+    try:
+        per_node = expand_counts(os.environ["SLURM_STEP_TASKS_PER_NODE"])
+    except ValueError:
+        raise ConfigError(_slurm_bad("SLURM_STEP_TASKS_PER_NODE", "tasks per node as 2(x3),1")) from None
+    if len(per_node) != len(hosts):  # each node's count: zip() left the extra nodes or counts out, silently
+        raise ConfigError(
+            f"--cluster_resolver=slurm: SLURM_STEP_TASKS_PER_NODE={os.environ['SLURM_STEP_TASKS_PER_NODE']!r} counts "
+            f"{len(per_node)} nodes, SLURM_STEP_NODELIST={os.environ['SLURM_STEP_NODELIST']!r} lists {len(hosts)}"
+        )
     addresses = [f"{host}:{settings.slurm_port_base + i}" for host, count in zip(hosts, per_node) for i in range(count)]
     tasks, rank = _slurm_count("SLURM_STEP_NUM_TASKS"), _slurm_count("SLURM_PROCID")
     if rank >= tasks:
@@ -44,6 +53,7 @@ def slurm_cluster(settings, strategy):
             f"--cluster_resolver=slurm: SLURM_STEP_NUM_TASKS={tasks} but the node list holds "
             f"{len(addresses)} tasks ({os.environ['SLURM_STEP_NODELIST']})"
         )
+    _check_block(hosts, per_node, rank)
     jobs = [("worker", tasks)]
     if strategy == "parameter_server":
         jobs = [("chief", 1), ("ps", settings.num_ps), ("worker", tasks - 1 - settings.num_ps)]
@@ -63,6 +73,22 @@ def slurm_cluster(settings, strategy):
     )
 
 
+def _check_block(hosts, per_node, rank):
+    """The addresses are the block distribution's (tasks numbered node by node): a task placed otherwise (srun
+    --distribution=cyclic or plane, an arbitrary SLURM_HOSTFILE) would serve on another node or port than its peers
+    dial, and the cluster would never form. Its own node and local index, where Slurm says them, must agree."""
+    node = next(i for i, end in enumerate(itertools.accumulate(per_node)) if rank < end)
+    local = rank - sum(per_node[:node])
+    actual = os.environ.get("SLURMD_NODENAME", hosts[node]), os.environ.get("SLURM_LOCALID", str(local))
+    if actual != (hosts[node], str(local)):
+        raise ConfigError(
+            f"--cluster_resolver=slurm: task {rank} runs on {actual[0]} as its local task {actual[1]} "
+            f"(SLURMD_NODENAME, SLURM_LOCALID), not on {hosts[node]} as local task {local}, where numbering node by "
+            f"node places it: run srun with --distribution=block "
+            f"(SLURM_DISTRIBUTION={os.environ.get('SLURM_DISTRIBUTION', '')!r})"
+        )
+
+
 def _slurm_bad(name, what):
     return f"--cluster_resolver=slurm: {name}={os.environ[name]!r} is not {what}"
 
@@ -76,23 +102,45 @@ def _slurm_count(name):
 
 
 def expand_hostlist(hostlist):
-    """Slurm's compressed node list, e.g. "gpu[07-08,10],login1" -> gpu07, gpu08, gpu10, login1."""
+    """Slurm's compressed node list, e.g. "gpu[07-08,10],login1" -> gpu07, gpu08, gpu10, login1; a name's text around
+    its brackets stays ("n[1-2]-ib" -> n1-ib, n2-ib), several bracketed ranges in a name expand in turn. ValueError
+    for what Slurm would not write (an unclosed bracket, an empty or reversed range, an empty name)."""
+    names, depth, start = [], 0, 0
+    for i, character in enumerate(hostlist + ","):  # the top-level commas: those inside brackets separate ranges
+        depth += {"[": 1, "]": -1}.get(character, 0)
+        if depth not in (0, 1):
+            raise ValueError(hostlist)
+        if character == "," and depth == 0:
+            names.append(hostlist[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(hostlist)
     hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[]+)", hostlist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(first)}d}" for i in range(int(first), int(last or first) + 1)]
+    for name in names:
+        parts = re.split(r"\[([^\[\]]*)\]", name)  # text, ranges, text, ranges, ..., text
+        if not name or any("[" in text or "]" in text for text in parts[::2]):
+            raise ValueError(hostlist)
+        expanded = [parts[0]]
+        for ranges, text in zip(parts[1::2], parts[2::2]):
+            numbers = []
+            for part in ranges.split(","):
+                first, _, last = part.partition("-")
+                if not re.fullmatch(r"\d+", first) or not re.fullmatch(r"\d*", last) or int(last or first) < int(first):
+                    raise ValueError(hostlist)
+                numbers += [f"{i:0{len(first)}d}" for i in range(int(first), int(last or first) + 1)]
+            expanded = [f"{host}{number}{text}" for host in expanded for number in numbers]
+        hosts += expanded
     return hosts
 
 
 def expand_counts(counts):
-    """Slurm's tasks per node, e.g. "2(x3),1" -> 2, 2, 2, 1."""
+    """Slurm's tasks per node, e.g. "2(x3),1" -> 2, 2, 2, 1; ValueError for what Slurm would not write."""
     expanded = []
-    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", counts):
-        expanded += [int(count)] * int(repeat or 1)
+    for part in counts.split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not found:
+            raise ValueError(counts)
+        expanded += [int(found.group(1))] * int(found.group(2) or 1)
     return expanded
 
 

@@ -21,6 +21,21 @@ def tf_config():
     return parse_tf_config(raw)
 
 
+def _not_an_address(address):
+    """Why `address` is not one TensorFlow's servers take ("" for no more said), or None for a host:port."""
+    host, _, port = address.rpartition(":")
+    # ASCII digits alone (int() refuses a superscript two that isdigit() takes); a host without spaces.
+    if not host or host.split() != [host] or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        return ""
+    # TensorFlow parses host:port alone: a scheme ("grpc://h:1") failed as the cluster started (a traceback), an
+    # IPv6 host outside brackets ("::1:2222") bound nothing and the cluster never formed.
+    if "/" in host:
+        return " (no scheme or path: host:port alone)"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return " (an IPv6 host goes in brackets: [::1]:2222)"
+    return None
+
+
 def parse_tf_config(raw):
     """Checks a TF_CONFIG value; returns it as a dict or raises ConfigError naming the bad field."""
 
@@ -42,15 +57,9 @@ def parse_tf_config(raw):
         if not isinstance(addresses, list) or not addresses:
             bad(f"cluster['{job}'] must be a non-empty list of host:port addresses")
         for address in addresses:
-            host, _, port = str(address).rpartition(":")
-            # ASCII digits alone (int() refuses a superscript two that isdigit() takes); a host without spaces.
-            if (
-                not host
-                or host.split() != [host]
-                or not (port.isascii() and port.isdigit())
-                or not 0 < int(port) < 65536
-            ):
-                bad(f"cluster['{job}'] address {address!r} is not host:port")
+            why = _not_an_address(str(address))
+            if why is not None:
+                bad(f"cluster['{job}'] address {address!r} is not host:port{why}")
     listed = [str(a) for addresses in cluster.values() for a in addresses]
     twice = sorted({a for a in listed if listed.count(a) > 1})
     if twice:  # two tasks cannot serve at one address: the cluster would never form
@@ -59,13 +68,21 @@ def parse_tf_config(raw):
         bad(f"rpc_layer {parsed['rpc_layer']!r} is not 'grpc', the one TensorFlow's servers speak")
     if "worker" not in cluster and "chief" not in cluster:
         bad("'cluster' has no 'worker' or 'chief' job")
+    for job in ("chief", "evaluator"):  # TensorFlow refused more with a traceback (exit 1) as the cluster started
+        if len(cluster.get(job, ())) > 1:
+            bad(f"cluster['{job}'] lists {len(cluster[job])} tasks: a cluster has at most one {job}")
     if not isinstance(task, dict):
         bad("'task' must be an object with 'type' and 'index'")
     task_type, index = task.get("type"), task.get("index")
-    if task_type not in cluster:
+    if not isinstance(task_type, str) or task_type not in cluster:
         bad(f"task type {task_type!r} is not a job in 'cluster' ({', '.join(cluster)})")
     if not isinstance(index, int) or isinstance(index, bool):
         bad(f"task index {index!r} is not a whole number")
     if not 0 <= index < len(cluster[task_type]):
         bad(f"task index {index!r} is out of range for job '{task_type}' with {len(cluster[task_type])} tasks")
+    if task_type == "evaluator":  # it joined the training cluster, which refused it (a traceback) or never formed
+        bad(
+            "task type 'evaluator': the engine runs no evaluator task inside a cluster; evaluate beside the job "
+            "with --mode=continuous_eval on its workdir, without TF_CONFIG"
+        )
     return parsed
