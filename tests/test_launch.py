@@ -399,3 +399,41 @@ def test_an_empty_dataset_or_model_on_eval_is_the_trained_runs_own_not_a_contrad
             assert (rebuilt.dataset, rebuilt.model) == ("shakespeare", "gpt")
     finally:
         flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.slow
+def test_a_compiled_program_damaged_inside_its_entry_stops_in_one_line_and_the_same_command_compiles_it(
+    data_dir, tmp_path
+):
+    """A block zeroed inside an entry's compiled program (a crash before the file reached the disk) leaves its framing
+    whole: the next run failed as TensorFlow loaded it, with a traceback that named no cache, and every rerun again."""
+    cache = tmp_path / "cache"
+    folder = cache / compile_cache.machine_key()
+    args = [f"--data_dir={data_dir}", f"--compile_cache={cache}", "--jit_compile=true", "--train_steps=10"]
+    args += ["--steps_per_loop=5", "--hidden_sizes=16"]
+
+    def run(name):
+        return launch(f"--workdir={tmp_path / name}", *args, env=helpers.without_xla_cache())
+
+    first = run("first")
+    assert first.returncode == 0, first.stderr[-3000:]
+    entries = sorted((p for p in folder.iterdir() if p.suffix == ".pb"), key=lambda p: p.stat().st_size)
+    damaged = bytearray(entries[-1].read_bytes())  # the step's, the largest
+    damaged[len(damaged) // 2 : len(damaged) // 2 + 4096] = bytes(4096)
+    entries[-1].write_bytes(bytes(damaged))
+    assert compile_cache.damage(str(entries[-1])) is None  # its framing whole: not found before TensorFlow loads it
+    stopped = run("second")
+    assert stopped.returncode == 4, stopped.stderr[-3000:]
+    (line,) = stopped.stderr.strip().splitlines()[-1:]
+    assert line.startswith(f"error: --compile_cache={cache}: TensorFlow could not load a compiled program read back ")
+    assert line.endswith(
+        f"a damaged entry; its {len(entries)} entries are set aside, and the same command compiles them again"
+    )
+    assert "Traceback" not in stopped.stderr
+    assert not [p for p in folder.iterdir() if p.suffix == ".pb"]
+    again = run("second")
+    assert again.returncode == 0, again.stderr[-3000:]
+    losses = [
+        [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl")] for name in ("first", "second")
+    ]
+    assert losses[0] == losses[1]

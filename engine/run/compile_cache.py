@@ -28,7 +28,10 @@ InvalidArgumentError, naming no file, and keeps the failure for the process). Te
 temporary file and renames it, so a kill mid-write leaves no half entry; a crash of the machine (no fsync), a file
 system without atomic rename or an interrupted copy can. So every entry is checked before TensorFlow starts (`repair`):
 one that is empty, cut short, not an entry at all, or another entry's (two swapped) is set aside under a name
-TensorFlow does not read, and its program compiles again, said in one line.
+TensorFlow does not read, and its program compiles again, said in one line. Damage inside the compiled program that
+leaves the entry's framing whole (a block of it zeroed by a crash) shows only as TensorFlow loads it: that failure
+(`unloadable`) stops the run in one line naming the cache, exit 4, its entries set aside (`set_aside`), and the
+same command compiles them again.
 """
 
 import functools
@@ -152,6 +155,27 @@ def damage(path):
     if entry_name(entry.key) != os.path.basename(path):
         return f"it holds the entry {entry_name(entry.key)}: files swapped or renamed"
     return None
+
+
+# What TensorFlow says of an entry it read back and cannot load: its framing whole, the program inside it not.
+UNLOADABLE = ("Failed to parse serialized", "Failed to add object file")
+
+
+def unloadable(message):
+    """Whether TensorFlow's error `message` says it could not load a compiled program read back from the cache."""
+    return any(said in message for said in UNLOADABLE)
+
+
+def set_aside(path, why, log=print):
+    """Sets aside every entry of the cache --compile_cache=`path` names for this TensorFlow and CPU, which of them
+    failed to load being unknown (TensorFlow names the function, not the entry); returns their count."""
+    folder = os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
+    names = [n for n in sorted(os.listdir(folder)) if n.endswith(".pb")] if os.path.isdir(folder) else []
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for name in names:
+        os.replace(os.path.join(folder, name), os.path.join(folder, f"{name}.damaged-{stamp}"))
+    log(f"--compile_cache: set aside the {len(names)} entries of {folder} as *.pb.damaged-{stamp} ({why})")
+    return len(names)
 
 
 def repair(folder, log=print):

@@ -20,6 +20,8 @@ from engine.cluster import distribute
 from engine.data import datasets
 from engine.data.pipeline import UNDECODABLE
 from engine.data.records import unreadable
+from engine.run import compile_cache
+from engine.settings.errors import CheckpointError
 
 
 def release(iterators):
@@ -283,5 +285,12 @@ def explain(error, config, strategy, data, training, pipelines):
     if damaged:
         return datasets.DecodeError(
             f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: {RESUMES}"
+        )
+    if config.compile_cache and compile_cache.unloadable(error.message or ""):
+        said = (error.message or "").splitlines()[0]
+        count = compile_cache.set_aside(config.compile_cache, said)
+        return CheckpointError(
+            f"--compile_cache={config.compile_cache}: TensorFlow could not load a compiled program read back from it "
+            f"({said}): a damaged entry; its {count} entries are set aside, and the same command compiles them again"
         )
     return distribute.explain_failure(strategy, config.cluster, error)
