@@ -1,7 +1,8 @@
 """Your own photos (--dataset=folder:PATH): a sub-folder of JPEG or PNG files per class.
 
 Your own photos, no builder: `--dataset=folder:PATH`, a folder with a sub-folder per class of JPEG or PNG files
-(by extension, in any case: .jpg, .jpeg, .png; other files, hidden ones and deeper folders are ignored):
+(by extension, in any case: .jpg, .jpeg, .png; other files, hidden ones and deeper folders are not read, and a
+warning names the photos of other formats, .gif, .bmp, .webp, ..., and the deeper folders):
 
     PATH/cat/0001.jpg  PATH/cat/0002.PNG  PATH/dog/0001.jpeg  ...
 
@@ -42,6 +43,8 @@ READS = ("image_size",)  # the engine's setting: the side of the crops the photo
 # What follows the source's name in --dataset, and what it names: --help says so.
 ARGUMENT = ("PATH", "a sub-folder of JPEG/PNG files per class")
 EXTENSIONS = (".jpg", ".jpeg", ".png")
+# Images of other formats by their extension: not read, and said so (_say_unread).
+OTHER_IMAGES = (".gif", ".bmp", ".webp", ".tif", ".tiff", ".jfif", ".jpe", ".heic", ".heif", ".avif")
 HELD_OUT = ("test", "validation")  # the names of a carved PATH's held-out part
 
 
@@ -138,12 +141,14 @@ def _entries(path):
 
 
 def _files(path):
-    """The names of the files in the folder `path` (_entries), without its sub-folders: an object store lists them
-    with a trailing /, a local disk says which are (without a call per name)."""
+    """(files, folders): the names in the folder `path` (_entries), its files and its sub-folders apart: an object
+    store lists a folder with a trailing /, a local disk says which are (without a call per name)."""
     if "://" in path:
-        return [name for name in tf.io.gfile.listdir(path) if not name.endswith("/")]
+        names = tf.io.gfile.listdir(path)
+        return [n for n in names if not n.endswith("/")], [n.rstrip("/") for n in names if n.endswith("/")]
     with os.scandir(path) as entries:
-        return [entry.name for entry in entries if not entry.is_dir()]
+        entries = list(entries)
+        return [e.name for e in entries if not e.is_dir()], [e.name for e in entries if e.is_dir()]
 
 
 def _is_utf8(name):
@@ -181,10 +186,13 @@ def _photos(path, where):
             f"{where}: one class folder ({names[0]}): a folder of classes holds a folder of photos for each class, "
             "two at least"
         )
-    photos = {}
+    photos, unread, folders = {}, [], []
     for name in names:
-        files = _files(os.path.join(path, name))
+        files, inside = _files(os.path.join(path, name))
         photos[name] = sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
+        unread += [f"{name}/{f}" for f in sorted(files) if not f.startswith(".") and f.lower().endswith(OTHER_IMAGES)]
+        folders += [f"{name}/{f}" for f in sorted(inside) if not f.startswith(".")]
+    _say_unread(where, unread, folders)
     if not any(photos.values()):
         raise ConfigError(f"{where}: no JPEG or PNG files (.jpg, .jpeg, .png) in the class folders of {path}")
     empty = [name for name, files in photos.items() if not files]
@@ -194,6 +202,27 @@ def _photos(path, where):
             + (f"; nor do {len(empty) - 1} other(s): {', '.join(empty[1:4])}" if len(empty) > 1 else "")
         )
     return photos
+
+
+def _say_unread(where, unread, folders):
+    """A warning naming the photos of other formats (by extension) and the folders in the class folders, which the
+    run does not read: they were left out without a word, and the run trained on fewer photos than the folder holds
+    (files of no image format, a notes.txt or a Thumbs.db, are left out unsaid)."""
+    said = []
+    if unread:
+        said.append(f"{len(unread)} photo(s) of another format than JPEG or PNG ({_some(unread)})")
+    if folders:
+        said.append(f"{len(folders)} folder(s) inside class folders ({_some(folders)})")
+    if said:
+        print(
+            f"warning: {where}: not read: {' and '.join(said)}: only .jpg, .jpeg and .png files directly in a "
+            "class folder are",
+            flush=True,
+        )
+
+
+def _some(names):
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _split(examples):

@@ -95,6 +95,26 @@ def test_a_folder_gives_sorted_classes_and_carves_the_held_out_part_by_path(data
     assert set(grown_held_out) < set(larger) and len(larger) == 34
 
 
+def test_photos_a_folder_does_not_read_are_said(data_dir, tmp_path, capsys):
+    """A photo of another format (by its extension) and a folder inside a class folder were left out without a word:
+    the run trained on fewer photos than the folder holds. Files of no image format stay unsaid."""
+    root = tmp_path / "photos"
+    _photos(root, per_class=4)
+    for other in ("ant/scan.bmp", "bee/anim.GIF", "cat/more/1.jpg", "cat/.cache/1.jpg", "ant/notes.txt"):
+        os.makedirs(os.path.dirname(root / other), exist_ok=True)
+        (root / other).write_bytes(b"not read")
+    source = folder.load(_config(data_dir, root), "test")
+    assert source.train.examples + source.evals.examples == 12  # the 4 photos of each class, as before
+    assert capsys.readouterr().out == (
+        f"warning: --dataset=folder:{root}: not read: 2 photo(s) of another format than JPEG or PNG (ant/scan.bmp, "
+        "bee/anim.GIF) and 1 folder(s) inside class folders (cat/more): only .jpg, .jpeg and .png files directly in "
+        "a class folder are\n"
+    )
+    _photos(tmp_path / "plain", per_class=4)
+    folder.load(_config(data_dir, tmp_path / "plain"), "test")
+    assert capsys.readouterr().out == ""
+
+
 def test_split_folders_are_used_as_given(data_dir, tmp_path):
     root = tmp_path / "photos"
     for split, count in (("train", 6), ("validation", 3), ("test", 2)):

@@ -169,3 +169,47 @@ def test_a_good_npz_file_of_few_examples_and_many_classes_is_accepted(data_dir, 
         helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_batch_size=4)
     )
     assert (loaded.train_examples, loaded.eval_examples, loaded.task.outputs) == (8, 4, 1000)
+
+
+def test_an_npz_array_that_cannot_be_read_is_named(data_dir, tmp_path):
+    """A header that declares more than memory holds was `error: sources/npz.py:51 in <dictcomp>: MemoryError: ...`
+    (the engine's file and line, not the data's array); an object array named no array."""
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**13, 2)})
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as archive:
+        for name, values in _GOOD.items():
+            if name != "train/image":
+                with archive.open(f"{name}.npy", "w") as f:
+                    np.save(f, values)
+        archive.writestr("train/image.npy", header.getvalue() + bytes(32))
+    np.savez(tmp_path / "objects.npz", **{**_GOOD, "train/image": np.array([{"a": 1}] * 8, dtype=object)})
+    for name, said in (
+        ("huge.npz", "array 'train/image' does not fit in memory (Unable to allocate "),
+        ("objects.npz", "cannot read its array 'train/image' (Object arrays cannot be loaded when allow_pickle=False)"),
+    ):
+        config = helpers.make_config(data_dir, dataset=f"npz:{tmp_path / name}", global_batch_size=4)
+        with pytest.raises(ConfigError) as refused:
+            inputs.run_data(config)
+        assert str(refused.value).startswith(f"--dataset=npz:{tmp_path / name}: {said}"), str(refused.value)
+
+
+def test_labels_the_evaluation_split_holds_and_the_training_split_does_not_are_warned_of(data_dir, tmp_path, capsys):
+    # Training labels 0 and 1, test labels numbered from 1: the task took 3 classes, class 2 was never learned, and
+    # the run ended at a test accuracy of 0.31, exit 0, without a word.
+    path = _write(
+        tmp_path / "shifted.npz",
+        {
+            "train": {"image": np.ones((8, 4), np.float32), "label": np.array([0, 1] * 4)},
+            "test": {"image": np.ones((4, 4), np.float32), "label": np.array([1, 2, 1, 2])},
+        },
+    )
+    inputs.run_data(helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4))
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: --dataset=npz:{path}: its evaluation split holds 1 label that its training split has no example of "
+        "(2): the model cannot learn them (are the splits' classes numbered alike, from 0?)"
+    ]
+    inputs.run_data(helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_split="train"))
+    assert "warning" not in capsys.readouterr().out

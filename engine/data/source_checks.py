@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from engine.data.records import ENGINE_FEATURES, Source, Split, SplitError
-from engine.settings.errors import ConfigError, TaskError, check_call, described
+from engine.settings.errors import ConfigError, TaskError, check_call, counted, described
 
 # Features a split may carry beyond its spec: the file an example came from (named when it cannot be decoded), and
 # an evaluation example's weight (how much it counts in the means).
@@ -89,7 +89,7 @@ def checked(source, where, dataset):
             )
         if source.decode is None:  # a decoded split's examples are the decode's to shape (photos)
             _check_features(split, role, spec, where)
-    _check_classes(source, where)
+    _check_classes(source, where, dataset)
     _check_finite(source, dataset)
     _check_weights(source.evals, dataset)
     return Source(source.train, source.evals, dict(spec), Info(dataset, info), source.decode)
@@ -121,9 +121,10 @@ def _check_features(split, role, spec, where):
             )
 
 
-def _check_classes(source, where):
+def _check_classes(source, where, dataset):
     """A label's `num_classes`: a whole number of at least 2, and every label of a split held in memory below it (one
-    label an example, as the source gives it: a decode's labels are its own to make)."""
+    label an example, as the source gives it: a decode's labels are its own to make); a warning for the labels its
+    evaluation split holds and its training split does not."""
     if "num_classes" not in source.info:
         return
     classes = source.info["num_classes"]
@@ -134,13 +135,31 @@ def _check_classes(source, where):
         )
     if checked_classes(source) is None or source.decode is not None:
         return
+    labels = {}
     for role, split in (("training", source.train), ("evaluation", source.evals)):
         if split.fetch is None or not split.examples:  # streamed: read in the steps, not twice
             continue
-        low, high = _label_range(split)
+        labels[role] = _labels(split)
+        low, high = int(labels[role][0]), int(labels[role][-1])
         if low < 0 or high >= classes:
             bad = low if low < 0 else high
             raise TaskError(f"{where}: the {role} split {outside(bad, classes)}")
+    if len(labels) == 2:
+        _warn_of_unlearned(np.setdiff1d(labels["evaluation"], labels["training"]), dataset)
+
+
+def _warn_of_unlearned(labels, dataset):
+    """A warning naming the `labels` the evaluation split holds and the training split has no example of: the model
+    never learns them, which a split numbered from 1 beside one numbered from 0 made silently (a test accuracy of
+    0.31, exit 0)."""
+    if labels.size:
+        shown = ", ".join(str(label) for label in labels[:5]) + (", ..." if labels.size > 5 else "")
+        print(
+            f"warning: --dataset={dataset}: its evaluation split holds {counted(labels.size, 'label')} that its "
+            f"training split has no example of ({shown}): the model cannot learn them (are the splits' classes "
+            "numbered alike, from 0?)",
+            flush=True,
+        )
 
 
 def checked_classes(source):
@@ -196,14 +215,9 @@ def _check_weights(split, dataset):
             )
 
 
-def _label_range(split):
-    """(lowest, highest) label of a split held in memory."""
-    low, high = None, None
-    for _, chunk in _chunks(split):
-        labels = chunk["label"].numpy()
-        low = labels.min() if low is None else min(low, labels.min())
-        high = labels.max() if high is None else max(high, labels.max())
-    return int(low), int(high)
+def _labels(split):
+    """The labels a split held in memory holds, sorted, each once."""
+    return np.unique(np.concatenate([np.unique(chunk["label"].numpy()) for _, chunk in _chunks(split)]))
 
 
 def _chunks(split):
