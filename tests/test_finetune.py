@@ -243,3 +243,53 @@ def test_a_freeze_that_matches_nothing_is_refused_naming_the_variables_it_could_
     ):
         loop.train(make_config(data_dir, workdir, freeze="^model/mpl/"), one_device)
     assert not os.path.exists(workdir)
+
+
+def test_a_warm_start_draws_dropout_from_its_own_seed_not_the_sources(data_dir, tmp_path, one_device, at_start, capsys):
+    """A seed generator's state is the random stream --seed starts, not a weight: copied, every fine-tuning run of one
+    source drew the source's dropout masks whatever its --seed (a seed sweep varied nothing of them), and the line
+    counted it among the variables."""
+    source = str(tmp_path / "source")
+    loop.train(make_config(data_dir, source, dropout=0.2, train_steps=2, seed=7), one_device)
+    state = "seed_generator/seed_generator_state"
+    saved = by_path(checkpoint_tensors(source)[1], "models")[state]
+    own = {v.path: v.numpy() for v in build.run(make_config(data_dir, dropout=0.2, seed=1), one_device).model.variables}
+    assert not np.array_equal(own[state], saved)  # the test can tell
+    config = make_config(data_dir, str(tmp_path / "run"), dropout=0.2, init_checkpoint=source, train_steps=2, seed=1)
+    loop.train(config, one_device)
+    np.testing.assert_array_equal(at_start["weights"][state], own[state])
+    assert f"init_checkpoint: 6 variables from {source}/checkpoints/ckpt-2\n" in capsys.readouterr().out
+
+
+def test_a_source_whose_every_shared_path_has_another_shape_is_refused_naming_the_shapes(
+    data_dir, source, tmp_path, one_device
+):
+    """It said "no variable of this run is in ... by path (...; this run has , ...)": every path was there, and the
+    list of this run's was empty."""
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError) as refused:
+        loop.train(make_config(data_dir, str(workdir), hidden_sizes=(16,), init_checkpoint=source), one_device)
+    assert str(refused.value) == (
+        f"--init_checkpoint={source}: no variable of this run has its shape in {source}/checkpoints/ckpt-20 (other "
+        "shapes: mlp/dense/kernel [64, 32] -> [64, 16], mlp/dense/bias [32] -> [16], mlp/dense_1/kernel [32, 32] -> "
+        "[16, 10], mlp/dense_1/bias [32] -> [10])"
+    )
+    assert not workdir.exists()
+
+
+def test_a_workdir_whose_newest_checkpoint_is_unreadable_starts_from_the_previous_one(
+    data_dir, source, tmp_path, one_device, at_start, capsys
+):
+    """A run training in the source workdir writes a checkpoint's index last: a warm start from it as it saves read a
+    ckpt-N without one and was refused, where --mode=eval reads the previous checkpoint."""
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy)
+    for data in (copy / "checkpoints").glob("ckpt-20.data-*"):  # ckpt-30 as a save leaves it before its index
+        shutil.copy(data, str(data).replace("ckpt-20", "ckpt-30"))
+    loop.train(make_config(data_dir, str(tmp_path / "run"), init_checkpoint=str(copy), train_steps=2), one_device)
+    out = capsys.readouterr().out
+    assert f"warning: --init_checkpoint={copy}: unreadable checkpoint {copy}/checkpoints/ckpt-30 (" in out
+    assert f"init_checkpoint: 6 variables from {copy}/checkpoints/ckpt-20\n" in out
+    saved = saved_weights(source)
+    for path, value in at_start["weights"].items():
+        np.testing.assert_array_equal(value, saved[path], err_msg=path)

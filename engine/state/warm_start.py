@@ -16,11 +16,17 @@ from engine.state.checkpoint import describe_key, is_damage, list_checkpoints, s
 def find(source, flag):
     """The checkpoint `source` names: a checkpoint prefix, or a workdir (its newest checkpoint). ConfigError naming
     `flag` when there is none."""
+    return _candidates(source, flag)[0]
+
+
+def _candidates(source, flag):
+    """The checkpoints `source` may name, the one to read first first: [a checkpoint prefix], or a workdir's
+    checkpoints newest first. ConfigError naming `flag` when there is none."""
     if tf.io.gfile.exists(source + ".index"):
-        return source
+        return [source]
     found = list_checkpoints(os.path.join(source, "checkpoints"))
     if found:
-        return found[0]
+        return found
     raise ConfigError(f"--{flag}={source}: neither a checkpoint (no {source}.index) nor a workdir with checkpoints")
 
 
@@ -28,44 +34,25 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
     """Assigns each variable of `models` the value saved under the same Keras path in the checkpoint `source` (a
     prefix or a workdir), under the same model name where the checkpoint has one, else another's: the moving average
     where the run kept one (what it evaluated), else the weights. Variables it lacks, or holds in another shape,
-    keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths)."""
-    prefix = find(source, flag)
-    with _reading(source, prefix, flag):
-        reader = tf.train.load_checkpoint(prefix)
-        shapes = reader.get_variable_to_shape_map()
-    saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
-    for kind, name, path, key in _model_variables(shapes):
-        (saved if kind == "models" else averaged)[name, path] = key
-    paths = {path for _, path in saved}
-    if not saved:
-        raise ConfigError(
-            f"--{flag}={source}: {prefix} holds no model variables keyed by path (a checkpoint of another engine, "
-            "or of this one before variables were keyed by path)"
-        )
-    result = {"matched": [], "missing": [], "reshaped": [], "unused": []}
-    used = set()
-    for name, model in models.items():
-        # This model's own variables first (a distillation run holds its student and its teacher under the same
-        # paths), then another model's, in name order.
-        owners = sorted({owner for owner, _ in saved}, key=lambda owner: (owner != name, owner))
-        for v in model.variables:
-            key = next((t[o, v.path] for o in owners for t in (averaged, saved) if (o, v.path) in t), None)
-            if key is None:
-                result["missing"].append(v.path)
-            elif shapes[key] != list(v.shape):
-                result["reshaped"].append(f"{v.path} {shapes[key]} -> {list(v.shape)}")
-                used.add(v.path)
-            else:
-                with _reading(source, prefix, flag):
-                    v.assign(reader.get_tensor(key))
-                result["matched"].append(v.path)
-                used.add(v.path)
-    result["unused"] = sorted(paths - used)
-    if not result["matched"]:
-        raise ConfigError(
-            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {', '.join(sorted(paths)[:4])}"
-            f"{', ...' if len(paths) > 4 else ''}; this run has {', '.join(result['missing'][:4])}, ...)"
-        )
+    keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths).
+    A workdir's newest checkpoint that cannot be read (damaged, or still being saved by a run training there: its
+    index comes last) is named in a warning and the previous one read, as --mode=eval does; nothing is assigned
+    from a checkpoint until every value it gives has been read."""
+    tried, untried = [], _candidates(source, flag)
+    while True:
+        prefix = untried[0]
+        tried.append(prefix)
+        try:
+            values, result = _read(models, source, prefix, flag)
+            break
+        except Unreadable as e:
+            # Listed again: a run training there may have saved, or rotated one away, meanwhile.
+            untried = [p for p in _candidates(source, flag) if p not in tried]
+            if not untried:
+                raise
+            print(f"warning: {e}; reading the previous checkpoint", flush=True)
+    for v, value in values:
+        v.assign(value)
     line = f"{flag}: {len(result['matched'])} variables from {prefix}"
     for what, why in (
         ("missing", "not in it (kept as initialized)"),
@@ -76,6 +63,68 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
             line += f"; {why}: {', '.join(result[what])}"
     log(line)
     return result
+
+
+def _read(models, source, prefix, flag):
+    """([(variable, value to assign)], result) of a warm start of `models` from the checkpoint `prefix`: warm_start's,
+    read but not yet assigned. Unreadable where the checkpoint is damaged."""
+    with _reading(source, prefix, flag):
+        reader = tf.train.load_checkpoint(prefix)
+        shapes = reader.get_variable_to_shape_map()
+    saved, averaged = {}, {}  # (model name, Keras path) -> key of its weights (models/...), of its average (ema/...)
+    for kind, name, path, key in _model_variables(shapes):
+        if not _is_seed_state(path):  # a run's own random stream, seeded by its --seed: not a weight to start from
+            (saved if kind == "models" else averaged)[name, path] = key
+    paths = {path for _, path in saved}
+    if not saved:
+        raise ConfigError(
+            f"--{flag}={source}: {prefix} holds no model variables keyed by path (a checkpoint of another engine, "
+            "or of this one before variables were keyed by path)"
+        )
+    result = {"matched": [], "missing": [], "reshaped": [], "unused": []}
+    used, values = set(), []
+    for name, model in models.items():
+        # This model's own variables first (a distillation run holds its student and its teacher under the same
+        # paths), then another model's, in name order.
+        owners = sorted({owner for owner, _ in saved}, key=lambda owner: (owner != name, owner))
+        for v in model.variables:
+            if _is_seed_state(v.path):  # dropout's seed: this run's --seed draws its masks, not the source's
+                continue
+            key = next((t[o, v.path] for o in owners for t in (averaged, saved) if (o, v.path) in t), None)
+            if key is None:
+                result["missing"].append(v.path)
+            elif shapes[key] != list(v.shape):
+                result["reshaped"].append(f"{v.path} {shapes[key]} -> {list(v.shape)}")
+                used.add(v.path)
+            else:
+                with _reading(source, prefix, flag):
+                    values.append((v, reader.get_tensor(key)))
+                result["matched"].append(v.path)
+                used.add(v.path)
+    result["unused"] = sorted(paths - used)
+    if not result["matched"]:
+        if result["reshaped"]:  # every path it shares with this run holds another shape there
+            absent = f"; not in it: {_listed(result['missing'])}" if result["missing"] else ""
+            raise ConfigError(
+                f"--{flag}={source}: no variable of this run has its shape in {prefix} (other shapes: "
+                f"{_listed(result['reshaped'])}{absent})"
+            )
+        raise ConfigError(
+            f"--{flag}={source}: no variable of this run is in {prefix} by path (it has {_listed(sorted(paths))}; "
+            f"this run has {_listed(result['missing'])})"
+        )
+    return values, result
+
+
+def _listed(items, shown=4):
+    """The first `shown` of `items`, and ", ..." where there are more."""
+    return ", ".join(items[:shown]) + (", ..." if len(items) > shown else "")
+
+
+def _is_seed_state(path):
+    """Whether a variable is a Keras seed generator's state (dropout's): the stream a run's --seed starts, which the
+    step folds with the step and replica (engine/numerics/forward.py), not a weight."""
+    return path.endswith("seed_generator_state")
 
 
 def weights(source, flag="checkpoint"):
@@ -91,6 +140,10 @@ def weights(source, flag="checkpoint"):
     return found
 
 
+class Unreadable(ConfigError):
+    """A checkpoint to start from that is damaged (a truncated data file, a missing index)."""
+
+
 @contextlib.contextmanager
 def _reading(source, prefix, flag):
     """Reads the checkpoint `prefix` (of --`flag`=`source`) inside the block: a damaged file (a truncated data file
@@ -100,7 +153,7 @@ def _reading(source, prefix, flag):
     except (tf.errors.OpError, IndexError) as e:
         if not is_damage(e):
             raise storage_error(prefix, e) from None
-        raise ConfigError(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
+        raise Unreadable(f"--{flag}={source}: unreadable checkpoint {prefix} ({first_line(e)})") from None
 
 
 def _model_variables(keys):
