@@ -2,6 +2,7 @@
 they restore. Host logic on stand-ins for the run and the report; the rollback restores a real checkpoint."""
 
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from engine.run.actions.base import ROLLED_BACK, Round, Stop
 from engine.run.controller import Timing
 from engine.settings import plugins
 from engine.settings.errors import Preempted, TaskError, TrainingError
+from engine.state import checkpoint as checkpoint_lib
 from tests import helpers
 
 
@@ -212,7 +214,11 @@ class _Run:
         self.config = types.SimpleNamespace(on_nan=on_nan, precision="float32", checkpoint_every=checkpoint_every)
         self.checkpoint = tf.train.Checkpoint(step=self.step, batches=self.batches)
         self.checkpoints = types.SimpleNamespace(
-            checkpoint=self.checkpoint, directory=str(tmp_path), saved_path=None, discard_after=self.discarded.append
+            checkpoint=self.checkpoint,
+            directory=str(tmp_path),
+            saved_path=None,
+            discard_after=self.discarded.append,
+            restore=lambda path: checkpoint_lib.restore(self.checkpoint, path),
         )
         self.save()
 
@@ -789,3 +795,76 @@ def test_every_action_closes_and_a_failed_close_does_not_hide_the_error_the_run_
     config = helpers.make_config(data_dir, str(tmp_path / "b"), train_steps=4, steps_per_loop=2, hidden_sizes=(8,))
     with pytest.raises(OSError, match="its file could not be closed"):
         loop.train(config, one_device)
+
+
+class _Killed(Exception):
+    """Stands in for a SIGKILL after an action acted, before the round's checkpoint."""
+
+
+class _EarlyStop(base.Action):
+    """An early stop on a scripted validation loss (0.5 at step 4, worse after it), evaluated every 2 steps: stops
+    after 3 evaluations without improvement. Its best value and patience count are its checkpointed state.
+    `kill_at`: the step it is killed at, after acting there."""
+
+    every = 2
+
+    def __init__(self, kill_at=None):
+        self.best, self.bad, self.kill_at, self.seen = None, 0, kill_at, []
+
+    def __call__(self, round, context):
+        loss = {2: 1.0, 4: 0.5}.get(round.end, 0.5 + round.end / 100)
+        if self.best is None or loss < self.best:
+            self.best, self.bad = loss, 0
+        else:
+            self.bad += 1
+        self.seen.append((round.end, self.best, self.bad))
+        if round.end == self.kill_at:
+            raise _Killed()
+        return Stop(context.run.evaluator.evaluate()) if self.bad >= 3 else None
+
+    def checkpointed(self):
+        return {"best": self.best, "bad": self.bad}
+
+    def restored(self, value):
+        self.best, self.bad = value["best"], value["bad"]
+
+
+def test_an_actions_checkpointed_state_survives_a_kill_and_resume(data_dir, one_device, tmp_path, monkeypatch):
+    # Before: an action's state lived in Python alone; resumed from step 8, the early stop began its count afresh and
+    # stopped at step 16, where the run never killed stopped at step 10.
+    settings = dict(train_steps=30, steps_per_loop=5, checkpoint_every=8, eval_every=0, hidden_sizes=(8,))
+    whole = _EarlyStop()
+    monkeypatch.setattr(actions, "load", lambda config: [whole])
+    assert loop.train(helpers.make_config(data_dir, str(tmp_path / "whole"), **settings), one_device)["step"] == 10
+    assert whole.seen[-1] == (10, 0.5, 3)
+
+    config = helpers.make_config(data_dir, str(tmp_path / "killed"), **settings)
+    monkeypatch.setattr(actions, "load", lambda config: [_EarlyStop(kill_at=10)])
+    with pytest.raises(_Killed):
+        loop.train(config, one_device)
+    resumed = _EarlyStop()
+    monkeypatch.setattr(actions, "load", lambda config: [resumed])
+    summary = loop.train(config, one_device)
+    assert (summary["resumed_at"], summary["step"], summary["stopped_by"]) == (8, 10, "tests/test_actions.py")
+    assert resumed.seen == [(10, 0.5, 3)]
+
+
+def test_an_actions_checkpointed_state_that_json_cannot_hold_is_one_line_naming_its_file():
+    class Holds(base.Action):
+        def __init__(self, value):
+            self.value, self.given = value, None
+
+        def checkpointed(self):
+            return self.value
+
+        def restored(self, value):
+            self.given = value
+
+    variable = tf.Variable("", dtype=tf.string)
+    base.hand_back([Holds(None)], variable)  # a checkpoint from before the actions' state: nothing handed back
+    base.hold([Holds({"best": 0.25, "bad": 2}), Holds(None)], variable)
+    back = Holds(None)
+    base.hand_back([back], variable)
+    assert back.given == {"best": 0.25, "bad": 2}
+    with pytest.raises(TaskError, match=r"^tests/test_actions\.py: checkpointed\(\) returned \{'when': datetime"):
+        base.hold([Holds({"when": datetime.date(2026, 12, 7)})], variable)

@@ -204,9 +204,13 @@ class TwoUpdates(classification.Task):
 @pytest.mark.parametrize(
     "task, overrides, keys",
     [
-        (None, {}, ["batches", "input_pipelines", "loss_scale", "models", "optimizer", *COUNTS]),
-        (None, {"ema_decay": 0.9}, ["batches", "ema", "input_pipelines", "loss_scale", "models", "optimizer", *COUNTS]),
-        (TwoUpdates, {}, ["batches", "input_pipelines", "loss_scales", "models", "optimizers", *COUNTS]),
+        (None, {}, ["actions", "batches", "input_pipelines", "loss_scale", "models", "optimizer", *COUNTS]),
+        (
+            None,
+            {"ema_decay": 0.9},
+            ["actions", "batches", "ema", "input_pipelines", "loss_scale", "models", "optimizer", *COUNTS],
+        ),
+        (TwoUpdates, {}, ["actions", "batches", "input_pipelines", "loss_scales", "models", "optimizers", *COUNTS]),
     ],
 )
 def test_a_checkpoint_holds_the_runs_state(data_dir, tmp_path, one_device, monkeypatch, task, overrides, keys):

@@ -219,7 +219,7 @@ def test_a_run_killed_after_its_last_checkpoint_writes_the_summary_with_each_upd
 def test_training_beats_one_step_and_reports_each_update(data_dir, one_device, tmp_path):
     from engine.run import build, loop
     from engine.run import modes as evaluate
-    from engine.state import checkpoint
+    from engine.state import checkpoint, held
     from tasks import gan
 
     settings = dict(CASE, hidden_sizes=(64, 64), gan_latent=16, learning_rate=2e-4, steps_per_loop=100)
@@ -266,7 +266,7 @@ def test_training_beats_one_step_and_reports_each_update(data_dir, one_device, t
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
     trainer = build.run(config, one_device)
     checkpoint.restore(
-        tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
+        tf.train.Checkpoint(models=held.model_state(trainer.models)),
         checkpoint.latest(str(workdir / "checkpoints")),
         partial=True,
     )

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from engine.run import build, loop
 from engine.run import modes as evaluate
-from engine.state import checkpoint
+from engine.state import checkpoint, held
 from sources import penguins
 from tasks import regression
 from tests import helpers
@@ -97,7 +97,7 @@ def test_export_serves_raw_features_to_grams(trained, one_device):
 
     trainer = build.run(config, one_device)
     checkpoint.restore(
-        tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
+        tf.train.Checkpoint(models=held.model_state(trainer.models)),
         checkpoint.latest(f"{config.workdir}/checkpoints"),
         partial=True,
     )

@@ -19,7 +19,7 @@ from engine.data import datasets as data
 from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.settings.errors import ConfigError, TrainingError
-from engine.state import checkpoint
+from engine.state import checkpoint, held
 from tests import helpers
 from tests.helpers import checkpoint_tensors, logged_steps
 
@@ -319,7 +319,7 @@ def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
     trainer = build.run(config, one_device)
     checkpoint.restore(
-        tf.train.Checkpoint(models=checkpoint.model_state(trainer.models)),
+        tf.train.Checkpoint(models=held.model_state(trainer.models)),
         checkpoint.list_checkpoints(tmp_path / "checkpoints")[0],
         partial=True,
     )

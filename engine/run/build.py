@@ -27,7 +27,7 @@ from engine.run.program import TrainProgram
 from engine.settings import plugins
 from engine.settings.checks import check_batch
 from engine.settings.errors import ConfigError, TaskError, described
-from engine.state import checkpoint
+from engine.state import held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Weights:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A run as `run` built it. `plans`: the updates as built (engine/numerics/updates.py; [] outside training);
-    `state`: what a checkpoint holds (engine/state/checkpoint.py State); `program`: the step and its loop (None
+    `state`: what a checkpoint holds (engine/state/held.py State); `program`: the step and its loop (None
     outside training); `evaluator`: None for export and sample; `actions`: what the controller does after each
     round, in order; `placement`: where its steps execute (engine/cluster/distribute.py), worked out once from its
     strategy; `data`: None for its weights built from what config.json keeps of the source (run's `source`)."""
@@ -80,7 +80,7 @@ class Run:
     models: dict
     weights: Weights
     plans: list
-    state: checkpoint.State
+    state: held.State
     program: TrainProgram | None
     evaluator: Evaluator | None
     actions: list
@@ -130,6 +130,8 @@ def run(config, strategy, purpose="train", on_eval=None, source=None):
         task_file = plugins.file("task", config.task)
         plans = updates.build_plans(task, weights, config.optimization, config.numerics, task_file) if training else []
         state = checkpointed_state(models, plans, weights)
+    if training:  # the actions' own state (Action.checkpointed): one host variable, outside the strategy's scope
+        state = dataclasses.replace(state, actions=tf.Variable("", dtype=tf.string, trainable=False, name="actions"))
     # Parameter servers: workers run scheduled rounds asynchronously; the chief coordinates and evaluates.
     coordinator = distribute.coordinator(strategy) if where.parameter_server else None
     jit = xla.Choice(*xla.resolve(config.numerics, where, models)) if evaluating else None
@@ -216,7 +218,7 @@ def check_freeze(models, freeze):
 
 
 def checkpointed_state(models, plans, weights):
-    """The run's checkpoint.State: its models, its updates' optimizers and loss scales, its counters (at 0 until a
+    """The run's held.State: its models, its updates' optimizers and loss scales, its counters (at 0 until a
     checkpoint is restored) and its moving averages keyed like the models."""
 
     def counter(name):
@@ -226,7 +228,7 @@ def checkpointed_state(models, plans, weights):
     for name, average in zip(weights.names, weights.averages):
         model, path = name.split("/", 1)
         by_path[model][path] = average
-    return checkpoint.State(
+    return held.State(
         models=models,
         plans=plans,
         step=counter("step"),  # steps run, skipped ones too

@@ -12,6 +12,7 @@ import tensorflow as tf
 from engine.cluster import distribute
 from engine.numerics import updates
 from engine.run import build
+from engine.run.actions.base import hand_back, hold
 from engine.run.controller import Controller, evaluates_on_resume
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
@@ -42,6 +43,8 @@ def train(config, strategy=None, on_eval=None):
         checkpoints = checkpoint_lib.Checkpoints(
             run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task
         )
+        checkpoints.before_save = lambda: hold(run.actions, run.state.actions)  # the actions' own state, saved and
+        checkpoints.after_restore = lambda: hand_back(run.actions, run.state.actions)  # restored with the run's
         # Before restoring: a resumed run's compiled step is read back. Not for a run with nothing left to train.
         if config.compile_cache and run.program.jit_compile and not _nothing_left(config, checkpoints.directory):
             trace(run)

@@ -357,7 +357,7 @@ def export(config, given=None):
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     where = _export_target(config, export_dir, step)
     module = tf.Module()
-    module.variables_by_path = checkpoint_lib.model_state(run.models)  # tracked: the SavedModel holds them
+    module.variables_by_path = run.state.tracked()["models"]  # tracked: the SavedModel holds them
     module.serve = run.task.serve(run.models)
     names = run.task.class_names
     if names is not None:  # what each class index means, readable without a prediction: loaded.class_names

@@ -1,12 +1,10 @@
-"""Save, restore, resume and preemption. A checkpoint holds `State`, below. The input pipeline is a pure function of
-the data position (engine/data/pipeline.py), so a restored run reads exactly the batches an uninterrupted one would
-have:
-tf.distribute's iterators are not checkpointable, the position is. On preemption (engine/cluster/signals.py) every
-worker stops after the same step, and the loop saves here and exits.
+"""Save, restore, resume and preemption. A checkpoint holds a run's `State` (engine/state/held.py). The input
+pipeline is a pure function of the data position (engine/data/pipeline.py), so a restored run reads exactly the
+batches an uninterrupted one would have: tf.distribute's iterators are not checkpointable, the position is. On
+preemption (engine/cluster/signals.py) every worker stops after the same step, and the loop saves here and exits.
 """
 
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -15,56 +13,9 @@ import tempfile
 import tensorflow as tf
 from google.protobuf import text_format
 
-from engine.numerics import updates
 from engine.settings.config import first_line
 from engine.settings.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
 from engine.state.files import check_listable, failed_file, is_local, remove_tree, replace_text
-
-
-def model_state(models):
-    """{model name: {variable path: variable}} of every model: weights, batch-norm statistics and dropout
-    seed-generator states, keyed by their Keras paths (mlp/dense_1/kernel), never by position: a fork that
-    reorders its layers gets a clear mismatch, not another layer's weights. (Keras 3 layers held in Python lists
-    are invisible to tf.train.Checkpoint's object graph, so the engine checkpoints the variables themselves.)"""
-    state = {}
-    for name, model in models.items():
-        variables = {v.path: v.value for v in model.variables}
-        if len(variables) != len(model.variables):
-            raise ConfigError(f"--model={model.name}: two of its variables have one path; name its layers apart")
-        state[name] = variables
-    return state
-
-
-@dataclasses.dataclass(frozen=True)
-class State:
-    """What a run checkpoints, one field per key of the checkpoint: the keys every checkpoint of this engine has
-    (tests/data/before_updates, from older code, restores into it)."""
-
-    models: dict  # {name: Keras model}: weights, batch-norm statistics, seed-generator states (model_state)
-    plans: (
-        list  # each update's optimizer (slots, update count) and loss scale (engine/numerics/updates.py checkpointed)
-    )
-    step: tf.Variable  # steps run, skipped ones too
-    batches: tf.Variable  # the data position: global batches consumed
-    skipped: tf.Variable  # steps skipped for a non-finite loss or gradient
-    input_pipelines: tf.Variable  # the input pipelines that read the training stream up to the data position
-    ema: dict  # --ema_decay: {model name: {variable path: moving average}}; {} without it
-
-    def tracked(self):
-        """{checkpoint key: what is saved under it}."""
-        return dict(
-            models=model_state(self.models),
-            **(updates.checkpointed(self.plans) if self.plans else {}),  # none where a run only evaluates
-            step=self.step,
-            batches=self.batches,
-            skipped=self.skipped,
-            input_pipelines=self.input_pipelines,
-            **({"ema": self.ema} if self.ema else {}),
-        )
-
-    def evaluated(self):
-        """What evaluation, export and ensembles restore (partial=True): the models, their averages and the step."""
-        return tf.train.Checkpoint(**{k: v for k, v in self.tracked().items() if k in ("models", "step", "ema")})
 
 
 def describe_key(key):
@@ -119,6 +70,9 @@ class Checkpoints:
         # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
         # to be readable, unlike whatever is newest on disk.
         self.saved_path = None
+        # Called before each save and after each restore (a resume, a rollback): a train run's actions' own state goes
+        # with the rest (engine/run/actions/base.py hold and hand_back).
+        self.before_save = self.after_restore = lambda: None
         write_dir = self.directory if chief else os.path.join(self.directory, f".worker{task_id}")
         if is_local(self.directory) and os.path.islink(self.directory):
             # Rotation deletes the old ckpt-N files in it: through a link, another run's.
@@ -222,6 +176,7 @@ class Checkpoints:
         ]
         if bad:  # never let a diverged model replace a good checkpoint
             raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]}")
+        self.before_save()
         temp = os.path.join(self.manager.directory, f"ckpt-{step}_temp")
         if is_local(temp) and os.path.islink(temp):  # TensorFlow would write the shards there, then empty it
             os.remove(temp)
@@ -241,6 +196,17 @@ class Checkpoints:
         self.saved_path = os.path.join(self.directory, os.path.basename(path))  # a worker's own copy is gone
         return self.saved_path
 
+    def restore(self, path):
+        """Restores the checkpoint at `path` (restore()), then after_restore(). One saved before checkpoints held the
+        actions' state is restored without it: its actions go on as they are."""
+        tracked = self.state.tracked()
+        if "actions" in tracked and not _holds(path, "actions/.ATTRIBUTES/VARIABLE_VALUE"):
+            tracked.pop("actions")
+            restore(tf.train.Checkpoint(**tracked), path)
+        else:
+            restore(self.checkpoint, path)
+        self.after_restore()
+
     def restore_latest(self, log=print):
         """Restores the newest readable checkpoint; returns its path, or None when there is none.
 
@@ -252,7 +218,7 @@ class Checkpoints:
         damaged = []
         for path in list_checkpoints(self.directory):
             try:
-                restore(self.checkpoint, path)
+                self.restore(path)
                 self.saved_path = path
                 return path
             except Unreadable as e:
@@ -371,6 +337,14 @@ def _whole(path):
     data = tf.io.gfile.glob(path + ".data-*")
     shards = re.search(r"-of-(\d+)$", data[0]) if data else None
     return tf.io.gfile.exists(path + ".index") and shards is not None and len(data) == int(shards.group(1))
+
+
+def _holds(path, key):
+    """Whether the checkpoint at `path` holds `key`; True where it cannot be read (restore() says what is wrong)."""
+    try:
+        return tf.train.load_checkpoint(path).has_tensor(key)
+    except (tf.errors.OpError, ValueError):
+        return True
 
 
 def _mismatch(checkpoint, path, partial):

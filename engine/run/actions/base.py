@@ -12,6 +12,7 @@ engine's own duties (log, warnings, the NaN policy, evaluate, checkpoint, stop o
 
 import contextlib
 import dataclasses
+import json
 
 from engine.settings.errors import TaskError
 
@@ -99,3 +100,45 @@ class Action:
 
     def close(self, context):
         """The run ends (an error or a signal included): finish what is open."""
+
+    def checkpointed(self):
+        """What of the action a checkpoint holds, so that a resumed run (and a rollback) goes on with it as an
+        uninterrupted one does: JSON (numbers, strings, lists, dicts), read at every save; None: nothing (the
+        default). An early stop's best value and patience count are such state: kept only in Python, a kill and
+        resume would start them afresh and stop at another step."""
+        return None
+
+    def restored(self, value):
+        """`value`, what checkpointed() returned when the checkpoint now restored was saved (a resume, a rollback)."""
+
+
+def hold(actions, variable):
+    """Puts the state each of `actions` says a checkpoint holds (Action.checkpointed) into `variable` (the run's
+    State.actions), as JSON {action's file: value}, before a save. TaskError naming the file for a value JSON cannot
+    hold."""
+    held = {}
+    for action in actions:
+        value = action.checkpointed()
+        if value is not None:
+            try:
+                held[_file(action)] = json.loads(json.dumps(value))
+            except (TypeError, ValueError) as e:
+                raise TaskError(
+                    f"{_file(action)}: checkpointed() returned {value!r:.80}, which a checkpoint cannot hold ({e}): "
+                    "return numbers, strings, lists and dicts"
+                ) from None
+    variable.assign(json.dumps(held, sort_keys=True))
+
+
+def hand_back(actions, variable):
+    """Hands each of `actions` the state `variable` holds for it (Action.restored), after a restore; nothing where
+    the checkpoint held none for it (one from before checkpoints held the actions' state: "")."""
+    held = json.loads(variable.numpy().decode() or "{}")
+    for action in actions:
+        if _file(action) in held:
+            action.restored(held[_file(action)])
+
+
+def _file(action):
+    """The file that defines `action` (engine/run/actions/histograms.py), what its held state is keyed by."""
+    return type(action).__module__.replace(".", "/") + ".py"

@@ -146,12 +146,12 @@ class NanPolicy(Action):
         # then trains what that run trains.
         ahead = ((round.planned or reached) - reached) * batches_per_step
         try:
-            checkpoint_lib.restore(context.checkpoints.checkpoint, last_good)
+            context.checkpoints.restore(last_good)  # its actions' state too
         except checkpoint_lib.Unreadable as e:  # one found on disk, not this process's own: the one it knows
             if last_good == saved:
                 raise
             context.report.line(f"warning: checkpoint {last_good} is unreadable ({e}); rolling back to {saved}")
-            checkpoint_lib.restore(context.checkpoints.checkpoint, saved)
+            context.checkpoints.restore(saved)
             last_good = saved
         context.checkpoints.saved_path = last_good  # the checkpoint that holds the state now
         context.checkpoints.discard_after(checkpoint_lib.step_of(last_good))
