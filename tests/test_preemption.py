@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -257,3 +259,32 @@ def test_a_run_stopped_where_its_own_actions_are_due_keeps_their_records(data_di
     expected = recorded(straight)
     assert expected and all(steps == [5, 10] for steps in expected.values()), expected
     assert recorded(config.workdir) == expected
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_signal_that_exits_at_once_leaves_no_lock_behind(tmp_path, signum, code):
+    # Outside the training loop (its final evaluation, a sidecar) a signal exits at once: the workdir's lock goes
+    # with it. Left behind, a restart in another container (a rescheduled pod) waited a minute for its heartbeat and
+    # then warned of taking over a lock "from pid N, which is gone".
+    script = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {helpers.ROOT!r})\n"
+        "from engine.cluster.signals import SIGNALS\n"
+        "SIGNALS.install()\n"
+        "from engine.state.lock import Lock\n"
+        f"with Lock({str(tmp_path)!r}):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        assert os.path.exists(tmp_path / "train.lock")
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err[-2000:]
+    assert err.strip().splitlines()[-1].endswith("outside the training loop (nothing to save)")
+    assert not os.path.exists(tmp_path / "train.lock")

@@ -32,6 +32,25 @@ class Signals:
         self._lock = threading.Lock()
         self._watcher = None  # the thread that waits for the signals, once install() started it
         self._stderr = 2
+        # What an exit at once must still undo: a workdir's lock (engine/state/lock.py), which a restart on another
+        # host or container would otherwise wait a minute for, as for a crashed holder's. {id: callable}
+        self._releases = {}
+
+    def on_exit(self, key, release):
+        """Has `release()` run before the process exits at once on a signal (outside the training loop, a second
+        signal), until `discard(key)`. Not under self._lock: the watcher holds it as it exits, and a release
+        discards itself (one dict operation, atomic)."""
+        self._releases[key] = release
+
+    def discard(self, key):
+        self._releases.pop(key, None)
+
+    def _release_all(self):
+        for release in list(self._releases.values()):
+            try:
+                release()
+            except Exception:  # noqa: BLE001  (exiting: a release that fails leaves what a kill leaves)
+                pass
 
     def install(self):
         signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
@@ -45,6 +64,7 @@ class Signals:
             with self._lock:
                 if self.signal is not None:  # the first one's save takes too long for whoever sent this
                     self._last_words(f"second {signal.Signals(received).name}: exiting without saving")
+                    self._release_all()
                     os._exit(128 + received)
                 self.signal = received
                 if self._flag is None:
@@ -59,6 +79,7 @@ class Signals:
                         f"{self.cause}, but the training loop cannot be told to stop at a step (setting its stop "
                         f"flag failed: {text[0]}): exiting without saving"
                     )
+                    self._release_all()
                     os._exit(self.exit_code)
 
     @contextlib.contextmanager
@@ -116,6 +137,7 @@ class Signals:
 
     def _exit_now(self, where="outside the training loop (nothing to save)"):
         self._last_words(f"{self.cause} {where}")
+        self._release_all()
         os._exit(self.exit_code)
 
     def _last_words(self, message):

@@ -21,6 +21,7 @@ import uuid
 
 import tensorflow as tf
 
+from engine.cluster.signals import SIGNALS
 from engine.settings.errors import ConfigError
 from engine.state.files import (
     is_local,
@@ -127,6 +128,9 @@ class Lock:
             if self._create(json.dumps(self._record())):
                 self._thread = threading.Thread(target=self._heartbeat, name="workdir-lock", daemon=True)
                 self._thread.start()
+                # A signal that exits at once (outside the training loop: its final evaluation, a sidecar) leaves
+                # no lock behind: exit 75 says "run the same command", on whichever host.
+                SIGNALS.on_exit(self.token, self._drop)
                 return
             with writing(self.path):  # a lock the run cannot read (a folder in its place) it cannot take: exit 4
                 raw = self._read()
@@ -240,10 +244,17 @@ class Lock:
         replace_text(self.path, content)
 
     def release(self):
+        SIGNALS.discard(self.token)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._drop()
+
+    def _drop(self):
+        """Removes the lock's file where it is still this holder's. Also what an exit at once on a signal runs
+        (Signals.on_exit): without waiting for the heartbeat thread, which a slow storage may hold."""
+        self._stop.set()
         with contextlib.suppress(OSError, tf.errors.OpError):
             if _parse(self._read() or "").get("token") == self.token:
                 tf.io.gfile.remove(self.path)
