@@ -29,6 +29,22 @@ _CLASS = "a label is a class, an integer 0 .. N-1"
 ZIP, NPY = (b"PK\x03\x04", b"PK\x05\x06"), b"\x93NUMPY"
 
 
+def memory(config):
+    """Bytes its data holds at its peak, for the memory check before it is read, from the archive's directory alone:
+    every array numpy reads (each member's size unpacked: its header and values), and the TensorFlow copies of the
+    training and evaluation splits made beside them. 0 for a file it cannot read: load says what is wrong."""
+    path = config.dataset.partition(":")[2]
+    try:
+        opened = tf.io.gfile.GFile(path, "rb") if "://" in path else open(path, "rb")
+        with opened as f, zipfile.ZipFile(f) as archive:
+            members = [m for m in archive.infolist() if m.filename.endswith(".npy")]
+    except (tf.errors.OpError, OSError, ValueError, zipfile.BadZipFile, EOFError):
+        return 0
+    held = {config.train_split, config.eval_split}
+    copies = sum(m.file_size for m in members if m.filename[: -len(".npy")].rpartition("/")[0] in held)
+    return sum(m.file_size for m in members) + copies
+
+
 def load(config, eval_split):
     path = config.dataset.partition(":")[2]
     where = f"--dataset={config.dataset}"

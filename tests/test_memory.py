@@ -155,3 +155,105 @@ def test_a_plugins_estimate_that_is_no_count_of_bytes_is_one_line(monkeypatch, k
     with pytest.raises(TaskError) as refused:
         memory.check(validate(Config(dataset="synthetic")), _on("CPU", 1), (28, 28, 1), 10)
     assert str(refused.value).startswith(why)
+
+
+@pytest.mark.parametrize(
+    "kind, answer, why",
+    [
+        ("model", (float("inf"), 10), "models/mlp.py: size(config, input_shape, outputs) returned (inf, 10), not "),
+        ("model", (10**400, 10), "models/mlp.py: size(config, input_shape, outputs) returned (1000000000000000"),
+        ("dataset", float("inf"), "sources/synthetic.py: memory(config) returned inf, not the bytes its data takes"),
+    ],
+)
+def test_an_estimate_past_any_float_is_one_line_naming_the_file(monkeypatch, kind, answer, why):
+    # Infinity passed as a number of at least 0, and ended the check in an OverflowError's traceback (exit 1), as
+    # did an integer too large for a float when the refusal wrote its bytes.
+    import models.mlp
+    import sources.synthetic
+
+    if kind == "model":
+        monkeypatch.setattr(models.mlp, "size", lambda config, shape, outputs: answer)
+    else:
+        monkeypatch.setattr(sources.synthetic, "memory", lambda config: answer)
+    with pytest.raises(TaskError) as refused:
+        memory.check(validate(Config(dataset="synthetic")), _on("CPU", 1), (28, 28, 1), 10)
+    assert str(refused.value).startswith(why)
+
+
+def test_a_run_that_does_not_train_is_judged_without_gradients_slots_or_a_training_batch(monkeypatch):
+    # --mode=export, sample and eval judged the trained run's settings as if they trained: the 12-layer decoder of a
+    # global batch of 64 (8 on each of 8 GPUs, 31.1 GB each) was refused an export on a 64 GB machine as needing
+    # 239 GB, its training batch's activations, though it holds 344 MB of weights and one evaluation batch (1.63 GB).
+    config = _decoder(global_batch_size=64, eval_batch_size=8)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 64 * 10**9)
+    with pytest.raises(ConfigError, match="more than this machine's 64 GB$"):
+        memory.check(config, _on("CPU", 1), (1024,), 65)
+    memory.check(config, _on("CPU", 1), (1024,), 65, training=False)
+    parts = memory.estimate(config, (1024,), 65, training=False)
+    trained = memory.estimate(config, (1024,), 65)
+    assert parts["model"] == trained["model, gradients and optimizer slots"] // 4  # adamw: weights, gradients, 2 slots
+    assert parts["training batch"] == 0 and parts["evaluation batch"] == trained["evaluation batch"]
+    # ... and one that cannot hold even that is still refused, naming what to change.
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**9)
+    refusal = r"^--gpt_dim=768: needs about 1.63 GB of memory \(model 344 MB, evaluation batch 1.29 GB\), more than"
+    with pytest.raises(ConfigError, match=refusal):
+        memory.check(config, _on("CPU", 1), (1024,), 65, training=False)
+
+
+def test_an_npz_files_arrays_are_in_the_estimate_and_one_too_large_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    # An npz's arrays counted for nothing: a file larger than the machine passed the check, and numpy then read all
+    # of it, with TensorFlow's copies of the two splits the run reads beside it (measured: 1.1 GB of peak resident
+    # memory for 492 MB of arrays), to be killed for memory without a word.
+    import numpy as np
+
+    arrays = {
+        f"{split}/{feature}": np.zeros((examples, *shape), dtype)
+        for split, examples in (("train", 400), ("test", 100), ("validation", 100))
+        for feature, shape, dtype in (("image", (8, 8, 1), np.float32), ("label", (), np.int64))
+    }
+    path = tmp_path / "data.npz"
+    np.savez(path, **arrays)
+    config = validate(Config(dataset=f"npz:{path}"))
+    copied = sum(a.nbytes for name, a in arrays.items() if name.split("/")[0] in ("train", "test"))  # eval_split test
+    held = sum(a.nbytes for a in arrays.values()) + copied
+    assert held <= memory.source_memory(config) <= held + 128 * 10  # each .npy header (128 bytes), the copied twice
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: held // 2)
+    with pytest.raises(ConfigError) as refused:
+        memory.check_data(config)
+    assert str(refused.value) == (
+        f"--dataset=npz:{path}: its data needs about 292 kB of memory, more than this machine's 145 kB"
+    )
+    # A file it cannot read adds nothing: loading it says what is wrong.
+    assert memory.source_memory(validate(Config(dataset=f"npz:{tmp_path}/missing.npz"))) == 0
+
+
+@pytest.mark.parametrize(
+    "own, limits",
+    [
+        # cgroup v2, no namespace: a Slurm job's --mem=8G is on its job's cgroup, the root has no memory.max.
+        (
+            "0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n",
+            {"system.slice/slurmstepd.scope/job_7/memory.max": "8589934592", "system.slice/memory.max": "max"},
+        ),
+        # cgroup v1: the process's memory cgroup, below the mount's unlimited root.
+        (
+            "9:pids:/\n4:memory:/batch/job_7\n0::/\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/batch/job_7/memory.limit_in_bytes": "8589934592",
+            },
+        ),
+    ],
+)
+def test_a_memory_limit_on_this_processs_own_cgroup_bounds_this_machine(tmp_path, monkeypatch, own, limits):
+    # Only the mount's root files were read: a job limited to 8 GiB on a node of 512 GB was judged against 512 GB,
+    # and a run needing 100 GB passed the check to be killed for memory.
+    import psutil
+
+    for name, value in limits.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(value + "\n")
+    (tmp_path / "self_cgroup").write_text(own)
+    monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(machine, "OWN_CGROUPS", str(tmp_path / "self_cgroup"))
+    assert machine.host_memory_bytes() == min(8 * 2**30, psutil.virtual_memory().total)

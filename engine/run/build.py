@@ -113,7 +113,7 @@ def run(config, strategy, purpose="train", on_eval=None, source=None):
     check_batch(config, where.replicas, training)
     tf.config.run_functions_eagerly(config.run_eagerly)
     task, data = task_and_data(config, source if purpose == "weights" else None)
-    memory.check(config, where, *shape_and_outputs(task))
+    memory.check(config, where, *shape_and_outputs(task), training=training)
     # Seeded after the data: tensorflow-datasets draws from Python's `random` while preparing a dataset, and Keras
     # seeds its initializers from that generator, so seeding after it keeps the weights the same.
     seed(config)

@@ -3,8 +3,10 @@ line naming the setting to change: on a GPU, each GPU holds a replica's model, g
 share of the batch; on a CPU, this machine (or its container) holds every local replica's model and the batches.
 
 Each part comes from the file that knows it: a model family's `size(config, input_shape, outputs)` (models/), a data
-source's `memory(config)` (the data it generates, sources/synthetic.py). A family without `size` is not estimated,
-and the run says so. A TPU's memory is not known before its system starts: its runs are not judged here.
+source's `memory(config)` (the data it generates, sources/synthetic.py, or reads into memory, sources/npz.py). A family
+without `size` is not estimated, and the run says so. A run that does not train (eval, export, sample) is judged on
+its model's weights and an evaluation batch alone. A TPU's memory is not known before its system starts: its runs are
+not judged here.
 """
 
 import dataclasses
@@ -31,7 +33,8 @@ def model_size(config, input_shape, outputs):
     if not isinstance(sized, (tuple, list)) or len(sized) not in (2, 3) or not all(_count(n) for n in sized):
         raise TaskError(
             f"{plugins.file('model', config.model)}: size(config, input_shape, outputs) returned {sized!r:.80}, not "
-            "(parameters, activation floats per example[, floats a forward pass holds at once]): numbers of at least 0"
+            "(parameters, activation floats per example[, floats a forward pass holds at once]): finite numbers of at "
+            "least 0"
         )
     parameters, activations, *forward = sized
     return parameters, activations, forward[0] if forward else activations
@@ -49,26 +52,39 @@ def source_memory(config):
     if not _count(needed):
         raise TaskError(
             f"{plugins.file('dataset', kind)}: memory(config) returned {needed!r:.80}, not the bytes its data takes "
-            "(a number of at least 0)"
+            "(a finite number of at least 0)"
         )
     return needed
 
 
 def _count(value):
-    """Whether `value` is a number of at least 0 (an estimate's part)."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value >= 0
+    """Whether `value` is a finite number of at least 0 (an estimate's part): infinity, or an integer past any
+    float, would end the check in an OverflowError's traceback."""
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        return False
+    try:
+        return value >= 0 and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
-def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
+def estimate(config, input_shape, outputs, copies=1, shares=1, data=True, training=True):
     """{part: bytes} a device needs at least: `copies` of the model with its gradients and optimizer slots (the
     replicas it holds), the activations of its share (1/`shares`) of a training and of an evaluation batch, and the
-    source's own data (`data`: on the host). Without a family's size, its parts are left out."""
+    source's own data (`data`: on the host). A run that does not train (`training` False: eval, continuous_eval,
+    export, sample) holds the model's weights alone and no training batch. Without a family's size, its parts are
+    left out."""
     features = math.prod(input_shape)
     parameters, activations, forward = model_size(config, input_shape, outputs) or (0, 0, 0)
     slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
     if config.optimizer != "sgd" and config.first_moment_dtype == "bfloat16":
         slots -= 0.5  # its first moment in half the bytes
     batch = config.global_batch_size
+    evaluation = 4 * config.per_eval_batch_size * (features + forward) // shares
+    if not training:
+        return _with_data(
+            config, {"model": copies * 4 * parameters, "training batch": 0, "evaluation batch": evaluation}, data
+        )
     parts = {
         # Accumulating (--grad_accum_steps) holds the microbatches' summed gradients beside each one's own.
         "model, gradients and optimizer slots": copies
@@ -79,8 +95,13 @@ def estimate(config, input_shape, outputs, copies=1, shares=1, data=True):
         "training batch": 4
         * (batch * features + math.ceil(2 * batch * activations / config.grad_accum_steps))
         // shares,
-        "evaluation batch": 4 * config.per_eval_batch_size * (features + forward) // shares,
+        "evaluation batch": evaluation,
     }
+    return _with_data(config, parts, data)
+
+
+def _with_data(config, parts, data):
+    """`parts` and, where `data`, the source's own data."""
     if data and source_memory(config):
         parts[f"{config.dataset} data"] = source_memory(config)
     return parts
@@ -102,11 +123,12 @@ def check_data(config):
         )
 
 
-def check(config, placement, input_shape, outputs):
+def check(config, placement, input_shape, outputs, training=True):
     """Refuses the run when its estimate exceeds the memory of the device it trains on (naming the setting whose
     default would shrink it most, or --model when none would); says so where the model family gives no size. A GPU
     holds one replica and its share of the batch; this machine's memory, every local replica (mirrored logical
-    devices) and this worker's share. `placement`: the run's engine/cluster/distribute.py Placement."""
+    devices) and this worker's share. `placement`: the run's engine/cluster/distribute.py Placement; `training`:
+    whether the run trains (a run built to evaluate, export or sample holds no gradients, slots or training batch)."""
     if outputs is None:  # a task that builds its own models (no outputs): one of --model is all the estimate knows
         print(
             f"memory: tasks/{config.task}.py builds its own models: estimated as one models/{config.model}.py of 2 "
@@ -121,10 +143,19 @@ def check(config, placement, input_shape, outputs):
         return
     gpu = gpu_memory_bytes() if device == "GPU" else None
     if gpu:
-        judge(config, input_shape, outputs, gpu, "a GPU's", copies=1, shares=replicas, data=False)
+        judge(config, input_shape, outputs, gpu, "a GPU's", copies=1, shares=replicas, data=False, training=training)
         return
     local = max(1, replicas // placement.workers)  # workers: 1 in one process
-    judge(config, input_shape, outputs, host_memory_bytes(), "this machine's", copies=local, shares=placement.workers)
+    judge(
+        config,
+        input_shape,
+        outputs,
+        host_memory_bytes(),
+        "this machine's",
+        copies=local,
+        shares=placement.workers,
+        training=training,
+    )
 
 
 def need(parts):
@@ -133,9 +164,9 @@ def need(parts):
     return sum(size for part, size in parts.items() if not part.endswith(" batch")) + batches
 
 
-def judge(config, input_shape, outputs, total, where, copies=1, shares=1, data=True):
+def judge(config, input_shape, outputs, total, where, copies=1, shares=1, data=True, training=True):
     """ConfigError when estimate(...) exceeds `total` bytes (`where`: whose memory, in words)."""
-    parts = estimate(config, input_shape, outputs, copies, shares, data)
+    parts = estimate(config, input_shape, outputs, copies, shares, data, training)
     needed = need(parts)
     if needed <= total:
         return
@@ -143,7 +174,7 @@ def judge(config, input_shape, outputs, total, where, copies=1, shares=1, data=T
 
     def with_default(name):
         changed = dataclasses.replace(config, **{name: getattr(default, name)})
-        return need(estimate(changed, input_shape, outputs, copies, shares, data))
+        return need(estimate(changed, input_shape, outputs, copies, shares, data, training))
 
     culprit = min(MEMORY_SETTINGS, key=with_default)
     if with_default(culprit) >= needed:

@@ -4,13 +4,17 @@ import math
 import shutil
 import subprocess
 
+CGROUP_ROOT, OWN_CGROUPS = "/sys/fs/cgroup", "/proc/self/cgroup"  # where cgroups are mounted; this process's
+
 
 def host_memory_bytes():
-    """This machine's memory, or its container's limit where that is lower (a Kubernetes pod's, say)."""
+    """This machine's memory, or the lowest memory limit of this process's cgroups where that is lower: its
+    container's (a Kubernetes pod's), or the cgroup a scheduler or systemd put it in (a Slurm job's --mem, a
+    MemoryMax scope), each of its ancestors too."""
     import psutil  # deferred: only the memory checks need it
 
     total = psutil.virtual_memory().total
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+    for path in _memory_limit_files():
         try:
             with open(path) as f:
                 limit = f.read().strip()
@@ -19,6 +23,29 @@ def host_memory_bytes():
         if limit.isdigit():  # v2 writes "max" for none
             total = min(total, int(limit))
     return total
+
+
+def _memory_limit_files():
+    """The files that may hold a memory limit of this process: the mount's own (a container's, whose cgroup is the
+    mount's root), then those of the cgroup /proc/self/cgroup names and its ancestors, cgroup v2 and v1."""
+    files = [f"{CGROUP_ROOT}/memory.max", f"{CGROUP_ROOT}/memory/memory.limit_in_bytes"]  # cgroup v2, v1
+    try:
+        with open(OWN_CGROUPS) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return files
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        parts = [p for p in path.split("/") if p and p != ".."]
+        if hierarchy == "0" and not controllers:  # v2's unified hierarchy
+            folder, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            folder, name = f"{CGROUP_ROOT}/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        files += ["/".join([folder, *parts[:depth], name]) for depth in range(1, len(parts) + 1)]
+    return files
 
 
 def gpu_memory_bytes():
