@@ -92,11 +92,31 @@ class Task(base.Task):
 
     def serve(self, models):
         window = self.spec["tokens"].shape[0] - 1
+        vocabulary = self.outputs
 
         @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="tokens")])
         def serve(tokens):
             # The logits of the character after the prompts (at least one token each; their last `window` tokens
             # are the context): a shorter context is padded after its end, which causal attention does not see.
+            # Refused, not answered: no token (the logits would be those after a window of padding), and an id
+            # outside the vocabulary (the embedding reads -1 as the last character's row, and a GPU reads ids past
+            # the vocabulary as zeros; on a CPU they ended in a graph error naming a gather node).
+            checks = [
+                tf.debugging.Assert(
+                    tf.shape(tokens)[1] > 0,
+                    ["tokens: every prompt needs at least one token; got shape", tf.shape(tokens)],
+                ),
+                tf.debugging.Assert(
+                    tf.reduce_all((tokens >= 0) & (tokens < vocabulary)),
+                    [
+                        f"tokens: ids must be in [0, {vocabulary}) (the vocabulary); got min and max",
+                        tf.reduce_min(tokens),
+                        tf.reduce_max(tokens),
+                    ],
+                ),
+            ]
+            with tf.control_dependencies(checks):
+                tokens = tf.identity(tokens)
             context = tokens[:, -window:]
             n = tf.shape(context)[1]
             padded = tf.pad(context, [[0, 0], [0, window - n]])

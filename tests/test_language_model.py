@@ -4,6 +4,7 @@ validation loss, sampling, and mirrored parity."""
 import dataclasses
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -221,6 +222,25 @@ def test_the_export_continues_a_prompt_of_any_length_and_holds_the_vocabulary(tr
     greedy = dataclasses.replace(config, mode="sample", sample_prompt="ROMEO:", sample_length=1, sample_top_k=1)
     prompt = tf.constant([[chars.index(c) for c in "ROMEO:"]], tf.int32)
     assert evaluate.sample(greedy) == "ROMEO:" + chars[int(tf.argmax(serve(tokens=prompt)["logits"][0]))]
+
+
+def test_the_export_refuses_token_ids_outside_the_vocabulary_and_an_empty_prompt(trained, tmp_path):
+    # Before: -1 was read as the last character ('z') and answered; 65 ended in a graph error naming a gather node
+    # (on a GPU, zeros and an answer); no token at all answered the logits after a window of padding.
+    from engine.run import modes as evaluate
+
+    workdir, _ = trained
+    config = _config(workdir=workdir, mode="export", seed=0, export_dir=str(tmp_path / "export"))
+    serve = tf.saved_model.load(evaluate.export(config)).signatures["serving_default"]
+    assert serve(tokens=tf.constant([[0, 64]], tf.int32))["logits"].shape == (1, 65)  # the vocabulary's ends
+    for tokens, says in [
+        ([[1, 2, -1]], "tokens: ids must be in [0, 65) (the vocabulary); got min and max] [-1] [2]"),
+        ([[1, 2, 65]], "tokens: ids must be in [0, 65) (the vocabulary); got min and max] [1] [65]"),
+        ([[1000]], "tokens: ids must be in [0, 65) (the vocabulary); got min and max] [1000] [1000]"),
+        (np.zeros((2, 0), np.int32), "tokens: every prompt needs at least one token; got shape] [2 0]"),
+    ]:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(says)):
+            serve(tokens=tf.constant(tokens, tf.int32))
 
 
 def test_sample_refuses_a_prompt_with_characters_outside_the_vocabulary(trained):
