@@ -321,3 +321,15 @@ def test_a_parameter_server_workers_stream_is_built_inside_a_traced_function(rec
     for a, b, c in zip(traced.take(12), eager.take(12), other.take(12)):
         np.testing.assert_array_equal(a["image"], b["image"])
         assert not np.array_equal(a["image"], c["image"])  # its own order
+
+
+def test_uneven_shares_of_the_files_between_pipelines_are_warned_of(tmp_path):
+    """Three files of 20 records for two pipelines: one owns two (40 records), the other one (20), and each reads
+    half of every global batch, so the second's examples are read twice as often. A run says so as it is built."""
+    files = _write(str(tmp_path), counts=(20, 20, 20))
+    line = streamed.warn_of_uneven_shares(files, _config().data, 2)
+    assert line is not None and re.search(r"give the 2 input pipelines \(workers\) (40/20|20/40) records", line), line
+    assert "read 2.00x as often" in line
+    # Even shares, and one pipeline, are not warned of.
+    assert streamed.warn_of_uneven_shares(files[:2], _config().data, 2) is None
+    assert streamed.warn_of_uneven_shares(files, _config().data, 1) is None

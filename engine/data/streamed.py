@@ -11,6 +11,7 @@ from engine.data.records import counted_records, record_example
 from engine.settings.errors import ConfigError, counted
 
 AUTOTUNE = tf.data.AUTOTUNE
+UNEVEN_SHARES = 1.1  # the largest input pipeline's records over the smallest's above which a run is warned
 
 
 def _fold(seed, *values):
@@ -45,6 +46,28 @@ def check_enough_files(files, data, pipelines):
                 f"record files of --train_split={data.train_split} that hold no records ({named}): remove the "
                 "empty files, or write the split in more files"
             )
+
+
+def warn_of_uneven_shares(files, data, pipelines):
+    """Warns of a streamed training split whose files give the input `pipelines` (workers) unequal numbers of
+    records; returns the line said, or None. Each pipeline reads --global_batch_size / pipelines examples a step
+    from its own files, so one with fewer records goes through them more often: its examples weigh more in training
+    than the others', and no step holds the examples one device would read."""
+    if pipelines < 2:
+        return None
+    totals = [sum(records for _, records in own) for own in _shares(files, data, pipelines)]
+    low, high = min(totals), max(totals)
+    if not low or high <= UNEVEN_SHARES * low:
+        return None
+    line = (
+        f"warning: --dataset={data.dataset}: its record files of --train_split={data.train_split} give the "
+        f"{pipelines} input pipelines (workers) {'/'.join(str(t) for t in totals)} records: each reads the same "
+        f"number of examples a step from its own files, so the examples of the smallest share are read "
+        f"{high / low:.2f}x as often as those of the largest; write the split in files of equal size, as many as "
+        "a multiple of the workers"
+    )
+    print(line, flush=True)
+    return line
 
 
 def owned(files, data, ctx):

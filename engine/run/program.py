@@ -56,6 +56,7 @@ class TrainProgram:
         self.stops_each_step = stops_each_step(placement)
         if data.sharded:  # now, not as its first batch is read: nothing is written yet
             streamed.check_enough_files(data.train_shards, config.data, self.pipelines)
+            streamed.warn_of_uneven_shares(data.train_shards, config.data, self.pipelines)
         self.input = self.input_path()
         self.retraced = set()
         self._build()
