@@ -146,12 +146,12 @@ def test_a_fit_window_is_its_steps_not_fits_teardown(monkeypatch):
     def fit_then_a_slow_teardown(*args, **kwargs):
         history = fit(*args, **kwargs)
         calls.append(kwargs["epochs"])
-        time.sleep(2.0)  # after the epoch's end: as the iterator's deletion waited
+        time.sleep(8.0)  # after the epoch's end: as the iterator's deletion waited
         return history
 
     monkeypatch.setattr(runner.model, "fit", fit_then_a_slow_teardown)
     seconds = runner.window(10)
-    assert calls == [1] and 0 < seconds < 2.0, seconds  # not the sleep: ten tiny steps
+    assert calls == [1] and 0 < seconds < 8.0, seconds  # not the sleep: ten tiny steps, however loaded the machine
 
 
 def test_pytorch_side_gets_the_engines_initial_weights_batches_and_evaluation(tmp_path):

@@ -383,7 +383,6 @@ print("never here: the watch waited for the lock", flush=True)
 def test_a_silent_peer_ends_a_chief_whose_python_lock_is_held():
     """A worker stopped as the chief saved a checkpoint held the job for as long as it stayed stopped (40 s of 40
     with --collective_timeout=10): the watch was a Python thread, which cannot run while TensorFlow holds the lock."""
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", _HELD_CHIEF.format(root=ROOT)], capture_output=True, text=True, timeout=120
     )
@@ -391,8 +390,8 @@ def test_a_silent_peer_ends_a_chief_whose_python_lock_is_held():
     assert proc.returncode == LOST_PEER_EXIT_CODE, proc.stdout + proc.stderr[-2000:]
     assert "holding" in proc.stdout and "never here" not in proc.stdout
     assert re.match(r"error: lost worker 0 \(127\.0\.0\.1:\d+\): no answer within --collective_timeout=1s", lines[-1])
-    # TensorFlow's import and the 1 s probe: well within the 30 s that the held lock would have taken.
-    assert time.monotonic() - start < 25
+    # Ended inside the native call that holds Python's lock (no "never here"), not after it: the watch is no Python
+    # thread of the chief's. Not timed: a loaded machine takes longer than the call to import TensorFlow.
 
 
 @pytest.mark.parametrize("strategy, job", [("multi_worker", "worker"), ("parameter_server", "ps")])
