@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from engine.cluster import distribute, resolvers
-from engine.data import datasets
+from engine.data import datasets, source_checks
 from engine.numerics import precision, updates
 from engine.numerics.forward import owners
 from engine.run import actions, memory, xla
@@ -150,8 +150,9 @@ def task_and_data(config, kept=None):
     from `kept` instead, (spec, info) as a trained run's config.json keeps them, the task alone (Data None), no data
     read."""
     if kept is not None:
-        task = task_of(config, *kept)
-        datasets.prepare_spec(task, kept[0])
+        spec, info = kept
+        task = task_of(config, spec, source_checks.Info(config.dataset_name, info))  # a key it lacks: one line
+        datasets.prepare_spec(task, spec)
         return task, None
     memory.check_data(config)
     if config.tf_data_service:  # before anything is written: a dispatcher that never answers is refused

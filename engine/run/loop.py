@@ -43,8 +43,9 @@ def train(config, strategy=None, on_eval=None):
         checkpoints = checkpoint_lib.Checkpoints(
             run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task
         )
-        checkpoints.before_save = lambda: hold(run.actions, run.state.actions)  # the actions' own state, saved and
-        checkpoints.after_restore = lambda: hand_back(run.actions, run.state.actions)  # restored with the run's
+        # The actions' own state (Action.checkpointed), saved and restored with the run's.
+        checkpoints.before_save = lambda: hold(run.actions, run.state.actions)
+        checkpoints.after_restore = lambda: hand_back(run.actions, run.state.actions)
         # Before restoring: a resumed run's compiled step is read back. Not for a run with nothing left to train.
         if config.compile_cache and run.program.jit_compile and not _nothing_left(config, checkpoints.directory):
             trace(run)

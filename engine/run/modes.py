@@ -46,9 +46,8 @@ def _check_workdir_is_the_checkpoints(config):
     if not config.checkpoint:
         return
     _check_exists(config.checkpoint)
-    workdir_lib.check_not_inside_a_run(
-        config.workdir
-    )  # the checkout, another run's checkpoints/ or TensorBoard folders
+    # Not the checkout, another run's checkpoints/ or TensorBoard folders:
+    workdir_lib.check_not_inside_a_run(config.workdir)
     theirs = _run_of(config.checkpoint)
     job, marker = workdir_lib.held_job(config.workdir)
     if os.path.abspath(theirs) == os.path.abspath(config.workdir) or job is None:

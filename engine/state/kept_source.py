@@ -22,7 +22,10 @@ class _Unkept(ValueError):
 
 
 def record(spec, info):
-    """{"spec": ..., "info": ...} for config.json, or None where the info cannot be kept exactly (module doc)."""
+    """{"spec": ..., "info": ...} for config.json, or None where the info cannot be kept exactly (module doc), or
+    there is no spec to keep."""
+    if not spec:
+        return None
     try:
         kept = {
             "spec": {name: {"shape": s.shape.as_list(), "dtype": s.dtype.name} for name, s in spec.items()},
