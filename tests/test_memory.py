@@ -141,6 +141,8 @@ def test_accumulation_holds_one_microbatchs_activations():
         ("model", ("1e6", 10), "models/mlp.py: size(config, input_shape, outputs) returned ('1e6', 10)"),
         ("dataset", "1 GB", "sources/synthetic.py: memory(config) returned '1 GB', not the bytes its data takes"),
         ("dataset", -(10**14), "sources/synthetic.py: memory(config) returned -100000000000000, not the bytes"),
+        # Infinite bytes: a traceback from the engine's own line saying how much the data needs.
+        ("dataset", float("inf"), "sources/synthetic.py: memory(config) returned inf, not the bytes its data takes"),
     ],
 )
 def test_a_plugins_estimate_that_is_no_count_of_bytes_is_one_line(monkeypatch, kind, answer, why):

@@ -5,14 +5,16 @@ pipeline, some after every training step had run, or in a number: an evaluation 
 reported accuracy 0.07 with loss NaN, exit 0; one class reported accuracy 1.0."""
 
 import re
+import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine.api import Source, Split, in_memory
+from engine.api import Source, Split, in_memory, sharded
 from engine.data import datasets
 from engine.data.pipeline import Pipelines
+from engine.data.records import UNREADABLE, counted_records, unreadable
 from engine.run import inputs, loop
 from engine.settings import plugins
 from engine.settings.errors import ConfigError, TaskError
@@ -118,6 +120,26 @@ CASES = {
         lambda c, s: _good(c, s, decode="jpeg"),
         "the Source's decode is a str, not a function",
     ),
+    # What a decode makes, traced as the run is built: a wider feature was read by the model (an error naming
+    # models/mlp.py), a float64 one trained on and then stopped the first evaluation with a traceback, exit 1.
+    "a decode that widens a feature": (
+        lambda c, s: _good(c, s, decode=lambda x, seed, training: {**x, "image": tf.concat([x["image"]] * 2, 0)}),
+        "the decoded training example's image is float32 of shape (12,), where the spec says float32 of shape (6,)",
+    ),
+    "a decode that casts in evaluation": (
+        lambda c, s: _good(
+            c, s, decode=lambda x, seed, training: x if training else {**x, "image": tf.cast(x["image"], tf.float64)}
+        ),
+        "the decoded evaluation example's image is float64 of shape (6,), where the spec says float32 of shape (6,)",
+    ),
+    "a decode that drops the label": (
+        lambda c, s: _good(c, s, decode=lambda x, seed, training: {"image": x["image"]}),
+        "the decoded training example lacks label (the spec names image, label)",
+    ),
+    "a decode that returns a tuple": (
+        lambda c, s: _good(c, s, decode=lambda x, seed, training: (x["image"], x["label"])),
+        "decode returned a tuple for a training example, not a dict of features",
+    ),
 }
 
 
@@ -186,10 +208,13 @@ def test_what_a_source_may_give_beyond_the_checks_narrowest_reading_loads(monkey
         return _good(config, split, train=in_memory(one_based), decode=lambda x, seed, training: x)
 
     assert _loaded(monkeypatch, decoded).decode is not None
-    records = {"record": tf.constant(["a"] * 256)}  # the decode parses image and label out of each
+    records = {"record": tf.constant(["1.5"] * 256)}  # the decode parses image and label out of each
+
+    def parse(x, seed, training):  # a stand-in for parsing each record
+        return {"image": tf.fill([6], tf.strings.to_number(x["record"], tf.float32)), "label": tf.constant(0, tf.int64)}
 
     def parsed(config, split):
-        return _good(config, split, train=in_memory(records), evals=in_memory(records), decode=lambda x, s, t: x)
+        return _good(config, split, train=in_memory(records), evals=in_memory(records), decode=parse)
 
     assert _loaded(monkeypatch, parsed).train.examples == 256
     tokens = {"image": _arrays(256)["image"], "label": tf.fill([256, 5], tf.constant(-100, tf.int64))}
@@ -293,3 +318,45 @@ def test_the_streamed_label_check_takes_numpy_counts_and_narrow_label_types():
     assert checked["label"].dtype == tf.uint8 and int(checked["label"]) == 255
     with pytest.raises(tf.errors.InvalidArgumentError):
         Pipelines(None, Source(streamed, streamed, uint8, {"num_classes": 200}))._label_checked({"label": 200})
+
+
+def test_a_record_file_that_is_missing_is_refused_as_it_loads_and_stops_a_run_it_vanishes_from(monkeypatch, tmp_path):
+    """A streamed split's record file that is not there: as the run was built, a traceback from the pipeline's
+    stat, exit 1; deleted while the run read it, its reader's error repeated forever under ignore_errors: the run
+    hung at that step, and so did the evaluation of a split whose file was missing."""
+    path, missing = str(tmp_path / "train-0.tfrecord"), str(tmp_path / "train-1.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for i in range(3):
+            writer.write(str(i).encode())
+    parse = lambda record: {"image": tf.fill([6], tf.strings.to_number(record)), "label": tf.constant(0, tf.int64)}  # noqa: E731
+    files = sharded(((path, 3), (missing, 3)), parse)
+    with pytest.raises(ConfigError) as caught:
+        _loaded(monkeypatch, lambda c, s: _good(c, s, evals=files))
+    assert str(caught.value) == f"--dataset=synthetic: the evaluation split's record file {missing} does not exist"
+    training = _loaded(monkeypatch, lambda c, s: _good(c, s, train=files))  # measured as its pipeline is built
+    with pytest.raises(ConfigError) as caught:
+        Pipelines(helpers.make_config("", dataset="synthetic").data, training)
+    assert str(caught.value) == f"--dataset=synthetic: the training split's record file {missing} does not exist"
+    # Deleted after the run was built: read as a file of none of its counted records, each damaged (code 1).
+    read = []
+    reader = threading.Thread(target=lambda: read.extend(counted_records(tf.constant(missing), 3)), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), "reading a missing record file hung"
+    assert [damage.numpy().tolist() for _, _, damage in read] == [[1, 3]] * 3
+    error = tf.errors.InvalidArgumentError(None, None, f"{UNREADABLE}] [{missing} record 0] [1 3]")
+    assert unreadable(error) == f"{missing}: missing: it was deleted or moved after its 3 records were counted"
+
+
+def test_an_evaluation_whose_every_weight_is_0_is_refused_and_a_numpy_num_classes_is_an_int(monkeypatch):
+    """Every weight 0: the evaluation reported accuracy nan on 0 examples with a RuntimeWarning, exit 0. A numpy
+    num_classes passed the check and then Keras refused it as the head's size: "--model=mlp: Received an invalid
+    value for `units`, expected a positive integer. Received: units=3"."""
+    zero = {**_arrays(64, 1), "weight": tf.zeros([64])}
+    with pytest.raises(ConfigError) as caught:
+        _loaded(monkeypatch, lambda c, s: _good(c, s, evals=in_memory(zero)))
+    assert str(caught.value).startswith(
+        "--dataset=synthetic: every example of the evaluation split has the weight 0: its means would count none"
+    )
+    source = _loaded(monkeypatch, lambda c, s: _good(c, s, info={"num_classes": np.int64(4)}))
+    assert source.info["num_classes"] == 4 and type(source.info["num_classes"]) is int

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from engine.data import streamed
 from engine.data.records import file_records, op_message, parsed, unreadable
-from engine.data.source_checks import checked_classes, outside
+from engine.data.source_checks import checked_classes, file_bytes, outside
 
 AUTOTUNE = tf.data.AUTOTUNE
 _CHECK_EVERY = 256  # examples between the decode's markers: a stream whose every example fails stops within them
@@ -29,7 +29,7 @@ class Pipelines:
         # The run's config.data: what the streams read, and nothing else (a whole Config serves too: a benchmark's).
         self.data, self.source = data, source
         self.train_split, self.evals = source.train, source.evals
-        self.train_bytes = sum(tf.io.gfile.stat(path).length for path, _ in self.train_split.files)
+        self.train_bytes = sum(file_bytes(path, "training", data.dataset) for path, _ in self.train_split.files)
         self.classes = checked_classes(source)
 
     def position(self, ctx, local):

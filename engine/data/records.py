@@ -103,7 +103,10 @@ def counted_records(path, expected, counter=None):
     it comes empty), 2 for a record beyond the count (the file changed after it was counted). `parsed` stops on
     a damaged one; the damage is carried, not raised, so that the decode's dropped errors
     (engine/data/pipeline.py `Pipelines._decoded`) cannot hide it."""
-    read = tf.data.TFRecordDataset(path).ignore_errors().take(expected + 1).map(lambda r: (r, True))
+    # A file that cannot be opened (deleted or moved after it was counted) is read as holding no records: its
+    # reader's error repeats on every try, which ignore_errors would retry forever (the run hung).
+    read = tf.data.Dataset.from_tensors(path).filter(present).flat_map(tf.data.TFRecordDataset)
+    read = read.ignore_errors().take(expected + 1).map(lambda r: (r, True))
     missing = tf.data.Dataset.from_tensors((tf.constant(b""), False)).repeat()  # stand-ins for records it lacks
 
     def judged(i, item):
@@ -127,6 +130,11 @@ def counted_records(path, expected, counter=None):
     return ds
 
 
+def present(path):
+    """Whether the file `path` (a string tensor) exists, in the graph: a glob of the path, its wildcards escaped."""
+    return tf.size(tf.io.matching_files(tf.strings.regex_replace(path, r"([*?\[\\])", r"\\\1"))) > 0
+
+
 def op_message(error):
     """A TensorFlow error's first line without the function node and op names TensorFlow wraps it in."""
     text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", first_line(error.message or str(error)))
@@ -142,6 +150,8 @@ def unreadable(error):
     path, code, expected = found.group(1), int(found.group(2)), int(found.group(3))
     if code == 2:
         return f"{path}: holds more than the {counted(expected, 'record')} counted: {_CHANGED}"
+    if not tf.io.gfile.exists(path):  # its reader's error would repeat forever under ignore_errors
+        return f"{path}: missing: it was deleted or moved after its {counted(expected, 'record')} were counted"
     read = sum(1 for _ in tf.data.TFRecordDataset(path).ignore_errors())  # only when it failed: read it whole
     # TensorFlow's reader stops at the first record that fails its checksum: those after it are not counted as read.
     return f"{path}: truncated or corrupt: it cannot be read past its first {counted(read, 'record')} (of {expected})"

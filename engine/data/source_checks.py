@@ -89,10 +89,38 @@ def checked(source, where, dataset):
             )
         if source.decode is None:  # a decoded split's examples are the decode's to shape (photos)
             _check_features(split, role, spec, where)
+        else:  # what the decode makes of one, traced (not run): the spec's features, of its dtypes and shapes
+            _check_decoded(source.decode, split, role, spec, where)
+    for path, _ in source.evals.files:  # the training split's are measured as its pipeline is built (file_bytes)
+        file_bytes(path, "evaluation", dataset)
     _check_classes(source, where, dataset)
     _check_finite(source, dataset)
     _check_weights(source.evals, dataset)
+    if isinstance(info.get("num_classes"), np.integer):  # a layer's size: Keras refuses numpy's integers
+        info = {**info, "num_classes": int(info["num_classes"])}
     return Source(source.train, source.evals, dict(spec), Info(dataset, info), source.decode)
+
+
+def _check_decoded(decode, split, role, spec, where):
+    """The examples `decode` makes of the split's (a record file's parsed), traced as the pipeline calls it: the
+    spec's features, of its dtypes and shapes. One of another shape or dtype failed as the model read it, or as the
+    evaluation padded it (a traceback after training), or trained on silently."""
+    if split.files:
+        record = tf.TensorSpec([], tf.string)
+        raw = tf.function(split.parse).get_concrete_function(record).structured_outputs
+        raw = {k: tf.TensorSpec(v.shape, v.dtype) for k, v in raw.items()} if isinstance(raw, dict) else raw
+    else:
+        raw = split.make().element_spec
+    if not isinstance(raw, dict):
+        raise TaskError(f"{where}: the {role} split's examples are {raw!r}, not dicts of features")
+    raw = {k: v for k, v in raw.items() if k not in (*_OWN, *_WEIGHT)}  # what the pipeline hands the decode
+    seed = tf.TensorSpec([2], tf.int64)
+    traced = tf.function(lambda example, seed: decode(example, seed, role == "training"))
+    decoded = traced.get_concrete_function(raw, seed).structured_outputs
+    if not isinstance(decoded, dict):
+        raise TaskError(f"{where}: decode returned {described(decoded)} for a {role} example, not a dict of features")
+    given = {k: tf.TensorSpec(v.shape, v.dtype) if isinstance(v, tf.Tensor) else v for k, v in decoded.items()}
+    _check_example(given, role, spec, where, f"decoded {role} example")
 
 
 def _check_features(split, role, spec, where):
@@ -100,6 +128,12 @@ def _check_features(split, role, spec, where):
     given = split.make().element_spec
     if not isinstance(given, dict):
         raise TaskError(f"{where}: the {role} split's examples are {given!r}, not dicts of features")
+    _check_example(given, role, spec, where, f"{role} split")
+
+
+def _check_example(given, role, spec, where, what):
+    """`given` ({feature: spec} of an example of the `role` split, which a message calls `what`) holds the spec's
+    features, of its dtypes and shapes (and the split's own: `_OWN`)."""
     allowed = {**spec, **_OWN, **(_WEIGHT if role == "evaluation" else {})}
     missing = [f for f in spec if f not in given]
     # A training example may carry more (a task's prepare takes its own features); an evaluation split is padded to
@@ -109,16 +143,31 @@ def _check_features(split, role, spec, where):
         said = [f"lacks {', '.join(missing)}"] * bool(missing) + [f"holds {', '.join(extra)}, not in the spec"] * bool(
             extra
         )
-        raise TaskError(f"{where}: the {role} split {' and '.join(said)} (the spec names {', '.join(spec)})")
+        raise TaskError(f"{where}: the {what} {' and '.join(said)} (the spec names {', '.join(spec)})")
     for feature, one in given.items():
         wanted = allowed.get(feature)
         if wanted is None:  # a training example's own
             continue
+        if not isinstance(one, tf.TensorSpec):
+            raise TaskError(f"{where}: the {what}'s {feature} is {described(one)}, not a tensor")
         if one.dtype != wanted.dtype or not one.shape.is_compatible_with(wanted.shape):
             raise TaskError(
-                f"{where}: the {role} split's {feature} is {one.dtype.name} of shape {one.shape}, where the "
+                f"{where}: the {what}'s {feature} is {one.dtype.name} of shape {one.shape}, where the "
                 f"{'spec says' if feature in spec else 'engine reads'} {wanted.dtype.name} of shape {wanted.shape}"
             )
+
+
+def file_bytes(path, role, dataset):
+    """The bytes of a streamed split's record file `path`; ConfigError naming --dataset for one that is not there
+    (deleted or moved since its records were counted: its reader would have failed forever) or is a folder."""
+    try:
+        stat = tf.io.gfile.stat(path)
+    except tf.errors.OpError as e:
+        reason = "does not exist" if isinstance(e, tf.errors.NotFoundError) else f"cannot be read ({e.message})"
+        raise ConfigError(f"--dataset={dataset}: the {role} split's record file {path} {reason}") from None
+    if stat.is_directory:
+        raise ConfigError(f"--dataset={dataset}: the {role} split's record file {path} is a folder")
+    return stat.length
 
 
 def _check_classes(source, where, dataset):
@@ -203,8 +252,10 @@ def _check_weights(split, dataset):
     one counted an example against the others. ConfigError naming --dataset."""
     if split.fetch is None or not split.examples or "weight" not in split.make().element_spec:
         return
+    total = 0.0
     for start, chunk in _chunks(split):
         weights = chunk["weight"].numpy()
+        total += float(weights.sum())
         good = np.isfinite(weights) & (weights >= 0)
         if not good.all():
             first = int(np.argmin(good))
@@ -213,6 +264,11 @@ def _check_weights(split, dataset):
                 f"{weights[first]:g}; a weight is how much an example counts in the evaluation's means, a finite "
                 "number of at least 0"
             )
+    if not total:  # every mean over no weight: NaN, reported as a number with exit 0
+        raise ConfigError(
+            f"--dataset={dataset}: every example of the evaluation split has the weight 0: its means would count "
+            "none of them; a weight is how much an example counts in the evaluation's means"
+        )
 
 
 def _labels(split):
