@@ -20,7 +20,6 @@ from engine.cluster import distribute
 from engine.data import datasets
 from engine.data.pipeline import UNDECODABLE
 from engine.data.records import unreadable
-from engine.run import compile_cache
 from engine.settings.errors import CheckpointError
 
 
@@ -286,11 +285,20 @@ def explain(error, config, strategy, data, training, pipelines):
         return datasets.DecodeError(
             f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: {RESUMES}"
         )
-    if config.compile_cache and compile_cache.unloadable(error.message or ""):
-        said = (error.message or "").splitlines()[0]
-        count = compile_cache.set_aside(config.compile_cache, said)
-        return CheckpointError(
-            f"--compile_cache={config.compile_cache}: TensorFlow could not load a compiled program read back from it "
-            f"({said}): a damaged entry; its {count} entries are set aside, and the same command compiles them again"
-        )
-    return distribute.explain_failure(strategy, config.cluster, error)
+    unloaded = _unloaded(error, config.compile_cache) if config.compile_cache else None
+    return unloaded or distribute.explain_failure(strategy, config.cluster, error)
+
+
+def _unloaded(error, cache):
+    """CheckpointError naming --compile_cache=`cache` where `error` is TensorFlow's failing to load a compiled program
+    read back from it (its entries set aside: the same command compiles them again); None for any other error."""
+    from engine.run import compile_cache  # deferred: the public face (engine/api.py) loads this module, no cache
+
+    said = next((line for line in (error.message or "").splitlines() if compile_cache.unloadable(line)), None)
+    if said is None:
+        return None
+    count = compile_cache.set_aside(cache, said)
+    return CheckpointError(
+        f"--compile_cache={cache}: TensorFlow could not load a compiled program read back from it ({said}): a "
+        f"damaged entry; its {count} entries are set aside, and the same command compiles them again"
+    )
