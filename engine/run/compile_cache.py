@@ -78,11 +78,16 @@ def machine_key(cpuinfo="/proc/cpuinfo"):
     return f"tf{version}-{hashlib.sha256(chr(10).join(cpu).encode()).hexdigest()[:12]}"
 
 
+def folder_of(path):
+    """The folder of --compile_cache=`path` that this TensorFlow and CPU read and write (machine_key)."""
+    return os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
+
+
 def use(path, environ=os.environ):
     """Points TensorFlow's compilation cache at `path`/machine_key(), made if missing, replacing any cache directory
     TF_XLA_FLAGS named, its damaged entries set aside (repair); returns that folder. ConfigError naming
     --compile_cache when it cannot be made or written."""
-    folder = os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
+    folder = folder_of(path)
     if any(c.isspace() for c in folder):  # TensorFlow splits TF_XLA_FLAGS at whitespace: it would write elsewhere
         raise ConfigError(f"--compile_cache={path}: a path with a space cannot be passed to TensorFlow ({folder})")
     try:
@@ -169,7 +174,7 @@ def unloadable(message):
 def set_aside(path, why, log=print):
     """Sets aside every entry of the cache --compile_cache=`path` names for this TensorFlow and CPU, which of them
     failed to load being unknown (TensorFlow names the function, not the entry); returns their count."""
-    folder = os.path.join(os.path.abspath(os.path.expanduser(path)), machine_key())
+    folder = folder_of(path)
     names = [n for n in sorted(os.listdir(folder)) if n.endswith(".pb")] if os.path.isdir(folder) else []
     stamp = time.strftime("%Y%m%dT%H%M%S")
     for name in names:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 
+from engine.settings import plugins
 from engine.settings.errors import TaskError
 
 
@@ -121,11 +122,11 @@ def hold(actions, variable):
         value = action.checkpointed()
         if value is not None:
             try:
-                held[_file(action)] = json.loads(json.dumps(value))
+                held[plugins.file_of(action)] = json.loads(json.dumps(value))
             except (TypeError, ValueError) as e:
                 raise TaskError(
-                    f"{_file(action)}: checkpointed() returned {value!r:.80}, which a checkpoint cannot hold ({e}): "
-                    "return numbers, strings, lists and dicts"
+                    f"{plugins.file_of(action)}: checkpointed() returned {value!r:.80}, which a checkpoint cannot "
+                    f"hold ({e}): return numbers, strings, lists and dicts"
                 ) from None
     variable.assign(json.dumps(held, sort_keys=True))
 
@@ -135,10 +136,5 @@ def hand_back(actions, variable):
     the checkpoint held none for it (one from before checkpoints held the actions' state: "")."""
     held = json.loads(variable.numpy().decode() or "{}")
     for action in actions:
-        if _file(action) in held:
-            action.restored(held[_file(action)])
-
-
-def _file(action):
-    """The file that defines `action` (engine/run/actions/histograms.py), what its held state is keyed by."""
-    return type(action).__module__.replace(".", "/") + ".py"
+        if plugins.file_of(action) in held:
+            action.restored(held[plugins.file_of(action)])
