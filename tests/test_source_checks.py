@@ -360,3 +360,21 @@ def test_an_evaluation_whose_every_weight_is_0_is_refused_and_a_numpy_num_classe
     )
     source = _loaded(monkeypatch, lambda c, s: _good(c, s, info={"num_classes": np.int64(4)}))
     assert source.info["num_classes"] == 4 and type(source.info["num_classes"]) is int
+
+
+def test_an_evaluation_of_fractional_weights_reports_their_sum_not_its_integer_part(monkeypatch, one_device):
+    """A fork's evaluation split weighting each of its 64 examples 0.3 (its sum 19.2) reported `examples=19`: the
+    sum was cut to an integer. Weights that sum to a whole number still report an int."""
+    from engine.run import build
+
+    def evaluated(weight):
+        evals = {**_arrays(64, 1), "weight": tf.fill([64], weight)}
+        load = lambda c, s: _good(c, s, evals=in_memory(evals))  # noqa: E731
+        member = plugins.member
+        monkeypatch.setattr(plugins, "member", lambda kind, name: load if kind == "dataset" else member(kind, name))
+        config = helpers.make_config("", dataset="synthetic", global_batch_size=16, model="mlp")
+        return build.run(config, one_device).evaluator.evaluate()["examples"]
+
+    assert evaluated(0.3) == 19.2
+    whole = evaluated(0.5)
+    assert whole == 32 and type(whole) is int
