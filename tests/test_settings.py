@@ -148,6 +148,7 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
         "f_range": "SETTINGS = {'f_size': (5, 'n', ('1', None))}",
         "f_unbounded_below": "SETTINGS = {'f_width': (8, 'n', (None, 64))}",
         "f_syntax": "def create(config, spec, outputs, info)\n    pass\n",
+        "f_x_twice": "SETTINGS = {\n    'f_depth': (8, 'n'),\n    'f_depth': (4, 'n'),\n}",
         "g_good": "SETTINGS = {'g_size': (5, 'n', (1, None)), 'g_kind': ('x', 'k', ('x', 'y')), 'g_dims': ((8,), 'd')}",
     }
     fields, _, errors = _declared_models(tmp_path, files)
@@ -161,6 +162,11 @@ def test_settings_a_flag_could_not_hold_are_one_error_naming_the_file(tmp_path):
     assert errors[5].endswith("a range (low, high) of numbers, not ('1', None)")
     assert errors[6] == "models/f_syntax.py: not Python that parses: expected ':' (line 1)"  # not blamed on SETTINGS
     assert errors[7].endswith("a range (low, high) of numbers, not (None, 64)")  # every command failed on it
+    # Kept the second silently: the file's author read 8 as the default and --help said 4.
+    assert errors[8] == (
+        "models/f_x_twice.py: SETTINGS names 'f_depth' twice (lines 2 and 3): Python keeps the second, silently; "
+        "keep one"
+    )
 
 
 def _declared_models(tmp_path, files):

@@ -9,7 +9,7 @@ import math
 import os
 
 from engine.settings import plugins
-from engine.settings.plugins import read_constant
+from engine.settings.plugins import RepeatedKey, read_constant
 
 _TYPES = {bool: bool, int: int, float: float, str: str, tuple: tuple}
 
@@ -79,6 +79,9 @@ def _literal(path, where, name, default, errors):
         said = f"{where}: not Python that parses: {e.msg} (line {e.lineno})"
         if said not in errors:
             errors.append(said)
+        return default
+    except RepeatedKey as e:
+        errors.append(f"{where}: {name} {e}")
         return default
     except (ValueError, TypeError) as e:  # not a literal: an expression, a name
         errors.append(f"{where}: {name} must be written as a literal (numbers, strings, tuples, dicts): {e}")

@@ -138,8 +138,28 @@ def read_constant(file, name, default):
     (no TensorFlow starts), or `default`."""
     for node in _parsed(file, os.stat(file).st_mtime_ns).body:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            _refuse_repeated_keys(node.value)
             return ast.literal_eval(node.value)
     return default
+
+
+class RepeatedKey(ValueError):
+    """A dict literal that names one key twice: Python keeps the last silently."""
+
+
+def _refuse_repeated_keys(node):
+    """RepeatedKey naming the first key a dict literal (at any depth of `node`) names twice, and both its lines."""
+    for found in ast.walk(node):
+        if isinstance(found, ast.Dict):
+            seen = {}
+            for key in found.keys:
+                if isinstance(key, ast.Constant) and key.value in seen:
+                    raise RepeatedKey(
+                        f"names {key.value!r} twice (lines {seen[key.value]} and {key.lineno}): Python keeps the "
+                        "second, silently; keep one"
+                    )
+                if isinstance(key, ast.Constant):
+                    seen[key.value] = key.lineno
 
 
 def file_sources():
