@@ -11,8 +11,9 @@ The classes are the sorted class-folder names: label i is the i-th (the source's
 side, flipped at random; evaluation the centre crop (engine/data/images.py). PATH may be on any file system TensorFlow
 reads (gs://...).
 
-Splits. A PATH holding a folder named --train_split (`train`) holds one folder per split, each with the same class
-folders (PATH/train/cat/..., PATH/validation/cat/..., PATH/test/cat/...); --eval_split names one of them. Any other
+Splits. A PATH holding a folder named --train_split (`train`) of folders holds one folder per split, each with the
+same class folders (PATH/train/cat/..., PATH/validation/cat/..., PATH/test/cat/...); --eval_split names one of them
+(a folder `train` of photos is a class: bus/, car/, train/). Any other
 PATH is carved: --folder_eval_percent (10) of its photos are held out, chosen by a hash of each file's path under
 PATH (`cat/0001.jpg`), so the same files give the same split on every machine and adding or removing photos never
 moves the others between training and evaluation (a larger percent only adds photos to the held-out part). The
@@ -57,7 +58,7 @@ def load(config, eval_split):
         raise ConfigError(f"{where}: photos come in many sizes: set --image_size (e.g. 224), the side of the crops")
     if not tf.io.gfile.isdir(path):
         raise ConfigError(f"{where}: no such folder")
-    if tf.io.gfile.isdir(os.path.join(path, config.train_split)):
+    if _split_folder(path, config.train_split):
         names, train, evals = _split_folders(path, where, config.train_split, eval_split)
     else:
         names, train, evals = _carved(path, where, config, eval_split)
@@ -72,6 +73,13 @@ def load(config, eval_split):
         return decode_image({**features, "image": tf.io.read_file(example["path"])}, seed, training)
 
     return Source(train, evals, spec, info, decode=decode)
+
+
+def _split_folder(path, train_split):
+    """Whether PATH holds a folder per split: its folder named --train_split holds folders (the classes). One of
+    photos alone is a class of that name (vehicles: bus, car, train)."""
+    inside = os.path.join(path, train_split)
+    return tf.io.gfile.isdir(inside) and bool(_folders(inside))
 
 
 def _split_folders(path, where, train_split, eval_split):

@@ -66,6 +66,18 @@ def _refused(config, why):
 # Photos in class folders.
 
 
+def test_a_class_folder_named_train_is_a_class_not_a_split(data_dir, tmp_path):
+    # Vehicles: bus/, car/, train/. The folder named train switched the source to split folders, and every run was
+    # refused: "--dataset=folder:...: .../train has no class folders".
+    root = tmp_path / "vehicles"
+    _photos(root, per_class=10, classes=("bus", "car", "train"))
+    source = folder.load(_config(data_dir, root), "test")
+    assert source.info == {"num_classes": 3, "class_names": ("bus", "car", "train")}
+    labels = {**_paths(source.train), **_paths(source.evals)}
+    assert len(labels) == 30 and sorted(labels.values()).count(2) == 10
+    assert all(label == 2 for path, label in labels.items() if "/train/" in path)
+
+
 def test_a_folder_gives_sorted_classes_and_carves_the_held_out_part_by_path(data_dir, tmp_path):
     root = tmp_path / "photos"
     _photos(root)
