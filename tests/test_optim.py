@@ -11,6 +11,7 @@ import tensorflow as tf
 from engine.data import datasets as data_lib
 from engine.numerics import optim
 from engine.run import build, loop
+from engine.settings.errors import TaskError
 from engine.settings.fields import Config
 from tasks import classification
 from tests import helpers
@@ -87,6 +88,25 @@ def test_constant_and_linear_scaling():
     assert _lr(0, learning_rate=0.1, lr_scaling="linear", global_batch_size=1024, base_batch_size=256) == (
         pytest.approx(0.4)
     )
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        # A warmup past the run's end: under cosine every step's rate was 0, the run trained nothing, silently.
+        ({"warmup_steps": 40, "lr_schedule": "cosine"}, "warmup_steps=40: must be less than --train_steps=20"),
+        ({"warmup_steps": 20}, "warmup_steps=20: must be less than --train_steps=20"),
+        # A schedule the engine does not have was a KeyError traceback as the step traced; a scaling, none at all.
+        ({"lr_schedule": "linear"}, "lr_schedule=linear: must be one of constant, cosine"),
+        ({"lr_scaling": "sqrt"}, "lr_scaling=sqrt: must be one of none, linear"),
+    ],
+    ids=["warmup_cosine", "warmup_constant", "schedule", "scaling"],
+)
+@pytest.mark.parametrize("group", [False, True])
+def test_an_updates_and_a_groups_schedule_is_checked_as_the_flags_are(settings, message, group):
+    with pytest.raises(TaskError) as refused:
+        optim.checked_settings(Config(train_steps=20).optimization, settings, "update 'a'", group=group)
+    assert str(refused.value) == f"update 'a': {message}"
 
 
 def test_weight_decay_skips_biases():

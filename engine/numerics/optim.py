@@ -146,9 +146,10 @@ def checked_settings(optimization, overrides, what, group=False):
     whole = sections.whole(checked)
     try:
         probe = dataclasses.replace(whole, learning_rate=whole.learning_rate or 1.0)  # a group may stand still
+        checks.check_choices(whole)  # a schedule's name, a scaling's
         checks.check_signs(probe)
         checks.check_limits(probe)
-        checks.check_training(whole)
+        checks.check_training(whole)  # a warmup that ends before --train_steps
     except ConfigError as e:
         raise TaskError(f"{what}: {str(e).removeprefix('--')}") from None
     return checked

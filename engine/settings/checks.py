@@ -222,7 +222,10 @@ def _float32(value):
 
 
 def check_training(config):
-    """What the optimizer, the profiler and the NaN policy need of the other settings."""
+    """What the optimizer, its schedule, the profiler and the NaN policy need of the other settings (an update's and
+    an optimizer group's settings too: engine/numerics/optim.py checked_settings)."""
+    if config.warmup_steps and config.warmup_steps >= config.train_steps:  # every schedule: it never reaches its peak
+        fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
     peak = config.learning_rate * (
         config.global_batch_size / config.base_batch_size if config.lr_scaling == "linear" else 1
     )
@@ -279,10 +282,8 @@ TASKS_OWN = ("dataset", "model")
 
 
 def resolve_task(config):
-    """Returns the config with an empty --dataset and --model made the task's own, once the task, the schedule's
-    warmup and --freeze are known good; refuses a model that is not a file of models/."""
-    if config.warmup_steps and config.warmup_steps >= config.train_steps:  # every schedule: it never reaches its peak
-        fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
+    """Returns the config with an empty --dataset and --model made the task's own, once the task and --freeze are
+    known good; refuses a model that is not a file of models/."""
     if config.task not in plugins.names("task"):
         fail("task", config.task, f"must name a file in tasks/ ({', '.join(plugins.names('task'))})")
     if not config.dataset:
