@@ -366,6 +366,18 @@ OWN_ERRORS = [
         "--task=misnamed",
         "error: tasks/misnamed.py:6 in loss: KeyError: 'lbl'",
     ),
+    # An assertion of a fork's that fails as its step runs (not under XLA, which drops assertions): TensorFlow's
+    # InvalidArgumentError, a traceback and exit 1 before.
+    (
+        "tasks/asserting.py",
+        "import tensorflow as tf\nfrom tasks import classification\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def loss(self, outputs, batch):\n"
+        "        tf.debugging.Assert(tf.reduce_all(batch['label'] < 0), ['labels must be negative'])\n"
+        "        return super().loss(outputs, batch)\n",
+        "--task=asserting --jit_compile=false",
+        "error: tasks/asserting.py:7 in loss: InvalidArgumentError: assertion failed: [labels must be negative]",
+    ),
     # The same in a source's decode, which tf.data traces: autograph's MultilineMessageKeyError.
     (
         "sources/decoded.py",
@@ -385,10 +397,10 @@ OWN_ERRORS = [
 @pytest.mark.parametrize(
     "path, text, flag, said",
     OWN_ERRORS,
-    ids=["in_the_step", "in_an_action", "another_files_setting", "key_error", "key_error_in_a_decode"],
+    ids=["in_the_step", "in_an_action", "another_files_setting", "key_error", "an_assertion", "key_error_in_a_decode"],
 )
 def test_launch_ends_an_error_a_forks_code_raises_in_one_line_with_exit_2(tmp_path, path, text, flag, said):
-    result = _launch_in(_fork_with(tmp_path, {path: text}), flag)
+    result = _launch_in(_fork_with(tmp_path, {path: text}), *flag.split())
     assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 
@@ -572,6 +584,14 @@ def _traced(*frames, said):
     return "\n".join([*lines, "", *("    " + line for line in said.splitlines())])
 
 
+def _ran(*frames, said):
+    """TensorFlow's error of an op that failed as it ran: the lines it was defined at, then what it said."""
+    lines = ["Graph execution error:", "", "Detected at node while/Assert defined at (most recent call last):"]
+    for path, line, name in frames:
+        lines += [f'  File "{os.path.join(helpers.ROOT, path)}", line {line}, in {name}', ""]
+    return "\n".join([*lines, said, "\t [[{{node while/Assert}}]] [Op:__inference_train_loop_1191]"])
+
+
 def test_a_forks_error_is_its_line_and_the_engines_keeps_its_traceback():
     step = ("engine/numerics/forward.py", 201, "forward_backward")
     mine = ("tasks/mine.py", 7, "loss")
@@ -597,6 +617,13 @@ def test_a_forks_error_is_its_line_and_the_engines_keeps_its_traceback():
     assert plugins.failure(ValueError(_traced(("tasks/base.py", 93, "forward"), said="ValueError: x"))) is None
     # TensorFlow's runtime (a device out of memory, a file that cannot be read) keeps its traceback.
     assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _traced(mine, said="OOM"))) is None
+    assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _ran(mine, said="OOM when allocating"))) is None
+    # An op of a plugin's that failed as it ran (its tf.debugging.assert_*): its line, where it was a traceback, exit 1.
+    said = "assertion failed: [labels must be below 5] [x (while/GatherV2_1:0) = ] [0 9 5...]"
+    assert plugins.failure(tf.errors.InvalidArgumentError(None, None, _ran(step, mine, said=said))) == (
+        f"tasks/mine.py:7 in loss: InvalidArgumentError: {said}"
+    )
+    assert plugins.failure(tf.errors.InvalidArgumentError(None, None, _ran(mine, step, said=said))) is None
     assert plugins.failure(ValueError("not from a plugin")) is None
 
 

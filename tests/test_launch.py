@@ -4,7 +4,9 @@ import concurrent.futures
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -433,3 +435,32 @@ def test_a_compiled_program_damaged_inside_its_entry_stops_in_one_line_and_the_s
     # Set aside, none read back: the same command compiles them again (as after `repair`, the test above).
     assert not [p for p in folder.iterdir() if p.suffix == ".pb"]
     assert len([p for p in folder.iterdir() if ".pb.damaged-" in p.name]) == len(entries)
+
+
+@pytest.mark.slow
+def test_a_compile_cache_that_cannot_be_written_stops_in_one_line_with_exit_4(data_dir, tmp_path):
+    """A full disk under --compile_cache: TensorFlow fails the step it compiled, which ended the run in a traceback of
+    TensorFlow's graph, exit 1, its partial entry left behind."""
+    cache = tmp_path / "cache"
+
+    def small_disk():  # files may not grow past 20 KiB: the step's compiled program cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, 20 * 1024))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    proc = subprocess.run(
+        [sys.executable, "launch.py", f"--workdir={tmp_path / 'run'}", f"--data_dir={data_dir}", "--train_steps=5"]
+        + [f"--compile_cache={cache}", "--jit_compile=true"],
+        cwd=helpers.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **helpers.without_xla_cache()},
+        preexec_fn=small_disk,
+    )
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --compile_cache={cache}: cannot write a compiled program there (File too large); free space there, "
+        "or run without --compile_cache, and run the same command"
+    )
+    assert os.listdir(cache / compile_cache.machine_key()) == []  # the partial entry removed

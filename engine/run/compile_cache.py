@@ -20,7 +20,8 @@ system that machines of several CPU models share never hands one a program compi
 Programs compiled for a GPU are not keyed by its model: keep one GPU model per directory.
 
 Off unless asked for: TensorFlow fails the op it compiles when it cannot write the entry (a full disk ends the run at
-its first step), so the directory belongs on a disk that checkpoints do not fill. An entry is the compiled step,
+its first step, in one line naming the cache, exit 4: engine/run/inputs.py), so the directory belongs on a disk that
+checkpoints do not fill. An entry is the compiled step,
 a few MB; nothing removes old ones.
 
 A damaged entry would fail every rerun of its program (TensorFlow reads it back and stops on DataLossError or

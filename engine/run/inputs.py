@@ -10,6 +10,7 @@ the workers in pieces (PerWorker, parameter servers).
 """
 
 import contextlib
+import os
 import re
 import sys
 import threading
@@ -285,8 +286,8 @@ def explain(error, config, strategy, data, training, pipelines):
         return datasets.DecodeError(
             f"--dataset={config.dataset}: {damaged}; restore the file and run the same command: {RESUMES}"
         )
-    unloaded = _unloaded(error, config.compile_cache) if config.compile_cache else None
-    return unloaded or distribute.explain_failure(strategy, config.cluster, error)
+    cached = _unloaded(error, config.compile_cache) or _unwritten(error, config.compile_cache)
+    return cached or distribute.explain_failure(strategy, config.cluster, error)
 
 
 def _unloaded(error, cache):
@@ -294,6 +295,8 @@ def _unloaded(error, cache):
     read back from it (its entries set aside: the same command compiles them again); None for any other error."""
     from engine.run import compile_cache  # deferred: the public face (engine/api.py) loads this module, no cache
 
+    if not cache:
+        return None
     said = next((line for line in (error.message or "").splitlines() if compile_cache.unloadable(line)), None)
     if said is None:
         return None
@@ -301,4 +304,25 @@ def _unloaded(error, cache):
     return CheckpointError(
         f"--compile_cache={cache}: TensorFlow could not load a compiled program read back from it ({said}): a "
         f"damaged entry; its {count} entries are set aside, and the same command compiles them again"
+    )
+
+
+def _unwritten(error, cache):
+    """CheckpointError naming --compile_cache=`cache` where `error` is TensorFlow's failing to write a compiled
+    program there (a full disk: "<its temporary file>; No space left on device"), that file removed; None for any
+    other error. TensorFlow fails the op it compiled: the run stops at its first step, as at a full workdir."""
+    from engine.run import compile_cache
+
+    if not cache:
+        return None
+    folder = compile_cache.folder_of(cache)
+    lines = (line.strip() for line in (error.message or "").splitlines())
+    failed = next((found for line in lines if (found := re.fullmatch(rf"({re.escape(folder)}/\S+); (.+)", line))), None)
+    if failed is None:
+        return None
+    with contextlib.suppress(OSError):
+        os.remove(failed[1])  # a partial entry's temporary file, which TensorFlow never reads back
+    return CheckpointError(
+        f"--compile_cache={cache}: cannot write a compiled program there ({failed[2]}); free space there, or run "
+        "without --compile_cache, and run the same command"
     )

@@ -77,6 +77,8 @@ def file_of(obj):
 
 # The lines autograph adds to an error raised inside a traced function, naming the user's code it ran through.
 _TRACED_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+# What TensorFlow's error of an op that failed as it ran says before the lines the op was defined at.
+_DEFINED_AT = "defined at (most recent call last):"
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")  # the bold Keras puts around the cause of an error in a layer
 # Engine code a plugin's own line reads through: a setting no file declares is the line that reads it.
 _TRANSPARENT = (os.path.join("engine", "settings", "sections.py"),)
@@ -87,22 +89,27 @@ def failure(error):
     innermost line of this checkout it came out of is a plugin file's (its own raise, or a library it called
     raising); None for an error of the engine's own code, or of TensorFlow's runtime (a device out of memory, a
     file that cannot be read), which keep their traceback. A step's function is traced: its lines are those
-    autograph writes into the message."""
+    autograph writes into the message, or, for an op of it that failed as it ran, those TensorFlow names it defined
+    at (_ran)."""
     # TensorFlow's own errors are its runtime's, but for autograph's: the wrappers of what a traced function's user
     # code raised (StagingError, MultilineMessageKeyError: a KeyError of a feature the batch lacks), its lines in
-    # their message.
+    # their message; and an op's InvalidArgumentError (a plugin's tf.debugging.assert_* that failed at a step).
     module = type(error).__module__
-    if module.startswith("tensorflow") and not module.startswith("tensorflow.python.autograph"):
+    ran = _ran(error)
+    if module.startswith("tensorflow") and not module.startswith("tensorflow.python.autograph") and ran is None:
         return None
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     message = str(error)
     traced = list(_TRACED_LINE.finditer(message)) if message.startswith("in user code:") else []
-    frames += [(m.group(1), int(m.group(2)), m.group(3)) for m in traced]
+    frames += [(m.group(1), int(m.group(2)), m.group(3)) for m in ran or traced]
     ours = [f for f in frames if _relative(f[0]) and _relative(f[0]) not in _TRANSPARENT]
     if not ours or not _is_plugin(ours[-1][0]):
         return None
     path, line, name = ours[-1]
-    if traced:  # after the last frame and its line of code: the error as it was raised, "Type: message"
+    if ran:  # after the last line the op was defined at: what it said as it ran, then the node it names ("[[...")
+        told = [t.strip() for t in message[ran[-1].end() :].splitlines()[1:] if t.strip()[:2] not in ("", "[[")]
+        text = f"{type(error).__name__}: {told[0] if told else ''}"
+    elif traced:  # after the last frame and its line of code: the error as it was raised, "Type: message"
         text = textwrap.dedent("\n".join(message[traced[-1].end() :].split("\n")[2:]))
     else:
         text = f"{type(error).__name__}: {message}"
@@ -111,6 +118,17 @@ def failure(error):
     if len(lines) > 1 and (said.endswith(":") or "Exception encountered when calling" in said):
         said = f"{said} {lines[1]}"  # Keras's first line names the layer; its second, what went wrong
     return f"{_relative(path)}:{line} in {name}: {said}"
+
+
+def _ran(error):
+    """The lines (_TRACED_LINE matches) TensorFlow names where an op that failed as it ran was defined, for an
+    InvalidArgumentError: what the code asked of its tensors (an assertion, an index, a shape) that did not hold.
+    None for another error: TensorFlow's runtime's own (a device out of memory, a file that cannot be read)."""
+    message = str(error)
+    defined = message.find(_DEFINED_AT)
+    if type(error).__name__ != "InvalidArgumentError" or defined < 0:
+        return None
+    return list(_TRACED_LINE.finditer(message, defined)) or None
 
 
 def _relative(path):
