@@ -256,8 +256,10 @@ def _print_result(config, result):
     if config.mode == "train":
         results = result["eval"]
         headline = importlib.import_module(f"tasks.{config.task}").Task.headline
+        value = results[headline]  # null in a summary.json read back where it was NaN (no number: "-")
         print(
-            f"{config.eval_split} {headline} {results[headline]:.4f} on {results['examples']} examples "
+            f"{config.eval_split} {headline} {'-' if value is None else format(value, '.4f')} "
+            f"on {results['examples']} examples "
             f"({counted(result['step'], 'step')}, {result['wall_seconds']:.1f} s"
             + (f" since it resumed at step {result['resumed_at']})" if result.get("resumed_at") else ")")
         )

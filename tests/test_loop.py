@@ -265,6 +265,23 @@ def test_a_line_without_a_mean_loss_shows_none_everywhere_not_nan(tmp_path, caps
     assert "loss" not in scalars and "grad_norm" not in scalars and float(scalars["loss_scale"][5]) == 512.0
 
 
+def test_an_evaluation_that_is_not_finite_is_written_as_json_null(tmp_path):
+    # A diverged evaluation's loss, a task's 0/0: Python wrote them bare as NaN and Infinity in eval.jsonl and in
+    # summary.json's eval, which is not JSON (JavaScript's and Go's readers refuse it), beside null in metrics.jsonl.
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    report = Report(str(tmp_path), True, 10)
+    results = {"accuracy": float("nan"), "loss": float("inf"), "examples": 360}
+    report.eval(10, results)
+    report.summary({"step": 10, "train_loss": float("nan"), "eval": results})
+    with open(tmp_path / "eval.jsonl") as f:
+        assert strict(f.read()) == {"step": 10, "accuracy": None, "loss": None, "examples": 360}
+    with open(tmp_path / "summary.json") as f:
+        assert strict(f.read()) == {"step": 10, "train_loss": None, "eval": {"accuracy": None, "loss": None,
+                                                                             "examples": 360}}  # fmt: skip
+
+
 def test_the_eta_is_timed_after_the_first_line_whose_round_traced_the_step(tmp_path, monkeypatch):
     # The first round took 10 s (tracing, compiling), each later one 1 s for 10 steps: at step 20 of 100 the time left
     # is 8 s. Timed from the start, the ETA said 44 s there.

@@ -13,7 +13,7 @@ from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir as workdir_lib
-from engine.state.files import append_text, is_local, make_workdir, remove_tree, write_json
+from engine.state.files import append_text, is_local, json_text, make_workdir, remove_tree, write_json
 from engine.state.lock import Lock
 from engine.state.report import format_metrics
 
@@ -249,7 +249,7 @@ def _recorded(run, config, checkpoint, writer):
     step = int(run.state.step.numpy())
     result = {"step": step, "checkpoint": checkpoint, "split": config.eval_split, **run.evaluator.evaluate()}
     print(f"continuous_eval step={step} {format_metrics(evaluation_results(result))}", flush=True)
-    append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json.dumps(result) + "\n")
+    append_text(os.path.join(config.workdir, "continuous_eval.jsonl"), json_text(result) + "\n")
     with writer.as_default(step=step):
         for name, value in evaluation_results(result).items():
             if name != "examples":

@@ -11,6 +11,7 @@ system writes as it is. A write that fails (a full disk) raises CheckpointError 
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -133,7 +134,23 @@ def write_text(path, text):
 
 def write_json(path, obj):
     """Writes `obj` as JSON atomically (write_text): a reader never sees half a file, a crash never leaves one."""
-    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_text(path, json_text(obj, indent=2, sort_keys=True) + "\n")
+
+
+def json_text(obj, **options):
+    """`obj` as JSON text, a number that is not finite (a diverged evaluation's loss, a task's 0/0) as null: JSON has
+    no NaN or Infinity, which Python writes bare and a strict reader (JavaScript's, Go's) refuses."""
+    return json.dumps(_finite(obj), allow_nan=False, **options)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def append_text(path, text):

@@ -15,7 +15,7 @@ import uuid
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
-from engine.state.files import append_text, make_workdir, replace_text, write_json, write_text, writing
+from engine.state.files import append_text, json_text, make_workdir, replace_text, write_json, write_text, writing
 
 
 def _updates(metrics):
@@ -228,8 +228,7 @@ class Report:
         """Writes summary.json."""
         if not self.chief:
             return
-        clean = {k: _number(v) if isinstance(v, float) else v for k, v in summary.items()}
-        write_json(os.path.join(self.workdir, "summary.json"), clean)
+        write_json(os.path.join(self.workdir, "summary.json"), summary)  # NaN as null, its evaluation's too
         for name, writer in self._writers.items():
             with writing(os.path.join(self.workdir, name)):
                 writer.flush()
@@ -298,7 +297,7 @@ class Report:
 
     def _append(self, name, record):
         path = os.path.join(self.workdir, name)
-        append_text(path, json.dumps(record) + "\n")
+        append_text(path, json_text(record) + "\n")  # an evaluation's NaN as null, as a train line's
 
     def _scalars(self, writer, step, values):
         with writing(os.path.join(self.workdir, writer)), self._writers[writer].as_default(step=step):
