@@ -37,7 +37,17 @@ from engine.state import workdir as workdir_lib
 from engine.state.files import write_json
 from research import checks, tune_summary
 from research.space import parse_space, with_values
-from research.tune_study import FINISHED, RESUMES, best_trial, masked, open_study, requeue, storage_url, trial_config
+from research.tune_study import (
+    FINISHED,
+    RESUMES,
+    best_trial,
+    masked,
+    open_study,
+    requeue,
+    storage_answers,
+    storage_url,
+    trial_config,
+)
 
 SETTINGS = {
     "tune_space": ("", "search-space file, one 'flag type range' line per flag (experiments/*.space)"),
@@ -99,24 +109,30 @@ def tune(config, strategy=None):
             os.path.join(config.workdir, workdir_lib.STUDY_NAME),
             {"study": config.tune_study, "storage": masked(storage_url(config))},
         )
-        finished = len(study.get_trials(deepcopy=False, states=FINISHED))
-        if finished < config.tune_trials:
-            print(
-                f"tune: study '{config.tune_study}' in {masked(storage_url(config))}: {finished} of "
-                f"{counted(config.tune_trials, 'trial')} finished; objective {config.validation_split} "
-                f"{objective} ({direction}), sampler {config.tune_sampler}, pruner {config.tune_pruner}",
-                flush=True,
-            )
-            study.optimize(
-                _objective(config, space, strategy, objective),
-                timeout=config.tune_timeout or None,
-                callbacks=[
-                    optuna.study.MaxTrialsCallback(config.tune_trials, states=FINISHED),
-                    _announce(objective),
-                ],
-                gc_after_trial=True,
-            )
-        return tune_summary.results(config, study, space, objective, direction, time.time() - started)
+        with storage_answers(config):
+            return _run_study(config, study, space, strategy, objective, direction, started)
+
+
+def _run_study(config, study, space, strategy, objective, direction, started):
+    """Runs the open study's trials until --tune_trials finished or --tune_timeout passed; returns the summary."""
+    finished = len(study.get_trials(deepcopy=False, states=FINISHED))
+    if finished < config.tune_trials:
+        print(
+            f"tune: study '{config.tune_study}' in {masked(storage_url(config))}: {finished} of "
+            f"{counted(config.tune_trials, 'trial')} finished; objective {config.validation_split} "
+            f"{objective} ({direction}), sampler {config.tune_sampler}, pruner {config.tune_pruner}",
+            flush=True,
+        )
+        study.optimize(
+            _objective(config, space, strategy, objective),
+            timeout=config.tune_timeout or None,
+            callbacks=[
+                optuna.study.MaxTrialsCallback(config.tune_trials, states=FINISHED),
+                _announce(objective),
+            ],
+            gc_after_trial=True,
+        )
+    return tune_summary.results(config, study, space, objective, direction, time.time() - started)
 
 
 def objective_of(config):
@@ -177,7 +193,8 @@ def _check_workdir(config):
     path = os.path.join(config.workdir, workdir_lib.STUDY_NAME)
     try:
         with tf.io.gfile.GFile(path) as f:
-            held = json.loads(f.read()).get("study")
+            said = json.loads(f.read())
+            held, storage = said.get("study"), said.get("storage")
     except (tf.errors.NotFoundError, ValueError, AttributeError):  # none yet, or damaged: this tuner rewrites it
         return
     if held != config.tune_study:
@@ -185,6 +202,20 @@ def _check_workdir(config):
             f"--tune_study={config.tune_study}: --workdir={config.workdir} holds study '{held}' ({path}); resume "
             f"it with --tune_study={held}, or give this study a new --workdir"
         )
+    if _another_storage(config, storage):
+        raise ConfigError(
+            f"--tune_storage={masked(config.tune_storage)}: --workdir={config.workdir} holds study '{held}' in "
+            f"{storage} ({path}); resume it with --tune_storage={storage}, or give this study a new --workdir"
+        )
+
+
+def _another_storage(config, held):
+    """Whether this command's storage is not `held`, the one study.json names: the study resumed there would be
+    another, new one, whose trials would run in the first one's sub-workdirs. The workdir's own study.db is the
+    study's wherever the workdir was moved to."""
+    if held in (None, masked(storage_url(config))):
+        return False
+    return bool(config.tune_storage) or not tf.io.gfile.exists(os.path.join(config.workdir, "study.db"))
 
 
 def _objective(config, space, strategy, name):

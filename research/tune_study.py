@@ -2,6 +2,7 @@
 started with, its sampler and pruner, and the trials a killed tuner left behind, requeued to resume from their own
 checkpoints. The storage URL's password is shown as *** wherever the tuner writes or prints the URL."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,9 +11,10 @@ import time
 import urllib.parse
 
 import optuna
+import sqlalchemy.exc
 
 from engine.settings.config import first_line
-from engine.settings.errors import ConfigError
+from engine.settings.errors import CheckpointError, ConfigError, Preempted, TrainingError
 from engine.settings.fields import SEED_LIMIT, applies, show
 from engine.settings.identity import IDENTITY_SETTINGS
 from research.space import with_values
@@ -142,6 +144,39 @@ def open_study(config, objective, direction, space):
     # Reseeded past the trials already drawn: a resumed study must not draw its first points again.
     study.sampler = make_sampler(config, offset=len(study.get_trials(deepcopy=False)))
     return study
+
+
+@contextlib.contextmanager
+def storage_answers(config):
+    """Ends a study whose storage fails once it is open (its disk full or read-only, its database gone) with one
+    CheckpointError line naming the storage, as a run whose workdir cannot be written ends (exit 4), not in the
+    traceback Optuna's own error handling raises then. The same command resumes the study once the storage answers:
+    the trial it was running is still RUNNING there, and is requeued."""
+    try:
+        yield
+    except (ConfigError, CheckpointError, Preempted, TrainingError):
+        raise
+    except Exception as e:
+        failed = _storage_error(e)
+        if failed is None:
+            raise
+        url = storage_url(config)
+        raise CheckpointError(
+            f"--tune_storage={masked(url)}: the study's storage failed ({masked(url, first_line(failed))}); its "
+            "finished trials are kept there: run the same command to resume once it answers"
+        ) from None
+
+
+def _storage_error(error):
+    """The database's own error behind `error` (Optuna raises others over it, and fails again handling it), or
+    None."""
+    while error is not None:
+        if isinstance(error, sqlalchemy.exc.DBAPIError) and error.orig is not None:
+            return error.orig
+        if isinstance(error, sqlalchemy.exc.SQLAlchemyError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def requeue(study, trial):
