@@ -224,7 +224,7 @@ def _float32(value):
 def check_training(config):
     """What the optimizer, its schedule, the profiler and the NaN policy need of the other settings (an update's and
     an optimizer group's settings too: engine/numerics/optim.py checked_settings)."""
-    if config.warmup_steps and config.warmup_steps >= config.train_steps:  # every schedule: it never reaches its peak
+    if config.warmup_steps and config.warmup_steps >= config.train_steps:  # its peak at the last step, or never
         fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
     peak = config.learning_rate * (
         config.global_batch_size / config.base_batch_size if config.lr_scaling == "linear" else 1
