@@ -206,7 +206,7 @@ def _checked_config():
             checks.check(config)
             checks.check_given(config, _given(config))
             if config.mode == "tune":  # each searched value is tried in this config, which must be good already
-                space.parse_space(config.tune_space, config)
+                checks.check_searched(config, space.parse_space(config.tune_space, config), _typed())
     except ConfigError as e:
         _exit(str(e))
     return config

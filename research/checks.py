@@ -88,6 +88,20 @@ def check_given(config, given):
         fail(name, getattr(config, name), f"{why}, which no flag changes; drop the flag")
 
 
+def check_searched(config, params, typed):
+    """For --mode=tune: refuses a flag typed on the command line (`typed`: the names) that the space (`params`)
+    searches: each trial draws its own value, so the typed one changed nothing, silently. A flagfile's value (a
+    recipe's, as experiments/digits_resnet.flags under experiments/digits_resnet.space) yields to the space."""
+    for param in params:
+        if param.name in typed:
+            fail(
+                param.name,
+                getattr(config, param.name),
+                f"--tune_space={config.tune_space} searches it: every trial draws its own, which this value would not "
+                "change; drop the flag, or its line in the space",
+            )
+
+
 def _where(member):
     """What a --members entry names: a local path resolved (links, '.', a trailing '/'); a URL as it is written."""
     return member.rstrip("/") if "://" in member else os.path.realpath(member)

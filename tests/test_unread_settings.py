@@ -58,3 +58,25 @@ def test_a_flagfile_of_another_task_warns_for_the_settings_it_drops(tmp_path):
         "warning: --gan_critic_steps=2 (from a flagfile): no part of this run reads it (read by --task=gan)",
         "warning: --gan_latent=16 (from a flagfile): no part of this run reads it (read by --task=gan)",
     ]
+
+
+def test_a_flag_the_tune_space_searches_typed_on_the_command_line_is_refused(tmp_path):
+    # Every trial drew its own learning rate: --learning_rate=0.5 changed nothing, without a word.
+    space = tmp_path / "lr.space"
+    space.write_text("learning_rate log 1e-3 1e-1\n")
+    args = ("--mode=tune", f"--tune_space={space}", "--tune_pruner=none", f"--workdir={tmp_path / 'study'}")
+    result = launch(*args, "--learning_rate=0.5")
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [
+            f"error: --learning_rate=0.5: --tune_space={space} searches it: every trial draws its own, which this "
+            "value would not change; drop the flag, or its line in the space"
+        ],
+    )
+    assert not (tmp_path / "study").exists()
+    # A recipe's flagfile gives its starting point, which the space's draws replace (docs/research.md's ResNet):
+    # taken, and the tuner goes on to what it checks next (--tune_trials=0 is refused after).
+    flags = tmp_path / "recipe.flags"
+    flags.write_text("--learning_rate=0.5\n")
+    result = launch(f"--flagfile={flags}", *args, "--tune_trials=0")
+    assert (result.returncode, result.stderr.splitlines()[-1][:22]) == (2, "error: --tune_trials=0")
