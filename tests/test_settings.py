@@ -207,6 +207,50 @@ def test_a_source_whose_argument_is_not_a_name_and_its_meaning_is_one_error_nami
     ]
 
 
+def test_a_tasks_defaults_that_cannot_be_read_are_one_error_each_naming_the_file(tmp_path):
+    # Each ended the run that chose the task in a traceback (ast's ValueError; "No module named
+    # 'engine.run.actions.h'" for a string ACTIONS; the same for an action that is no file).
+    files = {
+        "a_inherited": "from tasks import binary\nDATASET = binary.DATASET",
+        "b_number": "MODEL = 5",
+        "c_string": 'ACTIONS = "histograms"',
+        "d_typo": 'ACTIONS = ("histogram",)',
+        "e_good": 'DATASET = "spirals"\nMODEL = "mlp"\nACTIONS = ("histograms", "update_ratios")',
+    }
+    packages = [("task", *_package(tmp_path, "tasks", files))]
+    _, _, errors = declared_settings(packages, str(tmp_path), {"dropout"})
+    assert errors == [
+        "tasks/a_inherited.py: DATASET must be written as a literal (numbers, strings, tuples, dicts), not "
+        "binary.DATASET (line 2)",
+        'tasks/b_number.py: MODEL must be a name, as "digits" or "mlp", not 5',
+        "tasks/c_string.py: ACTIONS must be a tuple of action names, as (\"histograms\",), not 'histograms'",
+        "tasks/d_typo.py: ACTIONS names histogram, which is not a file of engine/run/actions/ (histograms, "
+        "update_ratios)",
+    ]
+
+
+def test_a_plugin_file_read_before_the_settings_exist_fails_every_command_in_one_line(tmp_path):
+    """A source whose ARGUMENT is no literal failed every command as the settings loaded, and a plugin file that
+    does not parse failed --help, each in a traceback (rc 1); declared.py has the line that names the file."""
+    fork = tmp_path / "fork"
+    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
+    cases = {
+        "sources/mine.py": (
+            'HELP = "a folder"\nARGUMENT = ("PATH", HELP)\n',
+            "error: sources/mine.py: ARGUMENT must be written as a literal (numbers, strings, tuples, dicts), not "
+            "('PATH', HELP) (line 2)\n",
+        ),
+        "tasks/mine.py": ("DATASET = \n", "error: tasks/mine.py: not Python that parses: invalid syntax (line 1)\n"),
+    }
+    for path, (text, said) in cases.items():
+        (fork / path).write_text(text)
+        for args in (["--help"], [f"--workdir={tmp_path}/work"]):
+            result = subprocess.run([sys.executable, "launch.py", *args], cwd=fork, capture_output=True, text=True)
+            assert (result.returncode, result.stderr) == (2, said), result.stderr[-2000:]
+        (fork / path).unlink()
+    assert not (tmp_path / "work").exists()
+
+
 def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
     fork = tmp_path / "fork"
     shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))

@@ -38,11 +38,7 @@ def declared_settings(packages, root, engine_names, reserved=None):
     ]
     for flag, module, path in files:
         where = os.path.relpath(path, root)
-        argument = _literal(path, where, "ARGUMENT", None, errors) if flag == "dataset" else None
-        if argument is not None and not plugins.is_argument(argument):
-            errors.append(
-                f'{where}: ARGUMENT must be ("NAME", "what it names"), as ("PATH", "a folder"), not {argument!r}'
-            )
+        _check_defaults(flag, path, where, errors)
         declared = _literal(path, where, "SETTINGS", {}, errors)
         if not isinstance(declared, dict):
             errors.append(f"{where}: SETTINGS must be a dict of name: (default, help), not {type(declared).__name__}")
@@ -71,6 +67,34 @@ def declared_settings(packages, root, engine_names, reserved=None):
     return fields, _readers(files, root, owners, errors), errors
 
 
+def _check_defaults(flag, path, where, errors):
+    """Adds to `errors` what a plugin file says of itself that the engine reads from its text before it imports it
+    (engine/settings/plugins.py) and cannot use: a source's ARGUMENT that is not ("NAME", "what it names"); a task's
+    DATASET or MODEL that is not a name, or ACTIONS that is not a tuple of files of engine/run/actions/. Read
+    unchecked, each ended the run that chose the file in a traceback."""
+    if flag == "dataset":
+        argument = _literal(path, where, "ARGUMENT", None, errors)
+        if argument is not None and not plugins.is_argument(argument):
+            errors.append(
+                f'{where}: ARGUMENT must be ("NAME", "what it names"), as ("PATH", "a folder"), not {argument!r}'
+            )
+    if flag != "task":
+        return
+    for name in ("DATASET", "MODEL"):
+        value = _literal(path, where, name, None, errors)
+        if value is not None and not (isinstance(value, str) and value):
+            errors.append(f'{where}: {name} must be a name, as "digits" or "mlp", not {value!r:.60}')
+    actions = _literal(path, where, "ACTIONS", (), errors)
+    if not (isinstance(actions, (tuple, list)) and all(isinstance(name, str) for name in actions)):
+        errors.append(f'{where}: ACTIONS must be a tuple of action names, as ("histograms",), not {actions!r:.60}')
+        return
+    for name in (name for name in actions if name not in plugins.names("actions")):
+        errors.append(
+            f"{where}: ACTIONS names {name}, which is not a file of engine/run/actions/ "
+            f"({', '.join(plugins.names('actions'))})"
+        )
+
+
 def _literal(path, where, name, default, errors):
     """`name`'s literal value in the file at `path` (read_constant), or `default` with the error in `errors`."""
     try:
@@ -84,7 +108,7 @@ def _literal(path, where, name, default, errors):
         errors.append(f"{where}: {name} {e}")
         return default
     except (ValueError, TypeError) as e:  # not a literal: an expression, a name
-        errors.append(f"{where}: {name} must be written as a literal (numbers, strings, tuples, dicts): {e}")
+        errors.append(f"{where}: {name} must be written as a literal (numbers, strings, tuples, dicts), not {e}")
         return default
 
 

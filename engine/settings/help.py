@@ -154,7 +154,10 @@ def summary(path):
     """The first line of a file's docstring (its summary line), read without importing it: what the plugin is, in
     its own words."""
     with open(path) as f:
-        doc = ast.get_docstring(ast.parse(f.read(), path)) or ""
+        try:
+            doc = ast.get_docstring(ast.parse(f.read(), path)) or ""
+        except SyntaxError:  # --help lists it without one, then ends on the line that names it (declared.py)
+            doc = ""
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 

@@ -153,11 +153,14 @@ def file(kind, name):
 
 def read_constant(file, name, default):
     """The literal value a module assigns to `name` at its top level, read from its file without importing it
-    (no TensorFlow starts), or `default`."""
+    (no TensorFlow starts), or `default`; ValueError naming the text of one that is no literal."""
     for node in _parsed(file, os.stat(file).st_mtime_ns).body:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
             _refuse_repeated_keys(node.value)
-            return ast.literal_eval(node.value)
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:  # Python's message names the node's object, not the text
+                raise ValueError(f"{ast.unparse(node.value):.60} (line {node.lineno})") from None
     return default
 
 
@@ -183,9 +186,18 @@ def _refuse_repeated_keys(node):
 def file_sources():
     """{source: (its argument, what the argument names)} of the sources that read a user's files, named
     --dataset=<source>:<argument> (folder:PATH): those whose file declares its `ARGUMENT` (one that is not a pair of
-    strings is left out here, and refused by engine/settings/declared.py)."""
-    found = {name: constant("dataset", name, "ARGUMENT", None) for name in names("dataset")}
+    strings, or not a literal, is left out here, and refused by engine/settings/declared.py)."""
+    found = {name: _argument(name) for name in names("dataset")}
     return {name: argument for name, argument in found.items() if is_argument(argument)}
+
+
+def _argument(source):
+    """A source's `ARGUMENT`, or None where its file does not parse or writes it as no literal: every command stops
+    on that in one line naming the file (engine/settings/declared.py), not in a traceback as the settings load."""
+    try:
+        return constant("dataset", source, "ARGUMENT", None)
+    except (SyntaxError, ValueError, TypeError):
+        return None
 
 
 def is_argument(argument):
