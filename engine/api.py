@@ -25,6 +25,7 @@ To hold a fork's step against a reference (a plain TensorFlow loop of its math, 
     weights         {model: {variable path: array}} of a run's checkpoint (a workdir's newest, or a prefix);
                     --save_initial writes step 0's, the initial weights
     training_batches  the global batches a run trains on, in order, as one device reads them
+    run_config      the Config a train run saved in its workdir (config.json), for training_batches
 Errors: ConfigError (bad input: the message names the flag or file and the value), TaskError (a task's code that
 cannot run: the message names the task's file, the update or primitive, and what was wrong), Undefined (what the
 task protocol needs and a task does not define), first_line.
@@ -38,6 +39,7 @@ from engine.numerics.updates import DEFAULT, Update
 from engine.run.actions.base import ROLLED_BACK, Action, Round, Stop
 from engine.run.inputs import training_batches
 from engine.settings.config import first_line
+from engine.settings.config import load_run_config as run_config
 from engine.settings.errors import ConfigError, TaskError, Undefined
 from engine.state.warm_start import weights
 
@@ -59,6 +61,7 @@ __all__ = [
     "first_line",
     "image_decoder",
     "in_memory",
+    "run_config",
     "sharded",
     "tfds_source",
     "training_batches",

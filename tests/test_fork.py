@@ -128,3 +128,22 @@ def test_a_reference_script_that_leaves_its_training_batches_open_exits(tmp_path
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the script hung after it ended: {e.stdout!r}")
     assert result.returncode == 0 and result.stdout.endswith("batch (8, 8, 8, 1)\n"), result.stderr[-2000:]
+
+
+def test_a_reference_reads_a_runs_config_back_through_the_public_face(data_dir, tmp_path, one_device):
+    """A fork's reference needs the run's Config for training_batches; engine.api offered no way to read it back."""
+    import dataclasses
+
+    from engine.api import run_config, training_batches
+    from engine.run import loop
+    from tests import helpers
+
+    config = helpers.make_config(
+        data_dir, str(tmp_path / "run"), train_steps=1, global_batch_size=8, jit_compile="false", seed=7
+    )
+    loop.train(config, one_device)
+    read = run_config(config.workdir)
+    assert (read.seed, read.global_batch_size, read.train_steps) == (7, 8, 1)
+    ours, theirs = next(training_batches(read)), next(training_batches(dataclasses.replace(config)))
+    np.testing.assert_array_equal(ours["image"], theirs["image"])
+    assert run_config(str(tmp_path / "none")) is None
