@@ -8,6 +8,8 @@ import linecache
 import os
 import pathlib
 import re
+import resource
+import signal
 import types
 
 import numpy as np
@@ -252,6 +254,19 @@ def test_ema_weights_are_evaluated_and_exported(data_dir, one_device, ema_run, t
         f"--mode=export: step 6 is exported already, to {export_dir} (not an empty directory); refusing to overwrite "
         "it: give --export_dir to export it elsewhere"
     )
+    # A full disk: the line was TensorFlow's own ("{{function_node __wrapped__SaveV2...}} ...; File too large
+    # [Op:SaveV2]"), and the half SavedModel was left beside the target.
+    full = tmp_path / "full"
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    try:
+        with pytest.raises(checkpoint_lib.CheckpointError) as failed:
+            evaluate.export(helpers.make_config(data_dir, config.workdir, mode="export", export_dir=str(full)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert str(failed.value) == f"cannot write the SavedModel to {full}: File too large"
+    assert not os.path.exists(full) and not os.path.exists(f"{full}.incomplete")
 
 
 # ---- --run_eagerly ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Evaluation and export from checkpoints: --mode=eval, --mode=continuous_eval, --mode=export."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -13,7 +14,7 @@ from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir as workdir_lib
-from engine.state.files import append_text, is_local, json_text, make_workdir, remove_tree, write_json
+from engine.state.files import append_text, failed_file, is_local, json_text, make_workdir, remove_tree, write_json
 from engine.state.lock import Lock
 from engine.state.report import format_metrics
 
@@ -371,7 +372,10 @@ def export(config, given=None):
             tf.saved_model.save(module, partial, signatures={"serving_default": module.serve})
             tf.io.gfile.rename(partial, where, overwrite=True)  # over an empty folder the check let through
         except (tf.errors.OpError, OSError) as e:
-            raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {e}") from None
+            with contextlib.suppress(tf.errors.OpError, OSError):
+                remove_tree(partial)  # half a SavedModel, of no use: the same command writes it whole
+            reason = failed_file(e)[1]  # TensorFlow's own text ("{{function_node ...}} ...; why [Op:SaveV2]") left out
+            raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {reason}") from None
     signature = module.serve.get_concrete_function()
     inputs = ", ".join(f"{s.name} {s.dtype.name} {s.shape.as_list()}" for s in signature.structured_input_signature[0])
     outputs = ", ".join(sorted(signature.structured_outputs))
