@@ -177,10 +177,10 @@ class Evaluator:
             raise TaskError(
                 f"{where}: headline = {headline!r} names no number its evaluation reports ({', '.join(results)})"
             )
-        return {**results, "examples": counted(examples)}
+        return {**results, "examples": weighed(examples)}
 
 
-def counted(examples):
+def weighed(examples):
     """The examples an evaluation counted (float32 `examples`, the sum of their weights): an int where it is whole,
     as where every weight is 1 or 0; else the sum itself, to float32's digits (weights of 0.3 on 64 examples count
     19.2, which an int cut to 19)."""
