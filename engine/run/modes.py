@@ -14,7 +14,7 @@ from engine.settings import config as config_lib
 from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir as workdir_lib
-from engine.state.files import append_text, failed_file, is_local, json_text, make_workdir, remove_tree, write_json
+from engine.state.files import append_text, failed_file, json_text, make_workdir, remove_tree, write_json
 from engine.state.lock import Lock
 from engine.state.report import format_metrics
 
@@ -316,27 +316,6 @@ def evaluation_results(result):
     return {k: v for k, v in result.items() if k not in ("step", "checkpoint", "split")}
 
 
-def _export_target(config, export_dir, step):
-    """The folder `export_dir` names, which an export may be renamed onto: a link is refused (the rename fails on it)
-    and so is a folder that holds anything. "." or "out/." name the folder itself: a partial copy beside "." was
-    "..incomplete" inside it, and the rename onto it failed (exit 4), leaving it there."""
-    where = os.path.abspath(export_dir) if is_local(export_dir) else export_dir.rstrip("/")
-    if is_local(where) and os.path.islink(where):  # the rename would fail on it, exit 4
-        target = os.readlink(where)
-        raise ConfigError(
-            f"--export_dir={export_dir}: is a symbolic link (to {target}); an export is renamed into place, not "
-            "written through a link: name the folder itself"
-        )
-    if tf.io.gfile.exists(export_dir) and (not tf.io.gfile.isdir(export_dir) or tf.io.gfile.listdir(export_dir)):
-        if not config.export_dir:  # where it goes unless told: the user typed no --export_dir
-            raise ConfigError(
-                f"--mode=export: step {step} is exported already, to {export_dir} (not an empty directory); refusing "
-                "to overwrite it: give --export_dir to export it elsewhere"
-            )
-        raise ConfigError(f"--export_dir={export_dir}: exists and is not an empty directory; refusing to overwrite it")
-    return where
-
-
 def export(config, given=None):
     """--mode=export: writes a SavedModel whose serving signature is the task's (classification: images to
     logits, probabilities, classes and their class_names; the names also as the variable `class_names`), with
@@ -355,7 +334,7 @@ def export(config, given=None):
     path = _restore(run, config, paths)
     step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
-    where = _export_target(config, export_dir, step)
+    where = workdir_lib.export_target(config, export_dir, step)
     module = tf.Module()
     module.variables_by_path = run.state.tracked()["models"]  # tracked: the SavedModel holds them
     module.serve = run.task.serve(run.models)

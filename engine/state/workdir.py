@@ -94,6 +94,27 @@ def check_not_in_run_folders(path, flag, instead):
             )
 
 
+def export_target(config, export_dir, step):
+    """The folder `export_dir` names, which an export may be renamed onto: a link is refused (the rename fails on it)
+    and so is a folder that holds anything. "." or "out/." name the folder itself: a partial copy beside "." was
+    "..incomplete" inside it, and the rename onto it failed (exit 4), leaving it there."""
+    where = os.path.abspath(export_dir) if is_local(export_dir) else export_dir.rstrip("/")
+    if is_local(where) and os.path.islink(where):  # the rename would fail on it, exit 4
+        target = os.readlink(where)
+        raise ConfigError(
+            f"--export_dir={export_dir}: is a symbolic link (to {target}); an export is renamed into place, not "
+            "written through a link: name the folder itself"
+        )
+    if tf.io.gfile.exists(export_dir) and (not tf.io.gfile.isdir(export_dir) or tf.io.gfile.listdir(export_dir)):
+        if not config.export_dir:  # where it goes unless told: the user typed no --export_dir
+            raise ConfigError(
+                f"--mode=export: step {step} is exported already, to {export_dir} (not an empty directory); refusing "
+                "to overwrite it: give --export_dir to export it elsewhere"
+            )
+        raise ConfigError(f"--export_dir={export_dir}: exists and is not an empty directory; refusing to overwrite it")
+    return where
+
+
 def _upward(path):
     """`path` and the folders above it, nearest first, short of a local file system's root; a bucket's root (gs://b)
     included, which may hold a run."""
