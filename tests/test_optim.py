@@ -120,6 +120,20 @@ def test_weight_decay_skips_biases():
     np.testing.assert_allclose(new[1], 1.0)
 
 
+def test_weight_decay_skips_biases_and_norms_of_any_rank():
+    # Keras's attention keeps a bias per head, [heads, head_dim], and a norm over two axes a 2-D gamma, beta or
+    # scale: none of them is a kernel, whatever its rank. An embedding table is decayed, as a kernel is.
+    paths = ["model/t/attention/query/kernel", "model/t/attention/query/bias", "model/t/norm/gamma"]
+    paths += ["model/t/norm/beta", "model/t/rms/scale", "model/t/embedding/embeddings"]
+    params = [tf.Variable(np.ones((2, 2), np.float32)) for _ in paths]
+    config = Config(optimizer="sgd", momentum=0.0, learning_rate=0.5, weight_decay=0.1)
+    optimizer = optim.Optimizer(config, params, paths)
+    new, _, _ = optimizer.updates(
+        [p.value() for p in params], [[] for _ in paths], tf.constant(0, tf.int64), [tf.zeros((2, 2)) for _ in paths]
+    )
+    assert [float(p[0, 0]) for p in new] == pytest.approx([0.95, 1.0, 1.0, 1.0, 1.0, 0.95])
+
+
 def _sgd_rates(groups, paths):
     """(rate_names, {name: rate} returned by one update, new parameter values) of plain SGD at the run's 1e-3 with
     `groups`, over parameters of ones with gradients of ones, one per path."""

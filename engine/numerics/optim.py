@@ -155,6 +155,17 @@ def checked_settings(optimization, overrides, what, group=False):
     return checked
 
 
+# The last name of a path Keras gives biases and normalization weights, whatever their rank: an attention's bias is
+# [heads, head_dim], a norm over two axes has a 2-D gamma, beta or scale.
+NOT_DECAYED = ("bias", "beta", "gamma", "scale")
+
+
+def decays(param, path):
+    """Whether --weight_decay decays the parameter at `path`: kernels and embeddings (rank 2 or more), never biases
+    or normalization weights."""
+    return len(param.shape) >= 2 and path.rsplit("/", 1)[-1] not in NOT_DECAYED
+
+
 class Optimizer(tf.Module):
     """Slots and update counter of one of the rules above. Create under `strategy.scope()`.
 
@@ -195,8 +206,7 @@ class Optimizer(tf.Module):
             for path, p, hp in zip(paths, params, self.settings)
         }
         self.paths = list(paths)
-        # Decay kernels only: biases and normalization scales are left alone.
-        self.decays = [len(p.shape) >= 2 for p in params]
+        self.decays = [decays(p, path) for p, path in zip(params, paths)]
 
     @property
     def slots(self):
@@ -218,13 +228,13 @@ class Optimizer(tf.Module):
         step = iterations if step is None else step
         rates = {}
         new_params, new_slots = [], []
-        for param, grad, param_slots, decays, hp, name in zip(
+        for param, grad, param_slots, decayed, hp, name in zip(
             params, grads, slots, self.decays, self.settings, self.rate_of
         ):
             if name not in rates:
                 rates[name] = learning_rate(hp, step)
             lr = rates[name]
-            if decays and hp.weight_decay:
+            if decayed and hp.weight_decay:
                 param -= param * hp.weight_decay * lr  # decoupled (Loshchilov & Hutter), as Keras
             # Every rule computes in the parameter's dtype; a slot stored narrower is rounded when it is stored.
             stored = [s.dtype for s in param_slots]

@@ -222,7 +222,11 @@ class _RunSettings(sections.Sectioned):
         "traffic, as MaxText's mu_dtype; the update computes in float32 and the second moment stays float32)",
         {"optimizer": ("adamw", "lamb")},
     )
-    weight_decay: float = _optimization(0.0, "decoupled weight decay per step, times the learning rate; kernels only")
+    weight_decay: float = _optimization(
+        0.0,
+        "decoupled weight decay per step, times the learning rate; kernels and embeddings only, never biases or "
+        "normalization weights",
+    )
     warmup_steps: int = _optimization(0, "linear warmup from 0 to the peak learning rate, in steps")
     lr_schedule: str = _optimization("constant", "after warmup: constant|cosine (cosine decays to 0 at train_steps)")
     lr_scaling: str = _optimization("none", "none|linear: linear multiplies the learning rate by global/base batch")
