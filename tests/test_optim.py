@@ -109,6 +109,40 @@ def test_an_updates_and_a_groups_schedule_is_checked_as_the_flags_are(settings, 
     assert str(refused.value) == f"update 'a': {message}"
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        # Each trained as if it were not there, silently, where the flag is refused: the rule does not read it, or
+        # the scaling does not.
+        ({"momentum": 0.5}, "momentum=0.5: nothing here reads it (read by --optimizer=sgd)"),
+        (
+            {"optimizer": "sgd", "beta_1": 0.5},
+            "beta_1=0.5: nothing here reads it (read by --optimizer=adamw and --optimizer=lamb)",
+        ),
+        ({"base_batch_size": 32}, "base_batch_size=32: nothing here reads it (read by --lr_scaling=linear)"),
+    ],
+    ids=["momentum", "beta_1", "base_batch_size"],
+)
+@pytest.mark.parametrize("group", [False, True])
+def test_a_setting_nothing_reads_there_is_refused_as_its_flag_is(settings, message, group):
+    with pytest.raises(TaskError) as refused:
+        optim.checked_settings(Config(train_steps=20).optimization, settings, "update 'a'", group=group)
+    assert str(refused.value) == f"update 'a': {message}"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"optimizer": "sgd", "momentum": 0.5, "nesterov": True},
+        {"lr_scaling": "linear", "base_batch_size": 32},
+        {"momentum": 0.9, "beta_1": 0.9},  # the run's own values: no change
+    ],
+)
+def test_a_setting_read_there_or_the_runs_own_is_taken(settings):
+    checked = optim.checked_settings(Config(train_steps=20).optimization, settings, "update 'a'", group=True)
+    assert {name: getattr(checked, name) for name in settings} == settings
+
+
 def test_weight_decay_skips_biases():
     params = [tf.Variable(np.ones((2, 2), np.float32)), tf.Variable(np.ones(2, np.float32))]
     config = Config(optimizer="sgd", momentum=0.0, learning_rate=0.5, weight_decay=0.1)

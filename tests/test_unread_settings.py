@@ -14,6 +14,8 @@ from tests.helpers import launch
         (["--model=mlp", "--gpt_layers=3"], "--gpt_layers=3: no part of this run reads it (read by --model=gpt)"),
         (["--optimizer=adamw", "--momentum=0.5"], "--momentum=0.5: no part of this run reads it (read by "
          "--optimizer=sgd)"),
+        # Without --lr_scaling=linear the rate was not scaled, silently: the batch the rate was tuned for is unread.
+        (["--base_batch_size=32"], "--base_batch_size=32: no part of this run reads it (read by --lr_scaling=linear)"),
         (["--dataset=digits", "--synthetic_classes=5"], "--synthetic_classes=5: no part of this run reads it (read by "
          "--dataset=synthetic)"),
         (["--sam_rho=inf"], "--sam_rho=inf: must be in [0.0, 10.0]"),
@@ -34,7 +36,8 @@ from tests.helpers import launch
          "--mode=sample of --task=language_model)"),
     ],
     ids=[
-        "task", "model", "optimizer", "source", "sam_rho", "gan_latent", "warmup", "action", "tpu", "num_ps", "slurm",
+        "task", "model", "optimizer", "base_batch_size", "source", "sam_rho", "gan_latent", "warmup", "action", "tpu",
+        "num_ps", "slurm",
         "sample",
     ],
 )  # fmt: skip

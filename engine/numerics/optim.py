@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from engine.settings import checks, sections
 from engine.settings.errors import ConfigError, TaskError
-from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES, readers
+from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES, applies, read_by, readers
 from engine.settings.identity import KINDS, holds
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
@@ -152,7 +152,18 @@ def checked_settings(optimization, overrides, what, group=False):
         checks.check_training(whole)  # a warmup that ends before --train_steps
     except ConfigError as e:
         raise TaskError(f"{what}: {str(e).removeprefix('--')}") from None
+    _refuse_unread(optimization, overrides, whole, what)
     return checked
+
+
+def _refuse_unread(optimization, overrides, whole, what):
+    """Refuses a setting of `overrides` (a group's, an update's) that its rule or scaling does not read, as the flag
+    would be (momentum under adamw, base_batch_size without lr_scaling=linear): it would train as if it were not
+    there. A value the run has already is no change."""
+    hp = sections.section(optimization, "optimization")
+    for name in sorted(overrides):
+        if overrides[name] != getattr(hp, name) and not applies(name, whole):
+            raise TaskError(f"{what}: {name}={overrides[name]!r}: nothing here reads it ({read_by(name)})")
 
 
 # The last name of a path Keras gives biases and normalization weights, whatever their rank: an attention's bias is

@@ -50,6 +50,7 @@ SELECTORS = (
     "task",
     "dataset",
     "optimizer",
+    "lr_scaling",
     "precision",
     "mode",
     "strategy",
@@ -230,7 +231,9 @@ class _RunSettings(sections.Sectioned):
     warmup_steps: int = _optimization(0, "linear warmup from 0 to the peak learning rate, in steps")
     lr_schedule: str = _optimization("constant", "after warmup: constant|cosine (cosine decays to 0 at train_steps)")
     lr_scaling: str = _optimization("none", "none|linear: linear multiplies the learning rate by global/base batch")
-    base_batch_size: int = _optimization(256, "batch size --learning_rate was tuned for (with --lr_scaling=linear)")
+    base_batch_size: int = _optimization(
+        256, "batch size --learning_rate was tuned for (with --lr_scaling=linear)", {"lr_scaling": ("linear",)}
+    )
     clip_norm: float = _optimization(0.0, "clip the all-reduced gradients to this global norm; 0 = off")
     clip_value: float = _optimization(0.0, "clip each all-reduced gradient element to [-v, v]; 0 = off")
     ema_decay: float = _optimization(
