@@ -21,6 +21,7 @@ import functools
 import importlib
 import io
 import os
+import re
 import sys
 import traceback
 
@@ -48,7 +49,7 @@ LOST_PEER = 5  # a multi-worker peer stopped answering
 
 
 class _SwitchParser(flags.ArgumentParser):
-    """auto, true or false, spelled as absl spells a bool's true and false (1, t, yes...)."""
+    """auto, true or false, spelled as absl spells a bool's true and false (true, t, 1; false, f, 0)."""
 
     def parse(self, argument):
         text = str(argument).lower()
@@ -285,18 +286,27 @@ def _print_result(config, result):
         )
 
 
-def _print_help():
-    """The engine's help (absl's own, --helpfull, lists every flag alphabetically in one group), to a reader who may
-    stop reading: `--help | head` ends quietly, not in a BrokenPipeError traceback."""
+def _absl_flags_help():
+    """absl's own flags (--flagfile, --logtostderr, ...), by the absl module that defines them, as absl writes them."""
+    text = FLAGS.get_help()  # launch.py's flags first, then absl's modules', each headed "absl.<module>:"
+    at = text.find("\nabsl.")
+    return text[at:].strip("\n") if at >= 0 else ""
+
+
+def _print_help(full=False):
+    """The engine's help, and with --helpfull absl's own flags after it (absl's --helpfull would list every flag
+    alphabetically in one group, the plugins of this checkout left out), to a reader who may stop reading:
+    `--help | head` ends quietly, not in a BrokenPipeError traceback."""
     try:
-        print(usage(), flush=True)
+        print(usage() + (f"\nabsl's own flags:\n\n{_absl_flags_help()}" if full else ""), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exiting flushes what is left: to nowhere
 
 
 def _parse_flags(argv):
-    if any(arg in ("-h", "-help", "--help", "-helpshort", "--helpshort", "-?") for arg in argv[1:]):
-        _print_help()
+    full = any(arg in ("-helpfull", "--helpfull") for arg in argv[1:])
+    if full or any(arg in ("-h", "-help", "--help", "-helpshort", "--helpshort", "-?") for arg in argv[1:]):
+        _print_help(full)
         if DECLARATION_ERRORS:  # what stops every other command: two files declare one setting
             _exit(DECLARATION_ERRORS[0])
         sys.exit(0)
@@ -316,8 +326,9 @@ def _parse_flags(argv):
         if isinstance(cause, OSError):
             _exit(f"--flagfile={cause.filename}: cannot read it ({cause.strerror})")
         _exit(str(e))
-    except flags.Error as e:
-        _exit(str(e).removeprefix("flag "))  # absl's own text: "flag --name=value: why"
+    except flags.Error as e:  # absl's own text: "flag --name=value: why", Python's words for a number it is not
+        said = re.sub(r"invalid literal for int\(\) with base 10: .*", "must be an integer", str(e))
+        _exit(re.sub(r"could not convert string to float: .*", "must be a number", said).removeprefix("flag "))
     except UnicodeDecodeError as e:
         # absl reads a flagfile as UTF-8 text without saying which one was not; its reader's frame knows.
         frames = traceback.walk_tb(e.__traceback__)

@@ -396,3 +396,10 @@ def test_a_file_given_as_an_npz_that_is_no_npz_of_good_arrays_is_one_line(tmp_pa
         with pytest.raises(ConfigError) as refused:
             datasets.load_source(config, ("image", "label"))
         assert str(refused.value) == f"--dataset=npz:{tmp_path / name}: {said}"
+
+
+def test_a_flag_that_is_not_a_number_is_said_in_our_words(tmp_path):
+    # Python's words before: "--train_steps=5x: invalid literal for int() with base 10: '5x'".
+    for flag, said in (("--train_steps=5x", "must be an integer"), ("--learning_rate=abc", "must be a number")):
+        result = launch(f"--workdir={tmp_path}/work", flag, timeout=120)
+        assert (result.returncode, result.stderr.strip().splitlines()) == (2, [f"error: {flag}: {said}"])

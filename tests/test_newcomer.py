@@ -171,6 +171,33 @@ def test_help_starts_with_flagfiles_resuming_datasets_and_gpus(help_text):
     assert short.returncode == 0 and short.stdout == help_text
 
 
+def test_helpfull_is_the_help_and_then_absls_own_flags(help_text):
+    # --help promises "--helpfull also lists absl's own flags": absl's own listing left out the plugins and groups.
+    full = subprocess.run(
+        [sys.executable, "launch.py", "--helpfull"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert full.returncode == 0 and full.stderr == "", full.stderr
+    assert full.stdout.startswith(help_text.rstrip("\n") + "\n")
+    rest = full.stdout[len(help_text) :]
+    for flag in ("--flagfile", "--undefok", "logtostderr", "helpxml"):
+        assert flag in rest, flag
+    assert "--train_steps" not in rest  # the engine's flags are said once, in their groups
+
+
+def test_the_strategy_flags_help_names_every_way_an_empty_one_is_planned(help_text):
+    from types import SimpleNamespace
+
+    from engine.settings.strategy import planned_strategy
+
+    cpus = SimpleNamespace(strategy="", cluster_resolver="", num_cpu_devices=2)
+    assert planned_strategy(cpus) == "mirrored"  # what its help said was one device
+    sections, _ = _sections(help_text)
+    text = " ".join(" ".join(line.split()) for line in sections["Devices and clusters"])
+    said = text.partition("--strategy=")[2].partition("--num_cpu_devices=")[0]
+    for cause in ("TF_CONFIG", "--cluster_resolver", "--num_cpu_devices above 1", "several GPUs", "one device"):
+        assert cause in said, cause
+
+
 # ---- An export names its classes; summary.json and config.json too -------------------------------------------
 
 

@@ -94,7 +94,10 @@ class _RunSettings(sections.Sectioned):
 
     # Distribution.
     strategy: str = _cluster(
-        "", "one_device|mirrored|multi_worker|parameter_server|tpu; empty: mirrored over all GPUs, else one device"
+        "",
+        "one_device|mirrored|multi_worker|parameter_server|tpu; empty: the cluster's (multi_worker or "
+        "parameter_server) where TF_CONFIG or --cluster_resolver gives one (tpu for --cluster_resolver=tpu), else "
+        "mirrored over several GPUs or over --num_cpu_devices above 1, else one device",
     )
     num_cpu_devices: int = _cluster(
         1, "split the host CPU into this many logical devices (mirrored on a CPU-only machine)"
