@@ -97,6 +97,56 @@ def test_a_factory_of_the_older_form_gets_the_shape_as_a_tuple(model_file, data_
     assert trainer.model.name == "old" and trainer.program.run_steps(trainer.program.train_iterator(), 1)["steps"] == 1
 
 
+SCALED = """
+class Scaled(keras.Model):
+    def __init__(self):
+        super().__init__(name="scaled")
+        self.flatten, self.head = keras.layers.Flatten(), keras.layers.Dense(10, name="head")
+        self.temperature = tf.Variable(1.0)
+
+    def call(self, x, training=False):
+        return self.head(self.flatten(x)) / self.temperature
+
+
+"""
+
+TWICE = """
+class Twice(keras.Model):
+    def __init__(self):
+        super().__init__(name="twice")
+        self.flatten, self.head = keras.layers.Flatten(), keras.layers.Dense(10, name="dense")
+        self.tail = keras.layers.Dense(10, name="dense")
+
+    def call(self, x, training=False):
+        return self.tail(self.head(self.flatten(x)))
+
+
+"""
+
+# Batch norm (Keras's, not synchronized) and dropout; NOISY, a layer called only in training (a noise branch),
+# whose variables were made inside the traced step: never trained nor checkpointed, drawn afresh by every process.
+NORMED = """
+import tensorflow as tf
+
+keras = tf.keras
+
+class Normed(keras.Model):
+    def __init__(self, outputs):
+        super().__init__(name="normed")
+        self.flatten, self.norm = keras.layers.Flatten(), keras.layers.BatchNormalization(name="norm")
+        self.noise, self.drop = keras.layers.Dense(64, name="noise"), keras.layers.Dropout(0.5, name="drop")
+        self.head = keras.layers.Dense(outputs, dtype="float32", name="head")
+
+    def call(self, x, training=False):
+        x = self.drop(self.norm(self.flatten(x), training=training), training=training)
+        return self.head(x + self.noise(x) if training and NOISY else x)
+
+
+def create(config, spec, outputs, info):
+    return Normed(outputs)
+"""
+
+
 def _family(body, signature="config, spec, outputs, info"):
     return f"import tensorflow as tf\nkeras = tf.keras\n\n\ndef create({signature}):\n    {body}\n"
 
@@ -119,6 +169,16 @@ MODEL_MISTAKES = {
         ),
         "its model's output for a batch of 1 is of shape (1, 10, 1); the task reads 10 values per example",
     ),
+    # These two trained, exit 0: the tf.Variable neither trained nor checkpointed, one layer's weights saved over
+    # the other's (a message that named --model=twice, a flag value nobody typed).
+    "a tf.Variable of its own": (
+        _family("return Scaled()").replace("def create", SCALED + "def create"),
+        "its layer 'scaled' holds a tf.Variable in self.temperature, which a Keras 3 model does not track",
+    ),
+    "two layers of one name": (
+        _family("return Twice()").replace("def create", TWICE + "def create"),
+        "2 of its model's variables have the path twice/dense/kernel; give its layers names of their own",
+    ),
 }
 
 
@@ -129,6 +189,32 @@ def test_a_model_file_the_engine_cannot_train_is_one_line_naming_it(model_file, 
     with pytest.raises(TaskError) as refused:
         build.run(config, one_device)
     assert str(refused.value).startswith(f"models/mine.py: {why}"), str(refused.value)
+
+
+def test_a_layer_called_only_in_training_is_one_line_naming_its_file(model_file, data_dir, one_device):
+    config = dataclasses.replace(
+        helpers.make_config(data_dir), model=model_file("normed", NORMED.replace("NOISY", "True"))
+    )
+    trainer = build.run(config, one_device)
+    with pytest.raises(TaskError) as refused:
+        trainer.program.run_steps(trainer.program.train_iterator(), 1)
+    assert str(refused.value).startswith(
+        "models/normed.py: its model made variables as the step was traced (normed/noise/kernel and 1 more): a layer "
+        "called only when training"
+    ), str(refused.value)
+
+
+def test_batch_norm_that_is_not_synchronized_stays_alike_on_every_replica(model_file, data_dir, mirrored):
+    # Keras's BatchNormalization (not synchronized) moved each replica's statistics by its own examples: the
+    # replicas drifted apart, evaluated unlike one another and checkpointed only the first's.
+    config = dataclasses.replace(
+        helpers.make_config(data_dir, train_steps=5), model=model_file("normed", NORMED.replace("NOISY", "False"))
+    )
+    snap, _ = helpers.train_and_snapshot(config, mirrored)
+    statistics = [copies for name, copies in snap.items() if name.startswith("state/") and copies[0].dtype.kind == "f"]
+    assert len(statistics) == 2 and np.any(statistics[0][0] != 0)  # the moving mean moved
+    for name, copies in snap.items():
+        np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
 
 
 def test_a_model_without_trainable_variables_and_a_half_precision_output_are_said(

@@ -2,8 +2,9 @@
 
 The train step, in order: forward and per-example loss in float32; loss over
 the GLOBAL batch; loss scaling (float16); ONE all-reduce of the gradients (the
-loss rides along); unscale; finite check on the unclipped gradients; clipping;
-the optimizer update, on every replica alike. In float16 it is applied only
+loss and the replicas' batch-norm statistics ride along); unscale; finite
+check on the unclipped gradients; clipping; the optimizer update, on every
+replica alike. In float16 it is applied only
 when every gradient is finite (a skipped step is how loss scaling learns its
 scale); in float32 and bfloat16 a non-finite step is divergence, which the loop
 answers at the round's end by stopping or rolling back to the last checkpoint.
@@ -154,17 +155,32 @@ class ReplicaStep:
             ),
             setup.jit,
         )
-        total, grads, self._statistics = local(batch, self.count, self._replica, shift, self._statistics)
-        if self._stop is None:  # the stop flag rides the step's first all-reduce
-            total, stop, *grads = self._ctx.all_reduce(SUM, [total, tf.cast(setup.stop_flag, tf.float32), *grads])
-            self._stop = stop
-        else:
-            total, *grads = self._ctx.all_reduce(SUM, [total, *grads])  # this evaluation's one all-reduce
+        total, grads, statistics = local(batch, self.count, self._replica, shift, self._statistics)
+        shared = self._shared(statistics)
+        flag = [tf.cast(setup.stop_flag, tf.float32)] if self._stop is None else []  # rides the step's first
+        # This evaluation's one all-reduce: the loss, the gradients and the replicas' statistics.
+        total, *reduced = self._ctx.all_reduce(SUM, [total, *flag, *grads, *(statistics[i] for i in shared)])
+        if flag:
+            self._stop, *reduced = reduced
+        grads, sums = reduced[: len(grads)], reduced[len(grads) :]
+        self._statistics = list(statistics)
+        for i, summed in zip(shared, sums):
+            self._statistics[i] = summed / setup.num_replicas
         scale = plan.loss_scale.scale if setup.float16 else None
         grads, norm, finite = _maybe_jit(lambda g: process_gradients(g, scale, plan.clipping), setup.jit)(grads)
         gradients = Gradients(self, name, total, grads, norm, finite)
         self._pending[name].append(gradients)
         return gradients
+
+    @tf.autograph.experimental.do_not_convert
+    def _shared(self, statistics):
+        """The positions of the float `statistics` averaged over replicas as the gradients are all-reduced: a batch
+        norm that is not synchronized (Keras's default) moves each replica's statistics by its own examples, and
+        replicas that drift apart evaluate unlike one another and checkpoint only the first's. Synchronized ones are
+        alike already, and their mean is the same number."""
+        if self._setup.num_replicas == 1 or self._setup.asynchronous:
+            return []
+        return [i for i, value in enumerate(statistics) if value.dtype.is_floating]
 
     @tf.autograph.experimental.do_not_convert
     def apply(self, name, gradients, when=None):

@@ -5,6 +5,7 @@ path; and another run's trained model, frozen (a distillation teacher)."""
 import collections
 import inspect
 import os
+import weakref
 
 import keras
 import tensorflow as tf
@@ -15,6 +16,8 @@ from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError, TaskError, check_call, described
 from engine.state.checkpoint import list_checkpoints
 from engine.state.warm_start import warm_start
+
+_BUILT = weakref.WeakKeyDictionary()  # {model: (its file, the ids of its variables as create_model built it)}
 
 
 def create_model(config, family, spec, outputs, info=None):
@@ -39,7 +42,65 @@ def create_model(config, family, spec, outputs, info=None):
     finally:
         global_state.set_global_attribute("object_name_uids", uids)
     _check_output(out, where, outputs, config.precision)
+    _check_untracked(model, where)
+    _check_paths(model, where)
+    _BUILT[model] = (where, {id(v) for v in model.variables})
     return model
+
+
+def _check_paths(model, where):
+    """TaskError naming a variable path two of `model`'s variables share (two layers given one name): checkpoints
+    key variables by path, so one would be saved over the other."""
+    counts = collections.Counter(v.path for v in model.variables)
+    twice = next((path for path, count in counts.items() if count > 1), None)
+    if twice is not None:
+        raise TaskError(
+            f"{where}: {counts[twice]} of its model's variables have the path {twice}; give its layers names of their "
+            "own (checkpoints key variables by path)"
+        )
+
+
+def check_built(models):
+    """TaskError naming the file of a model that made variables after create_model built it, as the step was
+    traced: a layer it calls only when training (create_model calls a model with training=False), or makes in its
+    call. They would be neither trained nor checkpointed, and drawn afresh by every process, silently."""
+    for model in models.values():
+        where, built = _BUILT.get(model, (None, ()))
+        made = [v.path for v in model.variables if id(v) not in built]
+        if where is not None and made:
+            more = f" and {len(made) - 1} more" if made[1:] else ""
+            raise TaskError(
+                f"{where}: its model made variables as the step was traced ({made[0]}{more}): a layer called only "
+                "when training, or made in call; the engine builds a model by calling it with training=False, so "
+                "they would be neither trained nor checkpointed: make every layer in __init__ and call it in both "
+                "modes, or build it in build()"
+            )
+
+
+def _check_untracked(model, where):
+    """TaskError naming the attribute where a layer of `model` holds a tf.Variable: Keras 3 tracks only its own
+    variables (add_weight), so the engine would neither train nor checkpoint it, silently."""
+    for layer in model._flatten_layers(include_self=True):
+        if type(layer).__module__.startswith("keras."):  # Keras's own (a lookup table's tf-idf weights are data)
+            continue
+        for attribute, value in vars(layer).items():
+            if attribute.startswith("_self_"):  # TensorFlow's tracking of the object, not a fork's
+                continue
+            if any(isinstance(held, tf.Variable) for held in _held(value)):
+                raise TaskError(
+                    f"{where}: its layer {layer.name!r} holds a tf.Variable in self.{attribute}, which a Keras 3 model "
+                    "does not track: it would be neither trained nor checkpointed; create it with "
+                    "self.add_weight(...) in a layer"
+                )
+
+
+def _held(value, depth=3):
+    """`value`, and what the lists, tuples and dicts it is hold, `depth` deep."""
+    if depth and isinstance(value, (list, tuple)):
+        return [x for item in value for x in _held(item, depth - 1)]
+    if depth and isinstance(value, dict):
+        return [x for item in value.values() for x in _held(item, depth - 1)]
+    return [value]
 
 
 def _factory_call(factory, where, config, spec, outputs, info):

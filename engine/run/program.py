@@ -10,7 +10,7 @@ from tensorflow.python.framework import config as tf_config  # is_op_determinism
 
 from engine.data import streamed
 from engine.numerics import replica, updates
-from engine.run import inputs, xla
+from engine.run import create, inputs, xla
 from engine.settings import plugins
 from engine.settings.errors import ConfigError, counted, raising_task_errors
 
@@ -35,22 +35,20 @@ def stops_each_step(placement):
 
 
 class TrainProgram:
-    """A round of steps on the host's call: the replica step (engine/numerics/replica.py) over the run's updates,
-    inside one traced loop; the counters it moves (the run's State: steps run, batches read); the stop flag a
-    signal sets. `placement`: the run's engine/cluster/distribute.py Placement; `jit`: its engine/run/xla.py Choice
-    (the program changes it when the step cannot compile with XLA); `coordinator`: a parameter server's."""
+    """A round of steps on the host's call: the replica step (engine/numerics/replica.py) over the run's updates in
+    one traced loop; the counters it moves (State: steps run, batches read); the stop flag a signal sets. `placement`:
+    distribute.py's Placement; `jit`: xla.py's Choice (changed where XLA cannot compile); `coordinator`: a PS's."""
 
     def __init__(self, config, placement, task, models, plans, data, state, jit, coordinator=None):
         strategy = placement.strategy
         self.config, self.placement, self.strategy, self.task = config, placement, strategy, task
-        self.models, self.plans = models, plans
-        self.data, self.state, self.coordinator, self.jit = data, state, coordinator, jit
+        self.models, self.plans, self.data, self.state, self.coordinator = models, plans, data, state, coordinator
+        self.jit = jit
         self.float16 = config.precision == "mixed_float16"
         self.batches_per_step = updates.batches_per_step(plans)  # more than one: an update reads a fresh batch each
         with strategy.scope():
             self.stop = tf.Variable(False, trainable=False, name="stop")  # set on preemption
-        # Bytes of record files this process read (a streamed split): the read-amplification count. Not counted
-        # where other processes read them: a parameter-server job's workers, the tf.data service's.
+        # Bytes of record files this process read (a streamed split), not where other processes read them (workers).
         self.bytes_read = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_read")
         self.counts_bytes = coordinator is None and not config.tf_data_service
         self.stops_each_step = stops_each_step(placement)
@@ -226,6 +224,7 @@ class TrainProgram:
             except RuntimeError as e:
                 self._untraceable(e)
                 return self.trace()
+            create.check_built(self.models)  # no variable made as it traced
         return True
 
     def run_steps(self, iterator, steps):
@@ -249,6 +248,7 @@ class TrainProgram:
             out = self.input.run(loop, iterator, steps, position[1])
             if self.coordinator is None:  # a parameter server's workers trace their own
                 warn_retraced("train_loop", loop, self.retraced)
+                create.check_built(self.models)
             else:  # a dead worker's function ran again elsewhere, its counters' increments twice: the chief's count
                 self.state.step.assign(position[0] + int(out["steps"]))  # of the steps that ran is the run's
                 self.state.batches.assign(position[1] + int(out["steps"]) * self.batches_per_step)
