@@ -544,7 +544,8 @@ class Lenient(classification.Task):
         return self.loss(self.forward(models, batch, True), batch)
 
     def updates(self):
-        yield Update("body", loss=self.body_loss, trains=r"/dense/", optimizer=types.MappingProxyType({"beta_1": 0.5}))
+        settings = types.MappingProxyType({"optimizer": "adamw", "beta_1": 0.5})  # beta_1: adamw's, not the run's sgd's
+        yield Update("body", loss=self.body_loss, trains=r"/dense/", optimizer=settings)
         yield Update("head", loss=self.head_loss, trains={"model"}, shares=True)
 
 
