@@ -99,19 +99,6 @@ def test_constant_and_linear_scaling():
         # A schedule the engine does not have was a KeyError traceback as the step traced; a scaling, none at all.
         ({"lr_schedule": "linear"}, "lr_schedule=linear: must be one of constant, cosine"),
         ({"lr_scaling": "sqrt"}, "lr_scaling=sqrt: must be one of none, linear"),
-    ],
-    ids=["warmup_cosine", "warmup_constant", "schedule", "scaling"],
-)
-@pytest.mark.parametrize("group", [False, True])
-def test_an_updates_and_a_groups_schedule_is_checked_as_the_flags_are(settings, message, group):
-    with pytest.raises(TaskError) as refused:
-        optim.checked_settings(Config(train_steps=20).optimization, settings, "update 'a'", group=group)
-    assert str(refused.value) == f"update 'a': {message}"
-
-
-@pytest.mark.parametrize(
-    "settings, message",
-    [
         # Each trained as if it were not there, silently, where the flag is refused: the rule does not read it, or
         # the scaling does not.
         ({"momentum": 0.5}, "momentum=0.5: nothing here reads it (read by --optimizer=sgd)"),
@@ -121,10 +108,10 @@ def test_an_updates_and_a_groups_schedule_is_checked_as_the_flags_are(settings, 
         ),
         ({"base_batch_size": 32}, "base_batch_size=32: nothing here reads it (read by --lr_scaling=linear)"),
     ],
-    ids=["momentum", "beta_1", "base_batch_size"],
+    ids=["warmup_cosine", "warmup_constant", "schedule", "scaling", "momentum", "beta_1", "base_batch_size"],
 )
 @pytest.mark.parametrize("group", [False, True])
-def test_a_setting_nothing_reads_there_is_refused_as_its_flag_is(settings, message, group):
+def test_an_updates_and_a_groups_settings_are_checked_as_the_flags_are(settings, message, group):
     with pytest.raises(TaskError) as refused:
         optim.checked_settings(Config(train_steps=20).optimization, settings, "update 'a'", group=group)
     assert str(refused.value) == f"update 'a': {message}"
