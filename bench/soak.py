@@ -101,7 +101,8 @@ def _interrupt(signum, frame):
 def prepare_data(data_dir):
     """The bundled digits, prepared once: workers that prepare them at the same time would race."""
     code = (
-        "import sources.digits, tensorflow_datasets as tfds; tfds.builder('digits', data_dir=%r).download_and_prepare()"
+        "import sources.digits, tensorflow_datasets as tfds\nfrom engine.data.tfds_source import no_leftover_folders\n"
+        "with no_leftover_folders():\n    builder = tfds.builder('digits', data_dir=%r)\nbuilder.download_and_prepare()"
     )
     subprocess.run([sys.executable, "-c", code % data_dir], cwd=ROOT, check=True, capture_output=True)
 

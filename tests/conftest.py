@@ -51,9 +51,12 @@ def data_dir(tmp_path_factory):
     import tensorflow_datasets as tfds
 
     import sources.digits  # noqa: F401
+    from engine.data.tfds_source import no_leftover_folders
 
     path = str(tmp_path_factory.mktemp("tfds"))
-    tfds.builder("digits", data_dir=path).download_and_prepare()
+    with no_leftover_folders():  # tfds leaves an empty folder in /tmp otherwise
+        builder = tfds.builder("digits", data_dir=path)
+    builder.download_and_prepare()
     return path
 
 

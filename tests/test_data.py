@@ -4,6 +4,9 @@ tests/test_streamed.py)."""
 
 import collections
 import gzip
+import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -303,7 +306,9 @@ def _toy_builder_with_a_weight_feature():
 def test_a_tfds_feature_named_as_the_engines_own_is_refused_naming_the_dataset(tmp_path):
     from engine.settings.errors import ConfigError
 
-    _toy_builder_with_a_weight_feature()(data_dir=str(tmp_path)).download_and_prepare()
+    with tfds_source.no_leftover_folders():
+        builder = _toy_builder_with_a_weight_feature()(data_dir=str(tmp_path))
+    builder.download_and_prepare()
     config = helpers.make_config(str(tmp_path), dataset="toy_with_weights")
     with pytest.raises(ConfigError) as raised:
         data.load_source(config, ())  # a task reading every feature
@@ -314,3 +319,35 @@ def test_a_tfds_feature_named_as_the_engines_own_is_refused_naming_the_dataset(t
     )
     source = data.load_source(config, ("image", "label"))  # the task's own, weight left
     assert list(source.spec) == ["image", "label"]
+
+
+def test_preparing_a_tfds_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """tensorflow-datasets' builder of a dataset not yet prepared made an empty tmp*tfds folder in the temporary
+    folder and left it there: one more after every run that prepared a dataset (or was refused one offline)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    config = helpers.make_config(str(tmp_path / "tfds"))
+    source = tfds_source.load(config, "digits", ("image", "label"), "test")
+    assert source.evals.examples == 360
+    assert os.listdir(temporary) == []
+
+
+def test_a_prepared_tfds_dataset_is_read_where_nothing_can_be_written(data_dir, tmp_path):
+    """A dataset prepared in --data_dir is only read: a read-only copy there trained (its preparation lock was a
+    traceback, OSError: Read-only file system); one to prepare where nothing can be written is one line. (The lock
+    is a folder here: root writes to a read-only folder.)"""
+    from engine.settings.errors import ConfigError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(data_dir, "digits"), copy / "digits")
+    (copy / "digits" / ".prepare.lock").mkdir()
+    source = tfds_source.load(helpers.make_config(str(copy)), "digits", ("image", "label"), "test")
+    assert (source.train.examples, source.evals.examples) == (1257, 360)
+    (tmp_path / "empty" / "digits" / ".prepare.lock").mkdir(parents=True)
+    with pytest.raises(ConfigError) as raised:
+        tfds_source.load(helpers.make_config(str(tmp_path / "empty")), "digits", ("image", "label"), "test")
+    lock = tmp_path / "empty" / "digits" / ".prepare.lock"
+    assert str(raised.value) == (
+        f"--data_dir={tmp_path / 'empty'}: cannot prepare the dataset there: cannot create {lock} (Is a directory)"
+    )

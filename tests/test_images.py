@@ -12,7 +12,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from bench import decode as decode_bench
-from engine.data import images
+from engine.data import images, tfds_source
 from engine.run import loop
 from engine.settings.errors import ConfigError
 from tests import forkserver, helpers
@@ -162,7 +162,8 @@ def _mock_imagenet_info(data_dir, shards):
     """Writes imagenet2012's real dataset_info (its features, 1000 classes) into data_dir with the splits' shard
     sizes set ({split: [examples per shard]}): what tfds.testing.mock_data(policy=USE_FILES) reads, and what the
     engine plans its epochs by."""
-    builder = tfds.builder("imagenet2012", data_dir=data_dir)
+    with tfds_source.no_leftover_folders():  # tfds leaves an empty folder in /tmp otherwise
+        builder = tfds.builder("imagenet2012", data_dir=data_dir)
 
     def split(name):
         files = tfds.core.ShardedFileTemplate(

@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import tempfile
 import urllib.parse
 import urllib.request
 
@@ -120,12 +121,15 @@ def _prepared_builder(data, name):
     if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):  # before a network is asked for
         raise ConfigError(f"--data_dir={data.data_dir}: a file, not a folder of datasets")
     try:
-        builder = tfds.builder(name, data_dir=data_dir)
+        with no_leftover_folders():
+            builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # tfds raises several kinds for names and configs it cannot resolve
         raise ConfigError(f"--dataset={name}: {first_line(e)}") from None
-    # What builder.is_prepared() reads, without its warning about the folder it expected.
-    if not tf.io.gfile.exists(os.path.join(builder.data_dir, tfds.core.constants.DATASET_INFO_FILENAME)):
-        _check_reachable(data, builder)
+    # What builder.is_prepared() reads, without its warning about the folder it expected. A prepared dataset is only
+    # read, without the lock: a --data_dir may be a read-only copy (its lock was a traceback there).
+    if tf.io.gfile.exists(os.path.join(builder.data_dir, tfds.core.constants.DATASET_INFO_FILENAME)):
+        return builder
+    _check_reachable(data, builder)
     with _prepare_lock(builder.data_dir, data.data_dir):
         try:
             builder.download_and_prepare()
@@ -136,6 +140,23 @@ def _prepared_builder(data, name):
                 "copy under --data_dir"
             ) from None
     return builder
+
+
+@contextlib.contextmanager
+def no_leftover_folders():
+    """The block's temporary folders (Python's tempfile) made inside one of ours, the empty ones removed as it ends:
+    building a tfds builder of a dataset not yet prepared makes a /tmp/tmp*tfds folder that it never removes
+    (tensorflow-datasets 4.9, DatasetInfo.initialize_from_bucket, before it finds nothing to copy there): one more
+    left behind by every run that prepared a dataset or was refused one. A folder something was copied into stays."""
+    scratch = tempfile.mkdtemp(prefix="engine-tfds-")
+    saved, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        for folder in (*(os.path.join(scratch, name) for name in os.listdir(scratch)), scratch):
+            with contextlib.suppress(OSError):  # not empty: tfds reads what it copied there
+                os.rmdir(folder)
 
 
 def _check_reachable(data, builder):
@@ -170,9 +191,12 @@ def _prepare_lock(directory, given):
     parent = os.path.dirname(directory.rstrip("/"))
     try:
         os.makedirs(parent, exist_ok=True)
-    except OSError as e:
+        lock = open(os.path.join(parent, ".prepare.lock"), "w")
+    except OSError as e:  # a read-only folder, another user's: one line, not a traceback
         where = f"--data_dir={given}" if given else "tensorflow-datasets' data folder (--data_dir is empty)"
-        raise ConfigError(f"{where}: cannot create the folder {parent} ({e.strerror})") from None
-    with open(os.path.join(parent, ".prepare.lock"), "w") as lock:
+        raise ConfigError(
+            f"{where}: cannot prepare the dataset there: cannot create {e.filename} ({e.strerror})"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
