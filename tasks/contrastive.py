@@ -56,6 +56,12 @@ class Task(base.Task):
                 f"--grad_accum_steps={config.grad_accum_steps}: --task=contrastive draws its negatives from the "
                 "whole global batch, which microbatches would split; use 1"
             )
+        shape = tuple(spec["image"].shape)
+        if len(shape) != 3:  # the views zoom, shift and resample rows and columns of each channel
+            raise ConfigError(
+                f"--dataset={config.dataset}: its image has shape {shape}; --task=contrastive draws its views from "
+                "images of shape (height, width, channels)"
+            )
 
     def prepare(self, batch):
         base.read_as_numbers(self, batch, ("label",))

@@ -65,6 +65,7 @@ class Task(base.Task):
                 f"--model={config.model}: --task=gan builds its own generator and discriminator (tasks/gan.py), "
                 "MLPs sized by --hidden_sizes; leave --model empty"
             )
+        drawable(config, spec["image"].shape)
 
     def prepare(self, batch):
         return {"image": base.float_image(self, batch)}
@@ -173,6 +174,17 @@ def networks(image_shape, latent, widths, judge, output, dropout=0.0):
     return {"generator": generator, judge: judged}
 
 
+def drawable(config, shape):
+    """Refuses (ConfigError naming --dataset) an image `grid` cannot draw into samples.png: drawn only at the first
+    evaluation, it ended the run there, after its training, and a resumed run at each evaluation again."""
+    if not (len(shape) == 2 or (len(shape) == 3 and 1 <= shape[2] <= 4)):
+        raise ConfigError(
+            f"--dataset={config.dataset}: its image has shape {tuple(shape)}, which --task={config.task} cannot draw "
+            "into samples.png: it generates images of shape (height, width) or (height, width, channels) with 1 to 4 "
+            "channels"
+        )
+
+
 def serve_generator(generator, latent):
     """The exported function: noise z [batch, latent] -> {"images": the generator's images}."""
 
@@ -209,8 +221,10 @@ def frechet_distance(a, b):
 
 
 def grid(images, columns):
-    """uint8 [height, width, channels]: `images` ([n, h, w, c] in [0, 1]) in rows of `columns`, each pixel ZOOM
-    screen pixels wide, with a one-pixel gray frame around each image."""
+    """uint8 [height, width, channels]: `images` ([n, h, w, c], or [n, h, w] of one channel, in [0, 1]) in rows of
+    `columns`, each pixel ZOOM screen pixels wide, with a one-pixel gray frame around each image."""
+    if images.ndim == 3:
+        images = images[..., None]
     n, h, w, c = images.shape
     rows = -(-n // columns)
     canvas = np.full((rows * (h + 1) + 1, columns * (w + 1) + 1, c), 0.5)

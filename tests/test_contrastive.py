@@ -193,6 +193,24 @@ def test_settings_that_would_break_the_global_negatives_are_refused(data_dir):
         helpers.make_config(data_dir, task="contrastive", contrastive_temperature=0.0)
 
 
+def test_images_without_height_width_and_channels_are_refused_before_the_run_starts(data_dir):
+    """An npz's MNIST-like (height, width) images: the views' resampling failed as the step was traced, in an einsum's
+    line, after the workdir was written."""
+    import tensorflow as tf
+
+    from engine.settings.errors import ConfigError
+    from tasks import contrastive
+
+    config = helpers.make_config(data_dir, task="contrastive")
+    for shape in ([8, 8], [64]):
+        with pytest.raises(ConfigError) as refused:
+            contrastive.Task(config, {"image": tf.TensorSpec(shape, tf.uint8)}, {})
+        assert str(refused.value) == (
+            f"--dataset=digits: its image has shape {tuple(shape)}; --task=contrastive draws its views from images of "
+            "shape (height, width, channels)"
+        )
+
+
 @pytest.mark.slow
 def test_training_beats_a_linear_probe_on_raw_pixels(data_dir, one_device):
     import tensorflow as tf

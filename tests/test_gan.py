@@ -309,5 +309,29 @@ def worker(out_dir, data_dir):
     np.savez(os.path.join(out_dir, f"worker{task}.npz"), **arrays)
 
 
+def test_images_samples_png_cannot_draw_are_refused_and_grayscale_ones_drawn(data_dir):
+    """samples.png is drawn at the first evaluation, after the training: an image it could not draw ended the run
+    there (a traceback's line from grid, exit 2, and again at each evaluation of a resumed run). An npz's MNIST-like
+    (height, width) images are drawn with one channel; other shapes are refused before the run starts."""
+    from engine.settings.errors import ConfigError
+    from tasks import gan
+
+    for task in ("gan", "wgan_gp"):
+        config = helpers.make_config(data_dir, task=task)
+        for shape in ([16], [8, 8, 5], [2, 8, 8, 1]):
+            with pytest.raises(ConfigError) as refused:
+                gan.Task(config, {"image": tf.TensorSpec(shape, tf.float32)}, {})
+            assert str(refused.value).startswith(
+                f"--dataset=digits: its image has shape {tuple(shape)}, which --task={task} cannot draw into "
+                "samples.png"
+            )
+    task = gan.Task(helpers.make_config(data_dir, task="gan"), {"image": tf.TensorSpec([8, 8], tf.uint8)}, {})
+    task.spec = {"image": tf.TensorSpec([8, 8], tf.float32)}  # the prepared example's, as the engine sets it
+    picture = task.pictures(task.models(None))["samples"]
+    side = (gan.GRID * 9 + 1) * gan.ZOOM  # GRID images of 8 pixels and their frames
+    assert picture.shape == (side, side, 1) and picture.dtype == np.uint8
+    assert len(tf.io.encode_png(picture).numpy()) > 0
+
+
 if __name__ == "__main__":
     worker(*sys.argv[1:])
