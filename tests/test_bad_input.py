@@ -185,6 +185,12 @@ def test_bytes_past_the_largest_unit_are_said_in_it():
             dict(weight_decay=2.0, learning_rate=0.25, lr_scaling="linear", global_batch_size=512),
             "--weight_decay=2.0: times the peak learning rate (0.5) must be less than 1",
         ),
+        # Nesterov's look-ahead is the momentum's: without one it trained as plain SGD, silently.
+        (
+            dict(optimizer="sgd", nesterov=True, momentum=0.0),
+            "--nesterov=true: needs --momentum above 0: with --momentum=0 it would train as plain SGD",
+        ),
+        (dict(optimizer="sgd", nesterov=True, momentum=0.5), None),
         (dict(strategy="multi_worker", local_workers=4), None),
         (
             dict(strategy="multi_worker", local_workers=100000),

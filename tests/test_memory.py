@@ -239,3 +239,24 @@ def test_a_memory_limit_on_this_processs_own_cgroup_bounds_this_machine(tmp_path
     monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
     monkeypatch.setattr(machine, "OWN_CGROUPS", str(tmp_path / "self_cgroup"))
     assert machine.host_memory_bytes() == min(8 * 2**30, psutil.virtual_memory().total)
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(dataset="npz:/data/big.npz", model="resnet"), "--dataset=npz:/data/big.npz"),
+        (dict(dataset="folder:photos", image_size=1024, model="resnet"), "--image_size=1024"),
+    ],
+)
+def test_an_input_too_large_names_what_gives_it_its_shape(monkeypatch, settings, named):
+    # A ResNet of 4 MB on images of 1024x1024x3: its batches take 61 GB, and the refusal named --model=resnet, whose
+    # every default it already had, as the setting to change.
+    config = validate(Config(global_batch_size=16, **settings))
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 25 * 10**9)
+    monkeypatch.setattr(memory, "source_memory", lambda config: 0)
+    with pytest.raises(ConfigError) as refused:
+        memory.check(config, _on("CPU", 1), (1024, 1024, 3), 2)
+    assert str(refused.value).startswith(f"{named}: needs about 60.9 GB of memory for examples of shape 1024x1024x3 (")
+    # An MLP on the same images: its first layer's weights are the largest part, and it is named.
+    with pytest.raises(ConfigError, match=r"^--model=mlp: needs about [\d.]+ GB of memory \(model, gradients"):
+        memory.check(dataclasses.replace(config, model="mlp"), _on("CPU", 1), (1024, 1024, 3), 2)

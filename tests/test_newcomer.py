@@ -137,9 +137,16 @@ def test_help_groups_every_flag_once_by_what_it_is_about(help_text):
 def test_help_says_the_choices_and_range_a_plugins_file_declares():
     from types import SimpleNamespace
 
+    from engine.settings.fields import FIELD_BY_NAME
     from engine.settings.help import accepted
 
     assert accepted(SimpleNamespace(type=str, metadata={"bounds": ("", "sgd", "adam")})) == "one of (empty)|sgd|adam"
+    # Said once, where the help names them: research/ensemble.py's "nelder_mead|random (one of nelder_mead|random)".
+    named = {"bounds": ("", "sgd", "adam"), "help": "sgd|adam (Kingma and Ba); empty: the run's"}
+    assert accepted(SimpleNamespace(type=str, metadata=named)) == ""
+    some = {"bounds": ("sgd", "adam", "lamb"), "help": "sgd|adam; lambda: not a choice"}
+    assert accepted(SimpleNamespace(type=str, metadata=some)) == "one of sgd|adam|lamb"
+    assert [accepted(FIELD_BY_NAME[name]) for name in ("ensemble_search", "tune_direction", "tune_sampler")] == [""] * 3
     assert accepted(SimpleNamespace(type=int, metadata={"bounds": (0, None)})) == "at least 0"
     assert accepted(SimpleNamespace(type=float, metadata={"bounds": (0.5, 20000)})) == "from 0.5 to 20,000"
     assert accepted(SimpleNamespace(type=str, metadata={"bounds": "required"})) == "required where read"

@@ -107,8 +107,26 @@ def test_constant_and_linear_scaling():
             "beta_1=0.5: nothing here reads it (read by --optimizer=adamw and --optimizer=lamb)",
         ),
         ({"base_batch_size": 32}, "base_batch_size=32: nothing here reads it (read by --lr_scaling=linear)"),
+        (
+            {"optimizer": "sgd", "momentum": 0.0, "nesterov": True},
+            "nesterov=true: needs --momentum above 0: with --momentum=0 it would train as plain SGD",
+        ),
+        # Run-wide: the run trains the flags' batch and steps whatever a group says; its rate alone may read them.
+        (
+            {"global_batch_size": 1024},
+            "global_batch_size=1024: nothing here reads it (its learning rate does, with --lr_scaling=linear; the "
+            "run's is --global_batch_size=128)",
+        ),
+        (
+            {"train_steps": 5},
+            "train_steps=5: nothing here reads it (its learning rate does, with --lr_schedule=cosine; the run's is "
+            "--train_steps=20)",
+        ),
     ],
-    ids=["warmup_cosine", "warmup_constant", "schedule", "scaling", "momentum", "beta_1", "base_batch_size"],
+    ids=[
+        *("warmup_cosine", "warmup_constant", "schedule", "scaling", "momentum", "beta_1", "base_batch_size"),
+        *("nesterov", "global_batch_size", "train_steps"),
+    ],
 )
 @pytest.mark.parametrize("group", [False, True])
 def test_an_updates_and_a_groups_settings_are_checked_as_the_flags_are(settings, message, group):
@@ -122,7 +140,9 @@ def test_an_updates_and_a_groups_settings_are_checked_as_the_flags_are(settings,
     [
         {"optimizer": "sgd", "momentum": 0.5, "nesterov": True},
         {"lr_scaling": "linear", "base_batch_size": 32},
-        {"momentum": 0.9, "beta_1": 0.9},  # the run's own values: no change
+        {"lr_scaling": "linear", "global_batch_size": 1024},  # its rate as if its batch were 1024
+        {"lr_schedule": "cosine", "train_steps": 10},  # its rate decays to 0 at step 10
+        {"momentum": 0.9, "beta_1": 0.9, "global_batch_size": 128},  # the run's own values: no change
     ],
 )
 def test_a_setting_read_there_or_the_runs_own_is_taken(settings):

@@ -73,6 +73,23 @@ def test_a_run_with_other_settings_is_refused_naming_them(data_dir, one_device, 
     assert files(tmp_path) == before
 
 
+def test_a_run_resumed_from_its_checkpoint_of_step_0_says_it_resumed_at_0(data_dir, one_device, tmp_path, monkeypatch):
+    # A process that ended after --save_initial's checkpoint and before its first step: the next one said "resumed
+    # from step 0", and its summary that it had resumed nowhere (resumed_at null, as a run trained in one process).
+    config = helpers.make_config(data_dir, str(tmp_path), save_initial=True, train_steps=2, steps_per_loop=1)
+
+    def killed(controller):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Controller, "train", killed)
+        with pytest.raises(KeyboardInterrupt):
+            loop.train(config, one_device)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-0"]
+    summary = loop.train(config, one_device)
+    assert (summary["resumed_at"], summary["step"]) == (0, 2)
+
+
 @pytest.mark.slow
 def test_same_command_resumes_more_steps_continue_and_cadence_never_blocks(
     data_dir, one_device, mirrored, tmp_path, capsys

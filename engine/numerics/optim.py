@@ -112,6 +112,18 @@ UPDATES_ALONE = {
 }
 
 
+# The run-wide settings the learning rate reads too (engine/settings/fields.py's `shared`): an update's or a group's own
+# value changes its rate alone, and only where its rate reads it; the run trains the flags' steps on the flags' batch
+# whatever it says. {name: (where its rate reads it, in words; whether the rate of settings `hp` does)}.
+RATE_READS = {
+    "global_batch_size": ("--lr_scaling=linear", lambda hp: hp.lr_scaling == "linear"),
+    "train_steps": (
+        "--lr_schedule=" + "|".join(name for name, decay in SCHEDULES.items() if decay),
+        lambda hp: SCHEDULES[hp.lr_schedule] is not None,  # a schedule that decays to 0 at it
+    ),
+}
+
+
 def checked_settings(optimization, overrides, what, group=False):
     """The run's optimizer settings (config.optimization) with `overrides` (an optimizer group's, an update's),
     checked like flags: a fork's typo, or a setting that is not its to set (RUNS_ALONE, a `group`'s UPDATES_ALONE),
@@ -158,12 +170,19 @@ def checked_settings(optimization, overrides, what, group=False):
 
 def _refuse_unread(optimization, overrides, whole, what):
     """Refuses a setting of `overrides` (a group's, an update's) that its rule or scaling does not read, as the flag
-    would be (momentum under adamw, base_batch_size without lr_scaling=linear): it would train as if it were not
-    there. A value the run has already is no change."""
+    would be (momentum under adamw, base_batch_size without lr_scaling=linear), and a run-wide one its rate does not
+    read (RATE_READS): it would train as if it were not there. A value the run has already is no change."""
     hp = sections.section(optimization, "optimization")
     for name in sorted(overrides):
-        if overrides[name] != getattr(hp, name) and not applies(name, whole):
+        if overrides[name] == getattr(hp, name):
+            continue
+        if not applies(name, whole):
             raise TaskError(f"{what}: {name}={overrides[name]!r}: nothing here reads it ({read_by(name)})")
+        if name in RATE_READS and not RATE_READS[name][1](whole):
+            raise TaskError(
+                f"{what}: {name}={overrides[name]!r}: nothing here reads it (its learning rate does, with "
+                f"{RATE_READS[name][0]}; the run's is --{name}={getattr(hp, name)})"
+            )
 
 
 # The last name of a path Keras gives biases and normalization weights, whatever their rank: an attention's bias is

@@ -217,7 +217,7 @@ class Controller:
             else None,
             **({"stopped_by": self.stopped_by} if self.stopped_by else {}),  # an action's Stop ended the run
             "wall_seconds": time.time() - self.started,
-            "resumed_at": report.resume_step or None,  # this process's first step, where it resumed a run
+            "resumed_at": report.resume_step,  # this process's first step, where it resumed a run (None: it did not)
             "strategy": run.placement.name,
             "num_replicas": run.placement.replicas,
             "precision": config.precision,

@@ -65,7 +65,8 @@ def train(config, strategy=None, on_eval=None):
             warm_start.warm_start(trainable, config.init_checkpoint)
             run.weights.restart_averages()
         redo_eval = evaluates_on_resume(config.loop, current)
-        report = Report(config.workdir, chief, config.train_steps, resume_step=current, redo_eval=redo_eval)
+        resumed_at = current if restored else None  # a checkpoint of step 0 is resumed too
+        report = Report(config.workdir, chief, config.train_steps, resume_step=resumed_at, redo_eval=redo_eval)
         if chief:
             workdir_lib.write_config(config, run.task, updates.effective_settings(run.plans), run.data)
         if restored:

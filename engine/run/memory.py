@@ -18,7 +18,7 @@ import numpy as np
 from engine.settings import plugins
 from engine.settings.checks import fail
 from engine.settings.errors import TaskError
-from engine.settings.fields import MEMORY_SETTINGS, Config, dataset_kind
+from engine.settings.fields import MEMORY_SETTINGS, Config, applies, dataset_kind
 from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_bytes
 
 
@@ -125,10 +125,11 @@ def check_data(config):
 
 def check(config, placement, input_shape, outputs, training=True):
     """Refuses the run when its estimate exceeds the memory of the device it trains on (naming the setting whose
-    default would shrink it most, or --model when none would); says so where the model family gives no size. A GPU
-    holds one replica and its share of the batch; this machine's memory, every local replica (mirrored logical
-    devices) and this worker's share. `placement`: the run's engine/cluster/distribute.py Placement; `training`:
-    whether the run trains (a run built to evaluate, export or sample holds no gradients, slots or training batch)."""
+    default would shrink it most; where none would, --model or the input's shape, whichever takes more); says so
+    where the model family gives no size. A GPU holds one replica and its share of the batch; this machine's memory,
+    every local replica (mirrored logical devices) and this worker's share. `placement`: the run's
+    engine/cluster/distribute.py Placement; `training`: whether the run trains (a run built to evaluate, export or
+    sample holds no gradients, slots or training batch)."""
     if outputs is None:  # a task that builds its own models (no outputs): one of --model is all the estimate knows
         print(
             f"memory: tasks/{config.task}.py builds its own models: estimated as one models/{config.model}.py of 2 "
@@ -178,10 +179,26 @@ def judge(config, input_shape, outputs, total, where, copies=1, shares=1, data=T
 
     culprit = min(MEMORY_SETTINGS, key=with_default)
     if with_default(culprit) >= needed:
-        culprit = "model"
+        culprit = _at_fault(config, input_shape, outputs, parts)
     details = ", ".join(f"{part} {human_bytes(size)}" for part, size in parts.items() if size)
+    shape = f" for examples of shape {'x'.join(str(n) for n in input_shape)}" if culprit in INPUT_SETTINGS else ""
     fail(
         culprit,
         getattr(config, culprit),
-        f"needs about {human_bytes(needed)} of memory ({details}), more than {where} {human_bytes(total)}",
+        f"needs about {human_bytes(needed)} of memory{shape} ({details}), more than {where} {human_bytes(total)}",
     )
+
+
+# What gives a run's input its shape, which the estimate takes as the data gives it: no setting's default changes it.
+INPUT_SETTINGS = ("image_size", "dataset")
+
+
+def _at_fault(config, input_shape, outputs, parts):
+    """What to name where no setting's default would shrink the estimate: the input's shape (--image_size where the
+    run crops images to it, else --dataset) where the batches take the most and one example holds more numbers than
+    the model has parameters (a ResNet on 1024x1024 images); else --model."""
+    parameters = (model_size(config, input_shape, outputs) or (0,))[0]
+    model = parts.get("model, gradients and optimizer slots", parts.get("model"))
+    if max(parts["training batch"], parts["evaluation batch"]) > model and math.prod(input_shape) > parameters:
+        return "image_size" if config.image_size and applies("image_size", config) else "dataset"
+    return "model"

@@ -239,6 +239,8 @@ def check_training(config):
     profile = config.profile_steps
     if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1] <= config.train_steps):
         fail("profile_steps", profile, f"must be A,B with 0 <= A < B <= --train_steps={config.train_steps}")
+    if config.optimizer == "sgd" and config.nesterov and not config.momentum:  # its look-ahead is the momentum's
+        fail("nesterov", config.nesterov, "needs --momentum above 0: with --momentum=0 it would train as plain SGD")
     if config.clip_norm and config.clip_value:
         fail("clip_value", config.clip_value, "choose one of --clip_norm and --clip_value, not both")
     if config.on_nan == "rollback" and not config.checkpoint_every:

@@ -4,6 +4,7 @@ are read, not imported."""
 
 import ast
 import dataclasses
+import re
 import textwrap
 
 from engine.settings import plugins
@@ -144,10 +145,18 @@ def accepted(field):
         return "required where read"
     if not bounds:
         return ""
+    if field.type is str and _names_each(field.metadata.get("help", ""), bounds):
+        return ""  # its help says them already ("nelder_mead|random"): once is enough
     if field.type is str:
         return "one of " + "|".join(c or "(empty)" for c in bounds)
     low, high = bounds
     return f"at least {low:,}" if high is None else f"from {low:,} to {high:,}"
+
+
+def _names_each(text, choices):
+    """Whether help `text` names each of `choices` (but the empty one) as a word of its own, as "a|b" does: then
+    --help does not say them twice."""
+    return all(re.search(rf"(?<![\w-]){re.escape(choice)}(?![\w-])", text) for choice in choices if choice)
 
 
 def summary(path):

@@ -95,9 +95,10 @@ def format_metrics(results):
 
 
 class Report:
-    def __init__(self, workdir, chief, total_steps, resume_step=0, stream=None, redo_eval=False):
-        """`redo_eval`: the run evaluates `resume_step` again (an evaluation step it may have stopped at unevaluated),
-        so that step's evaluation is dropped too."""
+    def __init__(self, workdir, chief, total_steps, resume_step=None, stream=None, redo_eval=False):
+        """`resume_step`: the step this process resumed the run at from its checkpoint (0 too: a checkpoint of step
+        0); None for a run that starts afresh. `redo_eval`: the run evaluates `resume_step` again (an evaluation step
+        it may have stopped at unevaluated), so that step's evaluation is dropped too."""
         self.workdir, self.chief, self.total_steps = workdir, chief, total_steps
         self.resume_step = resume_step  # where this process began: its time and rate are of the steps after it
         self.stream = stream or sys.stdout
@@ -113,7 +114,7 @@ class Report:
         self.evaluated = None  # the step of the last evaluation this process logged
         if chief:
             make_workdir(workdir)
-            self.rewind(resume_step, redo_eval)
+            self.rewind(resume_step or 0, redo_eval)
 
     def rewind(self, step, redo_eval=False):
         """Drops records after `step` (logged before a crash or a rollback): no step is logged twice. A run at
