@@ -412,6 +412,28 @@ def test_a_sidecar_with_a_short_timeout_evaluates_the_checkpoint_before_one_with
     assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.2)] == [10]
 
 
+def test_a_sidecar_evaluates_a_checkpoint_passed_over_for_want_of_its_index_once_the_index_is_written(
+    trained, tmp_path, one_device, monkeypatch
+):
+    # A save slower than the wait for its index (a large checkpoint on gs://) was passed over for good: the index
+    # written, the sidecar still said "no new checkpoint for 4 s (--eval_timeout) after step 10 of 20; stopping",
+    # the run's final step never evaluated.
+    config = copy_of(trained, tmp_path)
+    index = os.path.join(config.workdir, "checkpoints", "ckpt-20.index")
+    os.rename(index, str(tmp_path / "index"))
+    recorded = evaluate._recorded
+
+    def then_the_index(run, config, checkpoint, writer):
+        result = recorded(run, config, checkpoint, writer)
+        if os.path.exists(tmp_path / "index"):  # the save finishes once ckpt-20 was passed over for ckpt-10
+            os.rename(str(tmp_path / "index"), index)
+        return result
+
+    monkeypatch.setattr(evaluate, "_recorded", then_the_index)
+    follow = dataclasses.replace(config, mode="continuous_eval", eval_timeout=4)
+    assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.2)] == [10, 20]
+
+
 def test_a_sidecar_or_eval_of_a_study_says_so_at_once_and_a_sidecar_refuses_a_checkpoint(trained, tmp_path):
     # A sidecar waited its whole --eval_timeout (600 s by default) on a study's workdir, then said "no run appeared
     # there"; eval said "train first". A sidecar's --checkpoint was ignored, its model that run's.

@@ -201,7 +201,7 @@ def _follow(config, strategy, poll_seconds):
     writer, evaluated, waited_since = None, {os.path.basename(r["checkpoint"]) for r in results}, time.monotonic()
     unreadable = FailedReads(poll_seconds, config.eval_timeout)
     while time.monotonic() - waited_since < config.eval_timeout:
-        latest = next((p for p in checkpoint_lib.list_checkpoints(directory) if p not in unreadable.damaged), None)
+        latest = next((p for p in checkpoint_lib.list_checkpoints(directory) if not unreadable.passed_over(p)), None)
         if latest is None or os.path.basename(latest) in evaluated:
             time.sleep(poll_seconds)
             continue
@@ -262,12 +262,13 @@ def _recorded(run, config, checkpoint, writer):
 class FailedReads:
     """The checkpoints continuous_eval could not read: one is damaged once it failed twice with its index written
     (the index comes last), or for a minute without it (half --eval_timeout where that is shorter: the previous one
-    is evaluated before the sidecar gives up); a damaged one is said once and passed over."""
+    is evaluated before the sidecar gives up); a damaged one is said once and passed over, but one passed over for
+    want of its index is read again once the index is there (a slow save's, finished: a run's final step too)."""
 
     WITHOUT_INDEX_SECONDS = 60.0
 
     def __init__(self, poll_seconds, eval_timeout):
-        self.poll_seconds, self.first_failed, self.damaged = poll_seconds, {}, []
+        self.poll_seconds, self.first_failed, self.damaged, self.unindexed = poll_seconds, {}, [], set()
         self.without_index = min(self.WITHOUT_INDEX_SECONDS, eval_timeout / 2)
 
     def failed(self, path, error):
@@ -276,7 +277,18 @@ class FailedReads:
         if time.monotonic() - since < (self.poll_seconds / 2 if indexed else self.without_index):
             return
         self.damaged.append(path)
+        if not indexed:
+            self.unindexed.add(path)
         print(f"warning: checkpoint {path} is unreadable ({error}); evaluating the previous one", flush=True)
+
+    def passed_over(self, path):
+        """Whether the sidecar passes `path` over: damaged, unless it lacked its index, which is there now (it is then
+        tried afresh: twice with its index before it counts as damaged again)."""
+        if path in self.unindexed and tf.io.gfile.exists(path + ".index"):
+            self.unindexed.discard(path)
+            self.damaged.remove(path)
+            self.first_failed.pop(path, None)
+        return path in self.damaged
 
 
 def _followed(workdir, split):
