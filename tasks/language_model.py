@@ -53,7 +53,15 @@ class Task(base.Task):
 
     def models(self, create):
         context = tf.TensorSpec([self.spec["tokens"].shape[0] - 1], tf.int32)
-        return {"model": create(self.config.model, context, self.outputs)}
+        model = create(self.config.model, context, self.outputs)
+        shape = model(tf.zeros([1, *context.shape], tf.int32), training=False).shape
+        if shape.rank != 3:  # one prediction per window, not per position: the loss's shapes would not meet
+            raise ConfigError(
+                f"--model={self.config.model}: its output for a window of {context.shape[0]} tokens is of shape "
+                f"{tuple(shape)}; --task=language_model predicts at every position, [1, {context.shape[0]}, "
+                f"{self.outputs}] (a model of one prediction per token: --model=gpt)"
+            )
+        return {"model": model}
 
     def forward(self, models, batch, training):
         return models["model"](batch["tokens"][:, :-1], training=training)

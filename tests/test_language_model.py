@@ -126,6 +126,26 @@ def test_heads_that_do_not_divide_the_width_are_refused_by_name():
         create_model(_config(gpt_heads=3), "gpt", tf.TensorSpec([32], tf.int32), 65)
 
 
+def test_a_model_of_one_prediction_per_window_is_refused_naming_it():
+    # --model=mlp trained nothing: the loss's shapes did not meet, a Keras ValueError from the task's own line.
+    from engine.run.create import Create
+    from tasks import language_model
+
+    def models(config):
+        info = {"vocabulary": tuple(chr(c) for c in range(65))}
+        task = language_model.Task(config, {"tokens": tf.TensorSpec([33], tf.int64)}, info)
+        task.spec = {"tokens": tf.TensorSpec([33], tf.int32)}  # the prepared example's, as the engine sets it
+        return task.models(Create(config, info))
+
+    with pytest.raises(ConfigError) as refused:
+        models(_config(model="mlp", hidden_sizes=(8,)))
+    assert str(refused.value) == (
+        "--model=mlp: its output for a window of 32 tokens is of shape (1, 65); --task=language_model predicts at "
+        "every position, [1, 32, 65] (a model of one prediction per token: --model=gpt)"
+    )
+    assert models(_config())["model"](tf.zeros([2, 32], tf.int32)).shape == (2, 32, 65)  # gpt: one per token
+
+
 # ---- Training, sampling --------------------------------------------------------------------------------------
 
 
