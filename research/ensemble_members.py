@@ -15,6 +15,7 @@ from engine.cluster import distribute
 from engine.numerics import precision
 from engine.run import build
 from engine.run.inputs import batches
+from engine.run.program import unsupported_ops
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
 from engine.state import checkpoint as checkpoint_lib
@@ -80,7 +81,7 @@ def load_run(workdir, member_config, splits, reference):
                     )
         _restored(run.state, workdir, found)
         task = run.task
-        predict = tf.function(lambda batch: task.predictions(task.forward(run.models, batch, False)))
+        predict = _predictor(run)
         predictions, examples = {}, {}
         with run.weights.averaged():
             for split in splits:
@@ -111,6 +112,33 @@ def load_run(workdir, member_config, splits, reference):
                 "an ensemble's members must be evaluated on the same examples"
             )
     return member, reference
+
+
+def _predictor(run):
+    """A batch's predictions, compiled with XLA where the member's own evaluation is, so that they score as its run
+    reported (in mixed precision, XLA's fusions round otherwise than the plain ops); without XLA where it cannot
+    compile them, as that evaluation then falls back (engine/run/evaluator.py)."""
+    task = run.task
+
+    def predict(batch):
+        return task.predictions(task.forward(run.models, batch, False))
+
+    plain = tf.function(predict)
+    compiled = tf.function(predict, jit_compile=True) if run.evaluator.step_jit.compile else None
+
+    def predicted(batch):
+        nonlocal compiled
+        if compiled is None:
+            return plain(batch)
+        try:
+            return compiled(batch)
+        except tf.errors.OpError as e:
+            if not (unsupported_ops(e) or "xla" in (e.message or "").lower()):
+                raise
+            compiled = None
+            return plain(batch)
+
+    return predicted
 
 
 def _predict(predict, batches):

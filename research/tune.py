@@ -34,12 +34,14 @@ from engine.settings.errors import ConfigError, Preempted, TrainingError, counte
 from engine.settings.fields import show
 from engine.state import lock
 from engine.state import workdir as workdir_lib
-from engine.state.files import write_json
+from engine.state.files import is_local, write_json
 from research import checks, tune_summary
 from research.space import parse_space, with_values
 from research.tune_study import (
     FINISHED,
     RESUMES,
+    TUNER,
+    WORKDIR,
     best_trial,
     masked,
     open_study,
@@ -47,6 +49,7 @@ from research.tune_study import (
     storage_answers,
     storage_url,
     trial_config,
+    trial_dir,
 )
 
 SETTINGS = {
@@ -207,6 +210,12 @@ def _check_workdir(config):
             f"--tune_storage={masked(config.tune_storage)}: --workdir={config.workdir} holds study '{held}' in "
             f"{storage} ({path}); resume it with --tune_storage={storage}, or give this study a new --workdir"
         )
+    database = os.path.join(config.workdir, "study.db")
+    if not config.tune_storage and not tf.io.gfile.exists(database):  # deleted: opening it would make a new study
+        raise ConfigError(
+            f"--workdir={config.workdir}: {database} is gone, which holds study '{held}' ({path}); put it back, or "
+            "give this study a new --workdir"
+        )
 
 
 def _another_storage(config, held):
@@ -234,7 +243,9 @@ def _objective(config, space, strategy, name):
                 f"--workdir={config.workdir}: {run_config.workdir} exists but study '{config.tune_study}' has not "
                 "run it (a study of another name used this workdir?); use a fresh --workdir"
             )
-        trial.set_user_attr("workdir", run_config.workdir)
+        # Relative, so the study reads the same wherever its workdir is moved.
+        trial.set_user_attr(WORKDIR, trial_dir(number))
+        trial.set_user_attr(TUNER, config.workdir if not is_local(config.workdir) else os.path.abspath(config.workdir))
         again = "" if resumes is None else f" (trial {resumes} again, from its checkpoint)"
         print(f"tune: trial {trial.number}{again}: {_flags(values)} in {run_config.workdir}", flush=True)
         pruned_at = []

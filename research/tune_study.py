@@ -12,14 +12,19 @@ import urllib.parse
 
 import optuna
 import sqlalchemy.exc
+import tensorflow as tf
 
-from engine.settings.config import first_line
+from engine.settings.config import first_line, load_run_config
 from engine.settings.errors import CheckpointError, ConfigError, Preempted, TrainingError
 from engine.settings.fields import SEED_LIMIT, applies, show
 from engine.settings.identity import IDENTITY_SETTINGS
+from engine.state.files import is_local
 from research.space import with_values
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
+# User attributes of a trial that drew its config: its sub-workdir, relative to its tuner's --workdir (which may be
+# moved), and that --workdir as it was then (another tuner's, in a shared study).
+WORKDIR, TUNER = "workdir", "tuner_workdir"
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)  # what --tune_trials counts
 # Beside the identity settings, what makes a trial's number and what best.flags says of it: its length, the split that
 # scores it (a trial's --eval_split), and whether it ran with --deterministic (best.flags promises "the same numbers").
@@ -28,9 +33,30 @@ TRIAL_SETTINGS = ("train_steps", "validation_split", "deterministic")
 DIRECTIONS = {"max": optuna.study.StudyDirection.MAXIMIZE, "min": optuna.study.StudyDirection.MINIMIZE}
 
 
+def trial_dir(number):
+    """Trial `number`'s sub-workdir, relative to the study's --workdir."""
+    return os.path.join("trials", str(number))
+
+
 def trial_config(config, values, number):
     """The engine config of trial `number` (its sub-workdir) with the searched `values`; validated."""
-    return with_values(config, values, os.path.join(config.workdir, "trials", str(number)))
+    return with_values(config, values, os.path.join(config.workdir, trial_dir(number)))
+
+
+def trial_workdir(config, trial):
+    """The sub-workdir `trial` ran in (None: it drew no config): under this --workdir, wherever the workdir was moved
+    since; where its own tuner keeps it when it is not here (another tuner's trial in a shared study). A study written
+    before trials kept their sub-workdir relative named it whole: that path, when it is absolute and not here."""
+    stored = trial.user_attrs.get(WORKDIR)
+    if stored is None:
+        return None
+    here = os.path.join(config.workdir, trial_dir(os.path.basename(stored)))
+    elsewhere = os.path.join(trial.user_attrs.get(TUNER, ""), stored)
+    return here if tf.io.gfile.exists(here) or not _absolute(elsewhere) else elsewhere
+
+
+def _absolute(path):
+    return os.path.isabs(path) or not is_local(path)
 
 
 def _trials_are_alike(study, config, space, where):
@@ -67,6 +93,36 @@ def _trials_are_alike(study, config, space, where):
                 "--workdir"
             )
     return plain
+
+
+def _check_trials_here(study, config, space, where):
+    """Refuses a study that did not run the trials in this --workdir's trials/ (the workdir's study.db replaced by
+    another study's, or made anew): its trials would run in their sub-workdirs, failing one trial a run there, and its
+    summary would describe another study's trials."""
+    folder = os.path.join(config.workdir, "trials")
+    trials = study.get_trials(deepcopy=False)
+    for name in sorted(tf.io.gfile.listdir(folder)) if tf.io.gfile.isdir(folder) else ():
+        workdir = os.path.join(folder, name.rstrip("/"))
+        ran = [t for t in trials if str(t.user_attrs.get(RESUMES, t.number)) == name.rstrip("/")]
+        if not any(_drew_as_saved(t, config, space, workdir) for t in ran):
+            raise ConfigError(
+                f"--workdir={config.workdir}: study '{config.tune_study}' in {where} did not run {workdir} (the "
+                "study was replaced, or made anew); put back the storage of the study that ran it, or give this "
+                "study a new --workdir"
+            )
+
+
+def _drew_as_saved(trial, config, space, workdir):
+    """Whether `trial` (or a trial that resumes it) drew the searched values that the run in `workdir` saved in its
+    config.json. A trial still to draw, or a run killed before it wrote a config.json that reads, says nothing."""
+    try:
+        saved = load_run_config(workdir)
+    except ConfigError:
+        return True
+    if saved is None or not trial.params:
+        return True
+    drawn = trial_config(config, trial.params, trial.number)
+    return all(getattr(drawn, p.name) == getattr(saved, p.name) for p in space)
 
 
 def storage_url(config):
@@ -128,6 +184,7 @@ def open_study(config, objective, direction, space):
                 f"--tune_{key}={study.user_attrs[key]}; use another --tune_study or --workdir"
             )
     wanted.update(_trials_are_alike(study, config, space, masked(url)))
+    _check_trials_here(study, config, space, masked(url))
     if study.direction != DIRECTIONS[direction]:  # a study made outside the tuner (Optuna's default minimizes)
         ways = {DIRECTIONS["max"]: "maximizes", DIRECTIONS["min"]: "minimizes"}
         raise ConfigError(

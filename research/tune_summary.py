@@ -10,7 +10,7 @@ import optuna
 from engine.settings.fields import Config, show
 from engine.state.files import write_json, write_text
 from research import tune_report
-from research.tune_study import FINISHED, RESUMES, best_trial, masked, storage_url, trial_config
+from research.tune_study import FINISHED, RESUMES, best_trial, masked, storage_url, trial_config, trial_workdir
 
 
 def results(config, study, space, objective, direction, wall_seconds):
@@ -45,7 +45,7 @@ def results(config, study, space, objective, direction, wall_seconds):
                 "value": t.value,
                 "params": t.params,
                 "steps": t.user_attrs.get("steps"),
-                "workdir": t.user_attrs.get("workdir"),
+                "workdir": trial_workdir(config, t),
                 "seconds": t.duration.total_seconds() if t.duration else None,
                 # Why a pruned trial that diverged stopped (its loss, the steps, the last good checkpoint); None else.
                 "diverged": t.user_attrs.get("diverged"),
@@ -61,7 +61,7 @@ def results(config, study, space, objective, direction, wall_seconds):
             "value": best.value,
             "params": best.params,
             "steps": best.user_attrs.get("steps"),
-            "workdir": best.user_attrs.get("workdir"),
+            "workdir": trial_workdir(config, best),
             "flagfile": flagfile,
         }
     write_json(os.path.join(config.workdir, "summary.json"), summary)

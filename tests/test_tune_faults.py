@@ -1,15 +1,19 @@
 """A study under faults: its storage failing part-way through a trial ends the tuner in one line and the same command
-resumes it; a workdir whose study lives in another storage is refused before anything is written."""
+resumes it; a workdir whose study lives in another storage, or whose study.db was deleted or replaced, is refused
+before anything is written; a moved workdir's study names its trials where they are now."""
 
 import contextlib
 import dataclasses
+import json
+import os
+import types
 
 import optuna
 import pytest
 import sqlalchemy.exc
 
 from engine.settings.errors import CheckpointError, ConfigError
-from research import tune
+from research import tune, tune_study
 from tests.test_tune import listing, load_study, tune_config, write_space
 
 
@@ -86,3 +90,64 @@ def test_a_study_kept_in_another_storage_is_refused_and_its_workdir_left_as_it_w
     moved = tmp_path / "moved"
     local.rename(moved)
     assert tune.tune(dataclasses.replace(config, workdir=str(moved), tune_storage=""), one_device)["trials"] == 1
+    summary = json.loads((moved / "summary.json").read_text())
+    # Before: its trials kept the sub-workdirs they ran in before the move, and summary.json named those.
+    assert [t["workdir"] for t in summary["all"]] == [str(moved / "trials" / "0")]
+    assert summary["best"]["workdir"] == str(moved / "trials" / "0")
+    assert load_study(moved).trials[0].user_attrs["workdir"] == "trials/0"
+
+
+def test_a_trials_workdir_is_read_where_the_study_is_now_and_an_old_absolute_one_where_it_still_is(tmp_path):
+    config = types.SimpleNamespace(workdir=str(tmp_path / "moved"))
+    (tmp_path / "moved" / "trials" / "0").mkdir(parents=True)
+    (tmp_path / "other" / "trials" / "1").mkdir(parents=True)
+
+    def workdir(**attrs):  # of a trial with these user attributes
+        return tune_study.trial_workdir(config, optuna.trial.create_trial(value=0.5, user_attrs=attrs))
+
+    here = str(tmp_path / "moved" / "trials" / "0")
+    assert workdir(workdir="trials/0", tuner_workdir="/gone") == here
+    assert workdir(workdir="/gone/trials/0") == here  # a study of before, moved
+    assert workdir(workdir="study/trials/0") == here  # relative, of before
+    other = str(tmp_path / "other" / "trials" / "1")
+    assert workdir(workdir=other) == other  # of before, not moved
+    # Another tuner's trial of a shared study: where that tuner keeps it.
+    assert workdir(workdir="trials/1", tuner_workdir=str(tmp_path / "other")) == other
+    assert workdir() is None  # it drew no config
+
+
+@pytest.mark.slow
+def test_a_study_db_deleted_or_replaced_under_its_workdir_is_refused_in_one_line(data_dir, one_device, tmp_path):
+    # Before: the tuner opened a new study there, failed its trial 0 ("trials/0 exists but study 'tune' has not run
+    # it"), on the next run its trial 1, and from the third on trained its trials beside the first study's.
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    workdir = tmp_path / "study"
+    config = tune_config(data_dir, workdir, space, tune_trials=1, train_steps=20, eval_every=10, hidden_sizes=(16,))
+    tune.tune(config, one_device)
+    database = workdir / "study.db"
+    drawn = load_study(workdir).trials[0].params["learning_rate"]
+    database.unlink()
+    before = listing(workdir)
+    with pytest.raises(ConfigError) as refused:
+        tune.tune(dataclasses.replace(config, tune_trials=2), one_device)
+    assert str(refused.value) == (
+        f"--workdir={workdir}: {database} is gone, which holds study 'tune' ({workdir}/study.json); put it back, or "
+        "give this study a new --workdir"
+    )
+    assert listing(workdir) == before
+    url = f"sqlite:///{database}"
+    for made in ({}, {"learning_rate": drawn * 2}):  # a study made anew; another study's, whose trial 0 drew another
+        database.unlink(missing_ok=True)
+        other = optuna.create_study(storage=url, study_name="tune", direction="maximize")
+        if made:
+            distribution = optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)
+            distributions = {"learning_rate": distribution}
+            other.add_trial(optuna.trial.create_trial(params=made, distributions=distributions, value=0.5))
+        with pytest.raises(ConfigError) as refused:
+            tune.tune(dataclasses.replace(config, tune_trials=3), one_device)
+        assert str(refused.value) == (
+            f"--workdir={workdir}: study 'tune' in {url} did not run {workdir}/trials/0 (the study was replaced, or "
+            "made anew); put back the storage of the study that ran it, or give this study a new --workdir"
+        )
+        assert len(load_study(workdir).trials) == len(made)  # no trial failed there
+    assert sorted(os.listdir(workdir / "trials")) == ["0"]
