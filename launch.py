@@ -262,7 +262,7 @@ def _print_result(config, result):
             f"{config.eval_split} {headline} {'-' if value is None else format(value, '.4f')} "
             f"on {results['examples']} examples "
             f"({counted(result['step'], 'step')}, {result['wall_seconds']:.1f} s"
-            + (f" since it resumed at step {result['resumed_at']})" if result.get("resumed_at") else ")")
+            + (f" since it resumed at step {result['resumed_at']})" if result.get("resumed_at") is not None else ")")
         )
     elif config.mode == "tune":
         best = result["best"]
@@ -279,10 +279,13 @@ def _print_result(config, result):
     elif config.mode == "ensemble":
         metric = result["objective"]  # the task's, e.g. accuracy
         test = {name: result[name]["test"][metric] for name in ("weighted", "average")}
-        best = (max if result["direction"] == "max" else min)(m["test"][metric] for m in result["members"])
+        # The member best on validation, as the weighted ensemble is chosen: test is only scored, never picked by.
+        pick = max if result["direction"] == "max" else min
+        best = pick(result["members"], key=lambda member: member["validation"][metric])
         print(
             f"{config.eval_split} {metric} {test['weighted']:.4f} weighted, {test['average']:.4f} average, "
-            f"{best:.4f} best member ({len(result['members'])} members, {result['test_examples']} examples)"
+            f"{best['test'][metric]:.4f} the member best on validation ({len(result['members'])} members, "
+            f"{result['test_examples']} examples)"
         )
 
 

@@ -364,6 +364,10 @@ def test_the_last_line_counts_one_step_as_one(capsys):
     entry._print_result(config, result)
     said = capsys.readouterr().out
     assert said == "test accuracy 0.5000 on 360 examples (3000 steps, 8.8 s since it resumed at step 1349)\n"
+    entry._print_result(config, {**result, "step": 2, "wall_seconds": 1.0, "resumed_at": 0})  # its step-0 checkpoint
+    assert (
+        capsys.readouterr().out == "test accuracy 0.5000 on 360 examples (2 steps, 1.0 s since it resumed at step 0)\n"
+    )
 
 
 def test_a_studys_last_line_counts_one_trial_as_one(capsys):
@@ -375,6 +379,25 @@ def test_a_studys_last_line_counts_one_trial_as_one(capsys):
         result = {"best": None, "trials": trials, "complete": 0, "pruned": trials, "wall_seconds": 2.0}
         entry._print_result(config, result)
         assert capsys.readouterr().out == f"no trial completed ({said}: 0 complete, {trials} pruned; 2.0 s)\n"
+
+
+def test_an_ensembles_last_line_scores_the_member_best_on_validation(capsys):
+    """It named the best of the members' test scores: a member picked by looking at test, which the ensemble never
+    does (its weights and its choice among them are validation's)."""
+    import launch as entry
+
+    def member(validation, test):
+        return {"validation": {"accuracy": validation}, "test": {"accuracy": test}}
+
+    result = {"objective": "accuracy", "direction": "max", "test_examples": 360}
+    result.update(weighted={"test": {"accuracy": 0.98}}, average={"test": {"accuracy": 0.97}})
+    result["members"] = [member(0.95, 0.99), member(0.96, 0.93), member(0.96, 0.90)]
+    entry._print_result(helpers.make_config("", mode="ensemble"), result)
+    said = capsys.readouterr().out
+    assert said == (
+        "test accuracy 0.9800 weighted, 0.9700 average, 0.9300 the member best on validation (3 members, 360 "
+        "examples)\n"
+    )
 
 
 def test_an_empty_dataset_or_model_on_eval_is_the_trained_runs_own_not_a_contradiction(monkeypatch):
