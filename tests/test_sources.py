@@ -213,3 +213,27 @@ def test_labels_the_evaluation_split_holds_and_the_training_split_does_not_are_w
     ]
     inputs.run_data(helpers.make_config(data_dir, dataset=f"npz:{path}", global_batch_size=4, eval_split="train"))
     assert "warning" not in capsys.readouterr().out
+
+
+def test_a_resume_on_a_file_of_arrays_replaced_by_one_of_as_many_examples_is_warned_of(
+    data_dir, tmp_path, one_device, capsys
+):
+    # docs/data.md promised a warning where "a file of arrays [was] replaced"; config.json kept only the number of
+    # examples, so a file of other values and as many examples resumed without a word.
+    path = _write(tmp_path / "mine.npz", {"train": _digits_like(0, 64), "test": _digits_like(1, 16)})
+    settings = dict(dataset=f"npz:{path}", global_batch_size=16, steps_per_loop=2, checkpoint_every=2)
+    config = helpers.make_config(data_dir, workdir=str(tmp_path / "run"), train_steps=2, **settings)
+    loop.train(config, one_device)
+    kept = json.load(open(tmp_path / "run" / "config.json"))["training_split"]
+    assert kept.keys() == {"examples", "files", "digest"} and (kept["examples"], kept["files"]) == (64, 0)
+    loop.train(dataclasses.replace(config, train_steps=4), one_device)  # the same file: nothing to say
+    assert "warning" not in capsys.readouterr().out
+    _write(tmp_path / "mine.npz", {"train": _digits_like(2, 64), "test": _digits_like(1, 16)})
+    loop.train(dataclasses.replace(config, train_steps=6), one_device)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert said == [
+        f"warning: --dataset=npz:{path}: its --train_split=train holds other examples (as many, 64 examples, of "
+        f"other values) now, not those when this run last started ({tmp_path}/run/config.json): it goes on from its "
+        "data position at step 4 in the order of what the split holds now, not the examples an uninterrupted run "
+        "would have read"
+    ]

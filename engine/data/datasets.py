@@ -73,6 +73,7 @@ class Data:
     # them (engine/state/workdir.py check_same_run).
     unread: tuple = ()
     source_spec: dict = dataclasses.field(default_factory=dict)  # {feature: tf.TensorSpec} as the source gives one
+    train_digest: object = None  # () -> a digest of the training split's examples, when held in memory (or None)
 
     @property
     def sharded(self):
@@ -130,6 +131,7 @@ def prepare(data, source, task, split=None, service=""):
         gather=gather if train.fetch is not None and source.decode is None else None,
         unread=unread,
         source_spec=source.spec,
+        train_digest=train.digest,
     )
 
 

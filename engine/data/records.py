@@ -4,6 +4,7 @@ truncated, corrupt or changed file stops the run naming it (`parsed`, `unreadabl
 """
 
 import dataclasses
+import hashlib
 import re
 
 import numpy as np
@@ -36,6 +37,7 @@ class Split:
     fetch: object = None  # int64 indices [n] -> {feature: [n, ...]}: random access, when held in memory
     files: tuple = ()  # ((path, records), ...): record files, read in shards by input pipeline
     parse: object = None  # a serialized record -> {feature: tensor}, for `files`
+    digest: object = None  # () -> a hex digest of the examples, when held in memory (a resume compares it)
 
 
 class SplitError(TaskError):
@@ -56,7 +58,24 @@ def in_memory(arrays):
         examples,
         lambda: tf.data.Dataset.from_tensor_slices(arrays),
         lambda indices: {name: tf.gather(values, indices) for name, values in arrays.items()},
+        digest=lambda: digest(arrays),
     )
+
+
+def digest(arrays):
+    """A hex digest of {feature: values}: their names, dtypes, shapes and every value (a string's bytes), so that a
+    file of arrays replaced by another of as many examples reads as other examples."""
+    hashed = hashlib.blake2b(digest_size=16)
+    for name in sorted(arrays):
+        values = np.asarray(arrays[name])
+        hashed.update(f"{name} {values.dtype} {values.shape};".encode())
+        if values.dtype.kind == "O":  # strings (file paths): their bytes, not the objects' addresses
+            for value in values.ravel():
+                hashed.update(value if isinstance(value, bytes) else str(value).encode())
+                hashed.update(b"\0")
+        else:
+            hashed.update(np.ascontiguousarray(values).tobytes())
+    return hashed.hexdigest()
 
 
 def _length(values):

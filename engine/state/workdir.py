@@ -202,9 +202,10 @@ def check_same_classes(workdir, task):
 
 
 def training_split(data):
-    """What config.json says of the training split a run reads (engine/data/datasets.py Data): its examples, and its
-    record files where it streams them."""
-    return {"examples": data.train_examples, "files": data.train_files}
+    """What config.json says of the training split a run reads (engine/data/datasets.py Data): its examples, its
+    record files where it streams them, and a digest of its examples where it holds them in memory."""
+    digest = {"digest": data.train_digest()} if data.train_digest else {}
+    return {"examples": data.train_examples, "files": data.train_files, **digest}
 
 
 def warn_of_another_split(config, data, step):
@@ -214,11 +215,18 @@ def warn_of_another_split(config, data, step):
     job a scheduler restarts would stop on it for good."""
     path, saved = _saved(config.workdir, "training_split")
     now = training_split(data)
-    if isinstance(saved, dict) and saved != now:
+    if not isinstance(saved, dict):
+        return
+    if "digest" not in saved:  # a config.json from before splits held in memory kept a digest
+        now.pop("digest", None)
+    if saved != now:
+        same = {k: v for k, v in saved.items() if k != "digest"} == {k: v for k, v in now.items() if k != "digest"}
+        held = f"other examples (as many, {_split(now)}, of other values)" if same else _split(now)
         print(
-            f"warning: --dataset={config.dataset}: its --train_split={config.train_split} holds {_split(now)} now, "
-            f"{_split(saved)} when this run last started ({path}): it goes on from its data position at step {step} "
-            "in the order of what the split holds now, not the examples an uninterrupted run would have read",
+            f"warning: --dataset={config.dataset}: its --train_split={config.train_split} holds {held} now, "
+            f"{'not those' if same else _split(saved)} when this run last started ({path}): it goes on from its data "
+            f"position at step {step} in the order of what the split holds now, not the examples an uninterrupted "
+            "run would have read",
             flush=True,
         )
 
