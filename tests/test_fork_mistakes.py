@@ -64,6 +64,27 @@ class ShiftedAlike(classification.Task):
         step.apply(DEFAULT, step.gradients(DEFAULT, batch, shift=[scale for _ in first.grads]))
 
 
+class Regrouped(classification.Task):
+    """Gradients edited before their apply, one of them dropped: the rest would pair with the wrong variables."""
+
+    def replica_step(self, step, batch):
+        gradients = step.gradients(DEFAULT, batch)
+        gradients.grads = gradients.grads[1:]
+        step.apply(DEFAULT, gradients)
+
+
+class Unreached(classification.Task):
+    def replica_step(self, step, batch):
+        gradients = step.gradients(DEFAULT, batch)
+        gradients.grads = [None, *gradients.grads[1:]]
+        step.apply(DEFAULT, gradients)
+
+
+class LossOfTwo(classification.Task):
+    def replica_step(self, step, batch):
+        step.apply(DEFAULT, step.gradients(DEFAULT, batch, loss=lambda models, batch: self.forward(models, batch, 1)))
+
+
 class Returning(classification.Task):
     def replica_step(self, step, batch):
         first = step.gradients(DEFAULT, batch)
@@ -114,6 +135,18 @@ class PerExample(classification.Task):
             "replica_step: step.gradients('train', ..., shift=...): shift 0 has shape (), where its variable "
             "mlp/dense/kernel has (64, 8): each shift is of its variable's shape",
         ),
+        # Trained with rc 0 before (without momentum), the last variable left out unsaid; tracebacks else.
+        (Regrouped, "replica_step: step.apply('train', ...): its Gradients' grads: 3 gradients for the 4 variables"),
+        (
+            Unreached,
+            "replica_step: step.apply('train', ...): its Gradients' grads: gradient 0 is None, where its variable "
+            "mlp/dense/kernel has (64, 8): each gradient is of its variable's shape",
+        ),
+        (
+            LossOfTwo,
+            "replica_step: step.gradients('train', ..., loss=...): loss(models, batch) is called as loss(models, "
+            "batch, seed) or loss(models, batch, seed, repetition)",
+        ),
         # Dropped unsaid before: nothing logs what a replica_step returns.
         (Returning, "replica_step returned a dict; it returns nothing: nothing would log it"),
         (Branched, "replica_step: step.apply('train', ...) inside an `if` or loop on a tensor (graph mode runs it "),
@@ -137,6 +170,9 @@ class PerExample(classification.Task):
         "crossed",
         "shift",
         "shift_shape",
+        "grads_length",
+        "grads_none",
+        "gradients_loss_arity",
         "returns",
         "tensor_if",
         "when_int",
@@ -378,6 +414,19 @@ OWN_ERRORS = [
         "--task=asserting --jit_compile=false",
         "error: tasks/asserting.py:7 in loss: InvalidArgumentError: assertion failed: [labels must be negative]",
     ),
+    # A model the run does not have, named in a loss written inside replica_step: autograph lists the loss's own
+    # frame unmapped (its parent's generated file), which kept the engine's traceback and exit 1 before.
+    (
+        "tasks/nested.py",
+        "from engine.api import DEFAULT\nfrom tasks import classification\n\n\n"
+        "class Task(classification.Task):\n"
+        "    def replica_step(self, step, batch):\n"
+        "        def loss(models, batch, seed):\n"
+        "            return self.loss(models['generator'](batch['image']), batch)\n\n"
+        "        step.apply(DEFAULT, step.gradients(DEFAULT, batch, loss=loss))\n",
+        "--task=nested --jit_compile=false",
+        "error: tasks/nested.py:8 in loss: KeyError: 'generator'",
+    ),
     # The same in a source's decode, which tf.data traces: autograph's MultilineMessageKeyError.
     (
         "sources/decoded.py",
@@ -397,7 +446,15 @@ OWN_ERRORS = [
 @pytest.mark.parametrize(
     "path, text, flag, said",
     OWN_ERRORS,
-    ids=["in_the_step", "in_an_action", "another_files_setting", "key_error", "an_assertion", "key_error_in_a_decode"],
+    ids=[
+        "in_the_step",
+        "in_an_action",
+        "another_files_setting",
+        "key_error",
+        "an_assertion",
+        "loss_inside_replica_step",
+        "key_error_in_a_decode",
+    ],
 )
 def test_launch_ends_an_error_a_forks_code_raises_in_one_line_with_exit_2(tmp_path, path, text, flag, said):
     result = _launch_in(_fork_with(tmp_path, {path: text}), *flag.split())
@@ -615,6 +672,12 @@ def test_a_forks_error_is_its_line_and_the_engines_keeps_its_traceback():
         "tasks/mine.py:7 in loss: AttributeError: no setting x"
     )
     assert plugins.failure(KeyError(_traced(mine, step, said="KeyError: 'a'"))) is None
+    # A loss written inside replica_step: autograph lists its frame unmapped, innermost, and its line further out.
+    generated = ("/tmp/__autograph_generated_file1a2b.py", 12, "loss")
+    assert plugins.failure(ValueError(_traced(mine, step, generated, said="ValueError: oops"))) == (
+        "tasks/mine.py:7 in loss: ValueError: oops"
+    )
+    assert plugins.failure(ValueError(_traced(mine, step, generated[:2] + ("other",), said="ValueError: x"))) is None
     assert plugins.failure(ValueError(_traced(("tasks/base.py", 93, "forward"), said="ValueError: x"))) is None
     # TensorFlow's runtime (a device out of memory, a file that cannot be read) keeps its traceback.
     assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _traced(mine, said="OOM"))) is None

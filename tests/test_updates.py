@@ -236,12 +236,17 @@ def test_a_checkpoint_written_before_updates_restores_and_trains_on_bit_identica
             (Update("body", trains=r"^nothing/"),),
             "update 'body' trains='^nothing/' matches no trained variable (e.g. model/mlp/dense/kernel)",
         ),
+        # Trained the models named aright before, unsaid: a misspelt name beside them trained nothing of its model.
+        (
+            (Update("body", trains=("model", "modle")),),
+            "update 'body' trains=('model', 'modle'): no trained model 'modle' (the models trained: model)",
+        ),
         ((Update("a"), Update("a")), "two updates are named alike (a, a)"),
         ((Update("a", repeat=0),), "update 'a': repeat=0: must be an integer of 1 or more"),
         ((Update("a", optimizer={"learnig_rate": 1.0}),), "update 'a': no setting learnig_rate"),
         ((Update("a b"),), "update name 'a b': use letters, digits, '_', '.' or '-'"),
     ],
-    ids=["matches_nothing", "same_name", "repeat_0", "typo", "bad_name"],
+    ids=["matches_nothing", "misspelt_model", "same_name", "repeat_0", "typo", "bad_name"],
 )
 def test_a_wrong_update_is_one_clear_error(data_dir, one_device, monkeypatch, updates, message):
     class Wrong(classification.Task):

@@ -52,6 +52,43 @@ def takes_repetition(loss):
     return "repetition" in positional or len(positional) >= 4
 
 
+def check_loss(loss, what):
+    """An update's loss: a callable of (models, batch, seed) or (models, batch, seed, repetition)."""
+    if not callable(loss):
+        raise TaskError(f"{what}: loss={loss!r}: must be a function loss(models, batch, seed[, repetition])")
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # a builtin without one: called as it is
+        return
+    try:
+        signature.bind(*range(4 if takes_repetition(loss) else 3))  # as the forward pass will call it
+    except TypeError:
+        raise TaskError(
+            f"{what}: loss{signature} is called as loss(models, batch, seed) or loss(models, batch, seed, repetition)"
+        ) from None
+
+
+def check_aligned(values, plan, said, noun):
+    """TaskError `<said>: ...` unless `values` (shifts, gradients) are one tensor per variable of update `plan`, in
+    order, each of its variable's shape: one of another shape broadcasts over it (a scalar shifts every weight
+    alike), and one too few or too many would pair the rest with the wrong variables."""
+    order = f"(step.variables({plan.name!r}), in order)"
+    if len(values) != len(plan.variables):
+        raise TaskError(
+            f"{said}: {len(values)} {noun}s for the {len(plan.variables)} variables update {plan.name!r} trains {order}"
+        )
+    for i, (value, v) in enumerate(zip(values, plan.variables)):
+        path = getattr(v, "path", v.name)
+        # A tensor's (or IndexedSlices') own static shape: no op is added to the step to read it.
+        shape = None if value is None else value.shape if hasattr(value, "shape") else tf.convert_to_tensor(value).shape
+        if value is None or shape != v.shape:
+            has = "is None" if value is None else f"has shape {shape}"
+            raise TaskError(
+                f"{said}: {noun} {i} {has}, where its variable {path} has {v.shape}: each {noun} is of its variable's "
+                f"shape {order}"
+            )
+
+
 def stateless_forward(
     task, models, batch, statistics, values, seeds, step, replica, draw=0, run=None, weights=(), repetition=0
 ):

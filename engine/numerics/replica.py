@@ -16,7 +16,14 @@ step, whatever the replica count and the microbatching.
 
 import tensorflow as tf
 
-from engine.numerics.forward import accumulation_warning, forward_backward, process_gradients, split_statistics
+from engine.numerics.forward import (
+    accumulation_warning,
+    check_aligned,
+    check_loss,
+    forward_backward,
+    process_gradients,
+    split_statistics,
+)
 from engine.numerics.precision import FLOOR
 from engine.settings.errors import TaskError, check_call, described
 
@@ -134,20 +141,10 @@ class ReplicaStep:
 
     def gradients(self, name, batch, loss=None, shift=None, repetition=0):
         setup, plan = self._setup, self._plan(name, "gradients")
-        if shift is not None and len(shift) != len(plan.variables):
-            raise TaskError(
-                f"{self._file}: step.gradients({name!r}, ..., shift=...): {len(shift)} shifts for the "
-                f"{len(plan.variables)} variables update {name!r} trains (step.variables({name!r}), in order)"
-            )
-        for i, (s, v) in enumerate(zip(shift or (), plan.variables)):
-            # A shift of another shape broadcasts over its variable (a scalar shifts every weight alike): refused.
-            shape, path = tf.convert_to_tensor(s).shape, getattr(v, "path", v.name)
-            if shape != v.shape:
-                raise TaskError(
-                    f"{self._file}: step.gradients({name!r}, ..., shift=...): shift {i} has shape {shape}, where its "
-                    f"variable {path} has {v.shape}: each shift is of its variable's shape (step.variables({name!r}), "
-                    "in order)"
-                )
+        if loss is not None:
+            check_loss(loss, f"{self._file}: step.gradients({name!r}, ..., loss=...)")
+        if shift is not None:
+            check_aligned(shift, plan, f"{self._file}: step.gradients({name!r}, ..., shift=...)", "shift")
         draw, self._draws = self._draws, self._draws + 1
         local = _maybe_jit(
             lambda b, c, r, s, v: forward_backward(
@@ -201,6 +198,9 @@ class ReplicaStep:
                 f"{self._file}: step.apply({name!r}, ...): these gradients were applied already; take new "
                 f"step.gradients({name!r}, ...)"
             )
+        check_aligned(
+            gradients.grads, plan, f"{self._file}: step.apply({name!r}, ...): its Gradients' grads", "gradient"
+        )
         when = self._checked_when(name, when)
         pending, self._pending[name] = self._pending[name], []
         finite = pending[0].finite if len(pending) == 1 else tf.reduce_all([g.finite for g in pending])

@@ -11,14 +11,13 @@ primitives of engine/numerics/replica.py's ReplicaStep.
 """
 
 import dataclasses
-import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
 
 import tensorflow as tf
 
 from engine.numerics import optim, precision
-from engine.numerics.forward import takes_repetition
+from engine.numerics.forward import check_loss
 from engine.settings import sections
 from engine.settings.errors import ConfigError, TaskError
 
@@ -189,7 +188,7 @@ def _check(update, task_file):
         raise TaskError(f"{what}: optimizer={update.optimizer!r}: a dict of settings, as {{'optimizer': 'sgd'}}")
     _check_groups(update.groups, f"{what}: groups")
     if update.loss is not None:
-        _check_loss(update.loss, what)
+        check_loss(update.loss, what)
 
 
 def _check_groups(groups, what):
@@ -206,22 +205,6 @@ def _check_groups(groups, what):
         )
 
 
-def _check_loss(loss, what):
-    """An update's loss: a callable of (models, batch, seed) or (models, batch, seed, repetition)."""
-    if not callable(loss):
-        raise TaskError(f"{what}: loss={loss!r}: must be a function loss(models, batch, seed[, repetition])")
-    try:
-        signature = inspect.signature(loss)
-    except (TypeError, ValueError):  # a builtin without one: called as it is
-        return
-    try:
-        signature.bind(*range(4 if takes_repetition(loss) else 3))  # as the forward pass will call it
-    except TypeError:
-        raise TaskError(
-            f"{what}: loss{signature} is called as loss(models, batch, seed) or loss(models, batch, seed, repetition)"
-        ) from None
-
-
 def _say_overrides(update, optimization, task_file):
     """A warning for each setting an update fixes over a value the run was given (not its default): --optimizer=sgd
     on a task whose updates train with adamw would otherwise be ignored in silence."""
@@ -236,10 +219,18 @@ def _say_overrides(update, optimization, task_file):
             )
 
 
-def _selected(update, names):
-    """Indices of the names (<model>/<path>) the update trains."""
+def _selected(update, names, task_file):
+    """Indices of the names (<model>/<path>) the update trains; ConfigError for a model name in `trains` that no
+    trained variable is of (a misspelt name beside right ones would train nothing of it, unsaid)."""
     if isinstance(update.trains, str) and update.trains:
         return [i for i, name in enumerate(names) if re.search(update.trains, name)]
+    trained = list(dict.fromkeys(name.split("/", 1)[0] for name in names))
+    unknown = [model for model in update.trains if model not in trained]
+    if unknown:
+        raise ConfigError(
+            f"{task_file}: update {update.name!r} trains={update.trains!r}: no trained model {unknown[0]!r} (the "
+            f"models trained: {', '.join(trained)})"
+        )
     models = tuple(update.trains)
     return [i for i, name in enumerate(names) if not models or name.split("/", 1)[0] in models]
 
@@ -263,7 +254,7 @@ def build_plans(task, weights, optimization, numerics, task_file):
         raise ConfigError(f"{task_file}: two updates are named alike ({', '.join(taken)})")
     plans, covered = [], {}
     for update in updates:
-        chosen = _selected(update, names)
+        chosen = _selected(update, names, task_file)
         if not chosen:
             raise ConfigError(
                 f"{task_file}: update {update.name!r} trains={update.trains!r} matches no trained variable "

@@ -101,7 +101,7 @@ def failure(error):
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     message = str(error)
     traced = list(_TRACED_LINE.finditer(message)) if message.startswith("in user code:") else []
-    frames += [(m.group(1), int(m.group(2)), m.group(3)) for m in ran or traced]
+    frames += _innermost_mapped([(m.group(1), int(m.group(2)), m.group(3)) for m in ran or traced])
     ours = [f for f in frames if _relative(f[0]) and _relative(f[0]) not in _TRANSPARENT]
     if not ours or not _is_plugin(ours[-1][0]):
         return None
@@ -118,6 +118,16 @@ def failure(error):
     if len(lines) > 1 and (said.endswith(":") or "Exception encountered when calling" in said):
         said = f"{said} {lines[1]}"  # Keras's first line names the layer; its second, what went wrong
     return f"{_relative(path)}:{line} in {name}: {said}"
+
+
+def _innermost_mapped(frames):
+    """`frames` as autograph lists them, with its innermost one mapped where autograph could not: a function defined
+    inside a converted one (a loss written inside replica_step) runs from its parent's generated file, which autograph
+    lists unmapped, innermost, and maps to the function's own line among the outer frames instead."""
+    if not frames or not os.path.basename(frames[-1][0]).startswith("__autograph_generated_file"):
+        return frames
+    named = [f for f in frames[:-1] if f[2] == frames[-1][2] and _relative(f[0])]
+    return [*frames, named[-1]] if named else frames
 
 
 def _ran(error):
