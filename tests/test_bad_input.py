@@ -209,6 +209,16 @@ def test_bytes_past_the_largest_unit_are_said_in_it():
             dict(strategy="multi_worker", local_workers=2, cluster_resolver="slurm"),
             "--local_workers=2: writes the cluster's TF_CONFIG, which --cluster_resolver=slurm would not read",
         ),
+        (  # each Slurm task trained alone on one device, the workdir's lock refusing all but one
+            dict(strategy="one_device", cluster_resolver="slurm"),
+            "--cluster_resolver=slurm: is not read by --strategy=one_device, which runs in one process (each task of "
+            "a job would train alone): use --strategy=multi_worker, parameter_server or tpu, or leave --strategy out",
+        ),
+        (
+            dict(strategy="mirrored", cluster_resolver="tpu"),
+            "--cluster_resolver=tpu: is not read by --strategy=mirrored",
+        ),
+        (dict(cluster_resolver="slurm"), None),
         (  # "a chief, 1 workers"
             dict(strategy="parameter_server", local_workers=1, num_ps=64),
             "--num_ps=64: with --local_workers=1 starts 66 TensorFlow processes here (a chief, 1 worker, 64 "

@@ -2,10 +2,15 @@
 
 import inspect
 import json
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from engine.cluster import distribute
+from engine.cluster.resolvers import NOT_FORMED_EXIT_CODE, connect_deadline
 from engine.settings.environment import parse_tf_config
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config
@@ -158,3 +163,28 @@ def test_a_parameter_server_job_schedules_each_round_over_all_its_workers():
     assert path.stream_start(60) == 20  # each worker's own stream, at its share of the 60 batches read
     shared = inputs.PerWorker(placement, data=None, counter=None, coordinator=Coordinator(), service="grpc://d:1")
     assert shared.stream_start(60) == 60  # the tf.data service's one job, which every worker reads from
+
+
+def test_a_peer_at_an_ipv6_address_that_answers_is_not_named_silent():
+    # Its host was looked up with its brackets ("[::1]"), which fails: a peer that was up read "no answer from
+    # worker 1 ([::1]:PORT)" when the tasks' TF_CONFIG disagreed, sending the user to the network.
+    import tensorflow as tf
+
+    with socket.socket(socket.AF_INET6) as peer:
+        peer.bind(("::1", 0))
+        peer.listen()
+        spec = tf.train.ClusterSpec({"worker": ["[::1]:1", f"[::1]:{peer.getsockname()[1]}"]})
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
+        command = connect_deadline(Config(connect_timeout=0.2).cluster, resolver).command
+        parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        command[3] = str(parent.pid)  # the watchdog signals this process, not the test's
+        # Its stdin open: the cluster has not formed (a closed one says it has).
+        watchdog = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said = watchdog.stderr.read()
+        watchdog.stdin.close()
+        watchdog.wait()
+    assert parent.wait(timeout=60) == -NOT_FORMED_EXIT_CODE == -signal.SIGUSR1
+    assert said.strip() == (
+        "error: could not form the cluster within --connect_timeout=0.2s: every peer answered but the cluster did "
+        "not form: do all tasks' TF_CONFIG list the same cluster?"
+    )

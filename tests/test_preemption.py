@@ -111,6 +111,30 @@ def test_sigterm_to_one_worker_stops_every_worker_at_one_saved_step(data_dir, tm
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+@pytest.mark.slow
+def test_workers_that_restore_different_steps_are_refused_before_they_train(data_dir, tmp_path):
+    # Each worker on a disk of its own: worker 0 resumed from step 2, worker 1 started at 0. The chief logged and
+    # saved steps 3 and 4 of replicas that disagreed, then both ended in a traceback (a collective's shape mismatch).
+    chief, other = tmp_path / "chief", tmp_path / "other"
+    args = [f"--data_dir={data_dir}", "--dataset=synthetic", "--hidden_sizes=32", "--steps_per_loop=2"]
+    assert helpers.launch(f"--workdir={chief}", *args, "--train_steps=2").returncode == 0
+    cluster = {"worker": [f"localhost:{p}" for p in helpers.free_ports(2)]}
+    args += ["--strategy=multi_worker", "--train_steps=4", "--connect_timeout=120", "--collective_timeout=120"]
+    with (
+        running(chief, *args, env=worker_env(cluster, 0)) as first,
+        running(other, *args, env=worker_env(cluster, 1)) as second,
+    ):
+        outputs = [p.communicate(timeout=240)[1] for p in (first, second)]
+    assert [first.returncode, second.returncode] == [2, 2], [err[-2000:] for err in outputs]
+    said = "(each restored what its workdir holds): every worker must read the same workdir, on storage they all see"
+    assert outputs[0].strip().splitlines()[-1] == (
+        f"error: --workdir={chief}: this worker starts at step 2, another worker of the job at step 0 {said} (a "
+        "node's own disk gives each its own)"
+    )
+    assert f"this worker starts at step 0, another worker of the job at step 2 {said}" in outputs[1]
+    assert logged_steps(chief) == [2] and checkpoint.latest(chief / "checkpoints").endswith("ckpt-2")
+
+
 def signals_blocked(pid):
     """True once launch.py installed the preemption watcher (it blocks SIGTERM in the main thread)."""
     with open(f"/proc/{pid}/status") as f:

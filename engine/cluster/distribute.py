@@ -215,6 +215,35 @@ def task_id(strategy):
     return (resolver.task_id or 0) if resolver is not None else 0
 
 
+def check_same_step(placement, workdir, step):
+    """Refuses (ConfigError, on every worker) a multi-worker job whose workers restored different steps: each read
+    its own copy of the workdir (a node's own disk), and the job would train replicas that disagree, the chief
+    logging and saving their numbers, until their collectives no longer matched. Nothing for one process or
+    parameter servers, whose chief alone restores."""
+    if not placement.multi_worker or placement.parameter_server:
+        return
+    steps = [int(s) for s in _steps_of_replicas(placement.strategy, tf.constant(step, tf.float64)).numpy()]
+    other = next((s for s in steps if s != step), None)
+    if other is not None:
+        raise ConfigError(
+            f"--workdir={workdir}: this worker starts at step {step}, another worker of the job at step {other} (each "
+            "restored what its workdir holds): every worker must read the same workdir, on storage they all see (a "
+            "node's own disk gives each its own)"
+        )
+
+
+@tf.function
+def _steps_of_replicas(strategy, step):
+    """Every replica's `step`, in the order of their ids: each adds its own in its slot of one all-reduce."""
+
+    def own_slot():
+        context = tf.distribute.get_replica_context()
+        slot = tf.one_hot(context.replica_id_in_sync_group, strategy.num_replicas_in_sync, dtype=tf.float64)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, slot * step)
+
+    return strategy.experimental_local_results(strategy.run(own_slot))[0]
+
+
 def explain_failure(strategy, settings, error):
     """A lost peer on a multi-worker job becomes PeerLost naming it (`settings`: config.cluster); other errors come
     back unchanged."""

@@ -133,7 +133,7 @@ if ready:
 def answers(address):
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()  # [::1]: its brackets off
         return True
     except OSError:
         return False

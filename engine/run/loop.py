@@ -50,6 +50,7 @@ def train(config, strategy=None, on_eval=None):
         if config.compile_cache and run.program.jit_compile and not _nothing_left(config, checkpoints.directory):
             trace(run)
         restored = _restore(run, checkpoints)
+        distribute.check_same_step(run.placement, config.workdir, int(run.state.step.numpy()))
         if restored:  # its labels must mean what they meant
             workdir_lib.check_same_classes(config.workdir, run.task)
         current = int(run.state.step.numpy())

@@ -17,6 +17,15 @@ def check_strategy(config):
     --strategy, TF_CONFIG or --cluster_resolver chose it, and those of --local_workers."""
     if config.local_workers:
         _check_local_workers(config)
+    if config.cluster_resolver and config.strategy in ("one_device", "mirrored"):
+        # Each task of a Slurm or Kubernetes job trained alone on its machine's devices, the workdir's lock refusing
+        # all but one.
+        fail(
+            "cluster_resolver",
+            config.cluster_resolver,
+            f"is not read by --strategy={config.strategy}, which runs in one process (each task of a job would train "
+            "alone): use --strategy=multi_worker, parameter_server or tpu, or leave --strategy out",
+        )
     name, said = strategy_plan(config.cluster)
     if name == "parameter_server" and config.precision == "mixed_float16":
         fail(
