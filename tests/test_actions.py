@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import sys
 import types
 
@@ -726,6 +727,42 @@ def test_a_run_an_action_stopped_is_not_trained_past_its_stop_when_its_command_r
     assert loop.train(config, one_device)["step"] == 20
 
 
+class _Exited(Exception):
+    """Stands in for the process's exit on a signal that came too late for the training loop (Signals._exit_now)."""
+
+
+def _exit_now(where):
+    raise _Exited(where)
+
+
+class _StopsAsSignalled(_StopsAt):
+    """Stops the run at `step` as a SIGTERM comes while it evaluates: the signal's watcher sets the loop's flag."""
+
+    def __call__(self, round, context):
+        if round.end == self.step:
+            SIGNALS.signal = signal.SIGTERM
+            context.run.program.stop.assign(True)
+        return super().__call__(round, context)
+
+
+def test_an_actions_stop_as_a_signal_comes_ends_the_run_there_and_a_rerun_does_not_train_past_it(
+    data_dir, one_device, tmp_path, monkeypatch
+):
+    # Before: the signal ended the run at the stop's checkpoint (Preempted) without its summary, and the same command
+    # run again resumed there and trained on past the early stop.
+    monkeypatch.setattr(SIGNALS, "signal", None)
+    monkeypatch.setattr(SIGNALS, "_exit_now", _exit_now)
+    monkeypatch.setattr(actions, "load", lambda config: [_StopsAsSignalled(6)])
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=20, steps_per_loop=3, hidden_sizes=(8,))
+    with pytest.raises(_Exited):  # the signal's exit, once the run has ended at its stop
+        loop.train(config, one_device)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["step"], summary["stopped_by"]) == (6, "tests/test_actions.py")
+    SIGNALS.signal = None
+    monkeypatch.setattr(actions, "load", lambda config: [])
+    assert loop.train(config, one_device)["step"] == 6
+
+
 def test_a_stop_at_train_steps_and_a_tuners_pruning_are_told_apart_from_an_early_stop(
     data_dir, one_device, tmp_path, monkeypatch
 ):
@@ -868,3 +905,11 @@ def test_an_actions_checkpointed_state_that_json_cannot_hold_is_one_line_naming_
     assert back.given == {"best": 0.25, "bad": 2}
     with pytest.raises(TaskError, match=r"^tests/test_actions\.py: checkpointed\(\) returned \{'when': datetime"):
         base.hold([Holds({"when": datetime.date(2026, 12, 7)})], variable)
+    # Before: a dict keyed by steps came back keyed by strings ({"4": 0.5}), and a resumed action read other keys.
+    with pytest.raises(TaskError) as error:
+        base.hold([Holds({"losses": {4: 0.5, 6: 0.25}})], variable)
+    assert str(error.value) == (
+        "tests/test_actions.py: checkpointed() returned {'losses': {4: 0.5, 6: 0.25}}, which a checkpoint cannot hold "
+        "(its dict key 4 is no string, and would come back as one): return numbers, strings, lists and dicts keyed by "
+        "strings"
+    )

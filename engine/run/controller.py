@@ -126,13 +126,19 @@ class Controller:
                     continue
                 current = ran.end
             self.context.checkpoints.save()  # nothing to do when this step is saved already
+            if isinstance(outcome, Stop):  # its summary written before a signal that came meanwhile exits the run
+                return self._stopped(current, outcome, started, last)
             if run.program.stopping_anywhere():  # a signal during the last round: every worker stops here alike
                 stop(current, self.context)
-        if not isinstance(outcome, Stop):
-            return self._summary(current, self._final_evaluation(current), last)
-        # An action stopped the run (a tuner pruning it at an evaluation): its results are the run's, not evaluated
-        # again; logged as the evaluation of the step where the action's own evaluation was not, and its
-        # train_loss is the mean over the round it stopped after.
+        return self._summary(current, self._final_evaluation(current), last)
+
+    def _stopped(self, current, outcome, started, last):
+        """The summary of a run an action stopped at `current` (an early stop, a tuner pruning it at an evaluation),
+        written even where a signal came as the action acted: the run ends there, and a rerun of its command does
+        not train past it. The Stop's results are the run's, not evaluated again; logged as the evaluation of the
+        step where the action's own evaluation was not, and its train_loss is the mean over the round it stopped
+        after (the round run last began at `started`)."""
+        report = self.context.report
         if report.evaluated != current:
             report.eval(current, outcome.results)
         if started is not None:

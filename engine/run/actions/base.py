@@ -104,9 +104,9 @@ class Action:
 
     def checkpointed(self):
         """What of the action a checkpoint holds, so that a resumed run (and a rollback) goes on with it as an
-        uninterrupted one does: JSON (numbers, strings, lists, dicts), read at every save; None: nothing (the
-        default). An early stop's best value and patience count are such state: kept only in Python, a kill and
-        resume would start them afresh and stop at another step."""
+        uninterrupted one does: JSON (numbers, strings, lists, dicts keyed by strings), read at every save; None:
+        nothing (the default). An early stop's best value and patience count are such state: kept only in Python, a
+        kill and resume would start them afresh and stop at another step."""
         return None
 
     def restored(self, value):
@@ -121,14 +121,37 @@ def hold(actions, variable):
     for action in actions:
         value = action.checkpointed()
         if value is not None:
-            try:
-                held[plugins.file_of(action)] = json.loads(json.dumps(value))
-            except (TypeError, ValueError) as e:
-                raise TaskError(
-                    f"{plugins.file_of(action)}: checkpointed() returned {value!r:.80}, which a checkpoint cannot "
-                    f"hold ({e}): return numbers, strings, lists and dicts"
-                ) from None
+            held[plugins.file_of(action)] = _as_json(value, plugins.file_of(action))
     variable.assign(json.dumps(held, sort_keys=True))
+
+
+def _as_json(value, where):
+    """`value` as a checkpoint hands it back; TaskError naming `where` for one JSON cannot hold, or would hand back
+    changed: a dict key that is no string comes back a string ({3: x} as {"3": x}), which a resumed action reads
+    as another key."""
+    try:
+        back, problem = json.loads(json.dumps(value)), None
+    except (TypeError, ValueError) as e:  # a circular one too, before its keys are walked
+        back, problem = None, str(e)
+    keys = [] if problem else _keys_not_strings(value)
+    if keys:
+        problem = f"its dict key {keys[0]!r} is no string, and would come back as one"
+    if problem:
+        raise TaskError(
+            f"{where}: checkpointed() returned {value!r:.80}, which a checkpoint cannot hold ({problem}): return "
+            "numbers, strings, lists and dicts keyed by strings"
+        )
+    return back
+
+
+def _keys_not_strings(value):
+    """The dict keys in `value`, nested in its dicts and lists too, that are no strings."""
+    if isinstance(value, dict):
+        inner = [key for v in value.values() for key in _keys_not_strings(v)]
+        return [key for key in value if not isinstance(key, str)] + inner
+    if isinstance(value, (list, tuple)):
+        return [key for v in value for key in _keys_not_strings(v)]
+    return []
 
 
 def hand_back(actions, variable):
