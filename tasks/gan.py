@@ -28,7 +28,8 @@ space: the features are the image's pixels themselves. No network is trained or 
 Inception for 8x8 digits), they are deterministic, and they read what a digit is made of: the mean image and which
 pixels ink together. Beside it, per real evaluation example: the discriminator's loss on it and on a fake paired with
 it, the generator's loss on that fake, and the shares the discriminator calls real (`real_accepted` of the real
-examples, `fake_accepted` of their fakes: near 0.5 each where it cannot tell them apart). `samples.png` shows a grid of generated images from the same fixed z.
+examples, `fake_accepted` of their fakes: near 0.5 each where it cannot tell them apart). `samples.png` shows a grid
+of generated images from the same fixed z.
 --mode=export serves the generator: z [n, --gan_latent] -> images [n, height, width, channels].
 """
 
