@@ -260,3 +260,23 @@ def test_an_input_too_large_names_what_gives_it_its_shape(monkeypatch, settings,
     # An MLP on the same images: its first layer's weights are the largest part, and it is named.
     with pytest.raises(ConfigError, match=r"^--model=mlp: needs about [\d.]+ GB of memory \(model, gradients"):
         memory.check(dataclasses.replace(config, model="mlp"), _on("CPU", 1), (1024, 1024, 3), 2)
+
+
+def test_a_size_that_understates_the_built_model_is_warned_of(data_dir, one_device, monkeypatch, capsys):
+    # A model file's size() of a tenth of its parameters passed the memory check by that tenth, unsaid.
+    import models.mlp
+    from engine.run import build
+    from tests import helpers
+
+    config = helpers.make_config(data_dir, hidden_sizes=(32,))  # 64*32+32 + 32*10+10 = 2,410 parameters
+    build.run(config, one_device)
+    assert "warning" not in capsys.readouterr().out  # the bundled size() is exact
+    true_size = models.mlp.size
+    monkeypatch.setattr(models.mlp, "size", lambda *a: (true_size(*a)[0] // 10, *true_size(*a)[1:]))
+    build.run(config, one_device)
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")] == [
+        "warning: models/mlp.py: size(config, input_shape, outputs) says 241 parameters, and the model it built holds "
+        "2,410: the memory check went by the estimate"
+    ]
+    build.run(config, one_device, "evaluate")  # a run that does not train: nothing of it to check
+    assert "warning" not in capsys.readouterr().out

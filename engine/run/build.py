@@ -127,6 +127,7 @@ def run(config, strategy, purpose="train", on_eval=None, source=None):
         weights = trained_weights(models, config.freeze, config.ema_decay)
         if training:
             check_freeze(models, config.freeze)
+            _check_estimate(config, task, models)
         task_file = plugins.file("task", config.task)
         plans = updates.build_plans(task, weights, config.optimization, config.numerics, task_file) if training else []
         state = checkpointed_state(models, plans, weights)
@@ -159,6 +160,14 @@ def task_and_data(config, kept=None):
         resolvers.reach_data_service(config.cluster)
     source, task = source_and_task(config)
     return task, datasets.prepare(config.data, source, task, service=config.tf_data_service)
+
+
+def _check_estimate(config, task, models):
+    """The memory check's estimate against the model it was of: the run's default model (a task that builds its own
+    models defines no outputs, and its estimate was of one --model alone)."""
+    input_shape, outputs = shape_and_outputs(task)
+    if outputs is not None and isinstance(models.get("model"), keras.Model):
+        memory.check_estimate(config, input_shape, outputs, models["model"])
 
 
 def shape_and_outputs(task):

@@ -40,6 +40,19 @@ def model_size(config, input_shape, outputs):
     return parameters, activations, forward[0] if forward else activations
 
 
+def check_estimate(config, input_shape, outputs, model):
+    """Warns where models/<config.model>.py's `size` says fewer parameters than `model`, which it built, holds by over
+    a tenth: the memory check went by the estimate, and a run it let through may not fit."""
+    sized = model_size(config, input_shape, outputs)
+    held = sum(math.prod(v.shape) for v in model.weights)
+    if sized is not None and held > 1.1 * sized[0]:
+        print(
+            f"warning: {plugins.file('model', config.model)}: size(config, input_shape, outputs) says "
+            f"{sized[0]:,} parameters, and the model it built holds {held:,}: the memory check went by the estimate",
+            flush=True,
+        )
+
+
 def source_memory(config):
     """Bytes the data source says its data takes (its `memory(config)`: data it generates), or 0. TaskError naming
     the file for anything but a number of at least 0."""
