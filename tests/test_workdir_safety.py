@@ -3,6 +3,7 @@ a refusal writes nothing, links planted in a workdir are never followed for a wr
 continuous_eval sidecar waits for its run and writes nothing when nothing came."""
 
 import dataclasses
+import glob
 import json
 import os
 import resource
@@ -432,6 +433,24 @@ def test_a_sidecar_evaluates_a_checkpoint_passed_over_for_want_of_its_index_once
     monkeypatch.setattr(evaluate, "_recorded", then_the_index)
     follow = dataclasses.replace(config, mode="continuous_eval", eval_timeout=4)
     assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.2)] == [10, 20]
+
+
+def test_a_sidecar_of_a_run_an_action_stopped_stops_after_its_last_checkpoint(trained, tmp_path, one_device, capsys):
+    # A run an early stop ended at step 10 (summary.json's stopped_by; a rerun trains no further): its sidecar waited
+    # out --eval_timeout (600 s by default) for a checkpoint that could never come.
+    config = copy_of(trained, tmp_path)
+    for path in glob.glob(os.path.join(config.workdir, "checkpoints", "ckpt-20*")):
+        os.remove(path)
+    summary_path = os.path.join(config.workdir, "summary.json")
+    with open(summary_path) as f:
+        summary = json.load(f)
+    with open(summary_path, "w") as f:
+        json.dump({**summary, "step": 10, "stopped_by": "engine/run/actions/patience.py"}, f)
+    follow = dataclasses.replace(config, mode="continuous_eval", eval_timeout=120)
+    assert [r["step"] for r in evaluate.follow(follow, one_device, poll_seconds=0.2)] == [10]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "continuous_eval: engine/run/actions/patience.py stopped the run at step 10; stopping"
+    )
 
 
 def test_a_sidecar_or_eval_of_a_study_says_so_at_once_and_a_sidecar_refuses_a_checkpoint(trained, tmp_path):

@@ -3,11 +3,7 @@ then the controller's rounds of steps and their actions (engine/run/controller.p
 the summary."""
 
 import contextlib
-import json
-import os
 import time
-
-import tensorflow as tf
 
 from engine.cluster import distribute
 from engine.numerics import updates
@@ -19,7 +15,6 @@ from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import lock, warm_start
 from engine.state import workdir as workdir_lib
-from engine.state.files import writing
 from engine.state.report import Report
 
 
@@ -118,7 +113,7 @@ def _ended_at(config, step):
     """The summary of a run that ended at `step`, where it has nothing left to train: at --train_steps, or where an
     action stopped it (an early stop, a tuner's pruning), which a rerun of its command does not train past. None
     where it goes on (a run killed before its summary, one given more --train_steps)."""
-    summary = _summary_at(config.workdir, step)
+    summary = workdir_lib.summary_at(config.workdir, step)
     if summary is not None and (step == config.train_steps or summary.get("stopped_by")):
         return summary
     return None
@@ -132,20 +127,6 @@ def _ended(summary, step):
             "(to train on from there, remove its summary.json)"
         )
     return f"already trained to step {step}"
-
-
-def _summary_at(workdir, step):
-    """summary.json when it reports `step` (a run that ended there), else None (killed before writing it)."""
-    path = os.path.join(workdir, "summary.json")
-    if not tf.io.gfile.exists(path):
-        return None
-    try:
-        # One the run cannot read (a folder in its place) is one it cannot write either: exit 4, naming it
-        with writing(path), tf.io.gfile.GFile(path) as f:
-            summary = json.loads(f.read())
-    except ValueError:  # damaged: the final evaluation runs again and rewrites it
-        return None
-    return summary if isinstance(summary, dict) and summary.get("step") == step else None
 
 
 def _train_steps_change(saved, config):

@@ -203,6 +203,10 @@ def _follow(config, strategy, poll_seconds):
     while time.monotonic() - waited_since < config.eval_timeout:
         latest = next((p for p in checkpoint_lib.list_checkpoints(directory) if not unreadable.passed_over(p)), None)
         if latest is None or os.path.basename(latest) in evaluated:
+            stopped = results and workdir_lib.stopped_by(config.workdir, results[-1]["step"])
+            if stopped:  # an action ended the run there: no checkpoint comes after it
+                print(f"continuous_eval: {stopped} stopped the run at step {results[-1]['step']}; stopping", flush=True)
+                break
             time.sleep(poll_seconds)
             continue
         try:

@@ -24,7 +24,7 @@ from engine.settings.fields import show
 from engine.settings.identity import ORDER_SETTINGS, identity_changes
 from engine.state import kept_source
 from engine.state.checkpoint import list_checkpoints
-from engine.state.files import is_local, write_json
+from engine.state.files import is_local, write_json, writing
 
 STUDY_NAME = "study.json"  # what marks a tuner's workdir (research/tune.py), which a train run is refused
 
@@ -266,3 +266,24 @@ def saved_source(workdir):
 def _free_name(workdir):
     base = workdir.rstrip("/")
     return next(f"{base}-{n}" for n in range(2, 10_000) if not tf.io.gfile.exists(f"{base}-{n}"))
+
+
+def summary_at(workdir, step):
+    """summary.json when it reports `step` (a run that ended there), else None (killed before writing it)."""
+    path = os.path.join(workdir, "summary.json")
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        # One the run cannot read (a folder in its place) is one it cannot write either: exit 4, naming it
+        with writing(path), tf.io.gfile.GFile(path) as f:
+            summary = json.loads(f.read())
+    except ValueError:  # damaged: the final evaluation runs again and rewrites it
+        return None
+    return summary if isinstance(summary, dict) and summary.get("step") == step else None
+
+
+def stopped_by(workdir, step):
+    """What stopped the run at `step` before --train_steps (summary.json's `stopped_by`: an early stop, a tuner's
+    pruning), which a rerun of its command does not train past; None where nothing did."""
+    summary = summary_at(workdir, step)
+    return summary.get("stopped_by") if summary is not None else None
