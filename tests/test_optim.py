@@ -303,3 +303,57 @@ def test_a_bfloat16_first_moment_resumes_exactly(data_dir, one_device, tmp_path)
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+class CosineHead(classification.Task):
+    """The hidden layer at the run's constant rate, the head's own cosine; or, under a run's cosine, both constant."""
+
+    head_schedule = "cosine"
+
+    def updates(self):
+        from engine.api import Update
+
+        return (
+            Update("body", trains=r"/dense/", optimizer={"lr_schedule": "constant"}),
+            Update("head", trains=r"/dense_1/", optimizer={"lr_schedule": self.head_schedule}),
+        )
+
+
+@pytest.mark.parametrize("run_schedule, head_schedule", [("constant", "cosine"), ("cosine", "constant")])
+def test_a_higher_train_steps_says_which_rates_now_decay_to_its_end(
+    data_dir, one_device, tmp_path, monkeypatch, capsys, run_schedule, head_schedule
+):
+    # The line named the run's --lr_schedule alone: an update's own cosine was stretched unsaid, and a run's cosine
+    # that every update replaced was said to decay.
+    monkeypatch.setattr(CosineHead, "head_schedule", head_schedule)
+    monkeypatch.setattr(data_lib, "task_class", lambda config: CosineHead)
+    settings = dict(hidden_sizes=(8,), jit_compile="false", lr_schedule=run_schedule, eval_every=0)
+    for steps in (2, 4):
+        loop.train(helpers.make_config(data_dir, str(tmp_path), train_steps=steps, **settings), one_device)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("--train_steps=4"))
+    decays = "; head/learning_rate (lr_schedule=cosine) now decays to 0 at step 4, not 2"
+    assert line == "--train_steps=4 (was 2): training on to step 4" + (decays if head_schedule == "cosine" else "")
+
+
+class ScaledHead(classification.Task):
+    def updates(self):
+        from engine.api import Update
+
+        head = {"lr_scaling": "linear", "base_batch_size": 32, "lr_schedule": "cosine"}
+        return (Update("body", trains=r"/dense/"), Update("head", trains=r"/dense_1/", optimizer=head))
+
+
+def test_the_summary_records_what_each_updates_rate_reads(data_dir, one_device, tmp_path, monkeypatch):
+    # The head's rate is 4x the body's (128 / 32), and it decays to 0 at step 2: summary.json and config.json said
+    # lr_scaling=linear and cosine, but neither the base batch nor the batch and steps the rate reads.
+    monkeypatch.setattr(data_lib, "task_class", lambda config: ScaledHead)
+    settings = dict(hidden_sizes=(8,), jit_compile="false", train_steps=2, global_batch_size=128, learning_rate=0.01)
+    config = helpers.make_config(data_dir, str(tmp_path), **settings)
+    summary = loop.train(config, one_device)
+    with open(tmp_path / "config.json") as f:
+        saved = json.load(f)["updates"]
+    for effective in (summary["updates"], saved):
+        assert effective["head"]["base_batch_size"] == 32
+        assert (effective["head"]["global_batch_size"], effective["head"]["train_steps"]) == (128, 2)
+        assert not {"base_batch_size", "global_batch_size", "train_steps"} & set(effective["body"])
+    assert summary["head/learning_rate"] == pytest.approx(4 * 0.01 * 0.5 * (1 + math.cos(math.pi / 2)))  # step 1

@@ -147,6 +147,9 @@ class Plan:
         settings, its schedule and clipping (the run's where it sets none), how often it applies."""
         names = ("optimizer", "learning_rate", *optim.rule_settings(self.settings.optimizer), "weight_decay")
         names += ("warmup_steps", "lr_schedule", "lr_scaling", "clip_norm", "clip_value")
+        # And what its rate reads beside them: without its batches the peak of --lr_scaling=linear is unknown.
+        names += ("base_batch_size",) if self.settings.lr_scaling == "linear" else ()
+        names += tuple(name for name, (_, reads) in optim.RATE_READS.items() if reads(self.settings))
         settings = {name: getattr(self.settings, name) for name in names}
         update = self.update
         return {**settings, "every": update.every, "repeat": update.repeat, "fresh": update.fresh}
@@ -292,6 +295,18 @@ def effective_settings(plans):
     """{update: the settings it trains with (Plan.effective)} of a run of several updates, as config.json and
     summary.json record them; None for a run of one, whose settings are the run's own."""
     return {plan.name: plan.effective() for plan in plans} if len(plans) > 1 else None
+
+
+def decaying_rates(plans, train_steps):
+    """{logged name: schedule} of the learning rates that decay to 0 at `train_steps` (optim.RATE_READS): the run's,
+    an update's or a group's own schedule alike; one that sets its own train_steps ends there, whatever the run's."""
+    reads = optim.RATE_READS["train_steps"][1]
+    return {
+        plan.prefix + name: hp.lr_schedule
+        for plan in plans
+        for hp, name in zip(plan.optimizer.settings, plan.optimizer.rate_of)
+        if reads(hp) and hp.train_steps == train_steps
+    }
 
 
 def batches_per_step(plans):

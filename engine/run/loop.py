@@ -68,7 +68,7 @@ def train(config, strategy=None, on_eval=None):
         if restored:
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
-                report.line(_train_steps_change(saved, config))
+                report.line(_train_steps_change(saved, config, run.plans))
         elif config.on_nan == "rollback" or config.save_initial:
             checkpoints.save()  # step 0: something to roll back to from the first step on, or to hold a fork against
         return Controller(run, report, checkpoints, started).train()
@@ -129,8 +129,16 @@ def _ended(summary, step):
     return f"already trained to step {step}"
 
 
-def _train_steps_change(saved, config):
+def _train_steps_change(saved, config, plans):
+    """The line a changed --train_steps prints: where the run now ends, and each learning rate whose schedule now
+    decays to 0 there instead (the run's, or an update's or group's own)."""
     line = f"--train_steps={config.train_steps} (was {saved.train_steps}): training on to step {config.train_steps}"
-    if config.lr_schedule == "cosine":
-        line += f"; --lr_schedule=cosine now decays to 0 at step {config.train_steps}, not {saved.train_steps}"
-    return line
+    decaying = updates.decaying_rates(plans, config.train_steps)
+    if not decaying:
+        return line
+    if decaying == {"learning_rate": config.lr_schedule}:  # the run's one rate, on the flag's schedule
+        rates = f"--lr_schedule={decaying['learning_rate']}"
+    else:
+        rates = ", ".join(f"{name} (lr_schedule={schedule})" for name, schedule in decaying.items())
+    verb = "decays" if len(decaying) == 1 else "decay"
+    return f"{line}; {rates} now {verb} to 0 at step {config.train_steps}, not {saved.train_steps}"
