@@ -102,6 +102,12 @@ def row(row_id, what, value, shown, target="", passes=None, detail=""):
     return {**base, "shown": shown(value) if callable(shown) else shown, "result": verdict}
 
 
+def not_judged(table):
+    """`table` with each verdict (PASS, FALL SHORT) replaced by "not judged": a smoke test's numbers, measured on
+    models or inputs too small to mean anything against the targets."""
+    return [{**r, "result": "not judged"} if r["result"] in ("PASS", "FALL SHORT") else r for r in table]
+
+
 def format_table(table, markdown=False):
     header = ("measurement", "value", "target", "result", "detail")
     body = [(r["measurement"], r["shown"], r["target"], r["result"], r["detail"]) for r in table]
@@ -129,7 +135,7 @@ def machine():
         pass
     import psutil
 
-    text = f"{cpu}, {os.cpu_count()} cores ({flags}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
+    text = f"{cpu}, {cores()} ({flags}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
     try:
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -143,6 +149,13 @@ def machine():
         pass
     versions = ", ".join(f"{p} {importlib.metadata.version(p)}" for p in ("tensorflow", "keras"))
     return f"{text}; {versions}; Python {platform.python_version()}"
+
+
+def cores():
+    """The cores this process may run on, as its numbers depend on them, and the machine's where they are fewer
+    (taskset, a cgroup's cpuset): TensorFlow sizes its thread pools by the former."""
+    usable, total = len(os.sched_getaffinity(0)), os.cpu_count()
+    return f"{usable} cores" if usable == total else f"{usable} of the machine's {total} cores"
 
 
 def revision():

@@ -301,11 +301,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     started, load_before = datetime.datetime.now(), os.getloadavg()[0]
     results = measure(args.quick)
-    print(common.format_table(rows(results)))
+    table = rows(results)
+    if args.quick:  # a ResNet-8 on 32-pixel crops consumes next to nothing: "keeps up" would always pass
+        table = common.not_judged(table)
+        print(
+            "--quick: a smoke test on small images, short windows and a tiny step: it shows that every row still "
+            "measures; no row is judged against its target (run without --quick for verdicts)"
+        )
+    print(common.format_table(table))
     minutes = (datetime.datetime.now() - started).total_seconds() / 60
     print(
-        f"{started:%Y-%m-%d}, {common.machine()}, {results['cores']} cores this process may use, "
-        f"engine {common.revision()}, "
+        f"{started:%Y-%m-%d}, {common.machine()}, engine {common.revision()}, "
         f"{minutes:.1f} min, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     if args.json:

@@ -134,7 +134,7 @@ def rows(results, models, quick=False):
             if "matmuls" in r:
                 table.append(_matmul_row(name, precision, r, what, models[name]["global_batch_size"]))
     if quick:
-        table = [{**r, "result": "not judged"} if r["result"] in ("PASS", "FALL SHORT") else r for r in table]
+        table = common.not_judged(table)
     return table
 
 
@@ -155,10 +155,16 @@ def _ratio_row(name, precision, r, what):
         f"({', '.join(f'{x:.2f}' for x in ratios)}): engine "
         f"{statistics.median(r['engine']):,.0f} examples/s, jit_compile={r['jit_choice']}; fit "
         + ", ".join(f"jit={j} {v:,.0f}" for j, v in fits.items())
-        + f" (best jit={best}); the engine's steps waited for input "
-        + ", ".join(f"{w:.1%}" for w in r.get("input_wait", []))
-        + " of the time",
+        + f" (best jit={best}); {_input_wait_text(r.get('input_wait', []))}",
     )
+
+
+def _input_wait_text(waits):
+    """The engine's input wait per repeat. launch.py's summary has none (null) where it timed no wait: on a GPU or
+    TPU, and under op determinism."""
+    if any(w is None for w in waits):
+        return "the engine's input wait was not timed (launch.py times it on CPUs only, not under --deterministic)"
+    return f"the engine's steps waited for input {', '.join(f'{w:.1%}' for w in waits)} of the time"
 
 
 def _matmul_row(name, precision, r, what, batch):
@@ -183,19 +189,15 @@ def _matmul_row(name, precision, r, what, batch):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(common.MODELS), help=f"comma-separated: {','.join(common.MODELS)}")
-    parser.add_argument("--precisions", default=",".join(common.PRECISIONS))
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="alternations of engine and fit per row")
+    parser.add_argument("--models", help=f"comma-separated: {','.join(common.MODELS)} (default: all)")
+    parser.add_argument("--precisions", help=f"comma-separated: {','.join(common.PRECISIONS)} (default: all)")
+    parser.add_argument("--repeats", type=int, help=f"alternations of engine and fit per row (default: {REPEATS})")
     parser.add_argument("--quick", action="store_true", help="a tiny MLP, float32, once: a smoke test")
     parser.add_argument("--steps", type=int, help="training steps of every run (default: per model, STEPS)")
     parser.add_argument("--json", help="also write the raw measurements here")
     args = parser.parse_args(argv)
-    names = args.models.split(",")
-    unknown = [n for n in names if n not in common.MODELS]
-    if unknown:
-        parser.error(f"--models: unknown {','.join(unknown)}; choose from {','.join(common.MODELS)}")
-    models = {"mlp_1024": QUICK} if args.quick else {n: common.MODELS[n] for n in names}
-    results = measure_all(models, args.precisions.split(","), args.repeats, args.quick, args.steps)
+    models, precisions = checked_args(parser, args)
+    results = measure_all(models, precisions, args.repeats or REPEATS, args.quick, args.steps)
     table = rows(results, models, quick=args.quick)
     if args.quick:
         print(
@@ -212,6 +214,26 @@ def main(argv=None):
     return 1 if any(r["result"] == "ERROR" for r in table) else 0
 
 
+def checked_args(parser, args):
+    """({name: spec}, precisions) that the flags ask for; a flag --quick would not use, or a value no run can take,
+    is refused in one line before anything runs."""
+    if args.quick and (args.models or args.precisions or args.repeats is not None):
+        parser.error("--quick measures a tiny MLP in float32 once: leave out --models, --precisions and --repeats")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: must be at least 1")
+    if args.steps is not None and args.steps < 2:
+        parser.error(f"--steps={args.steps}: must be at least 2 (the first round traces, the others are timed)")
+    for flag, known in (("models", common.MODELS), ("precisions", common.PRECISIONS)):
+        given = getattr(args, flag)
+        unknown = [n for n in given.split(",") if n not in known] if given else []
+        if unknown:
+            parser.error(f"--{flag}: unknown {','.join(unknown)}; choose from {','.join(known)}")
+    if args.quick:
+        return {"mlp_1024": QUICK}, ["float32"]
+    names = args.models.split(",") if args.models else list(common.MODELS)
+    return {n: common.MODELS[n] for n in names}, args.precisions.split(",") if args.precisions else common.PRECISIONS
+
+
 def measure_all(models, precisions, repeats, quick=False, steps=None):
     """{model: {precision: measurements}} for `models` ({name: spec}); a row that fails records its error.
     `quick`: float32 only, once, short runs, fit without XLA: a smoke test of the whole path."""
@@ -219,7 +241,7 @@ def measure_all(models, precisions, repeats, quick=False, steps=None):
         precisions, repeats = ["float32"], 1
     results = {}
     for name, spec in models.items():
-        runs, per_loop = (40, 10) if quick else (steps or STEPS[name], STEPS_PER_LOOP[name])
+        runs, per_loop = (steps or 40, 10) if quick else (steps or STEPS[name], STEPS_PER_LOOP[name])
         for precision in precisions:
             try:
                 fit_jit = (False,) if quick else (False, True)

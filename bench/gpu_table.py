@@ -5,7 +5,7 @@ and appends the table to bench/RESULTS.md.
     bash bench/gpu.sh                               # the table, within 8 minutes on one GPU
     python -m bench.gpu_table --record              # the same from a python that imports TensorFlow
     python -m bench.gpu_table --device=cpu --layers=1 --dim=16 --heads=2 --sequence_length=16 --batch=4 \\
-        --steps=3 --matmul_size=128 --results=/tmp/RESULTS.md --record      # a tiny table on a CPU (the test's)
+        --steps=3 --warmup_steps=1 --matmul_size=128 --results=/tmp/RESULTS.md --record   # a tiny table on a CPU
 
 A row is one precision: `launch.py` with the recipe's flags (as a user runs it) against bench/torch_gpt.py (float32;
 bfloat16 autocast; float16 autocast with GradScaler), each one whole process timed from outside, from the same
@@ -208,7 +208,7 @@ def cpu_description():
             name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{name}, {common.cores()}"
 
 
 def parser():

@@ -86,6 +86,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default=",".join(RECIPES))
     args = parser.parse_args(argv)
+    unknown = [name for name in args.recipes.split(",") if name not in RECIPES]
+    if unknown:
+        parser.error(f"--recipes: unknown {','.join(unknown)}; choose from {','.join(RECIPES)}")
     print(f"{'recipe':<20} {'estimated':>12} {'measured peak growth':>22} {'measured / estimated':>22}")
     for name in args.recipes.split(","):
         found = measure(name, RECIPES[name])

@@ -6,7 +6,7 @@ order the table shows them.
 """
 
 from bench import decode, end_to_end
-from bench.common import TINY, label, row
+from bench.common import TINY, label, not_judged, row
 
 # The issue's targets: the engine at least this much faster than fit at its best.
 SPEED_TARGETS = {"mlp_1024": 1.4, "mlp_256": 1.1, "resnet": 1.1, "transformer": 1.1}
@@ -36,7 +36,7 @@ def rows(results, models, quick=False):
         out.extend(decode.rows(results["decode"]))
     out.extend(end_to_end.rows(results.get("end_to_end", {}), models))
     if quick:  # windows of a step or two on models that compile longer than they run: no number means anything
-        out = [{**row, "result": "not judged"} if row["result"] in ("PASS", "FALL SHORT") else row for row in out]
+        out = not_judged(out)
     return out
 
 

@@ -3,7 +3,7 @@
     python -m bench.run                 # the full table (about 15 min on 2 idle CPU cores, 30 when shared)
     python -m bench.run --quick         # tiny models, one round: checks that it all still runs (~40 s); no verdicts
     python -m bench.run --record        # also appends the table to bench/RESULTS.md
-    bash bench/gpu.sh                   # the same table on one NVIDIA GPU, mixed_float16 and XLA
+    python -m bench.run --gpu           # the same table on one NVIDIA GPU, mixed_float16 the base precision
 
 Every ratio compares two things timed in the same process, in interleaved windows, on the same
 model, data, batch and machine (see bench/worker.py); absolute times are printed for context only.
@@ -155,7 +155,7 @@ def main(argv=None):
     parser.add_argument(
         "--models", help=f"comma-separated subset of {','.join(MODELS)}; default: all ({QUICK_DEFAULT} with --quick)"
     )
-    parser.add_argument("--gpu", action="store_true", help="mixed_float16 as the base precision (bench/gpu.sh)")
+    parser.add_argument("--gpu", action="store_true", help="mixed_float16 as the base precision, on one GPU")
     parser.add_argument(
         "--jobs", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)), help="memory processes at once"
     )

@@ -238,3 +238,64 @@ def test_end_to_end_quick_judges_no_row(monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "PASS" not in printed and "FALL SHORT" not in printed
     assert printed.count("not judged") == 2 and "no row is judged" in printed
+
+
+def test_end_to_end_row_says_the_input_wait_was_not_timed_where_launch_timed_none():
+    """launch.py's summary has input_wait_fraction null on a GPU (and under --deterministic): formatting it as a
+    percentage raised a TypeError after every run of the table had been measured."""
+    row = {"engine": [120.0], "fit": {0: [100.0], 1: [80.0]}, "jit_choice": "true (auto: ...)", "input_wait": [None]}
+    (ratio,) = end_to_end.rows({"resnet": {"float32": row}}, {"resnet": common.MODELS["resnet"]})
+    assert ratio["value"] == pytest.approx(1.2) and ratio["result"] == "PASS"
+    assert ratio["detail"].endswith(
+        "the engine's input wait was not timed (launch.py times it on CPUs only, not under --deterministic)"
+    )
+
+
+def test_end_to_end_quick_runs_the_steps_it_is_given_and_refuses_flags_it_would_ignore(monkeypatch, capsys):
+    """--quick ran 40 steps whatever --steps said, and a tiny MLP in float32 whatever --models, --precisions and
+    --repeats said, printing the table as if it had run them."""
+    ran = []
+    monkeypatch.setattr(end_to_end, "measure", lambda name, spec, precision, repeats, steps, *_: ran.append(steps))
+    end_to_end.measure_all({"mlp_1024": end_to_end.QUICK}, ["float32"], 1, quick=True, steps=100)
+    assert ran == [100]
+    for flags in (["--quick", "--models=resnet"], ["--quick", "--precisions=mixed_bfloat16"], ["--repeats=0"]):
+        with pytest.raises(SystemExit) as stopped:
+            end_to_end.main(flags)
+        assert stopped.value.code == 2, flags
+    err = capsys.readouterr().err
+    assert "--quick measures a tiny MLP in float32 once" in err and "--repeats=0: must be at least 1" in err
+
+
+def test_machine_names_the_cores_this_process_may_use(monkeypatch):
+    """Under taskset or a cgroup's cpuset TensorFlow runs on the cores it may use: the header said the machine's."""
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 4)
+    assert ", 1 of the machine's 4 cores (" in common.machine()
+
+
+def test_decode_quick_judges_no_row(monkeypatch, capsys):
+    """`python -m bench.decode --quick` judged its tiny ResNet-8 step against the pipeline: PASS at 28x."""
+    from bench import decode
+
+    speeds = {"local": 3600.0, "service": 650.0}
+    results = dict(cores=2, images=24, sides=[48, 96], mean_megapixels=0.01, image_size=32, batch=8)
+    results.update(examples_per_sec=speeds, examples_per_sec_per_core={k: v / 2 for k, v in speeds.items()})
+    results.update(service_vs_local=650 / 3600, uint8_vs_float32=1.1, bfloat16_vs_float32=0.2)
+    results.update(normalise_examples_per_sec={"uint8": 12000.0, "float32": 11000.0, "bfloat16": 2600.0})
+    results.update(step={"examples_per_sec": 128.0, "model": "ResNet-8", "batch": 4}, delivered_vs_consumed=28.1)
+    monkeypatch.setattr(decode, "measure", lambda quick: results)
+    assert decode.main(["--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "PASS" not in printed and "FALL SHORT" not in printed
+    assert printed.count("not judged") == 1 and "no row is judged" in printed
+
+
+def test_memory_refuses_an_unknown_recipe_in_one_line(capsys):
+    """`python -m bench.memory --recipes=digits-mlp` ended in a KeyError traceback after printing its header."""
+    from bench import memory
+
+    with pytest.raises(SystemExit) as stopped:
+        memory.main(["--recipes=digits_mlp,digits-mlp"])
+    assert stopped.value.code == 2
+    printed = capsys.readouterr()
+    assert "error: --recipes: unknown digits-mlp; choose from digits_mlp," in printed.err and printed.out == ""
