@@ -22,7 +22,7 @@ For code outside engine/ that handles actions (an action's own file, engine/run/
 base.py beside it): Action (the interface: every, steps, due, needs, around, __call__, close), Round (what a round
     hands it), ROLLED_BACK and Stop (what it may answer)
 To hold a fork's step against a reference (a plain TensorFlow loop of its math, as the tests do):
-    weights         {model: {variable path: array}} of a run's checkpoint (a workdir's newest, or a prefix);
+    weights         {model: {variable path: array}} of a run's checkpoint (a workdir's newest readable, or a prefix);
                     --save_initial writes step 0's, the initial weights
     training_batches  the global batches a run trains on, in order, as one device reads them
     run_config      the Config a train run saved in its workdir (config.json), for training_batches

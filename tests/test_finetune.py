@@ -293,3 +293,22 @@ def test_a_workdir_whose_newest_checkpoint_is_unreadable_starts_from_the_previou
     saved = saved_weights(source)
     for path, value in at_start["weights"].items():
         np.testing.assert_array_equal(value, saved[path], err_msg=path)
+
+
+def test_weights_of_a_workdir_whose_newest_checkpoint_is_unreadable_reads_the_previous_one(source, tmp_path, capsys):
+    """engine.api.weights of a run still training, read as it saves (its index comes last), read that ckpt-N without
+    one and was refused, where a warm start and --mode=eval read the previous checkpoint."""
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy)
+    for data in (copy / "checkpoints").glob("ckpt-20.data-*"):  # ckpt-30 as a save leaves it before its index
+        shutil.copy(data, str(data).replace("ckpt-20", "ckpt-30"))
+    read = api.weights(str(copy))
+    assert (
+        f"warning: --checkpoint={copy}: unreadable checkpoint {copy}/checkpoints/ckpt-30 (" in capsys.readouterr().out
+    )
+    expected = api.weights(str(copy / "checkpoints" / "ckpt-20"))
+    assert read.keys() == expected.keys() == {"model", "ema/model"}
+    for name, values in expected.items():
+        assert read[name].keys() == values.keys()
+        for path, value in values.items():
+            np.testing.assert_array_equal(read[name][path], value, err_msg=f"{name}/{path}")

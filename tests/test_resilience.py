@@ -143,6 +143,27 @@ def test_checkpoint_of_another_model_is_refused(data_dir, one_device, tmp_path, 
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-10"]
 
 
+def test_a_checkpoint_of_another_engine_version_is_refused_as_such_changing_nothing(data_dir, one_device, tmp_path):
+    """A checkpoint that holds a piece of state this engine never saves (a newer engine's), in a workdir whose
+    config.json says the same settings: refused in one line naming it and the engine version, not "a run with other
+    settings saved it"."""
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=10, checkpoint_every=10)
+    run = build.run(config, one_device)
+    loop.train(config, one_device)
+    path = str(tmp_path / "checkpoints" / "ckpt-10")
+    checkpoint.restore(tf.train.Checkpoint(**run.state.tracked()), path)
+    for name in glob.glob(path + ".*"):
+        os.remove(name)
+    tf.train.Checkpoint(**run.state.tracked(), grad_noise=tf.Variable(0.5)).write(path)  # as a newer engine's
+    before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "summary.json", "config.json")}
+    with pytest.raises(ConfigError) as refused:
+        loop.train(dataclasses.replace(config, train_steps=20), one_device)
+    message = str(refused.value)
+    assert f"checkpoint {path} does not fit this run: it holds grad_noise, which this engine never saves" in message
+    assert "finish that run with the engine version that wrote it" in message and "other settings" not in message
+    assert all(open(tmp_path / name, "rb").read() == content for name, content in before.items())
+
+
 def _poison(monkeypatch, bad_batches):
     """Global batches `bad_batches` of the training stream carry a NaN (one device: one batch per step)."""
     real_prepare = data.prepare

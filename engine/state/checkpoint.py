@@ -15,7 +15,11 @@ from google.protobuf import text_format
 
 from engine.settings.config import first_line
 from engine.settings.errors import CheckpointError, ConfigError  # CheckpointError: also imported from here
+from engine.state import held
 from engine.state.files import check_listable, failed_file, is_local, remove_tree, replace_text
+
+# What a refusal of a checkpoint another version of the engine saved tells a person to do.
+OTHER_VERSION = "finish that run with the engine version that wrote it"
 
 
 def describe_key(key):
@@ -322,7 +326,7 @@ def restore(checkpoint, path, partial=False):
         if not _whole(path):  # rotated away as it was read (--keep_checkpoints of a run still training)
             raise Unreadable(f"its files went away as it was read ({path}.index or its data)") from None
         why = _mismatch(checkpoint, path, partial)
-        if "keyed variables by path" not in why:
+        if OTHER_VERSION not in why:
             why += " (a run with other settings saved it)"
         raise ConfigError(f"checkpoint {path} does not fit this run: {why}") from None
 
@@ -360,9 +364,13 @@ def _mismatch(checkpoint, path, partial):
     if any(k.startswith("model/") for k in saved) and not any(k.startswith("models/") for k in saved):
         return (
             "it was saved before this engine keyed variables by path (its keys are model/0, model/1, ...); "
-            "finish that run with the engine version that wrote it"
+            + OTHER_VERSION
         )
     ignore = {"_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
+    unknown = sorted({key.split("/")[0] for key in saved.keys() - ignore} - held.KEYS)
+    if unknown and not partial:  # a piece of a run's state this engine never saves (a newer engine's)
+        saved_by = f"it holds {unknown[0]}, which this engine never saves (another version of the engine saved it)"
+        return f"{saved_by}; {OTHER_VERSION}"
     name = describe_key
     for key in sorted((ours.keys() | saved.keys()) - ignore):
         if key not in saved:

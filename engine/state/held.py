@@ -58,3 +58,9 @@ class State:
     def evaluated(self):
         """What evaluation, export and ensembles restore (partial=True): the models, their averages and the step."""
         return tf.train.Checkpoint(**{k: v for k, v in self.tracked().items() if k in ("models", "step", "ema")})
+
+
+# Every key at the top of a checkpoint this engine saves, whatever the settings (State.tracked's; the updates' names,
+# engine/numerics/updates.py checkpointed): a checkpoint that holds another was saved by another version of it.
+UPDATE_KEYS = ("optimizer", "loss_scale", "optimizers", "loss_scales")
+KEYS = frozenset([*(f.name for f in dataclasses.fields(State) if f.name != "plans"), *UPDATE_KEYS])

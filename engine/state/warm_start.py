@@ -13,12 +13,6 @@ from engine.settings.errors import ConfigError
 from engine.state.checkpoint import describe_key, is_damage, list_checkpoints, storage_error
 
 
-def find(source, flag):
-    """The checkpoint `source` names: a checkpoint prefix, or a workdir (its newest checkpoint). ConfigError naming
-    `flag` when there is none."""
-    return _candidates(source, flag)[0]
-
-
 def _candidates(source, flag):
     """The checkpoints `source` may name, the one to read first first: [a checkpoint prefix], or a workdir's
     checkpoints newest first. ConfigError naming `flag` when there is none."""
@@ -38,19 +32,7 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
     A workdir's newest checkpoint that cannot be read (damaged, or still being saved by a run training there: its
     index comes last) is named in a warning and the previous one read, as --mode=eval does; nothing is assigned
     from a checkpoint until every value it gives has been read."""
-    tried, untried = [], _candidates(source, flag)
-    while True:
-        prefix = untried[0]
-        tried.append(prefix)
-        try:
-            values, result = _read(models, source, prefix, flag)
-            break
-        except Unreadable as e:
-            # Listed again: a run training there may have saved, or rotated one away, meanwhile.
-            untried = [p for p in _candidates(source, flag) if p not in tried]
-            if not untried:
-                raise
-            print(f"warning: {e}; reading the previous checkpoint", flush=True)
+    prefix, (values, result) = _newest_readable(source, flag, lambda prefix: _read(models, source, prefix, flag))
     for v, value in values:
         v.assign(value)
     line = f"{flag}: {len(result['matched'])} variables from {prefix}"
@@ -63,6 +45,24 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
             line += f"; {why}: {', '.join(result[what])}"
     log(line)
     return result
+
+
+def _newest_readable(source, flag, read):
+    """(prefix, read(prefix)) of the newest checkpoint `source` names that `read` can read: one of a workdir that is
+    damaged, or still being saved by a run training there (its index comes last), is named in a warning and the
+    previous one read. Unreadable where none is left to read."""
+    tried, untried = [], _candidates(source, flag)
+    while True:
+        prefix = untried[0]
+        tried.append(prefix)
+        try:
+            return prefix, read(prefix)
+        except Unreadable as e:
+            # Listed again: a run training there may have saved, or rotated one away, meanwhile.
+            untried = [p for p in _candidates(source, flag) if p not in tried]
+            if not untried:
+                raise
+            print(f"warning: {e}; reading the previous checkpoint", flush=True)
 
 
 def _read(models, source, prefix, flag):
@@ -129,9 +129,14 @@ def _is_seed_state(path):
 
 def weights(source, flag="checkpoint"):
     """{model name: {variable path: numpy array}} of the checkpoint `source` names (a checkpoint prefix, or a workdir:
-    its newest): every model's weights and statistics by the Keras paths the models give them (mlp/dense/kernel),
-    and their moving averages under "ema/<model>" where the run kept them. What a fork holds its step against."""
-    prefix = find(source, flag)
+    its newest readable one, as a warm start reads it): every model's weights and statistics by the Keras paths the
+    models give them (mlp/dense/kernel), and their moving averages under "ema/<model>" where the run kept them. What a
+    fork holds its step against."""
+    return _newest_readable(source, flag, lambda prefix: _weights_in(source, prefix, flag))[1]
+
+
+def _weights_in(source, prefix, flag):
+    """weights() of the checkpoint `prefix`; Unreadable where it is damaged."""
     found = {}
     with _reading(source, prefix, flag):
         reader = tf.train.load_checkpoint(prefix)
