@@ -208,7 +208,7 @@ def test_a_run_of_two_updates_logs_and_checkpoints_each_by_name(data_dir, monkey
             np.testing.assert_array_equal(resumed.get_tensor(name), reader.get_tensor(name), err_msg=name)
 
 
-def test_a_checkpoint_written_before_updates_restores_and_trains_on_bit_identically(tmp_path):
+def test_a_checkpoint_written_before_updates_restores_and_trains_on_to_float32_rounding(tmp_path):
     """tests/data/before_updates: a 5-step run (hidden_sizes=8, --ema_decay=0.9) saved by the engine before updates
     existed (optimizer/..., loss_scale/... keys). Trained on to step 10 it matches a fresh 10-step run."""
     old = tmp_path / "old"
@@ -223,8 +223,9 @@ def test_a_checkpoint_written_before_updates_restores_and_trains_on_bit_identica
     names = [n for n in straight.get_variable_to_shape_map() if n.startswith(("models/", "optimizer/", "ema/"))]
     assert "optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE" in names and len(names) == 4 + 1 + 8 + 4
     for name in names:
-        # Bit for bit in a process of its own (seen); in a worker where other tests ran first (op determinism, which
-        # a --deterministic run leaves enabled, is one suspect) a slot differed by 2e-9 in the full suite.
+        # To float32 rounding, not bit for bit: tests/data/before_updates was saved on another CPU, whose steps round
+        # otherwise (its step 5 is 1e-7 from this code's on a 2-core AMD EPYC, where the code that saved it gives
+        # this code's step 5 bit for bit); docs/numerics.md says so.
         np.testing.assert_allclose(resumed.get_tensor(name), straight.get_tensor(name), rtol=1e-4, atol=1e-8)
     assert summary["eval"] == pytest.approx(fresh["eval"], rel=1e-4)
 
