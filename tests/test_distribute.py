@@ -143,7 +143,8 @@ def test_a_parameter_server_job_schedules_each_round_over_all_its_workers():
     strategy = _parameter_server_chief(3)
     assert distribute.scheduled_workers(strategy) == 3 and distribute.num_workers(strategy) == 1
 
-    zeros = {"steps": 0.0, "skipped": 0.0, "loss_sum": 0.0, "floor_skipped": 0.0, "stop": 0.0, "input_wait": 0.0}
+    zeros = {"steps": 0.0, "skipped": 0.0, "loss_sum": 0.0, "floor_skipped": 0.0, "stop": 0.0}
+    zeros.update(input_wait=0.0, busy=0.0)
 
     class Coordinator:
         def __init__(self):
@@ -163,6 +164,31 @@ def test_a_parameter_server_job_schedules_each_round_over_all_its_workers():
     assert path.stream_start(60) == 20  # each worker's own stream, at its share of the 60 batches read
     shared = inputs.PerWorker(placement, data=None, counter=None, coordinator=Coordinator(), service="grpc://d:1")
     assert shared.stream_start(60) == 60  # the tf.data service's one job, which every worker reads from
+
+
+def test_a_parameter_server_rounds_input_wait_is_a_share_of_its_time_not_the_workers_waits_summed():
+    # Two workers' functions ran at once, each waiting for input 80% of its time: their waits were summed over the
+    # round's wall time, and an input-bound folder: job wrote input_wait_fraction=1.16 (and would warn of "116%").
+    import time
+
+    from engine.run import inputs
+
+    strategy = _parameter_server_chief(2)
+
+    class Coordinator:  # each function ran 1 s, 0.8 s of it waiting; together they took the round's 0.05 s
+        def schedule(self, loop, args):
+            out = {"steps": float(args[1]), "skipped": 0.0, "loss_sum": 0.0, "floor_skipped": 0.0, "stop": 0.0}
+            return type("Remote", (), {"fetch": lambda _: {**out, "input_wait": 0.8, "busy": 1.0}})()
+
+        def join(self):
+            time.sleep(0.05)
+
+    placement = distribute.Placement(strategy, "parameter_server", "CPU", 1, 1, True, True, True, 0, scheduled=2)
+    path = inputs.PerWorker(placement, data=None, counter=None, coordinator=Coordinator())
+    tic = time.perf_counter()
+    out = path.run(loop=None, iterator=None, steps=8, first_batch=0)
+    seconds = time.perf_counter() - tic
+    assert 0.8 * 0.05 <= out["input_wait"] <= 0.8 * seconds  # 80% of the round, as each worker's share
 
 
 def test_a_peer_at_an_ipv6_address_that_answers_is_not_named_silent():

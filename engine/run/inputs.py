@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import tensorflow as tf
 
@@ -243,10 +244,12 @@ class PerWorker(Distributed):
         coordinator reschedules a dead worker's share); the chief waits for all."""
         chunk = max(1, steps // (4 * self.placement.scheduled))
         sizes = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
+        tic = time.perf_counter()
         remote = [
             self.coordinator.schedule(loop, args=(iterator, tf.constant(n), tf.constant(0, tf.int64))) for n in sizes
         ]
         self.coordinator.join()
+        seconds = time.perf_counter() - tic
         fetched = [r.fetch() for r in remote]
         extras = {k: v for k, v in fetched[-1].items() if isinstance(v, dict)}  # the last step's, an action asked for
         outs = [{k: float(v) for k, v in f.items() if not isinstance(v, dict)} for f in fetched]
@@ -261,9 +264,18 @@ class PerWorker(Distributed):
             **sums,
             "floor_skipped": sum(o["floor_skipped"] for o in outs),
             "stop": max(o["stop"] for o in outs),  # any function that saw the flag: they ran in no set order
-            "input_wait": sum(o["input_wait"] for o in outs),
+            "input_wait": waited_share(outs) * seconds,  # the workers' share, in seconds of the round's
+            "busy": sum(o["busy"] for o in outs),
             **extras,
         }
+
+
+def waited_share(outs):
+    """The share of their time the steps of a parameter server's functions (`outs`: their numbers) waited for their
+    batches: their waits over the time they ran. The functions run at once on the workers: their waits summed, over
+    the round's wall time, came to more than the whole (an input_wait_fraction of 1.16 on two workers)."""
+    busy = sum(o["busy"] for o in outs)
+    return sum(o["input_wait"] for o in outs) / busy if busy else 0.0
 
 
 # What a rerun does after a data error: a run that saved no checkpoint starts again (engine/state/workdir.py

@@ -170,9 +170,10 @@ class TrainProgram:
         counted = {name: tf.constant(0.0, tf.float64) for name in own}
         finite_steps, ran = tf.constant(0.0), tf.constant(0)
         floor_skipped = tf.constant(0.0)  # float16: steps skipped whose skip could not lower the loss scale
-        waited = tf.constant(0.0, tf.float64)
-        last = {"stop": False, **{name: 0.0 for name in self.metric_names if name not in summed}}
         timed, feed, state = self.waits_timed, self.input, self.state
+        began = tf.timestamp() if timed else tf.constant(0.0, tf.float64)
+        waited = began - began  # zero, and the loop that adds to it starts after `began`
+        last = {"stop": False, **{name: 0.0 for name in self.metric_names if name not in summed}}
         # The last step's extras (its gradients or updates, for an action that asked for them), carried through
         # the loop.
         carried = {name: _zeros(self.plans) for name in extras}
@@ -194,6 +195,8 @@ class TrainProgram:
             if self.stops_each_step and out["stop"]:
                 break
         skipped = tf.cast(ran, tf.float32) - finite_steps
+        with tf.control_dependencies([ran, waited]):  # the loop's end, as the timestamps are ordered by hand
+            busy = tf.timestamp() - began if timed else tf.constant(0.0, tf.float64)
         # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
         means = {k: v / counted.get(k, tf.cast(finite_steps, tf.float64)) for k, v in sums.items()}
         return {
@@ -204,6 +207,7 @@ class TrainProgram:
             "floor_skipped": floor_skipped,
             "steps": ran,
             "input_wait": waited,
+            "busy": busy,  # seconds the loop ran, where its waits are timed (0 else): the time they are a share of
             **last,
             **carried,
         }

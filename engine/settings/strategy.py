@@ -41,6 +41,14 @@ def check_strategy(config):
             f"cannot compile the step with {said}: an XLA program cannot read the variables on parameter servers "
             "(--jit_compile=auto compiles nothing there)",
         )
+    if name == "parameter_server" and config.deterministic:  # same flags, same numbers: not on asynchronous workers
+        fail(
+            "deterministic",
+            config.deterministic,
+            f"cannot make {said} reproducible: its workers apply their updates asynchronously, in the order they "
+            "finish, so the same flags give other numbers each run; drop --deterministic, or use "
+            "--strategy=multi_worker (synchronous)",
+        )
     if name == "parameter_server" and config.cluster_resolver == "kubernetes":
         fail(
             "cluster_resolver",
