@@ -39,6 +39,8 @@ CASES = [
     (["--eval_batch_size=100000000"], "--eval_batch_size=100000000"),
     (["--train_steps=99999999999999999999999"], "--train_steps=99999999999999999999999"),
     (["--num_cpu_devices=100000"], "--num_cpu_devices=100000"),
+    # One device, workers and servers take one CPU device each: the split was ignored, unsaid.
+    (["--strategy=one_device", "--num_cpu_devices=2"], "--num_cpu_devices=2"),
     (["--compile_cache=/dev/null/cache"], "--compile_cache=/dev/null/cache"),
     (["--nodeterministic=true"], "--nodeterministic=true"),
     (["--flagfile={tmp}/negated.flags"], "--nosave_initial=1"),
@@ -419,3 +421,10 @@ def test_a_flag_that_is_not_a_number_is_said_in_our_words(tmp_path):
     for flag, said in (("--train_steps=5x", "must be an integer"), ("--learning_rate=abc", "must be a number")):
         result = launch(f"--workdir={tmp_path}/work", flag, timeout=120)
         assert (result.returncode, result.stderr.strip().splitlines()) == (2, [f"error: {flag}: {said}"])
+
+
+def test_a_setting_read_where_a_selector_is_empty_says_so_in_words():
+    from engine.settings.fields import read_by
+
+    assert read_by("num_cpu_devices") == "read by --strategy=mirrored and an empty --strategy"
+    assert read_by("momentum") == "read by --optimizer=sgd"

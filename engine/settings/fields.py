@@ -100,7 +100,9 @@ class _RunSettings(sections.Sectioned):
         "mirrored over several GPUs or over --num_cpu_devices above 1, else one device",
     )
     num_cpu_devices: int = _cluster(
-        1, "split the host CPU into this many logical devices (mirrored on a CPU-only machine)"
+        1,
+        "split the host CPU into this many logical devices (mirrored on a CPU-only machine)",
+        {"strategy": ("mirrored", "")},  # one device, workers and servers take one each
     )
     tpu: str = _cluster(
         "",
@@ -356,7 +358,8 @@ def unread(config, given):
 
 def read_by(name):
     """A setting's readers in words: read by --dataset=folder, ... and tensorflow-datasets names."""
-    names = sorted(f"--{selector}={value}" for selector, value in readers(name) if value != TFDS_NAMES)
+    names = sorted(f"--{selector}={value}" if value else f"an empty --{selector}" for selector, value in readers(name))
+    names = [said for said in names if not said.endswith(f"={TFDS_NAMES}")]
     if ("dataset", TFDS_NAMES) in readers(name):
         names.append("tensorflow-datasets names")
     said = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
