@@ -194,23 +194,10 @@ class TrainProgram:
             state.batches.assign_add(self.batches_per_step)
             if self.stops_each_step and out["stop"]:
                 break
-        skipped = tf.cast(ran, tf.float32) - finite_steps
         with tf.control_dependencies([ran, waited]):  # the loop's end, as the timestamps are ordered by hand
             busy = tf.timestamp() - began if timed else tf.constant(0.0, tf.float64)
-        # loss: the mean over the round's finite steps. stop: the all-reduced flag, the same on every worker.
-        means = {k: v / counted.get(k, tf.cast(finite_steps, tf.float64)) for k, v in sums.items()}
-        return {
-            **means,
-            **{f"{k}_sum": v for k, v in sums.items()},
-            "skipped": skipped,
-            **_each_skipped(self.plans, ran, counted),
-            "floor_skipped": floor_skipped,
-            "steps": ran,
-            "input_wait": waited,
-            "busy": busy,  # seconds the loop ran, where its waits are timed (0 else): the time they are a share of
-            **last,
-            **carried,
-        }
+        timing = {"input_wait": waited, "busy": busy}
+        return _round_numbers(self.plans, sums, counted, finite_steps, ran, floor_skipped, **timing, **last, **carried)
 
     def trace(self):
         """Traces the round's loop (with the replica step) now, as a run's first function. XLA's persistent cache
@@ -314,6 +301,23 @@ def _summed_numbers(plans):
     summed = [name for p in plans for name in ((p.prefix + "loss",) if p.prefix else ()) + (p.prefix + "grad_norm",)]
     own = {name: p.prefix + "finite" for p in plans if p.prefix for name in (p.prefix + "loss", p.prefix + "grad_norm")}
     return summed, own
+
+
+def _round_numbers(plans, sums, counted, finite_steps, ran, floor_skipped, **rest):
+    """What a round's loop returns: each summed number's mean over the round's finite steps (the loss; an update's
+    own over its own) and its sum, the steps skipped (each update's too), the steps run, and `rest` as it is: the
+    input's wait and the seconds the loop ran (`busy`, where its waits are timed, else 0: the time they are a share
+    of), the last step's numbers (`stop`: the all-reduced flag, the same on every worker) and its extras."""
+    means = {k: v / counted.get(k, tf.cast(finite_steps, tf.float64)) for k, v in sums.items()}
+    return {
+        **means,
+        **{f"{k}_sum": v for k, v in sums.items()},
+        "skipped": tf.cast(ran, tf.float32) - finite_steps,
+        **_each_skipped(plans, ran, counted),
+        "floor_skipped": floor_skipped,
+        "steps": ran,
+        **rest,
+    }
 
 
 def _each_skipped(plans, ran, counted):
