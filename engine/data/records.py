@@ -4,6 +4,7 @@ truncated, corrupt or changed file stops the run naming it (`parsed`, `unreadabl
 """
 
 import dataclasses
+import functools
 import hashlib
 import re
 
@@ -58,7 +59,7 @@ def in_memory(arrays):
         examples,
         lambda: tf.data.Dataset.from_tensor_slices(arrays),
         lambda indices: {name: tf.gather(values, indices) for name, values in arrays.items()},
-        digest=lambda: digest(arrays),
+        digest=functools.cache(lambda: digest(arrays)),  # read at the start and on a resume: hashed once
     )
 
 

@@ -220,7 +220,7 @@ def warn_of_another_split(config, data, step):
     if "digest" not in saved:  # a config.json from before splits held in memory kept a digest
         now.pop("digest", None)
     if saved != now:
-        same = {k: v for k, v in saved.items() if k != "digest"} == {k: v for k, v in now.items() if k != "digest"}
+        same = _counts(saved) == _counts(now)  # as many examples and files: only the digest differs
         held = f"other examples (as many, {_split(now)}, of other values)" if same else _split(now)
         print(
             f"warning: --dataset={config.dataset}: its --train_split={config.train_split} holds {held} now, "
@@ -229,6 +229,10 @@ def warn_of_another_split(config, data, step):
             "run would have read",
             flush=True,
         )
+
+
+def _counts(held):
+    return {k: v for k, v in held.items() if k != "digest"}
 
 
 def _split(held):
