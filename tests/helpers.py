@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 
@@ -244,6 +245,18 @@ def by_path(tensors, kind, model="model"):
 
     prefix = f"{kind}/{model}/"
     return {checkpoint.describe_key(k.split("/")[2]): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def copy_checkout(destination, root=None):
+    """Copies what launch.py reads of the checkout at `root` (this one) to `destination`, as a fork holds it: no
+    tests or runs, nothing hidden (.git, the virtual environments .venv and .venv-torch, .gpu's packed TensorFlow,
+    caches: a gigabyte and more where .ci/run made .venv-torch in the checkout, copied into every fork a test made)."""
+
+    def left_out(directory, names):
+        return [n for n in names if n.startswith(".") or n in ("runs", "tests", "__pycache__") or ".egg-info" in n]
+
+    shutil.copytree(root or ROOT, destination, ignore=left_out)
+    return destination
 
 
 def without_xla_cache():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, copy_checkout
 
 EXAMPLE = os.path.join(ROOT, "tests", "fork_example")
 STEPS = 200  # what docs/forking.md's commands run
@@ -23,9 +23,7 @@ STEPS = 200  # what docs/forking.md's commands run
 def fork(tmp_path_factory):
     """A copy of the repository with the example's files added: the repository itself is never touched."""
     path = str(tmp_path_factory.mktemp("fork") / "engine")
-    shutil.copytree(
-        ROOT, path, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__", ".pytest_cache")
-    )
+    copy_checkout(path)
     added = []
     for directory, _, files in os.walk(EXAMPLE):
         for name in files:
@@ -147,3 +145,26 @@ def test_a_reference_reads_a_runs_config_back_through_the_public_face(data_dir, 
     ours, theirs = next(training_batches(read)), next(training_batches(dataclasses.replace(config)))
     np.testing.assert_array_equal(ours["image"], theirs["image"])
     assert run_config(str(tmp_path / "none")) is None
+
+
+def test_a_fork_the_tests_make_holds_the_engine_and_not_the_checkouts_environments(tmp_path):
+    """.ci/run makes .venv-torch in the checkout (a gigabyte): each fork a test made copied it, and .gpu's packed
+    TensorFlow, for a run that reads neither."""
+    root = tmp_path / "checkout"
+    for path in (
+        "launch.py",
+        "engine/a.py",
+        "sources/data/d.npz",
+        ".venv-torch/lib/torch.py",
+        ".venv/bin/python",
+        ".gpu/tf.00",
+        ".git/HEAD",
+        "runs/r/metrics.jsonl",
+        "tests/test_a.py",
+        "engine/__pycache__/a.pyc",
+    ):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(path)
+    fork = copy_checkout(tmp_path / "fork", root)
+    copied = sorted(os.path.relpath(os.path.join(d, n), fork) for d, _, names in os.walk(fork) for n in names)
+    assert copied == ["engine/a.py", "launch.py", "sources/data/d.npz"]

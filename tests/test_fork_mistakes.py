@@ -321,10 +321,7 @@ def test_a_loss_that_breaks_the_per_example_contract_is_one_line(data_dir, one_d
 
 def _fork_with(tmp_path, files):
     """A copy of the checkout with `files` ({path: text}) added, as a researcher's fork holds them."""
-    import shutil
-
-    fork = tmp_path / "fork"
-    shutil.copytree(helpers.ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
+    fork = helpers.copy_checkout(tmp_path / "fork")
     for path, text in files.items():
         (fork / path).write_text(text)
     return fork

@@ -7,7 +7,6 @@ Every refusal that depends on the strategy judges the one the run will use, what
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ from engine.settings.fields import Config, applies
 from engine.settings.identity import identity_changes
 from engine.settings.strategy import planned_strategy
 from engine.state import workdir
-from tests.helpers import ROOT
+from tests.helpers import copy_checkout
 
 PS_CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
 
@@ -232,8 +231,7 @@ def test_a_tasks_defaults_that_cannot_be_read_are_one_error_each_naming_the_file
 def test_a_plugin_file_read_before_the_settings_exist_fails_every_command_in_one_line(tmp_path):
     """A source whose ARGUMENT is no literal failed every command as the settings loaded, and a plugin file that
     does not parse failed --help, each in a traceback (rc 1); declared.py has the line that names the file."""
-    fork = tmp_path / "fork"
-    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
+    fork = copy_checkout(tmp_path / "fork")
     cases = {
         "sources/mine.py": (
             'HELP = "a folder"\nARGUMENT = ("PATH", HELP)\n',
@@ -252,8 +250,7 @@ def test_a_plugin_file_read_before_the_settings_exist_fails_every_command_in_one
 
 
 def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
-    fork = tmp_path / "fork"
-    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "tests", "__pycache__"))
+    fork = copy_checkout(tmp_path / "fork")
     (fork / "tasks" / "clash.py").write_text('SETTINGS = {"resnet_depth": (8, "a name models/resnet.py has")}\n')
     result = subprocess.run(
         [sys.executable, "launch.py", f"--workdir={tmp_path}/work"], cwd=fork, capture_output=True, text=True
