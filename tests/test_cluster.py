@@ -213,7 +213,8 @@ def test_a_dead_parameter_server_leaves_the_chief_to_say_so(tmp_path, monkeypatc
 
 # The launcher in a process of its own, its tasks the fake ones above, each stopped as the launcher ends.
 _LAUNCHER = """
-import sys
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal starts it: a suite run under nohup ignores SIGHUP
 sys.path.insert(0, {root!r})
 from engine.cluster import launcher
 launcher.GRACE_SECONDS = 1  # what a server waits for the chief to save, as the launcher ends
