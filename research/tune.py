@@ -38,6 +38,7 @@ from engine.state.files import is_local, write_json
 from research import checks, tune_summary
 from research.space import parse_space, with_values
 from research.tune_study import (
+    CURVE,
     FINISHED,
     RESUMES,
     TUNER,
@@ -249,9 +250,13 @@ def _objective(config, space, strategy, name):
         again = "" if resumes is None else f" (trial {resumes} again, from its checkpoint)"
         print(f"tune: trial {trial.number}{again}: {_flags(values)} in {run_config.workdir}", flush=True)
         pruned_at = []
+        reported = {int(step): value for step, value in trial.user_attrs.get(CURVE, {}).items()}
+        for step, value in reported.items():  # a requeued trial's evaluations before it was interrupted
+            trial.report(value, step)
 
         def on_eval(step, results):
-            trial.report(_value(results, name, config), step)
+            if step not in reported:  # a resumed run evaluates the step it resumes at again: reported already
+                trial.report(_value(results, name, config), step)
             if trial.should_prune():
                 pruned_at.append(step)
             return bool(pruned_at)
@@ -271,9 +276,10 @@ def _objective(config, space, strategy, name):
         trial.set_user_attr("steps", summary["step"])
         if summary.get("stopped_by") == ON_EVAL and not pruned_at:  # pruned before a kill: its rerun says so
             pruned_at.append(summary["step"])
-            # With the evaluation it was pruned at, which this trial (a requeued one) never reported: its value and
-            # step, as a trial pruned without a kill has them.
-            trial.report(_value(summary["eval"], name, config), summary["step"])
+            # With the evaluation it was pruned at, which this trial (a requeued one) may not have reported: its value
+            # and step, as a trial pruned without a kill has them.
+            if summary["step"] not in reported:
+                trial.report(_value(summary["eval"], name, config), summary["step"])
         if pruned_at:
             raise optuna.TrialPruned(f"at step {pruned_at[0]}")
         return _value(summary["eval"], name, config)

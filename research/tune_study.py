@@ -22,6 +22,9 @@ from engine.state.files import is_local
 from research.space import with_values
 
 RESUMES = "resumes"  # user attribute of a requeued trial: the number whose sub-workdir (and checkpoint) it continues
+# User attribute of a requeued trial: the evaluations the trial it continues reported, {step as text: value}, which
+# it reports again before it trains on: its learning curve (what pruners and tune_report.png read) starts at step 0.
+CURVE = "curve"
 # User attributes of a trial that drew its config: its sub-workdir, relative to its tuner's --workdir (which may be
 # moved), and that --workdir as it was then (another tuner's, in a shared study).
 WORKDIR, TUNER = "workdir", "tuner_workdir"
@@ -237,11 +240,15 @@ def _storage_error(error):
 
 
 def requeue(study, trial):
-    """Runs an interrupted trial's parameters again, in its own sub-workdir, so it resumes from its checkpoint."""
+    """Runs an interrupted trial's parameters again, in its own sub-workdir, so it resumes from its checkpoint, with
+    the evaluations it reported."""
     if not trial.params:
         return  # stopped before it drew anything: nothing to resume
     origin = trial.user_attrs.get(RESUMES, trial.number)
-    study.enqueue_trial(trial.params, user_attrs={RESUMES: origin})
+    # A running trial's own Trial object holds no reports: its record in the study does.
+    (record,) = [t for t in study.get_trials(deepcopy=False) if t.number == trial.number]
+    curve = {str(step): value for step, value in sorted(record.intermediate_values.items())}
+    study.enqueue_trial(trial.params, user_attrs={RESUMES: origin, CURVE: curve})
     print(f"tune: trial {trial.number} was interrupted; requeued to resume in trials/{origin}", flush=True)
 
 

@@ -13,12 +13,13 @@ import re
 import shutil
 import subprocess
 import time
+import warnings
 
 import optuna
 import pytest
 
 from engine.run import loop
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, Preempted
 from engine.state import checkpoint, lock
 from research import checks, ensemble, tune, tune_study
 from research.space import parse_space
@@ -296,6 +297,34 @@ def test_killed_study_resumes_with_completed_trials_kept_and_none_run_twice(data
     assert (summary["trials"], summary["complete"], summary["failed"], summary["interrupted"]) == (4, 4, 0, 1)
     assert [t["state"] for t in summary["all"]] == ["complete", "complete", "interrupted", "complete", "complete"]
     assert "tune: trial 2 was interrupted; requeued to resume in trials/2" in out.stdout
+
+
+def test_a_requeued_trial_reports_the_curve_of_the_trial_it_continues(data_dir, one_device, tmp_path, monkeypatch):
+    """A trial preempted after two evaluations resumes as a new trial, which reported only what came after the
+    resume: tune_report.png drew its curve from there and the pruners judged it on half a curve."""
+    space = write_space(tmp_path, "learning_rate log 1e-3 1e-1\n")
+    config = tune_config(data_dir, tmp_path / "study", space, tune_trials=1, tune_sampler="random")
+    runs = []
+
+    def train(run_config, strategy, on_eval):  # the trial's run: evaluations at 20 and 40, then the second run's
+        first = not runs
+        runs.append(run_config.workdir)
+        for step in (20, 40) if first else (40, 60):  # a run resumed at 40 evaluates 40 again
+            assert not on_eval(step, {"accuracy": step / 100, "examples": 180})
+        if first:
+            raise Preempted("preempted", 75)
+        return {"step": 60, "eval": {"accuracy": 0.6, "examples": 180}}
+
+    monkeypatch.setattr(loop, "train", train)
+    with pytest.raises(Preempted), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step reported twice is Optuna's warning
+        tune.tune(config, one_device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tune.tune(config, one_device)
+    trials = load_study(tmp_path / "study").trials
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"] and runs[0] == runs[1]
+    assert trials[1].intermediate_values == {20: 0.2, 40: 0.4, 60: 0.6}
 
 
 def test_time_budget_stops_starting_trials(data_dir, one_device, tmp_path):
