@@ -120,8 +120,9 @@ def ensemble(config, strategy=None):
         },
         "validation_split": validation,
         "eval_split": test,
-        "validation_examples": len(predictions[validation][0]),
-        "test_examples": len(predictions[test][0]),
+        # Counted as an evaluation counts them, by their weights (an int where every weight is 1 or 0).
+        "validation_examples": members_scores[0]["validation"]["examples"],
+        "test_examples": members_scores[0]["test"]["examples"],
         "wall_seconds": time.time() - started,
     }
     _write(config, summary, predictions, weights, reference)

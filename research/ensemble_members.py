@@ -39,7 +39,7 @@ class Reference:
     config: Config
     task: object  # its tasks/<name>.py Task
     spec: dict  # {feature: tf.TensorSpec} of one prepared example
-    examples: dict  # split -> {feature: [examples, ...]} (real examples, in order; with `index`)
+    examples: dict  # split -> {feature: [examples, ...]} (real examples, in order; with `index` and `weight`)
     shapes: dict  # split -> shape of one example's predictions
 
 
@@ -142,14 +142,14 @@ def _predictor(run):
 
 
 def _predict(predict, batches):
-    """(predictions [examples, ...] float64, {feature: [examples, ...]}) of the real examples of `batches`."""
+    """(predictions [examples, ...] float64, {feature: [examples, ...]}) of the real examples of `batches`, with
+    their `weight` (how much each counts in the scores' means)."""
     outputs, features = [], {}
     for batch in batches:
         real = batch["weight"].numpy() > 0  # padding that completes the last batch has weight 0
         outputs.append(np.asarray(predict(batch), np.float64)[real])
         for name, values in batch.items():
-            if name != "weight":
-                features.setdefault(name, []).append(values.numpy()[real])
+            features.setdefault(name, []).append(values.numpy()[real])
     return np.concatenate(outputs), {name: np.concatenate(values) for name, values in features.items()}
 
 

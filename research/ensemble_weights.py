@@ -4,7 +4,7 @@ runs: it takes a second."""
 
 import numpy as np
 
-from engine.run.evaluator import reported
+from engine.run.evaluator import reported, weighed
 from engine.settings import plugins
 
 _TINY = np.finfo(np.float64).tiny  # keeps log() finite for a probability that underflowed to 0
@@ -24,10 +24,15 @@ def combine(predictions, weights, mean="arithmetic"):
 
 def scores(task, predictions, examples):
     """The task's reported numbers for `predictions` of `examples`, like an evaluation: the means of its
-    per-example scores, through its report; with the example count."""
-    means = {name: float(np.mean(values)) for name, values in task.score(predictions, examples).items()}
+    per-example scores, each example counted by its `weight` (1 each where `examples` carry none), through its
+    report; with the examples counted, as an evaluation counts them (the weights' sum: an int where it is whole).
+    A member scored each example as 1, unlike its own run's evaluation of fractional weights."""
+    given = examples.get("weight") if examples else None
+    counts = np.ones(len(predictions)) if given is None else np.asarray(given, np.float64)
+    scored = task.score(predictions, examples).items()
+    means = {name: float(np.average(values, weights=counts)) for name, values in scored}
     where = f"{plugins.file_of(task)}: report"
-    return {**reported(task.report(means), where), "examples": int(len(predictions))}
+    return {**reported(task.report(means), where), "examples": weighed(np.float32(counts.sum()))}
 
 
 def fit_weights(predictions, examples, task, config):

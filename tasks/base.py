@@ -106,8 +106,9 @@ class Task:
 
     def probe(self, models, examples):
         """Numbers that need more than per-example sums (a linear probe on frozen features): {} by default.
-        `examples(split)` iterates once over the prepared batches of a split, each example once (a `weight` of 0
-        marks padding): a generator of batches, not a tf.data.Dataset."""
+        `examples(split)` iterates once over the prepared batches of a split, each example once with its `weight`
+        (how much it counts, as in the means: a probe weighs what it reports by it; 0 marks padding): a generator of
+        batches, not a tf.data.Dataset."""
         return {}
 
     def pictures(self, models):

@@ -128,15 +128,19 @@ class Task(base.Task):
         embed = tf.function(lambda images: models["encoder"](images, training=False))
 
         def embedded(split):
-            features, labels = [], []
+            """(features, labels, weights) of the split's examples that count (padding weighs 0)."""
+            features, labels, weights = [], [], []
             for batch in examples(split):
-                real = batch["weight"].numpy() > 0
+                weight = batch["weight"].numpy()
+                real = weight > 0
                 features.append(np.asarray(embed(batch["image"]), np.float64)[real])
                 labels.append(batch["label"].numpy()[real])
-            return np.concatenate(features), np.concatenate(labels)
+                weights.append(weight[real].astype(np.float64))
+            return tuple(np.concatenate(parts) for parts in (features, labels, weights))
 
         train, evals = embedded(self.config.train_split), embedded(self.config.eval_split)
-        return {"probe_accuracy": linear_probe(*train, *evals, self.info["num_classes"])}
+        accuracy = linear_probe(*train[:2], *evals[:2], self.info["num_classes"], train[2], eval_weights=evals[2])
+        return {"probe_accuracy": accuracy}
 
     def serve(self, models):
         spec = self.spec["image"]
@@ -173,11 +177,18 @@ def augment(images, keys):
     return tf.clip_by_value((views - mean) * contrast + mean + brightness + noise, 0.0, 1.0)
 
 
-def linear_probe(train_features, train_labels, eval_features, eval_labels, classes):
+def linear_probe(
+    train_features, train_labels, eval_features, eval_labels, classes, train_weights=None, eval_weights=None
+):
     """Accuracy on the evaluation examples of a multinomial logistic regression fitted on the training ones
     (numpy arrays [n, d] and [n]), deterministically: features standardized by the training statistics, an
-    L2-regularized cross-entropy minimized by Nesterov-accelerated gradient descent with a step of 1/L."""
-    mean, std = train_features.mean(0), train_features.std(0)
+    L2-regularized cross-entropy minimized by Nesterov-accelerated gradient descent with a step of 1/L. Each example
+    counts by its weight ([n], a source's `weight`; None: 1 each), in the fit as in the accuracy, as the engine's
+    means count it (one of weight 0.01 counted as much as one of weight 1)."""
+    counts = np.ones(len(train_features)) if train_weights is None else np.asarray(train_weights, np.float64)
+    counted = counts[:, None]
+    mean = (counted * train_features).sum(0) / counts.sum()
+    std = np.sqrt((counted * (train_features - mean) ** 2).sum(0) / counts.sum())
     std[std == 0] = 1.0  # a constant feature (a border pixel) carries nothing
 
     def design(features):
@@ -185,14 +196,14 @@ def linear_probe(train_features, train_labels, eval_features, eval_labels, class
 
     x, targets = design(train_features), np.eye(classes)[train_labels]
     # The softmax cross-entropy's Hessian in the logits is at most 1/2: L bounds the loss's curvature.
-    smoothness = 0.5 * np.linalg.eigvalsh(x.T @ x / len(x))[-1] + PROBE_L2
+    smoothness = 0.5 * np.linalg.eigvalsh((counted * x).T @ x / counts.sum())[-1] + PROBE_L2
     weights = previous = np.zeros((x.shape[1], classes))
     for t in range(PROBE_STEPS):
         ahead = weights + t / (t + 3) * (weights - previous)
         logits = x @ ahead
         probabilities = np.exp(logits - logits.max(1, keepdims=True))
         probabilities /= probabilities.sum(1, keepdims=True)
-        gradient = x.T @ (probabilities - targets) / len(x) + PROBE_L2 * ahead
+        gradient = x.T @ (counted * (probabilities - targets)) / counts.sum() + PROBE_L2 * ahead
         previous, weights = weights, ahead - gradient / smoothness
     predicted = np.argmax(design(eval_features) @ weights, axis=1)
-    return float(np.mean(predicted == eval_labels))
+    return float(np.average(predicted == eval_labels, weights=eval_weights))

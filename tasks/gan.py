@@ -136,13 +136,15 @@ class Task(base.Task):
         return np.asarray(models["generator"](z, training=False), np.float64)
 
     def probe(self, models, examples):
-        real = []
+        real, weights = [], []
         for batch in examples(self.config.eval_split):
-            kept = batch["weight"].numpy() > 0
+            weight = batch["weight"].numpy()
+            kept = weight > 0  # padding weighs 0
             real.append(batch["image"].numpy()[kept].reshape(int(kept.sum()), -1))
+            weights.append(weight[kept])
         real = np.concatenate(real).astype(np.float64)
         fake = self.samples(models, len(real)).reshape(len(real), -1)
-        return {"frechet_distance": frechet_distance(real, fake)}
+        return {"frechet_distance": frechet_distance(real, fake, np.concatenate(weights).astype(np.float64))}
 
     def pictures(self, models):
         return {"samples": grid(self.samples(models, GRID * GRID), GRID)}
@@ -207,14 +209,16 @@ def _hidden(widths, dropout=0.0):
     return layers
 
 
-def frechet_distance(a, b):
+def frechet_distance(a, b, a_weights=None):
     """The Frechet distance between Gaussians fitted to the rows of `a` and of `b` ([n, d] float64):
-    |mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a^1/2 S_b S_a^1/2)^1/2).
+    |mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a^1/2 S_b S_a^1/2)^1/2). Each row of `a` counts by its weight in
+    `a_weights` ([n], the evaluation's `weight`; None: 1 each), as it counts in the evaluation's means: the real
+    images' Gaussian counted an example of weight 0.01 as much as one of weight 1.
 
     The matrix roots by eigendecompositions of symmetric matrices: exact, deterministic, and real where a
     covariance of fewer examples than dimensions is singular (a border pixel that never inks)."""
-    mean_a, mean_b = a.mean(0), b.mean(0)
-    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    mean_a, mean_b = np.average(a, axis=0, weights=a_weights), b.mean(0)
+    cov_a, cov_b = np.cov(a, rowvar=False, aweights=a_weights), np.cov(b, rowvar=False)
     values, vectors = np.linalg.eigh(cov_a)
     root_a = (vectors * np.sqrt(np.clip(values, 0.0, None))) @ vectors.T
     middle = root_a @ cov_b @ root_a

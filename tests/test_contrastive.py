@@ -264,5 +264,36 @@ def worker(out_dir, data_dir):
     np.savez(os.path.join(out_dir, f"worker{task}.npz"), **arrays)
 
 
+def test_the_probe_counts_each_example_by_its_weight(data_dir):
+    """A source's fractional weights: the probe counted an example of weight 0.01 as much as one of weight 1, while
+    the loss beside it weighed each by its weight. One of weight k counts as k copies, of weight 0 as none."""
+    import tensorflow as tf
+
+    from tasks import contrastive
+
+    config = helpers.make_config(data_dir, task="contrastive")
+    task = contrastive.Task(config, {"image": tf.TensorSpec([2, 2, 1], tf.float32)}, {"num_classes": 2})
+    encoder = {"encoder": tf.keras.Sequential([tf.keras.layers.Flatten()])}  # the probe reads the pixels
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(2, 200, 2, 2, 1)).astype(np.float32)
+    labels = (images[..., 0, 0, 0] + rng.normal(size=(2, 200)) > 0).astype(np.int64)  # noisy: accuracy about 0.7
+    weights = rng.integers(0, 4, size=(2, 200)).astype(np.float32)
+    splits = dict(zip((config.train_split, config.eval_split), range(2)))
+
+    def probed(repeat):
+        def examples(split):
+            i = splits[split]
+            counts = weights[i].astype(int) if repeat else np.ones(200, int)
+            image, label = np.repeat(images[i], counts, 0), np.repeat(labels[i], counts)
+            weight = np.ones(len(label), np.float32) if repeat else weights[i]
+            yield {"image": tf.constant(image), "label": tf.constant(label), "weight": tf.constant(weight)}
+
+        return task.probe(encoder, examples)["probe_accuracy"]
+
+    weighted, copied = probed(False), probed(True)
+    assert weighted == pytest.approx(copied, abs=1e-12), (weighted, copied)
+    assert 0.6 < copied < 0.9
+
+
 if __name__ == "__main__":
     worker(*sys.argv[1:])

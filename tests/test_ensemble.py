@@ -453,6 +453,27 @@ def test_a_task_whose_outputs_cannot_be_averaged_is_refused(data_dir, members, t
     assert not (tmp_path / "ensemble").exists()
 
 
+def test_members_are_scored_with_each_example_counted_by_its_weight():
+    """A source's fractional weights: a member scored each example as 1 (test accuracy 0.9222 on 360 examples where
+    its own run reported 0.9168 on 181.8), and the weights were fitted on the unweighted loss. An example of weight k
+    counts as k copies; one of weight 0 (padding) is no example at all."""
+    from research.ensemble_members import _predict
+
+    config = helpers.make_config("", mode="ensemble", members="a,b")
+    task = classification.Task(config, {}, {"num_classes": 2})
+    rng = np.random.default_rng(0)
+    probabilities = rng.dirichlet(np.ones(2), size=40)
+    batch = {"label": tf.constant(rng.integers(0, 2, 40)), "weight": tf.constant(rng.integers(0, 4, 40), tf.float32)}
+    predictions, examples = _predict(lambda batch: tf.constant(probabilities), [batch])
+    copies = batch["weight"].numpy().astype(int)
+    repeated = {"label": np.repeat(batch["label"].numpy(), copies)}
+    weighted = ensemble_weights.scores(task, predictions, examples)
+    assert weighted == pytest.approx(ensemble_weights.scores(task, np.repeat(probabilities, copies, 0), repeated))
+    assert weighted["examples"] == copies.sum() == 60 and len(predictions) == 29  # 11 of weight 0 left out
+    fractions = ensemble_weights.scores(task, predictions, {**examples, "weight": examples["weight"] * 0.3})
+    assert fractions == pytest.approx({**weighted, "examples": 18})  # each counts 0.3 as much: the same means
+
+
 def test_values_average_and_score_as_the_regression_task_reports():
     """--task=regression averages predicted values (arithmetic only) and reports RMSE in the target's units."""
     from tasks import regression

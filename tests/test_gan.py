@@ -290,6 +290,25 @@ def test_frechet_distance_of_known_gaussians():
     assert np.isfinite(frechet_distance(singular, b[:100]))
 
 
+def test_frechet_distance_counts_each_real_example_by_its_weight(data_dir):
+    """A source's fractional weights: the real images' Gaussian counted an example of weight 1e-6 as much as one of
+    weight 1 (the metrics beside it weigh each by its weight), here a far cluster that made it nine times what it is."""
+    from tasks import gan
+
+    config = helpers.make_config(data_dir, task="gan", hidden_sizes=(16,), gan_latent=8)
+    task = gan.Task(config, {"image": tf.TensorSpec([8, 8, 1], tf.float32)}, {})
+    models = task.models(None)
+    rng = np.random.default_rng(0)
+    near = rng.uniform(0.3, 0.7, size=(100, 8, 8, 1)).astype(np.float32)  # the generator's untrained grays
+    far = np.ones_like(near)  # weighing next to nothing: it must move the distance next to nothing
+    weight = np.concatenate([np.ones(100), np.full(100, 1e-6)]).astype(np.float32)
+    batch = {"image": tf.constant(np.concatenate([near, far])), "weight": tf.constant(weight)}
+    found = task.probe(models, lambda split: iter([batch]))["frechet_distance"]
+    fakes = task.samples(models, 200).reshape(200, -1)
+    alone = gan.frechet_distance(near.reshape(100, -1).astype(np.float64), fakes)
+    assert found == pytest.approx(alone, rel=1e-3), (found, alone)
+
+
 def test_another_model_is_refused(data_dir):
     from engine.settings.errors import ConfigError
     from tasks import gan
