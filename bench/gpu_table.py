@@ -11,8 +11,8 @@ A row is one precision: `launch.py` with the recipe's flags (as a user runs it) 
 bfloat16 autocast; float16 autocast with GradScaler), each one whole process timed from outside, from the same
 initial weights, batches and evaluation windows (bench/pytorch.py's prepare writes them). The engine's time a step
 is its summary's, which leaves out the first round (tracing and XLA's compile); PyTorch's the median step after
-its first 20, timed on the GPU. The matmuls run one after another, each size-cubed, float32 in TF32 (TensorFlow's
-default on such a GPU, and set so for PyTorch).
+its first 20 (a shorter run's first half), timed on the GPU. The matmuls run one after another, each size-cubed,
+float32 in TF32 (TensorFlow's default on such a GPU, and set so for PyTorch).
 
 Every process gets a part of one budget (--budget seconds from the start): what is left, shared equally among the
 processes still to start, PyTorch's runs before the engine's (they are short: what they leave goes to the engine's).
@@ -145,9 +145,9 @@ HEADER = (
 )
 COLUMNS = (
     "ms/step: the engine's from its summary (its first round, with tracing and XLA's compile, left out), PyTorch's "
-    "the median step after its first 20 (CUDA events on a GPU); val. loss: after the last step, on the same "
-    "windows; process s: start to exit, timed from outside (imports, start-up, training, evaluation, and the "
-    "engine's checkpoint)."
+    "the median step after its first 20, or a shorter run's first half (CUDA events on a GPU); val. loss: after the "
+    "last step, on the same windows; process s: start to exit, timed from outside (imports, start-up, training, "
+    "evaluation, and the engine's checkpoint)."
 )
 
 
@@ -224,7 +224,11 @@ def parser():
     out.add_argument("--warmup_steps", type=int, help="default: the recipe's (fewer than --steps)")
     out.add_argument("--matmul_size", type=int, default=8192)
     out.add_argument("--budget", type=float, default=460, help="seconds for every process this starts")
-    out.add_argument("--engine_flags", default="", help="more launch.py flags for the engine's runs")
+    out.add_argument(
+        "--engine_flags",
+        default="",
+        help="more launch.py flags for the engine's runs (PyTorch's follow what they change in the run)",
+    )
     out.add_argument("--torch_venv", default=common.TORCH_VENV)
     out.add_argument("--results", default=common.RESULTS, help="the file --record appends to")
     out.add_argument("--record", action="store_true", help="append the table to --results")
@@ -281,7 +285,7 @@ def runs(args, precisions, python, budget):
     torch_device = "cuda" if args.device == "gpu" else "cpu"
     engine, theirs = {}, {}
     with tempfile.TemporaryDirectory() as data:
-        prepare = [sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *flags]
+        prepare = [sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *flags, *extra]  # both run them
         prepared = attempt("prepare", lambda t: {"wall": pytorch.timed(prepare, t)[0]}, budget.share())
         if "error" in prepared:  # nothing to start from: every row says why
             unprepared = {"error": f"not run: preparing what both sides share {prepared['error']}"}

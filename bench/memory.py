@@ -14,8 +14,10 @@ small model, so the recipes that matter are those whose activations are large.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 from bench import common
 
@@ -75,11 +77,14 @@ json.dump(found, open(sys.argv[1], "w"))
 
 
 def measure(name, args):
-    out = f"/tmp/bench_memory_{name}.json"
-    args = [*args, "--warmup_steps=0", f"--workdir=/tmp/bench_memory_{name}"]  # a few steps: no warmup
-    subprocess.run([sys.executable, "-c", WORKER, out, *args], check=True, cwd=common.ROOT)
-    with open(out) as f:
-        return json.load(f)
+    """The worker's numbers for recipe `name`, its files in a folder of its own: two runs at once, or what another
+    user's run left behind, share none."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_memory_{name}_") as tmp:
+        out = os.path.join(tmp, "found.json")
+        args = [*args, "--warmup_steps=0", f"--workdir={os.path.join(tmp, 'run')}"]  # a few steps: no warmup
+        subprocess.run([sys.executable, "-c", WORKER, out, *args], check=True, cwd=common.ROOT)
+        with open(out) as f:
+            return json.load(f)
 
 
 def main(argv=None):

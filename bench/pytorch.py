@@ -18,8 +18,9 @@ initial weights of the engine's model, built as a run builds it, every training 
 and the evaluation windows. Then each repeat runs, as whole processes timed from outside, `launch.py` with the
 recipe's flags and bench/torch_gpt.py, alternating which goes first. A row gives each side's validation loss,
 wall time (start-up, training, evaluation) and time per step (the engine's from its summary, which leaves out the
-first round with its tracing and compiling; PyTorch's the median step after its first 20), and the median and
-range of the paired ratios engine / PyTorch: a busy neighbour moves the range more than the median.
+first round with its tracing and compiling; PyTorch's the median step after its first 20, or a shorter run's
+first half; "-" where a side timed no step, and the ratio's cell says why), and the median and range of the paired
+ratios engine / PyTorch: a busy neighbour moves the range more than the median.
 """
 
 import argparse
@@ -188,13 +189,15 @@ def torch_run(python, data, precision, device="auto", timeout=None):
     command = torch_command(python, TORCH_SCRIPT, f"--data={data}", f"--precision={precision}", f"--device={device}")
     seconds, proc = timed(command, timeout, env=torch_env())
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return dict(
-        wall=seconds,
-        step_ms=result["step_ms"],
-        loss=result["validation_loss"],
-        skipped=result["skipped_steps"],
-        details=result,
-    )
+    out = dict(wall=seconds, loss=result["validation_loss"], skipped=result["skipped_steps"], details=result)
+    if result["step_ms"] is None:  # one step, its warm-up: none of its own was timed
+        return {**out, "note": "timed no step: its one step was its warm-up (more steps)"}
+    return {**out, "step_ms": result["step_ms"]}
+
+
+def step_text(side):
+    """A side's time a step for the progress line, or why it has none."""
+    return f"{side['step_ms']:.1f} ms/step" if "step_ms" in side else side["note"]
 
 
 def measure(recipe, precision, python, data, repeats, extra=()):
@@ -212,8 +215,8 @@ def measure(recipe, precision, python, data, repeats, extra=()):
         e, t = sides["engine"], sides["torch"]
         print(
             f"progress: {recipe} {precision} pair {r + 1}/{repeats}: engine {e['wall']:.1f} s "
-            f"({e['step_ms']:.1f} ms/step, loss {e['loss']:.4f}), PyTorch {t['wall']:.1f} s "
-            f"({t['step_ms']:.1f} ms/step, loss {t['loss']:.4f}), load {sides['load']:.1f}",
+            f"({step_text(e)}, loss {e['loss']:.4f}), PyTorch {t['wall']:.1f} s "
+            f"({step_text(t)}, loss {t['loss']:.4f}), load {sides['load']:.1f}",
             file=sys.stderr,
             flush=True,
         )
@@ -235,10 +238,30 @@ def row(recipe, precision, pairs, extra=()):
     return (
         f"| {' '.join([recipe, *extra])} | {precision} (PyTorch: {PRECISIONS[precision]}) | {median(e, 'loss'):.4f} | "
         f"{median(t, 'loss'):.4f} | {median(e, 'wall'):.1f} | {median(t, 'wall'):.1f} | "
-        f"{ratio_text([a['wall'] / b['wall'] for a, b in zip(e, t)])} | {median(e, 'step_ms'):.1f} | "
-        f"{median(t, 'step_ms'):.1f} | {ratio_text([a['step_ms'] / b['step_ms'] for a, b in zip(e, t)])} | "
+        f"{ratio_text([a['wall'] / b['wall'] for a, b in zip(e, t)])} | {' | '.join(step_cells(e, t))} | "
         f"{min(p['load'] for p in pairs):.1f}-{max(p['load'] for p in pairs):.1f} | {e[0]['jit']} |"
     )
+
+
+def step_cells(engine, theirs):
+    """The cells engine ms/step, PyTorch ms/step and their ratio over the pairs where both sides timed steps; "-"
+    where a side timed none, and the ratio's cell says why."""
+
+    def median(side):
+        timed = [s["step_ms"] for s in side if "step_ms" in s]
+        return f"{statistics.median(timed):.1f}" if timed else "-"
+
+    ratios = [a["step_ms"] / b["step_ms"] for a, b in zip(engine, theirs) if "step_ms" in a and "step_ms" in b]
+    notes = sorted(
+        {
+            f"{name} {s['note']}"
+            for name, side in (("engine", engine), ("PyTorch", theirs))
+            for s in side
+            if "step_ms" not in s
+        }
+    )
+    ratio = ratio_text(ratios) if ratios else "-"
+    return median(engine), median(theirs), "; ".join([ratio, *notes]) if notes else ratio
 
 
 HEADER = (
@@ -253,7 +276,10 @@ def main(argv=None):
     parser.add_argument("--precisions", default=DEFAULT_PRECISIONS, help=f"comma-separated of {','.join(PRECISIONS)}")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of processes per row")
     parser.add_argument(
-        "--engine_flags", default="", help="more launch.py flags for the engine's runs, e.g. '--jit_compile=true'"
+        "--engine_flags",
+        default="",
+        help="more launch.py flags for the engine's runs, e.g. '--jit_compile=true'; what they change in the run "
+        "(--train_steps, the batch, the model's sizes) PyTorch's runs follow",
     )
     parser.add_argument("--torch_venv", default=common.TORCH_VENV)
     parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
@@ -270,7 +296,8 @@ def main(argv=None):
     started, load_before, lines = datetime.datetime.now(), os.getloadavg()[0], []
     for recipe in recipes:
         with tempfile.TemporaryDirectory() as data:
-            timed([sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *RECIPES[recipe]])
+            # The engine's flags too: what they change (steps, batch, sizes, seed) both sides run.
+            timed([sys.executable, "-m", "bench.pytorch", f"--prepare={data}", *RECIPES[recipe], *extra])
             for precision in precisions:
                 pairs = measure(recipe, precision, python, data, args.repeats, extra)
                 lines.append(row(recipe, precision, pairs, extra))

@@ -19,9 +19,9 @@ engine's initial weights, Keras layout), `batches.npy` (every training batch the
 `eval_tokens.npy` / `eval_weights.npy` (the engine's evaluation windows and how many of each one's targets are
 real). So both sides start from the same weights, read the same batches and are scored on the same characters.
 Prints one JSON line: the loss of the first batch before any update, the last training loss, the validation
-loss, the median and spread of the per-step times (the first STEADY_AFTER steps left out), the training and
-evaluation wall times, the device, the skipped steps and the last loss scale (float16). Imports nothing of the
-engine.
+loss, the median and spread of the per-step times (the first STEADY_AFTER steps left out, a shorter run's first
+half; null for a run of one step), the training and evaluation wall times, the device, the skipped steps and the
+last loss scale (float16). Imports nothing of the engine.
 """
 
 import argparse
@@ -36,7 +36,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-STEADY_AFTER = 20  # steps left out of the per-step times: allocator and thread-pool warm-up
+# Steps left out of the per-step times: allocator and thread-pool warm-up. A shorter run leaves out its first half
+# (its first step at least), as the engine's summary leaves out its first round.
+STEADY_AFTER = 20
 AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --precision: autocast's dtype
 
 
@@ -228,7 +230,7 @@ def main():
     eval_tokens = torch.from_numpy(np.load(os.path.join(args.data, "eval_tokens.npy")).astype(np.int64)).to(device)
     eval_weights = torch.from_numpy(np.load(os.path.join(args.data, "eval_weights.npy"))).to(device)
     validation = evaluate(model, eval_tokens, eval_weights, recipe["eval_batch_size"], dtype)
-    steady = times[STEADY_AFTER:] or times
+    steady = times[min(STEADY_AFTER, max(1, len(times) // 2)) :]
     result = dict(
         torch=torch.__version__,
         cuda=torch.version.cuda,
@@ -238,7 +240,7 @@ def main():
         first_loss=first,
         train_loss=last,
         validation_loss=validation,
-        step_ms=1000 * statistics.median(steady),
+        step_ms=1000 * statistics.median(steady) if steady else None,
         step_ms_quartiles=[1000 * q for q in statistics.quantiles(steady, n=4)[::2]] if len(steady) > 1 else [],
         skipped_steps=skipped,
         loss_scale=loss_scale,

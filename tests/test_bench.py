@@ -6,6 +6,7 @@ every row was measured and is a finite number, so the benchmark cannot rot.
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -299,3 +300,63 @@ def test_memory_refuses_an_unknown_recipe_in_one_line(capsys):
     assert stopped.value.code == 2
     printed = capsys.readouterr()
     assert "error: --recipes: unknown digits-mlp; choose from digits_mlp," in printed.err and printed.out == ""
+
+
+def test_pytorch_rows_and_progress_say_where_a_side_timed_no_step(monkeypatch, capsys):
+    """An engine run of one round (--engine_flags="--steps_per_loop=..." as long as the run) times no step: its
+    progress line and its row raised KeyError: 'step_ms' after both sides had run."""
+    from bench import pytorch
+
+    note = "timed no step: its one round traced and compiled the step (more steps)"
+    engine = dict(wall=60.0, loss=1.80, jit="false", skipped=0, note=note)
+    theirs = dict(wall=90.0, step_ms=40.0, loss=1.79, skipped=0)
+    monkeypatch.setattr(pytorch, "engine_run", lambda *args: dict(engine))
+    monkeypatch.setattr(pytorch, "torch_run", lambda *args: dict(theirs))
+    pairs = pytorch.measure("shakespeare_char", "float32", "python", "data", 2)
+    assert f"engine 60.0 s ({note}, loss 1.8000), PyTorch 90.0 s (40.0 ms/step" in capsys.readouterr().err
+    cells = [c.strip() for c in pytorch.row("shakespeare_char", "float32", pairs).split("|")[1:-1]]
+    assert cells[4:9] == ["60.0", "90.0", "0.67x (0.67-0.67)", "-", "40.0"]
+    assert cells[9] == f"-; engine {note}"
+
+
+def test_memory_keeps_each_runs_files_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """bench.memory wrote its worker's numbers to /tmp/bench_memory_NAME.json: two runs at once read each other's,
+    and one left there by another user stopped the next run (the worker could not write it)."""
+    import subprocess
+    import tempfile
+
+    from bench import memory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # $TMPDIR, as a user sets it
+    seen = []
+
+    def worker(command, **kwargs):  # the worker's command: python -c WORKER OUT FLAGS...
+        out, workdir = command[3], command[-1].split("=", 1)[1]
+        seen.append((out, workdir))
+        with open(out, "w") as f:
+            json.dump({"measured": len(seen)}, f)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(memory.subprocess, "run", worker)
+    assert [memory.measure("digits_mlp", ["--train_steps=20"])["measured"] for _ in range(2)] == [1, 2]
+    (first, first_run), (second, second_run) = seen
+    assert os.path.dirname(first) != os.path.dirname(second)
+    for out, workdir in seen:
+        folder = os.path.dirname(out)
+        assert os.path.dirname(folder) == str(tmp_path) and os.path.dirname(workdir) == folder
+        assert not os.path.exists(folder)  # removed once read
+
+
+def test_pytorch_prepares_what_the_engines_flags_change_for_both_sides(monkeypatch, capsys):
+    """--engine_flags="--train_steps=40" trained the engine 40 steps and PyTorch the recipe's (prepared without the
+    flag): a row of 3.52 against 4.09 in loss, and time ratios of two different runs."""
+    from bench import pytorch
+
+    commands = []
+    side = dict(wall=1.0, step_ms=1.0, loss=1.0, jit="true", details={"torch": "2"})
+    monkeypatch.setattr(pytorch, "timed", lambda command, *args, **kwargs: commands.append(command))
+    monkeypatch.setattr(pytorch, "torch_python", lambda venv: "python")
+    monkeypatch.setattr(pytorch, "measure", lambda *args: [{"engine": side, "torch": side, "load": 1.0}])
+    assert pytorch.main(["--precisions=float32", "--engine_flags=--train_steps=40 --gpt_dim=64"]) == 0
+    (prepare,) = commands
+    assert prepare[-2:] == ["--train_steps=40", "--gpt_dim=64"]  # after the recipe's flags: they win

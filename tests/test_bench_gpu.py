@@ -177,3 +177,43 @@ for fused in (False, True):
     assert plain["last"] < plain["first"] - 0.5  # the steps after them trained
     assert fused["skipped"] == plain["skipped"] and fused["scale"] == plain["scale"]
     assert fused["last"] == pytest.approx(plain["last"], abs=1e-4)
+
+
+def test_pytorch_leaves_a_short_runs_warm_up_out_of_its_time_a_step(tmp_path, torch_python):
+    """bench/torch_gpt.py's median step left out the first 20 steps only: a run of 20 steps or fewer (the tiny
+    table's 3) counted its warm-up steps, as the engine's summary, leaving out its first round, does not."""
+    import numpy as np
+
+    recipe = dict(seed=0, vocabulary=11, sequence_length=8, layers=1, heads=2, dim=16, learning_rate=1e-3, beta_1=0.9)
+    recipe.update(beta_2=0.999, epsilon=1e-8, weight_decay=0.0, warmup_steps=0, lr_schedule="constant")
+    recipe.update(clip_norm=0.0, initial_loss_scale=2.0**15, loss_scale_growth_interval=2000, eval_batch_size=2)
+    recipe.update(train_steps=4)
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    np.savez(tmp_path / "weights.npz")
+    tokens = np.random.default_rng(0).integers(0, 11, (4, 2, 9))
+    np.save(tmp_path / "batches.npy", tokens)
+    np.save(tmp_path / "eval_tokens.npy", tokens[0])
+    np.save(tmp_path / "eval_weights.npy", np.full(2, 8, np.float32))
+    script = """
+import sys
+from bench import torch_gpt
+torch_gpt.load_weights = lambda model, weights: None  # the model's own initial weights
+data = sys.argv[1]
+for times in ([0.5, 0.3, 0.01, 0.01], [0.5, 0.01], [0.5]):  # warm-up steps of 0.5 and 0.3 s, then of 10 ms
+    torch_gpt.StepClock.seconds = lambda self, times=times: times
+    sys.argv = ["torch_gpt.py", "--data=" + data, "--device=cpu"]
+    torch_gpt.main()
+"""
+    proc = subprocess.run(
+        [torch_python, "-c", script, str(tmp_path)],
+        cwd=common.ROOT,
+        env=pytorch.torch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    four, two, one = [json.loads(line)["step_ms"] for line in proc.stdout.strip().splitlines()[-3:]]
+    assert four == pytest.approx(10.0)  # it said 155.0: the median of all four
+    assert two == pytest.approx(10.0)  # it said 255.0
+    assert one is None  # one step, its warm-up: none timed
