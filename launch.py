@@ -15,6 +15,11 @@ process exits at once. While a multi-worker job waits for its peers, TensorFlow 
 it at once (130), SIGTERM once the wait ends (75), or at --connect_timeout.
 """
 
+from engine.cluster.signals import SIGNALS  # imports little, and no TensorFlow
+
+if __name__ == "__main__":  # first: a Ctrl-C while the rest imports is one line, not a traceback
+    SIGNALS.exit_until_installed()
+
 import contextlib
 import dataclasses
 import functools
@@ -29,10 +34,9 @@ import traceback
 # still reach us as Python exceptions. Set TF_CPP_MIN_LOG_LEVEL=0 to see it all.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 
-from engine.cluster.signals import SIGNALS  # noqa: E402  (imports no TensorFlow)
-from engine.run import compile_cache  # noqa: E402  imports no TensorFlow
+from engine.run import compile_cache  # imports no TensorFlow
 from engine.settings import flagfiles, plugins
 from engine.settings.checks import TASKS_OWN
 from engine.settings.config import validate

@@ -211,6 +211,20 @@ def test_a_dead_parameter_server_leaves_the_chief_to_say_so(tmp_path, monkeypatc
     assert signalled == ["chief 0 SIGTERM"]
 
 
+def test_a_tf_config_the_shell_left_set_is_said_not_read(tmp_path, monkeypatch):
+    # Each task gets its own; the launcher did not say so, and refused the one it inherited for its faults.
+    monkeypatch.setenv("TF_CONFIG", "garbage")
+    code, lines, signalled = run_fake_job(tmp_path, monkeypatch, "chief 0=0")
+    assert (code, lines, signalled) == (
+        0,
+        [
+            "[launcher] this environment's TF_CONFIG is not read: each task gets its own, of this cluster",
+            "[launcher] job finished with exit code 0",
+        ],
+        [],
+    )
+
+
 # The launcher in a process of its own, its tasks the fake ones above, each stopped as the launcher ends.
 _LAUNCHER = """
 import signal, sys

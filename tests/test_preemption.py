@@ -154,6 +154,48 @@ def test_sigterm_during_start_up_exits_at_once_saving_nothing(data_dir, tmp_path
     assert not os.path.exists(tmp_path / "checkpoints") and logged_steps(tmp_path) == []
 
 
+def _slow_flag_checks(tmp_path, tasks_only=False):
+    """The environment of a launch.py whose flag checks stop in a fake tensorflow-datasets (--dataset=mnist imports
+    it), which prints "checking" first; `tasks_only`: only in a task (TF_CONFIG set), not in the launcher."""
+    fake = tmp_path / "fake" / "tensorflow_datasets"
+    fake.mkdir(parents=True)
+    wait = "import os, time\nif 'TF_CONFIG' in os.environ or not {}:\n    print('checking', flush=True)\n"
+    (fake / "__init__.py").write_text(wait.format(tasks_only) + "    time.sleep(300)\nbuilder_cls = str\n")
+    return {"PYTHONPATH": str(tmp_path / "fake")}
+
+
+@pytest.mark.parametrize("signum,code,verb", [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_while_the_flags_are_checked_is_one_line(tmp_path, signum, code, verb):
+    # Before the watcher was up (imports, flag checks) Ctrl-C ended in a KeyboardInterrupt traceback, killed by
+    # SIGINT; SIGTERM killed the process, 143 and no word, where a preemption is 75.
+    with running(tmp_path / "run", "--dataset=mnist", env=_slow_flag_checks(tmp_path)) as proc:
+        assert proc.stdout.readline() == "checking\n"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    name = signal.Signals(signum).name
+    assert (proc.returncode, err.splitlines()) == (
+        code,
+        [f"error: {verb}: stopped by {name} outside the training loop (nothing to save)"],
+    )
+
+
+def test_ctrl_c_as_local_workers_start_stops_each_in_one_line(tmp_path):
+    # The launcher forwarded it to tasks still importing: a traceback from each, killed by SIGINT.
+    args = ["--strategy=multi_worker", "--local_workers=2", "--local_cluster_network=host", "--dataset=mnist"]
+    with running(tmp_path / "run", *args, env=_slow_flag_checks(tmp_path, tasks_only=True)) as proc:
+        seen = [proc.stdout.readline() for _ in range(5)]  # two tasks started, the network, two checking
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert sorted(line for line in seen if "checking" in line) == ["[worker 0] checking\n", "[worker 1] checking\n"]
+    said = "error: interrupted: stopped by SIGINT outside the training loop (nothing to save)"
+    assert proc.returncode == 130 and err == "", err[-2000:]
+    assert sorted(out.splitlines()) == [
+        "[launcher] job finished with exit code 130",
+        f"[worker 0] {said}",
+        f"[worker 1] {said}",
+    ]
+
+
 def test_ctrl_c_while_the_cluster_forms_ends_the_process_at_once(tmp_path):
     # Worker 1 never comes: worker 0 waits for it inside TensorFlow, which holds Python's lock meanwhile.
     cluster = {"worker": [f"localhost:{p}" for p in helpers.free_ports(2)]}

@@ -1,6 +1,8 @@
 """Settings no part of a run reads: refused in one line naming who reads them when typed on the command line, a
 warning when a flagfile brings them; and every value checked by its owner's checks whether or not it is read."""
 
+import json
+
 import pytest
 
 from tests.helpers import launch
@@ -83,3 +85,37 @@ def test_a_flag_the_tune_space_searches_typed_on_the_command_line_is_refused(tmp
     flags.write_text("--learning_rate=0.5\n")
     result = launch(f"--flagfile={flags}", *args, "--tune_trials=0")
     assert (result.returncode, result.stderr.splitlines()[-1][:22]) == (2, "error: --tune_trials=0")
+
+
+def test_num_ps_beside_a_tf_config_cluster_of_another_size_is_refused(monkeypatch):
+    # The cluster TF_CONFIG gave ran with its one parameter server; --num_ps=3 changed nothing, without a word.
+    from engine.settings.errors import ConfigError
+    from tests.helpers import make_config
+
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    for strategy in ("parameter_server", ""):  # given, or TF_CONFIG's 'ps' job chose it
+        with pytest.raises(ConfigError) as error:
+            make_config("", strategy=strategy, num_ps=3)
+        assert str(error.value) == (
+            "--num_ps=3: the cluster is TF_CONFIG's, whose 'ps' job lists 1 parameter server: --num_ps sizes only "
+            "the clusters --local_workers and --cluster_resolver=slurm make; drop it"
+        )
+    cluster["ps"].append("localhost:4")  # a task --local_workers started: its --num_ps is its TF_CONFIG's
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    assert make_config("", strategy="parameter_server", num_ps=2).num_ps == 2
+    assert make_config("", strategy="parameter_server").num_ps == 1  # the default: not given
+    assert make_config("", strategy="parameter_server", cluster_resolver="slurm", num_ps=3).num_ps == 3
+
+
+_PS_TASK = {"cluster": {"ps": ["h:1"], "worker": ["h:2"]}, "task": {"type": "worker", "index": 0}}
+
+
+@pytest.mark.parametrize("tf_config", ["garbage", json.dumps(_PS_TASK)])
+def test_local_workers_do_not_read_a_tf_config_the_shell_left_set(monkeypatch, tf_config):
+    # Refused for TF_CONFIG's faults ("not valid JSON"; "runs no 'ps' job ...: use --strategy=parameter_server"),
+    # though the launcher gives each task a TF_CONFIG of its own.
+    from tests.helpers import make_config
+
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    assert make_config("", strategy="multi_worker", local_workers=2).local_workers == 2

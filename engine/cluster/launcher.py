@@ -110,6 +110,8 @@ def run(strategy, workers, num_ps, argv, out=sys.stdout, network="loopback"):
     }
     os.close(ended)
     _say_where(cluster, network, out)
+    if os.environ.get("TF_CONFIG", "").strip():  # nor checked: each task's own replaces it
+        _say(out, "[launcher] this environment's TF_CONFIG is not read: each task gets its own, of this cluster\n")
     trainers = [n for n in tasks if n.startswith(trainer)]
     code = _supervise(tasks, trainers, out)
     os.close(alive)  # every task has ended

@@ -52,6 +52,20 @@ class Signals:
             except Exception:  # noqa: BLE001  (exiting: a release that fails leaves what a kill leaves)
                 pass
 
+    def exit_until_installed(self):
+        """Until install(): SIGTERM and SIGINT exit at once, with the run's code and one error line, as outside the
+        training loop, not in a KeyboardInterrupt traceback from wherever start-up was (Ctrl-C as flags are read, or
+        forwarded by --local_workers' launcher to tasks still importing). A signal the process started with ignored
+        (a script's background job) stays ignored. --local_workers' launcher, which never installs, forwards them
+        to its tasks meanwhile (engine/cluster/launcher.py)."""
+        for signum in self.SIGNALS:
+            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+                signal.signal(signum, self._exit_at_start)
+
+    def _exit_at_start(self, signum, frame):
+        self.signal = signum
+        self._exit_now()
+
     def install(self):
         signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
         self._stderr = os.dup(2)  # launch.py silences fd 2 while TensorFlow loads; the last words must show

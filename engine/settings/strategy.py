@@ -8,7 +8,7 @@ import re
 from engine.settings.checks import fail
 from engine.settings.environment import tf_config
 from engine.settings.errors import counted
-from engine.settings.fields import LOCAL_TASK_BYTES, MAX_LOCAL_TASKS
+from engine.settings.fields import FIELD_BY_NAME, LOCAL_TASK_BYTES, MAX_LOCAL_TASKS
 from engine.settings.machine import host_memory_bytes, human_bytes
 
 
@@ -56,9 +56,12 @@ def check_strategy(config):
             f"reads one job of worker pods; {said} needs chief, worker and ps jobs: give them in TF_CONFIG (a TFJob "
             "sets it)",
         )
-    jobs = (tf_config() or {}).get("cluster") or {}
+    # --local_workers writes each task's TF_CONFIG: one this process inherited is no task's, and is not read.
+    jobs = {} if config.local_workers else (tf_config() or {}).get("cluster") or {}
     if name == "multi_worker" and "ps" in jobs:  # TensorFlow's multi-worker strategy has no parameter servers
         fail("strategy", config.strategy, "runs no 'ps' job, which TF_CONFIG has: use --strategy=parameter_server")
+    if name == "parameter_server" and "ps" in jobs and config.cluster_resolver in ("", "tf_config"):
+        _check_num_ps(config, len(jobs["ps"]))
     if name == "tpu" and not config.tpu:
         fail("tpu", config.tpu, f"{said} needs --tpu=NAME_OR_ADDRESS ('local' on a TPU VM)")
     if config.tf_data_service and data_service_address(config.tf_data_service) is None:
@@ -67,6 +70,19 @@ def check_strategy(config):
         # An explicit --strategy=tpu keeps the words it has always been refused with.
         computes = "TPUs compute" if config.strategy else f"{said} computes"
         fail("precision", config.precision, f"{computes} in bfloat16, not float16: use --precision=mixed_bfloat16")
+
+
+def _check_num_ps(config, servers):
+    """--num_ps, which only --local_workers and Slurm make a cluster by, beside TF_CONFIG's cluster of `servers`
+    parameter servers: refused where it says another number (it changed nothing), unless at its default (not given,
+    as far as a Config tells). A task --local_workers started reads its own --num_ps in the TF_CONFIG it was given."""
+    if config.num_ps not in (servers, FIELD_BY_NAME["num_ps"].default):
+        fail(
+            "num_ps",
+            config.num_ps,
+            f"the cluster is TF_CONFIG's, whose 'ps' job lists {counted(servers, 'parameter server')}: --num_ps sizes "
+            "only the clusters --local_workers and --cluster_resolver=slurm make; drop it",
+        )
 
 
 def data_service_address(service):
