@@ -366,6 +366,50 @@ def test_a_rollback_removes_the_checkpoints_of_the_steps_it_discarded(data_dir, 
     assert os.path.basename(tf.train.latest_checkpoint(checkpoints.directory)) == "ckpt-30"
 
 
+def test_save_initials_checkpoint_of_step_0_is_never_rotated_away(data_dir, one_device, tmp_path, capsys):
+    # --keep_checkpoints rotated --save_initial's ckpt-0 away at its first save past the kept count: the initial weights
+    # a user asked for, to hold a fork's step against, were gone by the run's end.
+    config = helpers.make_config(
+        data_dir, str(tmp_path / "run"), save_initial=True, train_steps=3, checkpoint_every=1, keep_checkpoints=1
+    )
+    loop.train(dataclasses.replace(config, steps_per_loop=1, hidden_sizes=(8,)), one_device)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")] == [
+        "ckpt-3",
+        "ckpt-0",
+    ]
+    # A step 0 the state file lists (saved without --save_initial, for --on_nan=rollback) is kept too once it is given,
+    # unsaid: no warning of a state file rebuilt.
+    trainer = build.run(helpers.make_config(data_dir, str(tmp_path / "old"), hidden_sizes=(8,)), one_device)
+    checkpoint.Checkpoints(trainer.state, str(tmp_path / "old"), keep=2).save()
+    capsys.readouterr()
+    checkpoints = checkpoint.Checkpoints(trainer.state, str(tmp_path / "old"), keep=2, keep_initial=True)
+    for step in (10, 20, 30):
+        trainer.state.step.assign(step)
+        checkpoints.save()
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(checkpoints.directory)]
+    assert names == ["ckpt-30", "ckpt-20", "ckpt-0"] and "warning" not in capsys.readouterr().out
+
+
+def test_a_setting_config_json_holds_that_this_engine_does_not_know_is_named_and_kept(
+    data_dir, one_device, tmp_path, capsys
+):
+    # One a newer engine wrote, or one written by hand: a resume dropped it unsaid, and wrote config.json without it.
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=1, steps_per_loop=1, hidden_sizes=(8,))
+    loop.train(config, one_device)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "lr_warmup_fraction": 0.3}))
+    capsys.readouterr()
+    assert loop.train(dataclasses.replace(config, train_steps=2), one_device)["step"] == 2
+    said = (
+        f"warning: {tmp_path / 'config.json'} holds settings this engine does not know, ignored here and kept in that "
+        "file: lr_warmup_fraction=0.3 (another version of the engine's, a plugin file's no longer here, or a typo)"
+    )
+    assert said in capsys.readouterr().out.splitlines()
+    assert json.loads((tmp_path / "config.json").read_text())["lr_warmup_fraction"] == 0.3
+    evaluate.run_config(dataclasses.replace(config, mode="eval"), "eval")
+    assert said in capsys.readouterr().out.splitlines()
+
+
 # 5. Damaged bookkeeping; damaged checkpoints in --mode=eval.
 
 

@@ -73,9 +73,36 @@ def test_every_checkpoint_damaged_stops_the_run_naming_them_and_writes_nothing(t
     assert str(refused.value) == (
         f"--workdir={config.workdir}: every checkpoint in {directory} is unreadable: {directory}/ckpt-20 (file is "
         f"too short to be an sstable), {directory}/ckpt-10 (Read less bytes than requested); nothing was changed. "
-        f"To start this run over from step 0 on purpose, move {directory} away; give this run a new --workdir"
+        f"To start this run over from step 0 on purpose, move {directory} away, or give this run a new --workdir"
     )
     assert contents(config.workdir) == before
+
+
+def test_a_file_where_checkpoints_go_is_named_with_what_mends_it(trained, tmp_path, one_device):
+    # It said "run the same command again once it can be read", which no rerun mends.
+    config = copy_of(trained, tmp_path)
+    directory = os.path.join(config.workdir, "checkpoints")
+    shutil.rmtree(directory)
+    with open(directory, "w") as f:
+        f.write("a file of the user's\n")
+    before = contents(config.workdir)
+    with pytest.raises(CheckpointError) as failed:
+        loop.train(dataclasses.replace(config, train_steps=30), one_device)
+    assert str(failed.value) == (
+        f"cannot read checkpoint directory {directory}: it is a file, not a directory; nothing was changed: move that "
+        "file away, then run the same command again"
+    )
+    assert contents(config.workdir) == before
+
+
+def test_a_file_where_tensorboards_folder_goes_is_one_plain_line(trained, tmp_path, one_device):
+    # It ended "cannot write PATH/train: Not a directory [Op:CreateSummaryFileWriter] name:", TensorFlow's op and all.
+    config = copy_of(trained, tmp_path)
+    shutil.rmtree(os.path.join(config.workdir, "train"))
+    (tmp_path / "run" / "train").write_text("a file of the user's\n")
+    with pytest.raises(CheckpointError) as failed:
+        loop.train(dataclasses.replace(config, train_steps=30), one_device)
+    assert str(failed.value) == f"cannot write {config.workdir}/train: Not a directory"
 
 
 class _Failing:

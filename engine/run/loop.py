@@ -36,7 +36,7 @@ def train(config, strategy=None, on_eval=None):
     with lock.Lock(config.workdir) if chief else contextlib.nullcontext():
         saved = workdir_lib.check_same_run(config, run.data.unread)  # again: a run may have written it since
         checkpoints = checkpoint_lib.Checkpoints(
-            run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task
+            run.state, config.workdir, config.keep_checkpoints, chief, run.placement.task, config.save_initial
         )
         # The actions' own state (Action.checkpointed), saved and restored with the run's.
         checkpoints.before_save = lambda: hold(run.actions, run.state.actions)
@@ -55,6 +55,7 @@ def train(config, strategy=None, on_eval=None):
             return finished
         if restored and chief:  # its data position means what it meant only on the examples it counted in
             workdir_lib.warn_of_another_split(config, run.data, current)
+        unknown = workdir_lib.warn_of_unknown_settings(config.workdir) if restored and chief else None
         if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
             trainable = {name: model for name, model in run.models.items() if model.trainable}
@@ -64,7 +65,7 @@ def train(config, strategy=None, on_eval=None):
         resumed_at = current if restored else None  # a checkpoint of step 0 is resumed too
         report = Report(config.workdir, chief, config.train_steps, resume_step=resumed_at, redo_eval=redo_eval)
         if chief:
-            workdir_lib.write_config(config, run.task, updates.effective_settings(run.plans), run.data)
+            workdir_lib.write_config(config, run.task, updates.effective_settings(run.plans), run.data, unknown)
         if restored:
             report.line(f"resumed from step {current} ({restored})")
             if saved and saved.train_steps != config.train_steps:
@@ -89,8 +90,8 @@ def _restore(run, checkpoints):
     config = run.config
     try:
         restored = checkpoints.restore_latest()
-    except ConfigError as e:  # a workdir from before config.json, or one whose config.json was replaced
-        raise ConfigError(f"--workdir={config.workdir}: {e}; give this run a new --workdir") from None
+    except ConfigError as e:  # every checkpoint damaged, or one that does not fit this run
+        raise ConfigError(f"--workdir={config.workdir}: {e}") from None
     current = int(run.state.step.numpy())
     run.program.check_pipelines()
     if current > config.train_steps:

@@ -32,6 +32,7 @@ def run_config(config, mode, given=None):
     for workdir in [*runs, config.workdir]:
         saved = config_lib.load_run_config(workdir) if workdir else None
         if saved is not None:
+            workdir_lib.warn_of_unknown_settings(workdir)
             return config_lib.for_evaluation(config, saved, workdir, given)
     return config
 

@@ -57,8 +57,8 @@ def first_line(error):
 
 def from_json(saved, where):
     """A Config from the JSON a run saved, checked like flags; ConfigError `<where>: ...` for anything a flag could
-    not hold. Settings this engine no longer has are dropped (a model they changed fails to restore, loudly);
-    settings the file lacks take their defaults."""
+    not hold. Settings this engine does not have are dropped (a resume and an evaluation name them:
+    engine/state/workdir.py warn_of_unknown_settings); settings the file lacks take their defaults."""
     if not isinstance(saved, dict):
         raise ConfigError(f"{where}: must be a JSON object of settings, not {type(saved).__name__}")
     kinds = {f.name: f.type for f in dataclasses.fields(Config)}

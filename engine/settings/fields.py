@@ -185,7 +185,9 @@ class _RunSettings(sections.Sectioned):
         (), "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off"
     )
     save_initial: bool = _loop(
-        False, "save a checkpoint of step 0 before the first step: the initial weights, to hold a fork's step against"
+        False,
+        "save a checkpoint of step 0 before the first step, kept beside --keep_checkpoints' newest: the initial "
+        "weights, to hold a fork's step against",
     )
     actions: str = _loop(
         "",

@@ -64,11 +64,13 @@ def latest_step(directory):
 
 class Checkpoints:
     """The run's checkpoints in workdir/checkpoints; on a multi-worker job every worker saves (the save
-    is collective) and only the chief's copy is kept."""
+    is collective) and only the chief's copy is kept. `keep_initial` (--save_initial): step 0's is kept beside the
+    `keep` newest, written outside the manager's rotation."""
 
-    def __init__(self, state, workdir, keep, chief=True, task_id=0):
+    def __init__(self, state, workdir, keep, chief=True, task_id=0, keep_initial=False):
         self.state = state
         self.directory = os.path.join(workdir, "checkpoints")
+        self.keep_initial = keep_initial
         self.checkpoint = tf.train.Checkpoint(**state.tracked())
         self.chief, self.keep = chief, keep
         # The checkpoint (in the chief's directory) that holds the current state, saved or restored here: known
@@ -106,11 +108,14 @@ class Checkpoints:
             state, damaged = None, True
         if not damaged:  # what it lists (nothing, where there is none yet) tells a save that never finished
             found = self._unfinished(found, _listed(state))
+        found, listed_paths = self._rotated(found), self._rotated(_listed(state))
         readable = not damaged and (state is not None or not found)
+        # A kept step 0 the state file lists (one saved before --save_initial was given) it would rotate away.
+        readable = readable and listed_paths == _listed(state)
         # The manager deletes what the state file lists: a path outside this directory (absolute, or through ..)
         # would make it delete another run's files; one gone, or one left out, it would never delete.
-        strays = [p for p in _listed(state) if not _inside(p, self.directory)]
-        listed, held = _names(_listed(state)), _names(found)
+        strays = [p for p in listed_paths if not _inside(p, self.directory)]
+        listed, held = _names(listed_paths), _names(found)
         if readable and state is not None and (strays or listed != held):
             where = f"names checkpoints outside {self.directory} ({strays[0]})" if strays else ""
             where = where or f"lists {', '.join(listed)}, the folder holds {', '.join(held) or 'none'}"
@@ -119,9 +124,15 @@ class Checkpoints:
         if not readable:
             self._write_state(found)
 
+    def _rotated(self, paths):
+        """`paths` without --save_initial's step 0, which no rotation deletes: the checkpoints the manager keeps."""
+        return [p for p in paths if not (self.keep_initial and os.path.basename(p) == "ckpt-0")]
+
     def _write_state(self, found):
-        """The `checkpoint` state file listing the checkpoints `found` (newest first), or none where none is left."""
+        """The `checkpoint` state file listing the checkpoints `found` (newest first) that rotate, or none where none
+        is left."""
         state_file = os.path.join(self.directory, "checkpoint")
+        found = self._rotated(found)
         if not found:
             if tf.io.gfile.exists(state_file):
                 tf.io.gfile.remove(state_file)
@@ -185,7 +196,11 @@ class Checkpoints:
         if is_local(temp) and os.path.islink(temp):  # TensorFlow would write the shards there, then empty it
             os.remove(temp)
         try:
-            path = self.manager.save(checkpoint_number=step)
+            if step == 0 and self.keep_initial:  # written beside the manager, which never lists it, nor deletes it
+                self.checkpoint.save_counter.assign_add(1)  # as the manager's saves do: a restore expects it
+                path = self.checkpoint.write(os.path.join(self.manager.directory, "ckpt-0"))
+            else:
+                path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:
             if isinstance(e, PEER_ERRORS) and REMOTE_TASK.search(e.message or ""):
                 # A peer that holds variables (a parameter server) died or went silent as they were read: not the
@@ -216,8 +231,8 @@ class Checkpoints:
 
         A damaged checkpoint is reported and the previous one used; when every one is damaged the run stops
         (ConfigError naming them) rather than start again from step 0 and save over them. One of another model
-        or other shapes is refused (ConfigError naming the variable and both shapes); a storage error is not
-        damage (CheckpointError).
+        or other shapes (a workdir from before config.json, or whose config.json was replaced) is refused
+        (ConfigError naming the variable and both shapes); a storage error is not damage (CheckpointError).
         """
         damaged = []
         for path in list_checkpoints(self.directory):
@@ -225,13 +240,16 @@ class Checkpoints:
                 self.restore(path)
                 self.saved_path = path
                 return path
+            except ConfigError as e:
+                raise ConfigError(f"{e}; give this run a new --workdir") from None
             except Unreadable as e:
                 log(f"warning: checkpoint {path} is unreadable ({e}); trying the previous one")
                 damaged.append(f"{path} ({e})")
         if damaged:
             raise ConfigError(
                 f"every checkpoint in {self.directory} is unreadable: {', '.join(damaged)}; nothing was changed. To "
-                f"start this run over from step 0 on purpose, move {self.directory} away"
+                f"start this run over from step 0 on purpose, move {self.directory} away, or give this run a new "
+                "--workdir"
             )
         return None
 

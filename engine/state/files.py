@@ -100,13 +100,19 @@ def writing(path):
 
 def check_listable(directory, what):
     """CheckpointError where a local `directory` is there but cannot be listed (a permission, a file in its place),
-    which TensorFlow's glob takes for an empty one: a run would find no checkpoint and start again from step 0."""
+    which TensorFlow's glob takes for an empty one: a run would find no checkpoint and start again from step 0. A
+    permission may be mended and the command rerun; a file in its place is moved away by its owner."""
     if not is_local(directory) or not os.path.lexists(directory):
         return
     try:
         os.listdir(directory)
     except FileNotFoundError:
         pass  # a link to nowhere (Checkpoints refuses a link)
+    except NotADirectoryError:  # a rerun alone never mends it: the file is someone's, which a run never removes
+        raise CheckpointError(
+            f"cannot read {what} {directory}: it is a file, not a directory; nothing was changed: move that file "
+            "away, then run the same command again"
+        ) from None
     except OSError as e:
         raise CheckpointError(
             f"cannot read {what} {directory}: {e.strerror}; nothing was changed: run the same command again once it "
@@ -117,10 +123,10 @@ def check_listable(directory, what):
 def failed_file(error):
     """(the file, or None where it names none; the reason) of a failed file operation, for a person: an OSError's,
     or a TensorFlow error's first line without what it adds for its own ("{{function_node __wrapped__SaveV2...}}
-    file; why [Op:SaveV2]")."""
+    file; why [Op:SaveV2]", and the op's empty name an eager op gives: "[Op:CreateSummaryFileWriter] name: ")."""
     if isinstance(error, OSError):
         return error.filename, error.strerror or str(error)
-    said = re.sub(r"\s*\[Op:\w+\]$", "", re.sub(r"^\{\{.*?\}\}\s*", "", first_line(error)))
+    said = re.sub(r"\s*\[Op:\w+\](\s*name:.*)?$", "", re.sub(r"^\{\{.*?\}\}\s*", "", first_line(error)))
     named = re.fullmatch(r"(\S+); (.+)", said)
     return (named[1], named[2]) if named else (None, said)
 

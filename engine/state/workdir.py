@@ -20,7 +20,7 @@ import tensorflow as tf
 from engine.settings import plugins
 from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError, counted
-from engine.settings.fields import show
+from engine.settings.fields import FIELD_BY_NAME, show
 from engine.settings.identity import ORDER_SETTINGS, identity_changes
 from engine.state import kept_source
 from engine.state.checkpoint import list_checkpoints
@@ -173,12 +173,39 @@ def others_results(workdir, results, said, job):
 def _saved(workdir, key):
     """(config.json's path, what it says of `key`, None where it says nothing, or cannot be read: its own check
     speaks)."""
+    path, saved = _saved_json(workdir)
+    return path, saved.get(key)
+
+
+def _saved_json(workdir):
+    """(config.json's path, what it holds: {} where there is none, or it cannot be read or is not a dict)."""
     path = os.path.join(workdir, "config.json")
     try:
         with tf.io.gfile.GFile(path) as f:
-            return path, json.loads(f.read()).get(key)
-    except (tf.errors.NotFoundError, ValueError, AttributeError):  # none, damaged, not a dict
-        return path, None
+            saved = json.loads(f.read())
+    except (tf.errors.NotFoundError, ValueError):  # none, damaged
+        return path, {}
+    return path, saved if isinstance(saved, dict) else {}
+
+
+# What config.json holds beside the settings (write_config).
+BESIDE_SETTINGS = ("class_names", "updates", "training_split", "source")
+
+
+def warn_of_unknown_settings(workdir):
+    """Warns of the settings config.json holds that this engine does not (another engine version's, those of a
+    plugin file no longer here, one written by hand), which the Config read from it goes without (from_json);
+    returns them ({name: value}), which the config.json a resumed run writes keeps."""
+    path, saved = _saved_json(workdir)
+    unknown = {k: v for k, v in saved.items() if k not in FIELD_BY_NAME and k not in BESIDE_SETTINGS}
+    if unknown:
+        named = ", ".join(f"{name}={json.dumps(value)}" for name, value in unknown.items())
+        print(
+            f"warning: {path} holds settings this engine does not know, ignored here and kept in that file: {named} "
+            "(another version of the engine's, a plugin file's no longer here, or a typo)",
+            flush=True,
+        )
+    return unknown
 
 
 def check_same_classes(workdir, task):
@@ -240,16 +267,17 @@ def _split(held):
     return f"{counted(held.get('examples'), 'example')}{files}"
 
 
-def write_config(config, task, updates=None, data=None):
+def write_config(config, task, updates=None, data=None, unknown=None):
     """workdir/config.json: every setting of the run. It says which run the workdir holds (a restart with other
     settings is refused) and rebuilds its model for --mode=eval, continuous_eval, export and ensemble. Beside
     them, what the labels mean (a classification task's class_names, null for others): no setting, read by
     people and by the programs that use the export; and in a run of several updates the settings each trains with
     (`updates`: engine/numerics/updates.py effective_settings), read by people, not by the engine; and what the
     training split held (`data`), which a resumed run holds its split against, and what the source gave the task
-    (engine/state/kept_source.py), from which export and sampling build it without the data."""
+    (engine/state/kept_source.py), from which export and sampling build it without the data. `unknown`: the
+    settings of the config.json a run resumed that this engine does not know, kept as they were."""
     names = task.class_names
-    saved = {**dataclasses.asdict(config), "class_names": None if names is None else list(names)}
+    saved = {**(unknown or {}), **dataclasses.asdict(config), "class_names": None if names is None else list(names)}
     if updates:
         saved["updates"] = updates
     if data is not None:
