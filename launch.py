@@ -42,7 +42,7 @@ from engine.settings.checks import TASKS_OWN
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError, counted
-from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show, unread
+from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show, unread, unread_by_the_mode
 from engine.settings.help import usage
 from engine.settings.plugins import RESEARCH_MODES
 
@@ -105,14 +105,15 @@ for _field in dataclasses.fields(Config):
 FLAGS = flags.FLAGS
 
 
-def _refuse_unread(config):
-    """Settings the user gave that no part of this run reads: refused when typed on the command line (a typo's
-    twin, or another task's setting, would change nothing), a warning when they come from a flagfile (a recipe
-    reused with another task or model)."""
+def _refuse_unread(config, unread_of):
+    """Settings the user gave that no part of this run reads (`unread_of`: fields.py's unread, or its part known
+    before a trained run's settings are): refused when typed on the command line (a typo's twin, or another task's
+    or mode's setting, would change nothing), a warning when they come from a flagfile (a recipe reused with another
+    task or model)."""
     typed, given = _typed(), {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
-    for name, readers in unread(config, sorted(given & typed)):
+    for name, readers in unread_of(config, sorted(given & typed)):
         raise ConfigError(f"--{name}={show(getattr(config, name))}: no part of this run reads it ({readers})")
-    for name, readers in unread(config, sorted(given - typed)):
+    for name, readers in unread_of(config, sorted(given - typed)):
         print(
             f"warning: --{name}={show(getattr(config, name))} (from a flagfile): no part of this run reads it "
             f"({readers})",
@@ -203,8 +204,10 @@ def _checked_config():
     """The run's Config from the flags, checked as far as it can be before anything starts; bad input exits."""
     try:
         config = _config_from_flags()
-        if config.mode == "train":  # the other modes take the run's settings from its workdir's config.json
-            _refuse_unread(config)
+        if config.mode == "train":
+            _refuse_unread(config, unread)
+        elif config.mode not in RESEARCH_MODES:  # from the run's config.json: only what the command line selects
+            _refuse_unread(config, unread_by_the_mode)
         if config.mode in RESEARCH_MODES:  # research's own checks, before anything starts
             from research import checks, space
 

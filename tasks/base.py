@@ -22,7 +22,7 @@ import math
 
 import tensorflow as tf
 
-from engine.api import ConfigError, Undefined
+from engine.api import ConfigError, TaskError, Undefined
 
 
 class Task:
@@ -122,10 +122,18 @@ class Task:
         """The SavedModel's serving function: a tf.function with an input_signature, returning named outputs."""
         spec = self.spec[self.input]
         signature = [tf.TensorSpec([None, *spec.shape], spec.dtype, name=self.input)]
-        return tf.function(
-            lambda x: {"outputs": tf.cast(self.forward(models, {self.input: x}, False), tf.float32)},
-            input_signature=signature,
-        )
+
+        def serve(x):
+            outputs = self.forward(models, {self.input: x}, False)
+            if not tf.is_tensor(outputs):  # a dict's or a tuple's names are the task's to give
+                file = type(self).__module__.replace(".", "/") + ".py"
+                raise TaskError(
+                    f"{file}: its forward returns a {type(outputs).__name__}, and the default serve(models) exports "
+                    "one tensor: define serve(models) in it, naming what the SavedModel returns (tasks/base.py)"
+                )
+            return {"outputs": tf.cast(outputs, tf.float32)}
+
+        return tf.function(serve, input_signature=signature)
 
     # What each class index means, for a task whose outputs are classes (classification: a tuple of names): written
     # to config.json and summary.json and served beside each predicted index by the export. None: no classes.
@@ -148,6 +156,20 @@ class Task:
 def _undefined(task, what):
     """The error for a method of this protocol that a run needs and `task` does not define."""
     return Undefined(f"{type(task).__module__.replace('.', '/')}.py: defines no {what}")
+
+
+def one_tensor(task, model, spec):
+    """The output of `model` (of --model) for one example of zeros like `spec`, which `task` reads as one tensor
+    (logits, predictions): TaskError naming the model's file where it returns another structure, which the task's
+    loss would fail on in its own line (a model of several outputs is for a task of its own, which reads them)."""
+    out = model(tf.zeros([1, *spec.shape], spec.dtype), training=False)
+    if not tf.is_tensor(out):
+        raise TaskError(
+            f"models/{task.config.model}.py: its model returns a {type(out).__name__}; --task={task.config.task} "
+            "reads one tensor of outputs per example: return it alone, or read the model's outputs in a task of "
+            "your own (docs/forking.md)"
+        )
+    return out
 
 
 def first_output(outputs):

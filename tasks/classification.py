@@ -28,6 +28,11 @@ class Task(base.Task):
         classes of a label given only their number. The export returns them beside the indices."""
         return tuple(self.info.get("class_names") or (str(i) for i in range(self.info["num_classes"])))
 
+    def models(self, create):
+        models = super().models(create)
+        base.one_tensor(self, models["model"], self.spec[self.input])
+        return models
+
     def prepare(self, batch):
         base.read_as_numbers(self, batch, ("label",))
         return {"image": base.float_image(self, batch), "label": tf.cast(batch["label"], tf.int64)}

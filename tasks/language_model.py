@@ -54,7 +54,7 @@ class Task(base.Task):
     def models(self, create):
         context = tf.TensorSpec([self.spec["tokens"].shape[0] - 1], tf.int32)
         model = create(self.config.model, context, self.outputs)
-        shape = model(tf.zeros([1, *context.shape], tf.int32), training=False).shape
+        shape = base.one_tensor(self, model, context).shape
         if shape.rank != 3:  # one prediction per window, not per position: the loss's shapes would not meet
             raise ConfigError(
                 f"--model={self.config.model}: its output for a window of {context.shape[0]} tokens is of shape "

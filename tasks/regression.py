@@ -39,6 +39,11 @@ class Task(base.Task):
         """A standardized target -> the target's own units."""
         return target * self.target_std + self.target_mean
 
+    def models(self, create):
+        models = super().models(create)
+        base.one_tensor(self, models["model"], self.spec[self.input])
+        return models
+
     def prepare(self, batch):
         base.read_as_numbers(self, batch, ("features", "target"))
         target = (tf.cast(batch["target"], tf.float32) - self.target_mean) / self.target_std

@@ -123,6 +123,18 @@ class Twice(keras.Model):
 
 """
 
+NAMED = """
+class Named(keras.Model):
+    def __init__(self):
+        super().__init__(name="named")
+        self.flatten, self.head = keras.layers.Flatten(), keras.layers.Dense(10, name="head")
+
+    def call(self, x, training=False):
+        return {"logits": self.head(self.flatten(x))}
+
+
+"""
+
 # Batch norm (Keras's, not synchronized) and dropout; NOISY, a layer called only in training (a noise branch),
 # whose variables were made inside the traced step: never trained nor checkpointed, drawn afresh by every process.
 NORMED = """
@@ -168,6 +180,11 @@ MODEL_MISTAKES = {
             "return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(10), keras.layers.Reshape((10, 1))])"
         ),
         "its model's output for a batch of 1 is of shape (1, 10, 1); the task reads 10 values per example",
+    ),
+    # A TypeError in tasks/classification.py's loss, which blamed the task's line ("Expected any non-tensor type").
+    "a dict of outputs": (
+        _family("return Named()").replace("def create", NAMED + "def create"),
+        "its model returns a dict; --task=classification reads one tensor of outputs per example",
     ),
     # These two trained, exit 0: the tf.Variable neither trained nor checkpointed, one layer's weights saved over
     # the other's (a message that named --model=twice, a flag value nobody typed).

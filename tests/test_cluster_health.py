@@ -238,6 +238,20 @@ def test_sigterm_while_connecting_to_a_tpu_ends_the_run(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_local_tpu_on_a_machine_without_one_is_one_clear_line(tmp_path):
+    # It read "the TPU failed while initializing its TPU system (TPUs not found in the cluster)": TensorFlow's words,
+    # as if there were a TPU that failed.
+    result = launch(f"--workdir={tmp_path / 'run'}", "--strategy=tpu", "--tpu=local", "--train_steps=2")
+    assert (result.returncode, result.stderr.strip().splitlines()) == (
+        2,
+        [
+            "error: --tpu=local: this machine has no TPU ('local' is a TPU VM's own); elsewhere give a TPU's name or "
+            "grpc://IP:8470"
+        ],
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_mixed_float16_on_a_tpu_is_refused(tmp_path):
     result = launch(f"--workdir={tmp_path}", "--strategy=tpu", "--tpu=local", "--precision=mixed_float16")
     assert result.returncode == 2

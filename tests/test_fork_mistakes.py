@@ -437,6 +437,16 @@ OWN_ERRORS = [
         "--dataset=decoded",
         "error: sources/decoded.py:12 in decode: KeyError: 'img'",
     ),
+    # TensorFlow's own error of a file a source's load reads (not there): kept TensorFlow's traceback, exit 1.
+    (
+        "sources/missing.py",
+        "import tensorflow as tf\n\n\n"
+        "def load(config, eval_split):\n"
+        "    with tf.io.gfile.GFile('/nonexistent/examples.bin', 'rb') as f:\n"
+        "        return f.read()\n",
+        "--dataset=missing",
+        "error: sources/missing.py:6 in load: NotFoundError: /nonexistent/examples.bin; No such file or directory",
+    ),
 ]
 
 
@@ -451,12 +461,53 @@ OWN_ERRORS = [
         "an_assertion",
         "loss_inside_replica_step",
         "key_error_in_a_decode",
+        "tensorflows_error_in_a_load",
     ],
 )
 def test_launch_ends_an_error_a_forks_code_raises_in_one_line_with_exit_2(tmp_path, path, text, flag, said):
     result = _launch_in(_fork_with(tmp_path, {path: text}), *flag.split())
     assert result.returncode == 2 and result.stderr.splitlines()[-1:] == [said], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+NAMED_OUTPUTS = {
+    "models/named.py": "import tensorflow as tf\n\n\n"
+    "class Named(tf.keras.Model):\n"
+    "    def __init__(self, outputs):\n"
+    "        super().__init__(name='named')\n"
+    "        self.flatten, self.head = tf.keras.layers.Flatten(), tf.keras.layers.Dense(outputs, name='head')\n\n"
+    "    def call(self, x, training=False):\n"
+    "        return {'logits': self.head(self.flatten(x))}\n\n\n"
+    "def create(config, spec, outputs, info):\n"
+    "    return Named(outputs)\n",
+    "tasks/named.py": "import tensorflow as tf\nfrom tasks import base\n\n\n"
+    "class Task(base.Task):\n"
+    "    features, input = ('image', 'label'), 'image'\n\n"
+    "    @property\n"
+    "    def outputs(self):\n"
+    "        return self.info['num_classes']\n\n"
+    "    def prepare(self, batch):\n"
+    "        return {'image': base.float_image(self, batch), 'label': tf.cast(batch['label'], tf.int64)}\n\n"
+    "    def loss(self, outputs, batch):\n"
+    "        return tf.nn.sparse_softmax_cross_entropy_with_logits(batch['label'], outputs['logits'])\n",
+}
+
+
+def test_the_export_of_a_task_whose_forward_returns_a_dict_without_a_serve_of_its_own_is_one_line(tmp_path):
+    # A model of named outputs trains under a task that reads them; its export was autograph's StagingError
+    # traceback from the default serve in tasks/base.py, exit 1.
+    fork = _fork_with(tmp_path, NAMED_OUTPUTS)
+    trained = _launch_in(fork, "--task=named", "--model=named", "--jit_compile=false")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = _launch_in(fork, "--mode=export")
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [
+            "error: tasks/named.py: its forward returns a dict, and the default serve(models) exports one tensor: "
+            "define serve(models) in it, naming what the SavedModel returns (tasks/base.py)"
+        ],
+    )
+    assert not (tmp_path / "run" / "export").exists()
 
 
 def test_a_setting_another_file_declares_is_read_once_the_file_names_it_in_reads(tmp_path):

@@ -119,3 +119,57 @@ def test_local_workers_do_not_read_a_tf_config_the_shell_left_set(monkeypatch, t
 
     monkeypatch.setenv("TF_CONFIG", tf_config)
     assert make_config("", strategy="multi_worker", local_workers=2).local_workers == 2
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--mode=eval", "--sample_length=3"], "--sample_length=3: no part of this run reads it (read by --mode=sample "
+         "of --task=language_model)"),
+        (["--mode=eval", "--export_dir=elsewhere"], "--export_dir=elsewhere: no part of this run reads it (read by "
+         "--mode=export)"),
+        (["--mode=export", "--eval_timeout=5"], "--eval_timeout=5.0: no part of this run reads it (read by "
+         "--mode=continuous_eval)"),
+        (["--mode=continuous_eval", "--checkpoint=ckpt-20"], "--checkpoint=ckpt-20: no part of this run reads it "
+         "(read by --mode=eval, --mode=export and --mode=sample)"),
+        (["--mode=eval", "--tpu=local"], "--tpu=local: no part of this run reads it (read by --cluster_resolver=tpu "
+         "and --strategy=tpu)"),
+    ],
+    ids=["sample_in_eval", "export_dir_in_eval", "eval_timeout_in_export", "checkpoint_in_a_sidecar", "tpu_in_eval"],
+)  # fmt: skip
+def test_a_setting_of_another_mode_is_refused_as_train_refuses_one(tmp_path, args, line):
+    # Each was taken silently: the evaluation ran, its --sample_length, --export_dir or --tpu unread.
+    result = launch(*args, f"--workdir={tmp_path / 'run'}")
+    assert (result.returncode, result.stderr.splitlines()) == (2, [f"error: {line}"])
+
+
+def test_a_flagfiles_setting_of_another_mode_is_warned_of_and_sample_reads_checkpoint(tmp_path):
+    flags = tmp_path / "recipe.flags"
+    flags.write_text("--sample_length=7\n")
+    result = launch(f"--flagfile={flags}", "--mode=eval", f"--workdir={tmp_path / 'run'}")
+    assert result.stderr.splitlines() == [
+        "warning: --sample_length=7 (from a flagfile): no part of this run reads it (read by --mode=sample of "
+        "--task=language_model)",
+        f"error: --workdir={tmp_path / 'run'}: no checkpoint to use (train first, or pass --checkpoint)",
+    ]
+    # --mode=sample reads --checkpoint (refused before as read by eval and export alone, in a train run's words).
+    result = launch("--mode=sample", f"--checkpoint={tmp_path / 'ckpt-20'}", f"--workdir={tmp_path / 'run'}")
+    assert result.stderr.splitlines()[-1] == (
+        f"error: --checkpoint={tmp_path / 'ckpt-20'}: no such checkpoint (expected {tmp_path / 'ckpt-20'}.index)"
+    )
+
+
+def test_a_setting_the_trained_run_does_not_read_is_refused_by_its_evaluation(tmp_path):
+    # Taken silently before: an eval of an adamw run with --momentum, an export of an mlp with --gpt_layers.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"optimizer": "adamw", "model": "mlp"}')
+    for args, line in (
+        (
+            ["--mode=eval", "--momentum=0.5"],
+            "--momentum=0.5: no part of {run}'s run reads it (read by --optimizer=sgd)",
+        ),
+        (["--mode=export", "--gpt_layers=2"], "--gpt_layers=2: no part of {run}'s run reads it (read by --model=gpt)"),
+    ):
+        result = launch(*args, f"--workdir={run}")
+        assert (result.returncode, result.stderr.splitlines()) == (2, [f"error: {line.format(run=run)}"])

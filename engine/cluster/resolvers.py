@@ -80,6 +80,11 @@ def tpu_strategy(settings):
         reason = getattr(e, "reason", None) or first_line(e).split(". ")[0]
         if stage[0] == "resolve":
             raise ConfigError(f"--tpu={settings.tpu}: no TPU reachable ({reason})") from None
+        if settings.tpu == "local" and not tf.config.list_physical_devices("TPU"):  # TensorFlow: "TPUs not found"
+            raise ConfigError(
+                "--tpu=local: this machine has no TPU ('local' is a TPU VM's own); elsewhere give a TPU's name or "
+                "grpc://IP:8470"
+            ) from None
         raise ConfigError(f"--tpu={settings.tpu}: the TPU failed while {doing[stage[0]]} ({reason})") from None
     enter_master_device(resolver)
     return tf.distribute.TPUStrategy(resolver)

@@ -11,7 +11,7 @@ import tensorflow as tf
 from engine.cluster import distribute
 from engine.run import build
 from engine.settings import config as config_lib
-from engine.settings.errors import ConfigError
+from engine.settings.errors import ConfigError, raising_task_errors
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir as workdir_lib
 from engine.state.files import append_text, failed_file, json_text, make_workdir, remove_tree, write_json
@@ -355,6 +355,8 @@ def export(config, given=None):
     module = tf.Module()
     module.variables_by_path = run.state.tracked()["models"]  # tracked: the SavedModel holds them
     module.serve = run.task.serve(run.models)
+    with raising_task_errors():  # a task's serve that cannot be traced: one line, before anything is written
+        signature = module.serve.get_concrete_function()
     names = run.task.class_names
     if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
         with tf.device("/cpu:0"):  # strings have no GPU kernels
@@ -372,7 +374,6 @@ def export(config, given=None):
                 remove_tree(partial)  # half a SavedModel, of no use: the same command writes it whole
             reason = failed_file(e)[1]  # TensorFlow's own text ("{{function_node ...}} ...; why [Op:SaveV2]") left out
             raise checkpoint_lib.CheckpointError(f"cannot write the SavedModel to {export_dir}: {reason}") from None
-    signature = module.serve.get_concrete_function()
     inputs = ", ".join(f"{s.name} {s.dtype.name} {s.shape.as_list()}" for s in signature.structured_input_signature[0])
     outputs = ", ".join(sorted(signature.structured_outputs))
     plain = [name if name.isprintable() and name.strip() == name != "" else repr(name) for name in names or ()]

@@ -20,6 +20,7 @@ from engine.settings.fields import (
     REFUSED_UNLESS_READ,
     Config,
     applies,
+    read_by,
     show,
 )
 from engine.settings.identity import (
@@ -102,8 +103,9 @@ def for_evaluation(config, saved, where, given=None):
     """The Config that evaluates or exports the run `saved`: its settings; the command line's execution settings,
     split and eval batch; the command line's EVALUATION_SETTINGS where given. An identity setting given that
     differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
-    trained. `given`: the names the command line gave (launch.py knows them); None for a Config handed over as it
-    is (a notebook's), whose settings other than their defaults count as given."""
+    trained; so is one the command line gave that the run does not read (another model's or optimizer's), as
+    launch.py refuses it in a train run. `given`: the names the command line gave (launch.py knows them); None for a
+    Config handed over as it is (a notebook's), whose settings other than their defaults count as given."""
     # validate() gave an empty --dataset and --model the command line's task's own: that is none given either.
     default = dataclasses.replace(
         Config(), dataset=plugins.default_dataset(config.task), model=plugins.default_model(config.task)
@@ -123,6 +125,8 @@ def for_evaluation(config, saved, where, given=None):
         elif name in EVALUATION_SETTINGS:
             values[name] = value if was_given(name) else theirs
         elif name in IDENTITY_SETTINGS:
+            if given is not None and name in given and not applies(name, saved):  # as launch.py refuses it in train
+                raise ConfigError(f"--{name}={show(value)}: no part of {where}'s run reads it ({read_by(name)})")
             if was_given(name) and value != theirs and applies(name, saved):
                 raise ConfigError(
                     f"--{name}={show(value)}: {where} was trained with --{name}={show(theirs)}; drop the flag "

@@ -83,7 +83,9 @@ class _RunSettings(sections.Sectioned):
     mode: str = _run("train", "what to run: " + "|".join(MODES))
     workdir: str = _run("runs/default", "directory for checkpoints, metrics.jsonl, summary.json, TensorBoard")
     checkpoint: str = _run(
-        "", "eval, export: checkpoint path to use; empty: the latest in --workdir", {"mode": ("eval", "export")}
+        "",
+        "eval, export, sample: checkpoint path to use; empty: the latest in --workdir",
+        {"mode": ("eval", "export", "sample")},
     )
     export_dir: str = _run(
         "", "export: where to write the SavedModel; empty: <workdir>/export/<step>", {"mode": ("export",)}
@@ -356,6 +358,24 @@ def unread(config, given):
     `config` reads: another task's, model's, source's or optimizer's (--gan_critic_steps on a classification run,
     --momentum with --optimizer=adamw)."""
     return [(name, read_by(name)) for name in given if not applies(name, config)]
+
+
+# The selectors an evaluation, an export or a sample takes from its own command line (the others from the trained
+# run's config.json): whether a setting only they select is read is known before the run's settings are.
+COMMAND_LINE_SELECTORS = ("mode", "strategy", "cluster_resolver")
+
+
+def unread_by_the_mode(config, given):
+    """unread() of the settings in `given` that only the command line selects in a mode that rebuilds a trained run
+    (--export_dir, --eval_timeout, --tpu; the sample_* settings outside --mode=sample): those of another mode, or of
+    a strategy this command does not run on."""
+    selected = [
+        name
+        for name in given
+        if (name in SAMPLING and config.mode != "sample")
+        or (readers(name) and all(selector in COMMAND_LINE_SELECTORS for selector, _ in readers(name)))
+    ]
+    return unread(config, selected)
 
 
 def read_by(name):

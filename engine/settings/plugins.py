@@ -87,20 +87,21 @@ _TRANSPARENT = (os.path.join("engine", "settings", "sections.py"),)
 def failure(error):
     """The one line for an error a plugin's code raised (`tasks/mine.py:7 in loss: ValueError: oops`): where the
     innermost line of this checkout it came out of is a plugin file's (its own raise, or a library it called
-    raising); None for an error of the engine's own code, or of TensorFlow's runtime (a device out of memory, a
-    file that cannot be read), which keep their traceback. A step's function is traced: its lines are those
-    autograph writes into the message, or, for an op of it that failed as it ran, those TensorFlow names it defined
-    at (_ran)."""
-    # TensorFlow's own errors are its runtime's, but for autograph's: the wrappers of what a traced function's user
-    # code raised (StagingError, MultilineMessageKeyError: a KeyError of a feature the batch lacks), its lines in
-    # their message; and an op's InvalidArgumentError (a plugin's tf.debugging.assert_* that failed at a step).
+    raising, TensorFlow too: a file its load could not read); None for an error of the engine's own code, or of
+    TensorFlow's runtime as the engine ran a step (a device out of memory, a file that cannot be read), which keep
+    their traceback. A step's function is traced: its lines are those autograph writes into the message, or, for an
+    op of it that failed as it ran, those TensorFlow names it defined at (_ran)."""
+    # TensorFlow's own errors are its runtime's, read by their Python frames alone (a source's load reading a file
+    # that is not there is its line; a step's op, the engine's that ran it), but for autograph's: the wrappers of
+    # what a traced function's user code raised (StagingError, MultilineMessageKeyError: a KeyError of a feature the
+    # batch lacks), its lines in their message; and an op's InvalidArgumentError (a plugin's tf.debugging.assert_*
+    # that failed at a step).
     module = type(error).__module__
     ran = _ran(error)
-    if module.startswith("tensorflow") and not module.startswith("tensorflow.python.autograph") and ran is None:
-        return None
+    runtime = module.startswith("tensorflow") and not module.startswith("tensorflow.python.autograph") and ran is None
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     message = str(error)
-    traced = list(_TRACED_LINE.finditer(message)) if message.startswith("in user code:") else []
+    traced = list(_TRACED_LINE.finditer(message)) if message.startswith("in user code:") and not runtime else []
     frames += _innermost_mapped([(m.group(1), int(m.group(2)), m.group(3)) for m in ran or traced])
     ours = [f for f in frames if _relative(f[0]) and _relative(f[0]) not in _TRANSPARENT]
     if not ours or not _is_plugin(ours[-1][0]):
