@@ -2,7 +2,8 @@
 
 Your own photos, no builder: `--dataset=folder:PATH`, a folder with a sub-folder per class of JPEG or PNG files
 (by extension, in any case: .jpg, .jpeg, .png; other files, hidden ones and deeper folders are not read, and a
-warning names the photos of other formats, .gif, .bmp, .webp, ..., and the deeper folders):
+warning names the photos of other formats, .gif, .bmp, .webp, ..., the deeper folders and the photos beside the
+class folders):
 
     PATH/cat/0001.jpg  PATH/cat/0002.PNG  PATH/dog/0001.jpeg  ...
 
@@ -46,6 +47,7 @@ ARGUMENT = ("PATH", "a sub-folder of JPEG/PNG files per class")
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 # Images of other formats by their extension: not read, and said so (_say_unread).
 OTHER_IMAGES = (".gif", ".bmp", ".webp", ".tif", ".tiff", ".jfif", ".jpe", ".heic", ".heif", ".avif")
+PHOTOS = (*EXTENSIONS, *OTHER_IMAGES)  # a photo beside the class folders is of no class: not read, and said so
 HELD_OUT = ("test", "validation")  # the names of a carved PATH's held-out part
 
 
@@ -195,12 +197,13 @@ def _photos(path, where):
             "two at least"
         )
     photos, unread, folders = {}, [], []
+    loose = [f for f in sorted(_files(path)[0]) if not f.startswith(".") and f.lower().endswith(PHOTOS)]
     for name in names:
         files, inside = _files(os.path.join(path, name))
         photos[name] = sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
         unread += [f"{name}/{f}" for f in sorted(files) if not f.startswith(".") and f.lower().endswith(OTHER_IMAGES)]
         folders += [f"{name}/{f}" for f in sorted(inside) if not f.startswith(".")]
-    _say_unread(where, unread, folders)
+    _say_unread(where, unread, folders, loose)
     if not any(photos.values()):
         raise ConfigError(f"{where}: no JPEG or PNG files (.jpg, .jpeg, .png) in the class folders of {path}")
     empty = [name for name, files in photos.items() if not files]
@@ -212,15 +215,18 @@ def _photos(path, where):
     return photos
 
 
-def _say_unread(where, unread, folders):
-    """A warning naming the photos of other formats (by extension) and the folders in the class folders, which the
-    run does not read: they were left out without a word, and the run trained on fewer photos than the folder holds
-    (files of no image format, a notes.txt or a Thumbs.db, are left out unsaid)."""
+def _say_unread(where, unread, folders, loose):
+    """A warning naming the photos of other formats (by extension), the folders in the class folders and the photos
+    beside the class folders (of no class), which the run does not read: they were left out without a word, and the
+    run trained on fewer photos than the folder holds (files of no image format, a notes.txt or a Thumbs.db, are left
+    out unsaid)."""
     said = []
     if unread:
         said.append(f"{len(unread)} photo(s) of another format than JPEG or PNG ({_some(unread)})")
     if folders:
         said.append(f"{len(folders)} folder(s) inside class folders ({_some(folders)})")
+    if loose:
+        said.append(f"{len(loose)} photo(s) outside the class folders ({_some(loose)})")
     if said:
         print(
             f"warning: {where}: not read: {' and '.join(said)}: only .jpg, .jpeg and .png files directly in a "

@@ -127,6 +127,25 @@ def test_photos_a_folder_does_not_read_are_said(data_dir, tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_photos_beside_the_class_folders_are_said(data_dir, tmp_path, capsys):
+    """A photo beside the class folders (of no class), carved or in a split folder, was left out without a word."""
+    root = tmp_path / "photos"
+    _photos(root, per_class=4)
+    for stray in ("stray.jpg", "Scan.BMP", ".hidden.jpg", "notes.txt"):
+        (root / stray).write_bytes(b"not read")
+    source = folder.load(_config(data_dir, root), "test")
+    assert source.train.examples + source.evals.examples == 12
+    assert capsys.readouterr().out == (
+        f"warning: --dataset=folder:{root}: not read: 2 photo(s) outside the class folders (Scan.BMP, stray.jpg): "
+        "only .jpg, .jpeg and .png files directly in a class folder are\n"
+    )
+    _photos(tmp_path / "split" / "train", per_class=4)
+    _photos(tmp_path / "split" / "test", per_class=2)
+    (tmp_path / "split" / "train" / "stray.png").write_bytes(b"not read")
+    folder.load(_config(data_dir, tmp_path / "split"), "test")
+    assert "not read: 1 photo(s) outside the class folders (stray.png)" in capsys.readouterr().out
+
+
 def test_split_folders_are_used_as_given(data_dir, tmp_path):
     root = tmp_path / "photos"
     for split, count in (("train", 6), ("validation", 3), ("test", 2)):
@@ -216,14 +235,19 @@ def test_a_folder_of_photos_trains_and_evaluates_every_held_out_photo_once(data_
     assert summary["eval"]["accuracy"] >= 0.8  # the classes are tinted red, green and blue
 
 
-def test_a_corrupt_photo_stops_the_run_naming_it(data_dir, tmp_path, one_device):
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_photo_stops_the_run_naming_it(data_dir, tmp_path, one_device, damage):
+    # A JPEG cut short decoded wherever a crop stopped above the cut: it stopped the run epochs later, if ever.
     root = tmp_path / "photos"
     _photos(root, per_class=6)
     bad = root / "bee" / "broken.jpg"  # in the training part (its path's hash)
-    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+    _photo(bad, seed=7)
+    whole = bad.read_bytes()
+    bad.write_bytes(whole[: len(whole) * 9 // 10] if damage == "truncated" else b"\xff\xd8\xff\xe0 not really a JPEG")
     assert str(bad) in _paths(folder.load(_config(data_dir, root), "test").train)
     config = _config(data_dir, root, workdir=str(tmp_path / "run"), train_steps=10)
-    with pytest.raises(ConfigError, match=re.escape(f"cannot decode {bad}")):
+    why = ": truncated: a JPEG without its end-of-image marker;" if damage == "truncated" else ""
+    with pytest.raises(ConfigError, match=re.escape(f"cannot decode {bad}{why}")):
         loop.train(config, one_device)
 
 

@@ -109,6 +109,21 @@ def test_a_corrupt_image_raises_in_the_pipeline(training):
             list(ds)
 
 
+def test_a_truncated_jpeg_raises_at_its_first_read_whatever_the_crop():
+    """A JPEG cut short decoded wherever the crop stopped above the cut: a run read it for epochs and stopped only
+    when a random crop reached it. Bytes after its end (a phone's motion photo) are no cut."""
+    pixels = np.random.default_rng(5).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    jpeg = tf.io.encode_jpeg(pixels).numpy()
+    cut = jpeg[: len(jpeg) * 9 // 10]
+    assert tf.image.decode_and_crop_jpeg(cut, [0, 0, 100, 400]).shape == (100, 400, 3)  # above the cut: it decodes
+    decode = _decode(16)
+    for training, seed in [(True, 2), (True, 6), (True, 0), (False, 0)]:  # 2 and 6 crop above the cut, 0 across
+        with pytest.raises(tf.errors.InvalidArgumentError, match="truncated: a JPEG without its end-of-image marker"):
+            decode({"image": tf.constant(cut)}, _seed(seed), training)
+    trailing = tf.constant(jpeg + b"\x00\x00\x00\x18ftypmp42 a video after the photo")
+    assert decode({"image": trailing}, _seed(1), True)["image"].shape == (16, 16, 3)
+
+
 @pytest.mark.parametrize("shape", [(300, 400), (50, 50), (37, 61), (400, 300)])
 def test_training_crops_stay_inside_the_image_with_area_and_aspect_in_range(shape):
     height, width = shape

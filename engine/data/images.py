@@ -6,7 +6,8 @@ gives the same pixels, so a resumed run sees what an uninterrupted one would. Ev
 0.875 x the shorter side, resized to S: the pixels of the usual ImageNet practice (shorter side resized to
 S / 0.875, centre S x S cut out) without resizing what is cut away. A JPEG is decoded only inside its crop window
 (decode_and_crop_jpeg), which is faster than decoding it whole (measured: bench/RESULTS.md, section "JPEGs decoded
-inside the crop window").
+inside the crop window"); one without its end-of-image marker (cut short) is refused at every read, whatever the
+window.
 
 Images come out uint8, a quarter of float32's bytes through the decode's buffers; the task scales the batch
 (tasks/classification.py `prepare`, on the host): on a CPU, where host and device are the same cores, where to
@@ -22,6 +23,8 @@ AREA = (0.08, 1.0)  # fraction of the image a training crop covers
 ASPECT = (3 / 4, 4 / 3)  # width / height of a training crop
 ATTEMPTS = 10  # windows drawn before a training crop falls back to the centre crop
 CENTRE = 0.875  # evaluation: the centre crop's side / the shorter side (224 of 256)
+JPEG_END = b"\xff\xd9"  # a JPEG's end-of-image marker: TensorFlow decodes no JPEG whole without it
+TRUNCATED = "truncated: a JPEG without its end-of-image marker"
 
 
 def decoder(data, feature="image"):
@@ -86,8 +89,12 @@ def centre_window(shape):
 
 def _crop(encoded, window_of, size):
     def jpeg():
-        # Only the window's blocks are decoded.
-        return tf.image.decode_and_crop_jpeg(encoded, window_of(tf.io.extract_jpeg_shape(encoded)), channels=3)
+        # Only the window's blocks are decoded: a JPEG cut short decoded where a window stopped above the cut, and
+        # stopped the run only when one reached it, epochs later. Without its end it stops the run at its first read.
+        ended = tf.debugging.Assert(tf.size(tf.strings.split(encoded, sep=JPEG_END)) > 1, [TRUNCATED])
+        with tf.control_dependencies([ended]):
+            window = window_of(tf.io.extract_jpeg_shape(encoded))
+        return tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
 
     def other():
         # PNG (and GIF, BMP): decoded whole; channels=3 turns grayscale to RGB and drops alpha.

@@ -233,8 +233,9 @@ class Pipelines:
         if unreal:
             return f"--dataset={data.dataset}: {where} holds NaN or infinity in its {unreal[0]}"
         try:
-            if self.source.decode is not None:
-                features = self.source.decode(features, self.seeds(tf.constant(position, tf.int64), stream), training)
+            if self.source.decode is not None:  # in a graph, as in the pipeline: a check's message reads alike
+                decode = tf.function(lambda example, seed: self.source.decode(example, seed, training))
+                features = decode(features, self.seeds(tf.constant(position, tf.int64), stream))
         except tf.errors.OpError as e:
             return f"--dataset={data.dataset}: cannot decode {where}: {op_message(e)}"
         label = features.get("label") if self.classes is not None else None
