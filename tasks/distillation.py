@@ -1,7 +1,7 @@
 """Distillation: a classification student learns from a frozen teacher's soft targets (Hinton et al. 2015).
 
---teacher names the workdir of a trained classification run on the same dataset: its config.json rebuilds the
-teacher's model, its newest checkpoint restores the weights (the moving average, where that run kept one), and the
+--teacher names the workdir of a trained classification run on the same dataset and classes: its config.json rebuilds
+the teacher's model, its newest checkpoint restores the weights (the moving average, where that run kept one), and the
 teacher is frozen. The student is --model. Per example, with T = --distill_temperature and w = --distill_weight:
 
     loss = w * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - w) * cross-entropy(label, student)

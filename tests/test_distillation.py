@@ -147,6 +147,29 @@ def test_a_teacher_workdir_that_holds_no_trained_run_is_refused_by_name(data_dir
         assert not os.path.exists(workdir)
 
 
+def test_a_teacher_trained_on_classes_named_otherwise_is_refused(data_dir, teacher, tmp_path, one_device):
+    """A class folder renamed or added since the teacher trained moves the labels: its outputs would teach each label
+    as another class. The renamed one was taken silently; the added one blamed the teacher's checkpoint."""
+    with open(os.path.join(teacher, "config.json")) as f:
+        saved = json.load(f)
+    for names, why in (
+        (["1", "0", *saved["class_names"][2:]], "label 0 is '0' here, '1' in the run of"),
+        ([*saved["class_names"], "10"], "it has 10 classes here, 11 in the run of"),
+    ):
+        moved = str(tmp_path / f"moved{len(names)}")
+        shutil.copytree(teacher, moved)
+        with open(os.path.join(moved, "config.json"), "w") as f:
+            json.dump({**saved, "class_names": names}, f)
+        workdir = str(tmp_path / "student")
+        with pytest.raises(ConfigError) as caught:
+            loop.train(student_config(data_dir, workdir, moved), one_device)
+        assert str(caught.value) == (
+            f"--teacher={moved}: {why} {moved} ({moved}/config.json): its outputs would mean other classes than this "
+            "run's labels"
+        )
+        assert not os.path.exists(workdir)
+
+
 @pytest.mark.slow
 def test_init_checkpoint_starts_the_student_and_leaves_the_teacher_as_trained(data_dir, teacher, tmp_path, one_device):
     """A student of the teacher's shape, warm-started from another run of that shape: the frozen teacher keeps

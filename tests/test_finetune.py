@@ -175,6 +175,19 @@ def test_a_freeze_that_matches_everything_is_refused_before_anything_is_written(
     assert not os.path.exists(workdir)
 
 
+def test_a_freeze_that_leaves_an_update_nothing_to_train_names_the_flag_not_the_task(data_dir, tmp_path, one_device):
+    """A GAN's discriminator frozen whole: the error blamed tasks/gan.py's update ("no trained model
+    'discriminator'"), as if the task were wrong."""
+    workdir = str(tmp_path / "run")
+    with pytest.raises(ConfigError) as caught:
+        loop.train(make_config(data_dir, workdir, task="gan", freeze="^discriminator/"), one_device)
+    assert str(caught.value) == (
+        "--freeze keeps fixed every variable that update 'discriminator' of tasks/gan.py trains "
+        "(discriminator/discriminator/dense0/kernel and 5 more): it would train nothing; freeze fewer variables"
+    )
+    assert not os.path.exists(workdir)
+
+
 @pytest.mark.slow
 def test_freeze_keeps_the_batch_norm_statistics_it_matches(data_dir, tmp_path, one_device):
     """--freeze names variables; a frozen block's batch-norm statistics are variables too and must not drift."""

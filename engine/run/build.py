@@ -33,11 +33,13 @@ from engine.state import held
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """The variables the step trains (every model's trainable ones that --freeze does not match), each one's
-    <model name>/<path>, and their moving averages (--ema_decay; [] without it)."""
+    <model name>/<path>, and their moving averages (--ema_decay; [] without it). `frozen`: the <model name>/<path>
+    of the trainable variables --freeze keeps fixed."""
 
     variables: list
     names: list
     averages: list
+    frozen: tuple = ()
 
     @contextlib.contextmanager
     def averaged(self):
@@ -118,7 +120,7 @@ def run(config, strategy, purpose="train", on_eval=None, source=None):
     # seeds its initializers from that generator, so seeding after it keeps the weights the same.
     seed(config)
     with strategy.scope():
-        models = task.models(Create(config, task.info))
+        models = task.models(Create(config, task.info, task.class_names))
         if not isinstance(models, dict):  # a list of models would fail in the engine's code, with its traceback
             raise TaskError(
                 f"{plugins.file('task', config.task)}: models(create) returned {described(models)}, not a dict of "
@@ -212,7 +214,9 @@ def trained_weights(models, freeze, ema_decay):
         raise ConfigError(f"--freeze={freeze}: matches every trainable variable; nothing to train")
     owner = owners(models)
     averages = [tf.Variable(v.value, trainable=False, name="ema") for v in variables if ema_decay]
-    return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages)
+    kept = {id(v) for v in variables}
+    frozen = [f"{owner[id(v)]}/{v.path}" for m in models.values() for v in m.trainable_variables if id(v) not in kept]
+    return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages, tuple(dict.fromkeys(frozen)))
 
 
 def check_freeze(models, freeze):

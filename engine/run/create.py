@@ -16,6 +16,7 @@ from engine.settings.config import load_run_config
 from engine.settings.errors import ConfigError, TaskError, check_call, described
 from engine.state.checkpoint import list_checkpoints
 from engine.state.warm_start import warm_start
+from engine.state.workdir import other_classes
 
 _BUILT = weakref.WeakKeyDictionary()  # {model: (its file, the ids of its variables as create_model built it)}
 
@@ -139,10 +140,11 @@ class Create:
     """The `create` a task's `models(create)` receives (tasks/base.py): `create(family, spec, outputs)` builds a
     model of this run's settings (`config=`: of another run's), and `create.trained(...)` another run's trained
     model, frozen (a distillation teacher). Every model it builds receives this run's source's info: another run's
-    model reads the same dataset (trained() refuses one of another)."""
+    model reads the same dataset, its labels naming the same classes (trained() refuses one of others).
+    `class_names`: what this run's labels mean (its task's class_names, None for a task that names none)."""
 
-    def __init__(self, config, info):
-        self.config, self.info = config, info
+    def __init__(self, config, info, class_names=None):
+        self.config, self.info, self.class_names = config, info, class_names
 
     def __call__(self, family, spec, outputs, config=None):
         return create_model(config or self.config, family, spec, outputs, self.info)
@@ -151,8 +153,9 @@ class Create:
         """The model the run in `workdir` trained, for examples like `spec` with `outputs`: built from its
         config.json (its family and settings), restored from its newest checkpoint (the moving average where
         that run kept one) and frozen. ConfigError naming --`flag` when `workdir` holds no config.json, a run of
-        another task than `task`, a run on another dataset than this run's, or a checkpoint that does not fit
-        its model."""
+        another task than `task`, a run on another dataset than this run's or on classes named otherwise (a class
+        folder renamed, added or removed since: its outputs would teach each label as another), or a checkpoint
+        that does not fit its model."""
         try:
             saved = load_run_config(workdir)
         except ConfigError as e:  # its config.json cannot be read, or holds settings no run could have
@@ -164,6 +167,11 @@ class Create:
         if saved.dataset != self.config.dataset:
             raise ConfigError(
                 f"--{flag}={workdir}: trained on --dataset={saved.dataset}, not this run's {self.config.dataset}"
+            )
+        moved = other_classes(workdir, self.class_names)
+        if moved:
+            raise ConfigError(
+                f"--{flag}={workdir}: {moved}: its outputs would mean other classes than this run's labels"
             )
         model = self(saved.model, spec, outputs, config=saved)
         found = warm_start({flag: model}, workdir, flag=flag, log=self._restored_later(flag, workdir))

@@ -212,20 +212,29 @@ def check_same_classes(workdir, task):
     """Refuses data that names its classes otherwise than the run of `workdir` trained on (config.json's
     class_names): a class folder renamed, added or removed moves the labels, and the trained model would read each
     as another class, its export name them wrong. Nothing to hold it against where config.json names none."""
+    said = other_classes(workdir, task.class_names)
+    if said:
+        raise ConfigError(
+            f"--dataset={task.config.dataset}: {said}: its classes changed since that run trained; restore the data "
+            "as it was, or train in a new --workdir"
+        )
+
+
+def other_classes(workdir, class_names):
+    """How `class_names` (this run's, None for a task that names none) differ from those the run of `workdir`
+    trained on (config.json's), naming the first label that moved and config.json; None where they are the same, or
+    either names none."""
     path, saved = _saved(workdir, "class_names")
-    names = None if task.class_names is None else list(task.class_names)
+    names = None if class_names is None else list(class_names)
     if not isinstance(saved, list) or names is None or names == saved:
-        return
+        return None
     differs = next((i for i, (old, new) in enumerate(zip(saved, names)) if old != new), None)
     said = (
         f"label {differs} is {names[differs]!r} here, {saved[differs]!r} in the run of {workdir}"
         if differs is not None
         else f"it has {len(names)} classes here, {len(saved)} in the run of {workdir}"
     )
-    raise ConfigError(
-        f"--dataset={task.config.dataset}: {said} ({path}): its classes changed since that run trained; restore "
-        "the data as it was, or train in a new --workdir"
-    )
+    return f"{said} ({path})"
 
 
 def training_split(data):
