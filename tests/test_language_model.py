@@ -244,7 +244,7 @@ def test_the_export_continues_a_prompt_of_any_length_and_holds_the_vocabulary(tr
     assert evaluate.sample(greedy) == "ROMEO:" + chars[int(tf.argmax(serve(tokens=prompt)["logits"][0]))]
 
 
-def test_the_export_refuses_token_ids_outside_the_vocabulary_and_an_empty_prompt(trained, tmp_path):
+def test_the_export_refuses_token_ids_outside_the_vocabulary_an_empty_prompt_and_a_flat_one(trained, tmp_path):
     # Before: -1 was read as the last character ('z') and answered; 65 ended in a graph error naming a gather node
     # (on a GPU, zeros and an answer); no token at all answered the logits after a window of padding.
     from engine.run import modes as evaluate
@@ -258,6 +258,8 @@ def test_the_export_refuses_token_ids_outside_the_vocabulary_and_an_empty_prompt
         ([[1, 2, 65]], "tokens: ids must be in [0, 65) (the vocabulary); got min and max] [1] [65]"),
         ([[1000]], "tokens: ids must be in [0, 65) (the vocabulary); got min and max] [1000] [1000]"),
         (np.zeros((2, 0), np.int32), "tokens: every prompt needs at least one token; got shape] [2 0]"),
+        # Before: "slice index 1 of dimension 0 out of bounds", from a node of the graph.
+        ([1, 2, 3], "Shape of tensor tokens [3] is not compatible with expected shape [?,?]"),
     ]:
         with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(says)):
             serve(tokens=tf.constant(tokens, tf.int32))

@@ -352,6 +352,20 @@ def test_eval_mode_and_export_round_trip(data_dir, one_device, tmp_path):
         evaluate.export(dataclasses.replace(config, mode="export"))
 
 
+def test_the_export_refuses_images_of_another_shape_than_its_signature(data_dir, one_device, tmp_path):
+    # Before: the signature checked only the dtype: [n, 8, 8] and a [n, 4, 4, 4] batch ran through the MLP's flatten
+    # and were answered (a channels-first RGB batch answered other classes than the same images channels-last).
+    config = helpers.make_config(data_dir, str(tmp_path), train_steps=2, hidden_sizes=(8,))
+    loop.train(config, one_device)
+    served = tf.saved_model.load(evaluate.export(dataclasses.replace(config, mode="export")))
+    serve = served.signatures["serving_default"]
+    assert serve(images=tf.zeros([3, 8, 8, 1]))["classes"].shape == (3,)
+    for shape in ([3, 8, 8], [3, 64], [3, 4, 4, 4], [3, 1, 8, 8]):
+        says = f"Shape of tensor images [{','.join(map(str, shape))}] is not compatible with expected shape [?,8,8,1]"
+        with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(says)):
+            serve(images=tf.zeros(shape))
+
+
 @pytest.mark.slow
 def test_sidecar_evaluates_each_new_checkpoint(data_dir, one_device, tmp_path):
     args = [

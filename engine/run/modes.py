@@ -9,9 +9,9 @@ import time
 import tensorflow as tf
 
 from engine.cluster import distribute
-from engine.run import build
+from engine.run import build, serving
 from engine.settings import config as config_lib
-from engine.settings.errors import ConfigError, raising_task_errors
+from engine.settings.errors import ConfigError
 from engine.state import checkpoint as checkpoint_lib
 from engine.state import workdir as workdir_lib
 from engine.state.files import append_text, failed_file, json_text, make_workdir, remove_tree, write_json
@@ -352,15 +352,8 @@ def export(config, given=None):
     step = int(run.state.step.numpy())
     export_dir = config.export_dir or os.path.join(config.workdir, "export", str(step))
     where = workdir_lib.export_target(config, export_dir, step)
-    module = tf.Module()
-    module.variables_by_path = run.state.tracked()["models"]  # tracked: the SavedModel holds them
-    module.serve = run.task.serve(run.models)
-    with raising_task_errors():  # a task's serve that cannot be traced: one line, before anything is written
-        signature = module.serve.get_concrete_function()
+    module, signature = serving.module(run)
     names = run.task.class_names
-    if names is not None:  # what each class index means, readable without a prediction: loaded.class_names
-        with tf.device("/cpu:0"):  # strings have no GPU kernels
-            module.class_names = tf.Variable(names, trainable=False, name="class_names")
     # Written beside it, then renamed into place: a killed export leaves no half SavedModel where a server looks
     # for versions, and the same command (exit 75: restart) removes what it left and exports again.
     partial = where + ".incomplete"
