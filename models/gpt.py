@@ -82,6 +82,8 @@ def create(config, spec, num_outputs, info):
     input_shape = tuple(spec.shape)
     if len(input_shape) != 1:
         raise ValueError(f"gpt reads a sequence of token ids of shape (tokens,), got {input_shape}")
+    if not spec.dtype.is_integer:  # real numbers would be truncated to token ids, and the error come from elsewhere
+        raise ValueError(f"gpt reads integer token ids, got {spec.dtype.name} values of shape {input_shape}")
     if config.gpt_dim % config.gpt_heads:
         raise ValueError(f"--gpt_heads={config.gpt_heads}: must divide --gpt_dim={config.gpt_dim}")
     return GPT(

@@ -126,6 +126,16 @@ def test_heads_that_do_not_divide_the_width_are_refused_by_name():
         create_model(_config(gpt_heads=3), "gpt", tf.TensorSpec([32], tf.int32), 65)
 
 
+def test_real_numbers_for_token_ids_are_refused_by_name():
+    # --task=regression --model=gpt read the penguins' measurements as token ids, truncated, and the run stopped
+    # blaming tasks/regression.py ("its loss has shape [128, 128], not one value per example").
+    from engine.run.create import create_model
+
+    with pytest.raises(ConfigError) as refused:
+        create_model(_config(), "gpt", tf.TensorSpec([4], tf.float32), 1)
+    assert str(refused.value) == "--model=gpt: gpt reads integer token ids, got float32 values of shape (4,)"
+
+
 def test_a_model_of_one_prediction_per_window_is_refused_naming_it():
     # --model=mlp trained nothing: the loss's shapes did not meet, a Keras ValueError from the task's own line.
     from engine.run.create import Create
