@@ -203,6 +203,7 @@ def main(argv):
 def _checked_config():
     """The run's Config from the flags, checked as far as it can be before anything starts; bad input exits."""
     try:
+        flagfiles.check_actions_typed_once(sys.argv[1:])
         config = _config_from_flags()
         if config.mode == "train":
             _refuse_unread(config, unread)

@@ -3,10 +3,12 @@ gradients' histograms in TensorBoard at every --histogram_every steps, whatever 
 weights as they stood at its step."""
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 
 from engine.run import build, loop
+from engine.run.actions import base, histograms
 from tests import helpers
 
 
@@ -34,3 +36,22 @@ def test_histograms_of_the_weights_and_gradients_at_every_histogram_every_steps(
             assert buckets[:, 2].sum() == value.size, name
             np.testing.assert_allclose([buckets[0, 0], buckets[-1, 1]], [value.min(), value.max()], rtol=1e-6)
             assert written[f"gradients/{name}"][step][:, 2].sum() == value.size, name
+
+
+class _Report:
+    def __init__(self):
+        self.written = {}
+
+    def histograms(self, step, values):
+        self.written[step] = values
+
+
+def test_a_skipped_float16_steps_gradients_that_are_not_finite_write_no_histogram():
+    # Before: a skipped step's gradients (inf, NaN) were written as histograms of no values between NaN edges.
+    report = _Report()
+    weights = SimpleNamespace(arrays=lambda: {"m/kernel": np.ones(3), "m/bias": np.zeros(2)})
+    context = SimpleNamespace(run=SimpleNamespace(weights=weights), report=report)
+    gradients = {"m/kernel": np.array([np.inf, 1.0, 2.0]), "m/bias": np.array([np.nan, 0.5]), "m/ok": np.ones(2)}
+    done = base.Round(0, 5, 1.0, {}, base.Extras({"gradients": gradients}))
+    histograms.Action(SimpleNamespace(histogram_every=5))(done, context)
+    assert sorted(report.written[5]) == ["gradients/m/ok", "weights/m/bias", "weights/m/kernel"]

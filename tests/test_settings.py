@@ -18,10 +18,11 @@ from engine.settings.config import validate
 from engine.settings.declared import declared_settings
 from engine.settings.errors import ConfigError
 from engine.settings.fields import Config, applies
+from engine.settings.flagfiles import check_actions_typed_once
 from engine.settings.identity import identity_changes
 from engine.settings.strategy import planned_strategy
 from engine.state import workdir
-from tests.helpers import copy_checkout
+from tests.helpers import copy_checkout, launch
 
 PS_CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
 
@@ -285,4 +286,21 @@ def test_a_fork_declaring_a_taken_name_fails_as_one_line(tmp_path):
     assert result.stderr == (
         "error: tasks/clash.py: declares the setting resnet_depth, which models/resnet.py declares already: "
         "rename one of them\n"
+    )
+
+
+def test_actions_typed_twice_on_the_command_line_is_one_line_naming_them_all():
+    # Before: absl kept the last --actions, and --actions=histograms --actions=update_ratios ran update_ratios alone.
+    check_actions_typed_once(["--flagfile=x.flags", "--actions=histograms", "--train_steps=5"])  # one: fine
+    with pytest.raises(ConfigError) as error:
+        check_actions_typed_once(["--actions=histograms", "--train_steps=5", "--actions", "update_ratios,histograms"])
+    assert str(error.value) == (
+        "--actions is given 2 times ('histograms' and 'update_ratios,histograms'): only the last would run; name them "
+        "all in one: --actions=histograms,update_ratios"
+    )
+    result = launch("--actions=histograms", "--actions=update_ratios", "--train_steps=2")
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
+        2,
+        "error: --actions is given 2 times ('histograms' and 'update_ratios'): only the last would run; name them all "
+        "in one: --actions=histograms,update_ratios",
     )

@@ -1,6 +1,8 @@
 """The flagfiles a command line names (absl's --flagfile), and the mistakes in them that absl reads as arguments:
 launch.py says which file holds them. No TensorFlow here: launch.py reads this before TensorFlow starts."""
 
+from engine.settings.errors import ConfigError
+
 
 def named(args):
     """The --flagfile values among `args` (--flagfile=PATH, or --flagfile PATH)."""
@@ -47,3 +49,17 @@ def _holding(paths, holds, seen=None):
         if found:
             return found
     return None
+
+
+def check_actions_typed_once(argv):
+    """ConfigError where the command line `argv` types --actions more than once: absl keeps the last value, and the
+    actions the others named would not run, unsaid (a flagfile's --actions, which the command line overrides, is not
+    typed)."""
+    given = [a.partition("=")[2] for a in argv if a.startswith(("--actions=", "-actions="))]
+    given += [after for flag, after in zip(argv, argv[1:]) if flag in ("--actions", "-actions")]
+    if len(given) > 1:
+        names = dict.fromkeys(name for value in given for name in value.split(",") if name)
+        raise ConfigError(
+            f"--actions is given {len(given)} times ({' and '.join(map(repr, given))}): only the last would run; "
+            f"name them all in one: --actions={','.join(names)}"
+        )

@@ -8,8 +8,11 @@ gradient, every --histogram_every steps, in TensorBoard (the train run's Histogr
 A round ends at every multiple of --histogram_every (`every`), whatever --steps_per_loop, and the action is due
 there. It needs the step's gradients (`needs`), which the step returns only on the rounds it is due at: that step's
 all-reduced, unscaled and clipped gradients, identical on every replica. The weights are read from the variables
-after that step. Only the chief writes.
+after that step. A gradient that is not finite (a skipped float16 step's: nothing trained on it) has no histogram
+there, as a histogram cannot bucket it: no point is written for it. Only the chief writes.
 """
+
+import numpy as np
 
 from engine.run.actions import base
 
@@ -24,5 +27,6 @@ class Action(base.Action):
 
     def __call__(self, round, context):
         values = {f"weights/{name}": value for name, value in context.run.weights.arrays().items()}
-        values.update({f"gradients/{name}": g for name, g in round.extras["gradients"].items()})
+        gradients = round.extras["gradients"].items()
+        values.update({f"gradients/{name}": g for name, g in gradients if np.isfinite(g).all()})
         context.report.histograms(round.end, values)
