@@ -42,9 +42,10 @@ from engine.settings.checks import TASKS_OWN
 from engine.settings.config import validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError, counted
-from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show, unread, unread_by_the_mode
+from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show
 from engine.settings.help import usage
 from engine.settings.plugins import RESEARCH_MODES
+from engine.settings.unread import unread, unread_by_the_mode
 
 BAD_INPUT = 2  # a flag, TF_CONFIG, data, a checkpoint that does not fit, a workdir that holds another run
 NON_FINITE = 3  # training stopped (TrainingError): a non-finite loss, or float16 stuck at its scale floor
@@ -106,10 +107,9 @@ FLAGS = flags.FLAGS
 
 
 def _refuse_unread(config, unread_of):
-    """Settings the user gave that no part of this run reads (`unread_of`: fields.py's unread, or its part known
-    before a trained run's settings are): refused when typed on the command line (a typo's twin, or another task's
-    or mode's setting, would change nothing), a warning when they come from a flagfile (a recipe reused with another
-    task or model)."""
+    """Settings given that no part of this run reads (`unread_of`: engine/settings/unread.py's): refused when typed
+    on the command line (a typo's twin, another task's or mode's setting, would change nothing), a warning when they
+    come from a flagfile (a recipe reused with another task or model)."""
     typed, given = _typed(), {f.name for f in dataclasses.fields(Config) if FLAGS[f.name].present}
     for name, readers in unread_of(config, sorted(given & typed)):
         raise ConfigError(f"--{name}={show(getattr(config, name))}: no part of this run reads it ({readers})")

@@ -14,8 +14,9 @@ import math
 
 from engine.settings.config import validate
 from engine.settings.errors import ConfigError
-from engine.settings.fields import SELECTORS, Config, unread
+from engine.settings.fields import SELECTORS, Config
 from engine.settings.identity import CLUSTER_SETTINGS
+from engine.settings.unread import unread
 
 KINDS = ("int", "float", "log", "choice")
 # One strategy (and cluster) serves every trial of the process; where trials are scored and written is the tuner's.

@@ -425,7 +425,7 @@ def test_a_flag_that_is_not_a_number_is_said_in_our_words(tmp_path):
 
 
 def test_a_setting_read_where_a_selector_is_empty_says_so_in_words():
-    from engine.settings.fields import read_by
+    from engine.settings.unread import read_by
 
     assert read_by("num_cpu_devices") == "read by --strategy=mirrored and an empty --strategy"
     assert read_by("momentum") == "read by --optimizer=sgd"

@@ -134,11 +134,33 @@ def test_local_workers_do_not_read_a_tf_config_the_shell_left_set(monkeypatch, t
          "(read by --mode=eval, --mode=export and --mode=sample)"),
         (["--mode=eval", "--tpu=local"], "--tpu=local: no part of this run reads it (read by --cluster_resolver=tpu "
          "and --strategy=tpu)"),
+        # Training's settings, evaluation's and a strategy's, taken silently by a mode that reads none of them.
+        (["--mode=eval", "--steps_per_loop=5"], "--steps_per_loop=5: no part of this run reads it (read by "
+         "--mode=train and --mode=tune)"),
+        (["--mode=export", "--keep_checkpoints=1"], "--keep_checkpoints=1: no part of this run reads it (read by "
+         "--mode=train and --mode=tune)"),
+        (["--mode=eval", "--train_steps=5"], "--train_steps=5: no part of this run reads it (read by "
+         "--mode=continuous_eval, --mode=train and --mode=tune)"),
+        (["--mode=sample", "--eval_split=validation"], "--eval_split=validation: no part of this run reads it (read "
+         "by --mode=continuous_eval, --mode=ensemble, --mode=eval, --mode=train and --mode=tune)"),
+        (["--mode=sample", "--eval_batch_size=8"], "--eval_batch_size=8: no part of this run reads it (read by "
+         "--mode=continuous_eval, --mode=eval, --mode=train and --mode=tune)"),
+        (["--mode=export", "--strategy=mirrored"], "--strategy=mirrored: no part of this run reads it (read by "
+         "--mode=continuous_eval, --mode=eval, --mode=train and --mode=tune)"),
+        (["--mode=sample", "--num_cpu_devices=2"], "--num_cpu_devices=2: no part of this run reads it (read by "
+         "--mode=continuous_eval, --mode=eval, --mode=train and --mode=tune)"),
+        (["--mode=eval", "--histogram_every=5"], "--histogram_every=5: no part of this run reads it (read by "
+         "--mode=train and --mode=tune of --actions=histograms)"),
     ],
-    ids=["sample_in_eval", "export_dir_in_eval", "eval_timeout_in_export", "checkpoint_in_a_sidecar", "tpu_in_eval"],
+    ids=[
+        "sample_in_eval", "export_dir_in_eval", "eval_timeout_in_export", "checkpoint_in_a_sidecar", "tpu_in_eval",
+        "steps_per_loop_in_eval", "keep_checkpoints_in_export", "train_steps_in_eval", "eval_split_in_sample",
+        "eval_batch_size_in_sample", "strategy_in_export", "num_cpu_devices_in_sample", "action_setting_in_eval",
+    ],
 )  # fmt: skip
 def test_a_setting_of_another_mode_is_refused_as_train_refuses_one(tmp_path, args, line):
-    # Each was taken silently: the evaluation ran, its --sample_length, --export_dir or --tpu unread.
+    # Each was taken silently: the evaluation ran, its --sample_length, --export_dir or --tpu unread (an export on one
+    # device whatever --strategy said, an evaluation whatever --steps_per_loop or --train_steps said).
     result = launch(*args, f"--workdir={tmp_path / 'run'}")
     assert (result.returncode, result.stderr.splitlines()) == (2, [f"error: {line}"])
 
@@ -173,3 +195,27 @@ def test_a_setting_the_trained_run_does_not_read_is_refused_by_its_evaluation(tm
     ):
         result = launch(*args, f"--workdir={run}")
         assert (result.returncode, result.stderr.splitlines()) == (2, [f"error: {line.format(run=run)}"])
+
+
+def test_what_each_mode_reads_is_taken_and_a_flagfiles_training_settings_are_warned_of(tmp_path):
+    # Evaluation reads its split, batch and strategy; a sidecar --train_steps (the step it stops after): each goes on
+    # to the empty workdir's error.
+    workdir = tmp_path / "run"
+    for args in (
+        ["--mode=eval", "--eval_split=validation", "--eval_batch_size=8", "--strategy=one_device"],
+        ["--mode=continuous_eval", "--train_steps=5", "--eval_timeout=0", "--num_cpu_devices=2"],
+    ):
+        result = launch(*args, f"--workdir={workdir}")
+        assert (result.returncode, len(result.stderr.splitlines())) == (2, 1), (args, result.stderr)
+        assert "no part of this run reads it" not in result.stderr, (args, result.stderr)
+    # A training recipe reused to export its run (experiments/digits_gan.flags --mode=export): warned of, not refused.
+    flags = tmp_path / "recipe.flags"
+    flags.write_text("--train_steps=40\n--checkpoint_every=10\n")
+    result = launch(f"--flagfile={flags}", "--mode=export", f"--workdir={workdir}")
+    assert result.stderr.splitlines() == [
+        "warning: --checkpoint_every=10 (from a flagfile): no part of this run reads it (read by --mode=train and "
+        "--mode=tune)",
+        "warning: --train_steps=40 (from a flagfile): no part of this run reads it (read by --mode=continuous_eval, "
+        "--mode=train and --mode=tune)",
+        f"error: --workdir={workdir}: no checkpoint to use (train first, or pass --checkpoint)",
+    ]

@@ -15,8 +15,9 @@ import tensorflow as tf
 
 from engine.settings import checks, sections
 from engine.settings.errors import ConfigError, TaskError
-from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES, applies, read_by, readers
+from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES, applies, readers
 from engine.settings.identity import KINDS, holds
+from engine.settings.unread import read_by
 
 # Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
 # (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to

@@ -29,9 +29,9 @@ from engine.settings.fields import (
     STRATEGIES,
     Switch,
     applies,
-    read_by,
     show,
 )
+from engine.settings.unread import read_by
 
 
 def fail(flag, value, why):

@@ -20,7 +20,6 @@ from engine.settings.fields import (
     REFUSED_UNLESS_READ,
     Config,
     applies,
-    read_by,
     show,
 )
 from engine.settings.identity import (
@@ -29,6 +28,7 @@ from engine.settings.identity import (
     KINDS,
     holds,
 )
+from engine.settings.unread import read_by
 
 
 def validate(config):

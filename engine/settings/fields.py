@@ -43,6 +43,27 @@ class Switch(str):
     VALUES = ("auto", "true", "false")
 
 
+# The modes that read a setting of the loop or of evaluation from their own command line: training's (a tuner's
+# trials train), evaluation's (eval_split, eval_batch_size; a sidecar stops after --train_steps). Export and sample
+# evaluate nothing, on one device (ONE_DEVICE_MODES): the cluster's settings are no part of them.
+TRAINING_MODES = ("train", "tune")
+EVALUATING_MODES = (*TRAINING_MODES, "eval", "continuous_eval")
+ONE_DEVICE_MODES = ("export", "sample")
+# Where a run executes: the strategy and its cluster (also what a tuner cannot vary between trials).
+CLUSTER = (  # in the order --help lists them; read by no mode of ONE_DEVICE_MODES
+    "strategy",
+    "num_cpu_devices",
+    "tpu",
+    "cluster_resolver",
+    "collective_timeout",
+    "connect_timeout",
+    "local_workers",
+    "local_cluster_network",
+    "num_ps",
+    "slurm_port_base",
+    "kubernetes_selector",
+)
+
 TFDS_NAMES = "tensorflow-datasets"  # the --dataset kind of every name that is not a bundled source
 # The settings that select what a run reads: a setting's readers are values of these (applies() below).
 SELECTORS = (
@@ -161,7 +182,9 @@ class _RunSettings(sections.Sectioned):
         "and the preparation lock (<dataset>/.prepare.lock); empty: $TFDS_DATA_DIR or ~/tensorflow_datasets",
     )
     train_split: str = _data("train", "split to train on")
-    eval_split: str = _data("test", "split to evaluate on; every example is counted exactly once")
+    eval_split: str = _data(
+        "test", "split to evaluate on; every example is counted exactly once", {"mode": (*EVALUATING_MODES, "ensemble")}
+    )
     shuffle_buffer: int = _data(10_000, "training shuffle buffer, in examples")
     interleave_files: int = _data(
         16,
@@ -177,29 +200,43 @@ class _RunSettings(sections.Sectioned):
 
     # Batch and steps.
     global_batch_size: int = _data(128, "examples per step over all replicas", shared=("loop", "optimization"))
-    eval_batch_size: int = _data(0, "examples per evaluation step over all replicas; 0 = global_batch_size")
-    train_steps: int = _loop(1000, "optimizer steps to train for", shared=("optimization",))
-    steps_per_loop: int = _loop(100, "steps per host round trip, run inside one tf.function")
-    eval_every: int = _loop(0, "evaluate every this many steps; 0 = only at the end")
-    checkpoint_every: int = _loop(500, "save a checkpoint every this many steps (and at the end); 0 = only at the end")
-    keep_checkpoints: int = _loop(3, "how many recent checkpoints to keep")
+    eval_batch_size: int = _data(
+        0, "examples per evaluation step over all replicas; 0 = global_batch_size", {"mode": EVALUATING_MODES}
+    )
+    train_steps: int = _loop(
+        1000,
+        "optimizer steps to train for",
+        {"mode": (*TRAINING_MODES, "continuous_eval")},  # the step a sidecar stops after
+        shared=("optimization",),
+    )
+    steps_per_loop: int = _loop(100, "steps per host round trip, run inside one tf.function", {"mode": TRAINING_MODES})
+    eval_every: int = _loop(0, "evaluate every this many steps; 0 = only at the end", {"mode": TRAINING_MODES})
+    checkpoint_every: int = _loop(
+        500, "save a checkpoint every this many steps (and at the end); 0 = only at the end", {"mode": TRAINING_MODES}
+    )
+    keep_checkpoints: int = _loop(3, "how many recent checkpoints to keep", {"mode": TRAINING_MODES})
     profile_steps: tuple = _loop(
-        (), "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off"
+        (),
+        "A,B: write a TensorBoard profiler trace of steps A+1..B to <workdir>/profile; empty = off",
+        {"mode": TRAINING_MODES},
     )
     save_initial: bool = _loop(
         False,
         "save a checkpoint of step 0 before the first step, kept beside --keep_checkpoints' newest: the initial "
         "weights, to hold a fork's step against",
+        {"mode": TRAINING_MODES},
     )
     actions: str = _loop(
         "",
         "comma-separated actions after each round beside the engine's own, each engine/run/actions/<name>.py "
         "(listed under Actions); a task may name its own in ACTIONS",
+        {"mode": TRAINING_MODES},
     )
     on_nan: str = _loop(
         "stop",
         "a non-finite loss in float32/bfloat16 (float16: steps skipped at the loss scale's floor): stop, or "
         "rollback to the last checkpoint, discarding every step since it and reading on past their batches",
+        {"mode": TRAINING_MODES},
     )
 
     grad_accum_steps: int = _loop(
@@ -330,15 +367,25 @@ SAMPLING = ("sample_length", "sample_prompt", "sample_temperature", "sample_top_
 def applies(name, config):
     """Whether setting `name` affects a run of `config`: every run's, or one of its readers is selected
     (--resnet_depth means nothing to an MLP, --sequence_length much to any run on shakespeare)."""
+    if not read_in_mode(name, config.mode):
+        return False
     who = readers(name)
     if who is None:
         return True
-    if name in SAMPLING and config.mode != "sample":
-        return False
     selected = {(selector, getattr(config, selector)) for selector in SELECTORS}
     selected.add(("dataset", dataset_kind(config.dataset)))
     selected.update(("actions", name) for name in named_actions(config))
     return bool(who & selected)
+
+
+def read_in_mode(name, mode):
+    """Whether a run of --mode=`mode` may read setting `name` at all: the sample_* settings only --mode=sample, an
+    action's own only training (the actions run after its rounds), the cluster's no mode that runs on one device."""
+    if name in SAMPLING:
+        return mode == "sample"
+    if FIELD_BY_NAME[name].metadata.get("owner", (None,))[0] == "actions":
+        return mode in TRAINING_MODES
+    return not (name in CLUSTER and mode in ONE_DEVICE_MODES)
 
 
 def named_actions(config):
@@ -351,38 +398,3 @@ def named_actions(config):
 
 # The engine's settings a data source reads: refused, naming the source, on a dataset that does not read them.
 REFUSED_UNLESS_READ = ("image_size",)
-
-
-def unread(config, given):
-    """[(name, its readers in words)] of the settings in `given` (names set by the user) that no part of a run of
-    `config` reads: another task's, model's, source's or optimizer's (--gan_critic_steps on a classification run,
-    --momentum with --optimizer=adamw)."""
-    return [(name, read_by(name)) for name in given if not applies(name, config)]
-
-
-# The selectors an evaluation, an export or a sample takes from its own command line (the others from the trained
-# run's config.json): whether a setting only they select is read is known before the run's settings are.
-COMMAND_LINE_SELECTORS = ("mode", "strategy", "cluster_resolver")
-
-
-def unread_by_the_mode(config, given):
-    """unread() of the settings in `given` that only the command line selects in a mode that rebuilds a trained run
-    (--export_dir, --eval_timeout, --tpu; the sample_* settings outside --mode=sample): those of another mode, or of
-    a strategy this command does not run on."""
-    selected = [
-        name
-        for name in given
-        if (name in SAMPLING and config.mode != "sample")
-        or (readers(name) and all(selector in COMMAND_LINE_SELECTORS for selector, _ in readers(name)))
-    ]
-    return unread(config, selected)
-
-
-def read_by(name):
-    """A setting's readers in words: read by --dataset=folder, ... and tensorflow-datasets names."""
-    names = sorted(f"--{selector}={value}" if value else f"an empty --{selector}" for selector, value in readers(name))
-    names = [said for said in names if not said.endswith(f"={TFDS_NAMES}")]
-    if ("dataset", TFDS_NAMES) in readers(name):
-        names.append("tensorflow-datasets names")
-    said = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-    return f"read by --mode=sample of {said}" if name in SAMPLING else f"read by {said}"

@@ -8,8 +8,7 @@ import re
 import textwrap
 
 from engine.settings import plugins
-from engine.settings.fields import BUNDLED_DATASETS, Config, Switch
-from engine.settings.identity import CLUSTER
+from engine.settings.fields import BUNDLED_DATASETS, CLUSTER, Config, Switch
 
 USAGE = (
     "usage: python launch.py [--flag=value ...]",

@@ -4,25 +4,11 @@ it executes, and which values a flag could hold (what a config.json may say).
 
 import dataclasses
 
-from engine.settings.fields import SAMPLING, Config, Switch, applies
+from engine.settings.fields import CLUSTER, SAMPLING, Config, Switch, applies
 
 # (The sample_* settings are language_model's own, declared in its file: how a trained run is sampled.)
 # Where and how a run executes, not what it computes: a run resumes under other values (another strategy or
 # cluster size gives the same numbers, tests/test_parity.py), and evaluation takes them from its own command line.
-# Where a run executes: the strategy and its cluster (also what a tuner cannot vary between trials).
-CLUSTER = (  # in the order --help lists them
-    "strategy",
-    "num_cpu_devices",
-    "tpu",
-    "cluster_resolver",
-    "collective_timeout",
-    "connect_timeout",
-    "local_workers",
-    "local_cluster_network",
-    "num_ps",
-    "slurm_port_base",
-    "kubernetes_selector",
-)
 CLUSTER_SETTINGS = frozenset(CLUSTER)
 EXECUTION_SETTINGS = CLUSTER_SETTINGS | frozenset(
     {
