@@ -55,12 +55,13 @@ class Signals:
     def exit_until_installed(self):
         """Until install(): SIGTERM and SIGINT exit at once, with the run's code and one error line, as outside the
         training loop, not in a KeyboardInterrupt traceback from wherever start-up was (Ctrl-C as flags are read, or
-        forwarded by --local_workers' launcher to tasks still importing). A signal the process started with ignored
-        (a script's background job) stays ignored. --local_workers' launcher, which never installs, forwards them
-        to its tasks meanwhile (engine/cluster/launcher.py)."""
+        forwarded by --local_workers' launcher to tasks still importing). Also where the process started with them
+        ignored (a script's background job ignores SIGINT), as install()'s watcher takes them then too (blocked,
+        Linux queues an ignored signal for sigwait): a scheduler's or a person's signal is heard before and after
+        alike. --local_workers' launcher, which never installs, forwards them to its tasks meanwhile
+        (engine/cluster/launcher.py)."""
         for signum in self.SIGNALS:
-            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
-                signal.signal(signum, self._exit_at_start)
+            signal.signal(signum, self._exit_at_start)
 
     def _exit_at_start(self, signum, frame):
         self.signal = signum
