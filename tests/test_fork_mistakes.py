@@ -331,7 +331,9 @@ def _launch_in(fork, *flags):
     import subprocess
     import sys
 
-    command = [sys.executable, "launch.py", *flags, "--train_steps=2", f"--workdir={fork.parent / 'run'}"]
+    # Two steps where it trains: another mode refuses --train_steps, which it never reads.
+    steps = [] if any(flag.startswith("--mode=") for flag in flags) else ["--train_steps=2"]
+    command = [sys.executable, "launch.py", *flags, *steps, f"--workdir={fork.parent / 'run'}"]
     return subprocess.run(command, cwd=fork, capture_output=True, text=True, timeout=300)
 
 
