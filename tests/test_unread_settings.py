@@ -8,6 +8,13 @@ import pytest
 from tests.helpers import launch
 
 
+def _with_flagfile(tmp_path, lines, *args):
+    """launch.py with a recipe's flagfile holding `lines` before `args`."""
+    flags = tmp_path / "recipe.flags"
+    flags.write_text("".join(line + "\n" for line in lines))
+    return launch(f"--flagfile={flags}", *args)
+
+
 @pytest.mark.parametrize(
     "args, line",
     [
@@ -81,9 +88,7 @@ def test_a_flag_the_tune_space_searches_typed_on_the_command_line_is_refused(tmp
     assert not (tmp_path / "study").exists()
     # A recipe's flagfile gives its starting point, which the space's draws replace (docs/research.md's ResNet):
     # taken, and the tuner goes on to what it checks next (--tune_trials=0 is refused after).
-    flags = tmp_path / "recipe.flags"
-    flags.write_text("--learning_rate=0.5\n")
-    result = launch(f"--flagfile={flags}", *args, "--tune_trials=0")
+    result = _with_flagfile(tmp_path, ["--learning_rate=0.5"], *args, "--tune_trials=0")
     assert (result.returncode, result.stderr.splitlines()[-1][:22]) == (2, "error: --tune_trials=0")
 
 
@@ -166,9 +171,7 @@ def test_a_setting_of_another_mode_is_refused_as_train_refuses_one(tmp_path, arg
 
 
 def test_a_flagfiles_setting_of_another_mode_is_warned_of_and_sample_reads_checkpoint(tmp_path):
-    flags = tmp_path / "recipe.flags"
-    flags.write_text("--sample_length=7\n")
-    result = launch(f"--flagfile={flags}", "--mode=eval", f"--workdir={tmp_path / 'run'}")
+    result = _with_flagfile(tmp_path, ["--sample_length=7"], "--mode=eval", f"--workdir={tmp_path / 'run'}")
     assert result.stderr.splitlines() == [
         "warning: --sample_length=7 (from a flagfile): no part of this run reads it (read by --mode=sample of "
         "--task=language_model)",
@@ -209,9 +212,9 @@ def test_what_each_mode_reads_is_taken_and_a_flagfiles_training_settings_are_war
         assert (result.returncode, len(result.stderr.splitlines())) == (2, 1), (args, result.stderr)
         assert "no part of this run reads it" not in result.stderr, (args, result.stderr)
     # A training recipe reused to export its run (experiments/digits_gan.flags --mode=export): warned of, not refused.
-    flags = tmp_path / "recipe.flags"
-    flags.write_text("--train_steps=40\n--checkpoint_every=10\n")
-    result = launch(f"--flagfile={flags}", "--mode=export", f"--workdir={workdir}")
+    result = _with_flagfile(
+        tmp_path, ["--train_steps=40", "--checkpoint_every=10"], "--mode=export", f"--workdir={workdir}"
+    )
     assert result.stderr.splitlines() == [
         "warning: --checkpoint_every=10 (from a flagfile): no part of this run reads it (read by --mode=train and "
         "--mode=tune)",
