@@ -182,6 +182,13 @@ def test_bytes_past_the_largest_unit_are_said_in_it():
         ),
         (dict(learning_rate=1e39), "--learning_rate=1e+39: is inf in float32"),
         (dict(learning_rate=1e-50), "--learning_rate=1e-50: is 0 in float32"),
+        # Its scaled peak overflowed: every step non-finite, blamed on the loss and the rate at the first step.
+        (
+            dict(learning_rate=1e37, lr_scaling="linear", base_batch_size=1),
+            "--learning_rate=1e+37: scaled by --lr_scaling=linear (x128, --global_batch_size=128 / "
+            "--base_batch_size=1) is 1.28e+39: inf in float32, which the step computes in",
+        ),
+        (dict(learning_rate=1e36, lr_scaling="linear", base_batch_size=1), None),
         (dict(weight_decay=999.0), None),
         (
             dict(weight_decay=2.0, learning_rate=0.25, lr_scaling="linear", global_batch_size=512),

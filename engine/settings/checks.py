@@ -226,9 +226,15 @@ def check_training(config):
     an optimizer group's settings too: engine/numerics/optim.py checked_settings)."""
     if config.warmup_steps and config.warmup_steps >= config.train_steps:  # its peak at the last step, or never
         fail("warmup_steps", config.warmup_steps, f"must be less than --train_steps={config.train_steps}")
-    peak = config.learning_rate * (
-        config.global_batch_size / config.base_batch_size if config.lr_scaling == "linear" else 1
-    )
+    scale = config.global_batch_size / config.base_batch_size if config.lr_scaling == "linear" else 1
+    peak = config.learning_rate * scale
+    if _float32(peak) == math.inf:  # every step's update non-finite, blamed on the loss at the first step
+        fail(
+            "learning_rate",
+            config.learning_rate,
+            f"scaled by --lr_scaling=linear (x{scale:g}, --global_batch_size={config.global_batch_size} / "
+            f"--base_batch_size={config.base_batch_size}) is {peak:g}: inf in float32, which the step computes in",
+        )
     if config.weight_decay * peak >= 1:  # the decay takes weight_decay x the rate of each kernel, per step
         fail(
             "weight_decay",
