@@ -83,6 +83,17 @@ def test_warmup_then_cosine_to_zero():
     assert _lr(110, **kw) == pytest.approx(0.0, abs=1e-9)
 
 
+def test_cosines_last_rates_are_right_to_float32s_precision():
+    # 0.5 (1 + cos(pi progress)) in float32 lost the rates near the end to 1 + cos's cancellation: at 100,000 steps
+    # the last step's was 0 (2.47e-10 x the peak) and the thousandth from last was 2.4e-4 off.
+    train_steps = 100_000
+    for step in (99_000, 99_990, 99_999):
+        expected = 0.5 * (1 + math.cos(math.pi * step / train_steps))
+        assert _lr(step, learning_rate=1.0, lr_schedule="cosine", train_steps=train_steps) == pytest.approx(
+            expected, rel=1e-6
+        ), step
+
+
 def test_constant_and_linear_scaling():
     assert _lr(500, learning_rate=0.1) == pytest.approx(0.1)
     assert _lr(0, learning_rate=0.1, lr_scaling="linear", global_batch_size=1024, base_batch_size=256) == (

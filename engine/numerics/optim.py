@@ -19,12 +19,14 @@ from engine.settings.fields import FIELD_BY_NAME, MOMENT_DTYPES, applies, reader
 from engine.settings.identity import KINDS, holds
 from engine.settings.unread import read_by
 
-# Learning-rate schedules after warmup, by --lr_schedule name: a function of the progress from the end of warmup
-# (0) to --train_steps (1) giving the multiple of the peak rate. A fork adds its schedule here (and its name to
-# engine/settings/fields.py's LR_SCHEDULES).
+# Learning-rate schedules after warmup, by --lr_schedule name: a function of the part of the decay that remains,
+# from 1 at the end of warmup to 0 at --train_steps, giving the multiple of the peak rate. A fork adds its schedule
+# here (and its name to engine/settings/fields.py's LR_SCHEDULES).
 SCHEDULES = {
     "constant": None,
-    "cosine": lambda progress: 0.5 * (1.0 + tf.cos(math.pi * progress)),
+    # 0.5 (1 + cos(pi progress)) written as sin^2 of what remains: 1 + cos cancels in float32 near the end (the
+    # last step of 100,000 had rate 0), where the sine of a small angle keeps its digits.
+    "cosine": lambda remaining: tf.square(tf.sin(0.5 * math.pi * remaining)),
 }
 
 
@@ -41,9 +43,9 @@ def learning_rate(optimization, step):
     if hp.warmup_steps:
         lr *= tf.minimum(1.0, (step + 1.0) / hp.warmup_steps)
     decay = SCHEDULES[hp.lr_schedule]
-    if decay is not None:
-        progress = (step - hp.warmup_steps) / (hp.train_steps - hp.warmup_steps)
-        lr *= decay(tf.clip_by_value(progress, 0.0, 1.0))
+    if decay is not None:  # of the decay's steps, the part that remains: 1 at its start, 0 at train_steps
+        remaining = (hp.train_steps - step) / (hp.train_steps - hp.warmup_steps)
+        lr *= decay(tf.clip_by_value(remaining, 0.0, 1.0))
     return lr
 
 
