@@ -73,6 +73,20 @@ def test_a_run_with_other_settings_is_refused_naming_them(data_dir, one_device, 
     assert files(tmp_path) == before
 
 
+def test_a_parameter_server_runs_settings_read_back_on_a_cluster_of_another_size(tmp_path, monkeypatch):
+    # Trained with --local_workers=2 --num_ps=2 (its tasks save --num_ps=2 beside their TF_CONFIG), its resume or
+    # evaluation on a TF_CONFIG cluster of three parameter servers refused the run's own config.json as a typed
+    # --num_ps=2 is ("drop it"): no one could, and the run could not go on where it was moved.
+    (tmp_path / "config.json").write_text(json.dumps({"strategy": "parameter_server", "num_ps": 2}))
+    ps = ["localhost:3", "localhost:4", "localhost:5"]
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ps}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    saved = load_run_config(str(tmp_path))
+    assert (saved.strategy, saved.num_ps) == ("parameter_server", 2)
+    with pytest.raises(ConfigError, match="^--num_ps=2: the cluster is TF_CONFIG's, whose 'ps' job lists 3 "):
+        validate(Config(strategy="parameter_server", num_ps=2, workdir=str(tmp_path)))  # typed: still refused
+
+
 def test_a_run_resumed_from_its_checkpoint_of_step_0_says_it_resumed_at_0(data_dir, one_device, tmp_path, monkeypatch):
     # A process that ended after --save_initial's checkpoint and before its first step: the next one said "resumed
     # from step 0", and its summary that it had resumed nowhere (resumed_at null, as a run trained in one process).

@@ -31,9 +31,12 @@ from engine.settings.identity import (
 from engine.settings.unread import read_by
 
 
-def validate(config):
+def validate(config, here=True):
     """Raises ConfigError naming the first bad setting; returns the config, an empty --dataset and --model made
-    the task's own. The checks run in this order, so a config with two bad settings is refused for the first."""
+    the task's own. The checks run in this order, so a config with two bad settings is refused for the first.
+    `here`: False for the settings a run saved, whose strategy and cluster are not judged against this process's
+    TF_CONFIG and machine: they were where it ran, and a resume or an evaluation runs on the command line's
+    (identity.EXECUTION_SETTINGS)."""
     if DECLARATION_ERRORS:  # two files declare one setting: every command stops on it, naming both
         raise ConfigError(DECLARATION_ERRORS[0])
     checks.check_choices(config)
@@ -41,7 +44,8 @@ def validate(config):
     checks.check_signs(config)
     checks.check_limits(config)
     checks.check_training(config)
-    strategy.check_strategy(config)
+    if here:
+        strategy.check_strategy(config)
     config = checks.resolve_task(config)
     checks.check_data(config)
     return config
@@ -77,7 +81,7 @@ def from_json(saved, where):
         if not applies(name, run):
             values.pop(name, None)
     try:
-        return validate(Config(**values))
+        return validate(Config(**values), here=False)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
