@@ -402,6 +402,13 @@ def test_save_initials_checkpoint_of_step_0_is_never_rotated_away(data_dir, one_
         checkpoints.save()
     names = [os.path.basename(p) for p in checkpoint.list_checkpoints(checkpoints.directory)]
     assert names == ["ckpt-30", "ckpt-20", "ckpt-0"] and "warning" not in capsys.readouterr().out
+    # A resume without --save_initial: its step 0 was listed again ("warning: ... rebuilt from the files") and rotated
+    # away at the next save.
+    checkpoints = checkpoint.Checkpoints(trainer.state, str(tmp_path / "run"), keep=1)
+    trainer.state.step.assign(4)
+    checkpoints.save()
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(checkpoints.directory)]
+    assert names == ["ckpt-4", "ckpt-0"] and "warning" not in capsys.readouterr().out
 
 
 def test_a_setting_config_json_holds_that_this_engine_does_not_know_is_named_and_kept(

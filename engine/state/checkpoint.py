@@ -108,6 +108,8 @@ class Checkpoints:
             state, damaged = None, True
         if not damaged:  # what it lists (nothing, where there is none yet) tells a save that never finished
             found = self._unfinished(found, _listed(state))
+            # A step 0 beside the rotation is a --save_initial's, kept though this command does not give the flag.
+            self.keep_initial = self.keep_initial or "ckpt-0" in set(_names(found)) - set(_names(_listed(state)))
         found, listed_paths = self._rotated(found), self._rotated(_listed(state))
         readable = not damaged and (state is not None or not found)
         # A kept step 0 the state file lists (one saved before --save_initial was given) it would rotate away.
