@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from engine.cluster import signals as preemption
 from engine.data import datasets as data
-from engine.run import build, loop
+from engine.run import build, loop, serving
 from engine.run import modes as evaluate
 from engine.settings.errors import ConfigError, TrainingError
 from engine.state import checkpoint, held
@@ -364,6 +364,21 @@ def test_the_export_refuses_images_of_another_shape_than_its_signature(data_dir,
         says = f"Shape of tensor images [{','.join(map(str, shape))}] is not compatible with expected shape [?,8,8,1]"
         with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(says)):
             serve(images=tf.zeros(shape))
+
+
+def test_the_export_keeps_the_names_of_a_forks_unnamed_serving_inputs(tmp_path):
+    # The shape-checking wrapper's own parameters replaced them: a fork's serve(z, labels) with unnamed specs was
+    # exported as serve(inputs_0=...), and a client's serve(z=...) failed.
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32), tf.TensorSpec([None], tf.int32, name="ids")])
+    def serve(z, labels):
+        return {"doubled": z * 2.0, "labels": labels}
+
+    module = tf.Module()
+    module.serve = serving.checking_shapes(serve)
+    tf.saved_model.save(module, str(tmp_path), signatures=module.serve.get_concrete_function())
+    served = tf.saved_model.load(str(tmp_path)).signatures["serving_default"]
+    out = served(z=tf.ones([3, 2]), ids=tf.range(3))
+    assert out["doubled"].numpy().tolist() == [[2.0, 2.0]] * 3 and out["labels"].numpy().tolist() == [0, 1, 2]
 
 
 @pytest.mark.slow

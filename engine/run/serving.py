@@ -1,5 +1,7 @@
 """What --mode=export saves of a run: its models' variables, the task's serving function and its class names."""
 
+import inspect
+
 import tensorflow as tf
 
 from engine.settings.errors import raising_task_errors
@@ -30,6 +32,7 @@ def checking_shapes(served):
     specs = getattr(served, "input_signature", None)
     if specs is None:  # nothing to check against (exporting it fails as it did)
         return served
+    specs = _named(specs, served)
 
     @tf.function(input_signature=specs)
     def serve(*inputs):
@@ -40,3 +43,16 @@ def checking_shapes(served):
 
 def _checked(tensor, spec):
     return tf.ensure_shape(tensor, spec.shape, name=spec.name)
+
+
+def _named(specs, served):
+    """`specs` with each unnamed TensorSpec named after `served`'s parameter: the SavedModel's signature calls an
+    input by its spec's name, which the wrapper's own (`inputs_0`) would replace (a client calling serve(z=...))."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = inspect.signature(served.python_function).parameters.values()
+    names = [p.name for p in parameters if p.kind in positional]
+    names += [None] * (len(specs) - len(names))  # those a *args takes keep the wrapper's names
+    return [
+        tf.TensorSpec(spec.shape, spec.dtype, name=name) if isinstance(spec, tf.TensorSpec) and not spec.name else spec
+        for spec, name in zip(specs, names)
+    ]
