@@ -70,6 +70,7 @@ class Task(base.Task):
     def models(self, create):
         dim = self.config.contrastive_dim
         encoder = create(self.config.model, self.spec["image"], dim)
+        base.one_tensor(self, encoder, self.spec["image"])  # the head reads the embeddings as one tensor
         # Named layers: checkpoints key variables by path, which must not depend on what this process built before.
         head = tf.keras.Sequential(
             [

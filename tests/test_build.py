@@ -208,6 +208,19 @@ def test_a_model_file_the_engine_cannot_train_is_one_line_naming_it(model_file, 
     assert str(refused.value).startswith(f"models/mine.py: {why}"), str(refused.value)
 
 
+def test_a_model_of_a_dict_of_outputs_is_one_line_naming_it_under_the_contrastive_task(
+    model_file, data_dir, one_device
+):
+    # Was a ValueError blamed on tasks/contrastive.py's forward line, where the head called on the dict failed.
+    text = _family("return Named()").replace("def create", NAMED + "def create")
+    config = dataclasses.replace(helpers.make_config(data_dir), task="contrastive", model=model_file("mine", text))
+    with pytest.raises(TaskError) as refused:
+        build.run(config, one_device)
+    assert str(refused.value).startswith(
+        "models/mine.py: its model returns a dict; --task=contrastive reads one tensor of outputs per example"
+    ), str(refused.value)
+
+
 def test_a_layer_called_only_in_training_is_one_line_naming_its_file(model_file, data_dir, one_device):
     config = dataclasses.replace(
         helpers.make_config(data_dir), model=model_file("normed", NORMED.replace("NOISY", "True"))

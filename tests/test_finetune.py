@@ -11,10 +11,12 @@ import pytest
 import tensorflow as tf
 
 from engine import api
+from engine.numerics import updates
 from engine.run import build, loop
 from engine.run import modes as evaluate
 from engine.run.controller import Controller
 from engine.settings.errors import ConfigError
+from engine.settings.fields import Config
 from tests.helpers import by_path, checkpoint_tensors, launch, make_config
 
 keras = tf.keras
@@ -107,6 +109,19 @@ def test_fine_tuning_another_head_names_what_did_not_match_and_freeze_keeps_the_
         assert np.abs(after[path] - at_start["weights"][path]).max() > 1e-4, path
 
 
+def test_init_checkpoint_that_leaves_most_variables_as_initialized_says_so_in_a_warning(
+    data_dir, source, tmp_path, one_device, capsys
+):
+    """Hidden layers of 16 where the source's are 32: only the head's bias fits, and the run trains from scratch,
+    nearly. It was told in the line a fine-tuning run prints, "init_checkpoint: 1 variables from ..."."""
+    config = make_config(data_dir, str(tmp_path), init_checkpoint=source, hidden_sizes=(16, 16), train_steps=2)
+    loop.train(config, one_device)
+    assert (
+        f"warning: init_checkpoint: only 1 of this run's 6 variables from {source}/checkpoints/ckpt-20; other shapes "
+        "(kept as initialized): mlp/dense/kernel [64, 32] -> [64, 16], "
+    ) in capsys.readouterr().out
+
+
 def test_init_checkpoint_without_a_matching_path_is_refused_leaving_the_workdir_free(
     data_dir, source, tmp_path, one_device
 ):
@@ -177,15 +192,39 @@ def test_a_freeze_that_matches_everything_is_refused_before_anything_is_written(
 
 def test_a_freeze_that_leaves_an_update_nothing_to_train_names_the_flag_not_the_task(data_dir, tmp_path, one_device):
     """A GAN's discriminator frozen whole: the error blamed tasks/gan.py's update ("no trained model
-    'discriminator'"), as if the task were wrong."""
+    'discriminator'"), as if the task were wrong; then it named the flag without the value that was given."""
     workdir = str(tmp_path / "run")
     with pytest.raises(ConfigError) as caught:
         loop.train(make_config(data_dir, workdir, task="gan", freeze="^discriminator/"), one_device)
     assert str(caught.value) == (
-        "--freeze keeps fixed every variable that update 'discriminator' of tasks/gan.py trains "
+        "--freeze=^discriminator/: keeps fixed every variable that update 'discriminator' of tasks/gan.py trains "
         "(discriminator/discriminator/dense0/kernel and 5 more): it would train nothing; freeze fewer variables"
     )
     assert not os.path.exists(workdir)
+
+
+def test_a_freeze_of_one_of_the_models_an_update_trains_leaves_it_the_others():
+    # An update of trains=("encoder", "head") with the head frozen whole was refused ("--freeze keeps fixed every
+    # variable that update 'both' trains ... it would train nothing"), though it trains the encoder.
+    class Task:
+        optimizer_groups = ()
+
+        def updates(self):
+            return (api.Update("both", trains=("encoder", "head")),)
+
+    config = Config()
+    kernel = keras.Variable(np.zeros([2, 2], np.float32), name="kernel")
+    weights = build.Weights([kernel], ["encoder/dense/kernel"], [], ("head/dense/kernel",), "^head/")
+    plans = updates.build_plans(Task(), weights, config.optimization, config.numerics, "tasks/two.py")
+    assert [plan.names for plan in plans] == [["encoder/dense/kernel"]]
+    # One it would train nothing of is refused, naming the flag; a misspelt model, the task.
+    frozen = build.Weights([kernel], ["encoder/dense/kernel"], [], ("head/dense/kernel",), "^head/")
+    Task.updates = lambda self: (api.Update("both", trains=("head",)),)
+    with pytest.raises(ConfigError, match=r"^--freeze=\^head/: keeps fixed every variable that update 'both' of "):
+        updates.build_plans(Task(), frozen, config.optimization, config.numerics, "tasks/two.py")
+    Task.updates = lambda self: (api.Update("both", trains=("encoder", "haed")),)
+    with pytest.raises(ConfigError, match=r"^tasks/two.py: update 'both' trains=\('encoder', 'haed'\): no trained "):
+        updates.build_plans(Task(), weights, config.optimization, config.numerics, "tasks/two.py")
 
 
 @pytest.mark.slow

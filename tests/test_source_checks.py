@@ -15,9 +15,10 @@ from engine.api import Source, Split, in_memory, sharded
 from engine.data import datasets
 from engine.data.pipeline import Pipelines
 from engine.data.records import UNREADABLE, counted_records, unreadable
-from engine.run import inputs, loop
+from engine.run import evaluator, inputs, loop
 from engine.settings import plugins
 from engine.settings.errors import ConfigError, TaskError
+from engine.state.report import format_metrics
 from tests import helpers
 
 SPEC = {"image": tf.TensorSpec([6], tf.float32), "label": tf.TensorSpec([], tf.int64)}
@@ -364,17 +365,22 @@ def test_an_evaluation_whose_every_weight_is_0_is_refused_and_a_numpy_num_classe
 
 def test_an_evaluation_of_fractional_weights_reports_their_sum_not_its_integer_part(monkeypatch, one_device):
     """A fork's evaluation split weighting each of its 64 examples 0.3 (its sum 19.2) reported `examples=19`: the
-    sum was cut to an integer. Weights that sum to a whole number still report an int."""
+    sum was cut to an integer; of 606 examples, 181.80006: float32's sum, added in order within each batch (XLA's),
+    with its roundings. Weights that sum to a whole number still report an int."""
     from engine.run import build
 
-    def evaluated(weight):
-        evals = {**_arrays(64, 1), "weight": tf.fill([64], weight)}
+    def evaluated(weight, examples=64, **settings):
+        evals = {**_arrays(examples, 1), "weight": tf.fill([examples], weight)}
         load = lambda c, s: _good(c, s, evals=in_memory(evals))  # noqa: E731
         member = plugins.member
         monkeypatch.setattr(plugins, "member", lambda kind, name: load if kind == "dataset" else member(kind, name))
-        config = helpers.make_config("", dataset="synthetic", global_batch_size=16, model="mlp")
+        config = helpers.make_config("", dataset="synthetic", **{"global_batch_size": 16, "model": "mlp", **settings})
         return build.run(config, one_device).evaluator.evaluate()["examples"]
 
     assert evaluated(0.3) == 19.2
+    assert evaluated(0.3, 606, global_batch_size=128, jit_compile="true") == 181.8
+    # A sum a rounding or two from its decimal (791.1), and one of more digits than the console's 5 (123456.5).
+    assert evaluator.weighed(np.float32(791.10004)) == 791.1 and evaluator.weighed(np.float32(123456.5)) == 123456.5
+    assert format_metrics({"loss": 0.1234567, "examples": 123456.5}) == "loss=0.12346 examples=123456.5"
     whole = evaluated(0.5)
     assert whole == 32 and type(whole) is int

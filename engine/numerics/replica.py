@@ -24,7 +24,7 @@ from engine.numerics.forward import (
     process_gradients,
     split_statistics,
 )
-from engine.numerics.precision import FLOOR
+from engine.numerics.precision import FLOOR, pairwise_sum
 from engine.settings.errors import TaskError, check_call, described
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -363,7 +363,7 @@ def make_eval_sums(task, models, task_file, jit_compile=False):
                 f"{task_file}: metrics: returned {described(values)}, not a dict of per-example values by name"
             )
         values = {name: checked_metric(name, v, weights, task_file) for name, v in values.items()}
-        return {name: tf.reduce_sum(weights * v) for name, v in values.items()}, tf.reduce_sum(weights)
+        return {name: tf.reduce_sum(weights * v) for name, v in values.items()}, pairwise_sum(weights)
 
     return tf.function(sums, jit_compile=True) if jit_compile else sums
 

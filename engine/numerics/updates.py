@@ -224,13 +224,13 @@ def _say_overrides(update, optimization, task_file):
 
 def _selected(update, names, task_file, frozen=()):
     """Indices of the names (<model>/<path>) the update trains; ConfigError for a model name in `trains` that no
-    trained variable is of (a misspelt name beside right ones would train nothing of it, unsaid), naming --freeze
-    where it keeps that model's variables (`frozen`, their names) fixed."""
+    trained variable is of (a misspelt name beside right ones would train nothing of it, unsaid). A model --freeze
+    keeps fixed whole (`frozen`: the names it keeps) is not misspelt: the update trains the others."""
     if not (isinstance(update.trains, str) and update.trains):
         trained = list(dict.fromkeys(name.split("/", 1)[0] for name in names))
-        unknown = [model for model in update.trains if model not in trained]
+        fixed = {name.split("/", 1)[0] for name in frozen}
+        unknown = [model for model in update.trains if model not in trained and model not in fixed]
         if unknown:
-            _check_not_frozen(update, [name for name in frozen if name.split("/", 1)[0] == unknown[0]], task_file)
             raise ConfigError(
                 f"{task_file}: update {update.name!r} trains={update.trains!r}: no trained model {unknown[0]!r} (the "
                 f"models trained: {', '.join(trained)})"
@@ -246,14 +246,14 @@ def _chosen(update, names):
     return [i for i, name in enumerate(names) if not models or name.split("/", 1)[0] in models]
 
 
-def _check_not_frozen(update, kept, task_file):
-    """ConfigError naming --freeze where it keeps fixed (`kept`, their names) what `update` would train: the flag
-    left it nothing, not the task."""
+def _check_not_frozen(update, kept, task_file, freeze):
+    """ConfigError naming --freeze (`freeze`, as given) where it keeps fixed (`kept`, their names) what `update` would
+    train: the flag left it nothing, not the task."""
     if kept:
         more = f" and {len(kept) - 1} more" if kept[1:] else ""
         raise ConfigError(
-            f"--freeze keeps fixed every variable that update {update.name!r} of {task_file} trains ({kept[0]}{more}): "
-            "it would train nothing; freeze fewer variables"
+            f"--freeze={freeze}: keeps fixed every variable that update {update.name!r} of {task_file} trains "
+            f"({kept[0]}{more}): it would train nothing; freeze fewer variables"
         )
 
 
@@ -278,7 +278,8 @@ def build_plans(task, weights, optimization, numerics, task_file):
     for update in updates:
         chosen = _selected(update, names, task_file, weights.frozen)
         if not chosen:
-            _check_not_frozen(update, [weights.frozen[i] for i in _chosen(update, weights.frozen)], task_file)
+            kept = [weights.frozen[i] for i in _chosen(update, weights.frozen)]
+            _check_not_frozen(update, kept, task_file, weights.freeze)
             raise ConfigError(
                 f"{task_file}: update {update.name!r} trains={update.trains!r} matches no trained variable "
                 f"(e.g. {names[0]})"

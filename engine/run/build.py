@@ -34,12 +34,13 @@ from engine.state import held
 class Weights:
     """The variables the step trains (every model's trainable ones that --freeze does not match), each one's
     <model name>/<path>, and their moving averages (--ema_decay; [] without it). `frozen`: the <model name>/<path>
-    of the trainable variables --freeze keeps fixed."""
+    of the trainable variables --freeze keeps fixed; `freeze`: that --freeze, as given (its messages name it)."""
 
     variables: list
     names: list
     averages: list
     frozen: tuple = ()
+    freeze: str = ""
 
     @contextlib.contextmanager
     def averaged(self):
@@ -216,7 +217,8 @@ def trained_weights(models, freeze, ema_decay):
     averages = [tf.Variable(v.value, trainable=False, name="ema") for v in variables if ema_decay]
     kept = {id(v) for v in variables}
     frozen = [f"{owner[id(v)]}/{v.path}" for m in models.values() for v in m.trainable_variables if id(v) not in kept]
-    return Weights(variables, [f"{owner[id(v)]}/{v.path}" for v in variables], averages, tuple(dict.fromkeys(frozen)))
+    names = [f"{owner[id(v)]}/{v.path}" for v in variables]
+    return Weights(variables, names, averages, tuple(dict.fromkeys(frozen)), freeze)
 
 
 def check_freeze(models, freeze):

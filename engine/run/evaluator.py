@@ -14,6 +14,10 @@ from engine.run.program import unsupported_ops, warn_retraced
 from engine.settings import plugins
 from engine.settings.errors import TaskError, raising_task_errors
 
+# How far a float32 sum of an evaluation's weights may lie from their sum, in units of its last place: each batch's
+# pairwise sum and the compensated sum of the batches round a few times.
+SUM_SLACK = 8
+
 
 class Evaluator:
     """Evaluates the run's models on its evaluation split. `placement`: the run's engine/cluster/distribute.py
@@ -182,9 +186,15 @@ class Evaluator:
 
 def weighed(examples):
     """The examples an evaluation counted (float32 `examples`, the sum of their weights): an int where it is whole,
-    as where every weight is 1 or 0; else the sum itself, to float32's digits (weights of 0.3 on 64 examples count
-    19.2, which an int cut to 19)."""
-    return int(examples) if float(examples).is_integer() else float(str(examples))
+    as where every weight is 1 or 0; else the shortest decimal within SUM_SLACK units of float32's last place of it
+    (weights of 0.3 on 64 examples count 19.2, which an int cut to 19; on 606, 181.8, which float32's roundings
+    showed as 181.80006)."""
+    value = float(examples)
+    if value.is_integer():
+        return int(value)
+    slack = SUM_SLACK * float(np.spacing(np.float32(abs(value))))
+    shortest = (round(value, digits) for digits in range(16))
+    return next((number for number in shortest if abs(number - value) <= slack), float(str(np.float32(value))))
 
 
 def added(total, carried, value):

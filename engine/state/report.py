@@ -90,8 +90,11 @@ def _rewind_events(path, last):
 
 
 def format_metrics(results):
-    """name=value pairs of a task's results, for one line of output."""
-    return " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items())
+    """name=value pairs of a task's results, for one line of output: each metric to 5 significant digits, the count of
+    examples as eval.jsonl records it (a sum of weights of 0.5, 123456.5, read 1.2346e+05)."""
+    return " ".join(
+        f"{k}={v:.5g}" if isinstance(v, float) and k != "examples" else f"{k}={v}" for k, v in results.items()
+    )
 
 
 class Report:

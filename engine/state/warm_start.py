@@ -28,14 +28,18 @@ def warm_start(models, source, flag="init_checkpoint", log=print):
     """Assigns each variable of `models` the value saved under the same Keras path in the checkpoint `source` (a
     prefix or a workdir), under the same model name where the checkpoint has one, else another's: the moving average
     where the run kept one (what it evaluated), else the weights. Variables it lacks, or holds in another shape,
-    keep their initial values and are named. Returns {"matched", "missing", "reshaped", "unused"} (lists of paths).
-    A workdir's newest checkpoint that cannot be read (damaged, or still being saved by a run training there: its
-    index comes last) is named in a warning and the previous one read, as --mode=eval does; nothing is assigned
-    from a checkpoint until every value it gives has been read."""
+    keep their initial values and are named; in a warning where they are most of this run's (a run that starts
+    from one bias of `source` trains from scratch, nearly). Returns {"matched", "missing", "reshaped", "unused"}
+    (lists of paths). A workdir's newest checkpoint that cannot be read (damaged, or still being saved by a run
+    training there: its index comes last) is named in a warning and the previous one read, as --mode=eval does;
+    nothing is assigned from a checkpoint until every value it gives has been read."""
     prefix, (values, result) = _newest_readable(source, flag, lambda prefix: _read(models, source, prefix, flag))
     for v, value in values:
         v.assign(value)
-    line = f"{flag}: {len(result['matched'])} variables from {prefix}"
+    matched, kept = len(result["matched"]), len(result["missing"]) + len(result["reshaped"])
+    line = f"{flag}: {matched} variables from {prefix}"
+    if kept > matched:
+        line = f"warning: {flag}: only {matched} of this run's {matched + kept} variables from {prefix}"
     for what, why in (
         ("missing", "not in it (kept as initialized)"),
         ("reshaped", "other shapes (kept as initialized)"),
