@@ -732,6 +732,19 @@ def test_a_forks_error_is_its_line_and_the_engines_keeps_its_traceback():
     # TensorFlow's runtime (a device out of memory, a file that cannot be read) keeps its traceback.
     assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _traced(mine, said="OOM"))) is None
     assert plugins.failure(tf.errors.ResourceExhaustedError(None, None, _ran(mine, said="OOM when allocating"))) is None
+    # Raised from a plugin's eager code (a task's probe, a source's load): a file its load could not read is its line;
+    # the machine's errors (out of memory, a device or peer lost) keep their traceback, where they were exit 2 "bad
+    # input".
+    for error, line in (
+        (tf.errors.NotFoundError(None, None, "data.bin; No such file"), "NotFoundError: data.bin; No such file"),
+        (tf.errors.ResourceExhaustedError(None, None, "OOM when allocating"), None),
+        (tf.errors.InternalError(None, None, "CUDA error"), None),
+        (tf.errors.UnavailableError(None, None, "Socket closed"), None),
+    ):
+        try:
+            exec(compile("raise error", os.path.join(helpers.ROOT, "tasks", "mine.py"), "exec"), {"error": error})
+        except tf.errors.OpError as raised:
+            assert plugins.failure(raised) == (line and f"tasks/mine.py:1 in <module>: {line}"), line
     # An op of a plugin's that failed as it ran (its tf.debugging.assert_*): its line, where it was a traceback, exit 1.
     said = "assertion failed: [labels must be below 5] [x (while/GatherV2_1:0) = ] [0 9 5...]"
     assert plugins.failure(tf.errors.InvalidArgumentError(None, None, _ran(step, mine, said=said))) == (

@@ -82,15 +82,24 @@ _DEFINED_AT = "defined at (most recent call last):"
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")  # the bold Keras puts around the cause of an error in a layer
 # Engine code a plugin's own line reads through: a setting no file declares is the line that reads it.
 _TRANSPARENT = (os.path.join("engine", "settings", "sections.py"),)
+# TensorFlow's errors of the machine, not of what a plugin was given: out of memory, a device or a peer lost.
+_MACHINE_ERRORS = (
+    "ResourceExhaustedError",
+    "InternalError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "AbortedError",
+)
 
 
 def failure(error):
     """The one line for an error a plugin's code raised (`tasks/mine.py:7 in loss: ValueError: oops`): where the
     innermost line of this checkout it came out of is a plugin file's (its own raise, or a library it called
-    raising, TensorFlow too: a file its load could not read); None for an error of the engine's own code, or of
-    TensorFlow's runtime as the engine ran a step (a device out of memory, a file that cannot be read), which keep
-    their traceback. A step's function is traced: its lines are those autograph writes into the message, or, for an
-    op of it that failed as it ran, those TensorFlow names it defined at (_ran)."""
+    raising, TensorFlow too: a file its load could not read); None for an error of the engine's own code, of
+    TensorFlow's runtime as the engine ran a step (a file that cannot be read), or of the machine wherever it came
+    from (a device out of memory, a peer lost), which keep their traceback. A step's function is traced: its lines
+    are those autograph writes into the message, or, for an op of it that failed as it ran, those TensorFlow names it
+    defined at (_ran)."""
     # TensorFlow's own errors are its runtime's, read by their Python frames alone (a source's load reading a file
     # that is not there is its line; a step's op, the engine's that ran it), but for autograph's: the wrappers of
     # what a traced function's user code raised (StagingError, MultilineMessageKeyError: a KeyError of a feature the
@@ -99,6 +108,8 @@ def failure(error):
     module = type(error).__module__
     ran = _ran(error)
     runtime = module.startswith("tensorflow") and not module.startswith("tensorflow.python.autograph") and ran is None
+    if runtime and type(error).__name__ in _MACHINE_ERRORS:  # a traceback and exit 1, from a plugin's line too
+        return None
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(error.__traceback__)]
     message = str(error)
     traced = list(_TRACED_LINE.finditer(message)) if message.startswith("in user code:") and not runtime else []
