@@ -39,11 +39,16 @@ def test_histograms_of_the_weights_and_gradients_at_every_histogram_every_steps(
 
 
 class _Report:
+    chief = True
+
     def __init__(self):
-        self.written = {}
+        self.written, self.lines = {}, []
 
     def histograms(self, step, values):
         self.written[step] = values
+
+    def line(self, text):
+        self.lines.append(text)
 
 
 def test_a_skipped_float16_steps_gradients_that_are_not_finite_write_no_histogram():
@@ -55,3 +60,5 @@ def test_a_skipped_float16_steps_gradients_that_are_not_finite_write_no_histogra
     done = base.Round(0, 5, 1.0, {}, base.Extras({"gradients": gradients}))
     histograms.Action(SimpleNamespace(histogram_every=5))(done, context)
     assert sorted(report.written[5]) == ["gradients/m/ok", "weights/m/bias", "weights/m/kernel"]
+    # And said: nothing was written of them, unsaid, in float32 too.
+    assert report.lines == ["histograms: step 5: the gradient of m/kernel and 1 more is not finite: no histogram of it"]
