@@ -9,6 +9,9 @@ import shutil
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# A cluster job's TF_CONFIG, left set in the shell that runs the tests, is no test's: each that needs one sets its own
+# (it chose a strategy for the tests' runs, and a --local_workers launcher said it ignores it, a line more).
+os.environ.pop("TF_CONFIG", None)
 
 
 # XLA's compiled programs, kept for the test session in one directory that its worker processes (pytest -n 3

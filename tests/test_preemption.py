@@ -161,7 +161,7 @@ def _slow_flag_checks(tmp_path, tasks_only=False):
     fake.mkdir(parents=True)
     wait = "import os, time\nif 'TF_CONFIG' in os.environ or not {}:\n    print('checking', flush=True)\n"
     (fake / "__init__.py").write_text(wait.format(tasks_only) + "    time.sleep(300)\nbuilder_cls = str\n")
-    return {"PYTHONPATH": str(tmp_path / "fake")}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "fake"), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.mark.parametrize("signum,code,verb", [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")])
