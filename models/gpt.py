@@ -19,6 +19,7 @@ SETTINGS = {
     "gpt_heads": (4, "attention heads; must divide gpt_dim"),
     "gpt_dim": (128, "model width (token embedding size); each block's MLP is 4x wider"),
 }
+READS = ("dropout",)  # the engine's setting: dropout on the embeddings, attention weights and residual branches
 
 
 def _normal(stddev=0.02):

@@ -7,6 +7,7 @@ import tensorflow as tf
 keras = tf.keras
 
 SETTINGS = {"hidden_sizes": ((512, 512), "widths of the hidden layers")}
+READS = ("dropout",)  # the engine's setting: the rate of the dropout after each hidden layer
 
 
 class MLP(keras.Model):

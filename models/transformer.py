@@ -17,6 +17,7 @@ SETTINGS = {
     "transformer_heads": (4, "attention heads; must divide transformer_dim"),
     "transformer_mlp_dim": (128, "hidden width of each block's MLP"),
 }
+READS = ("dropout",)  # the engine's setting: dropout in attention and on each residual branch
 
 
 class Block(keras.layers.Layer):

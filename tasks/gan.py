@@ -40,7 +40,7 @@ from engine.api import ConfigError, Update
 from tasks import base
 
 DATASET = "digits"  # the default --dataset
-READS = ("hidden_sizes",)  # models/mlp.py's setting: the widths of its own networks' hidden layers
+READS = ("hidden_sizes", "dropout")  # models/mlp.py's width of its networks' hidden layers; the discriminator's rate
 SETTINGS = {
     "gan_latent": (16, "width of the generator's noise z"),
     "gan_critic_steps": (1, "discriminator updates per generator update, each on the step's batch and noise"),

@@ -19,7 +19,7 @@ from engine.cluster.launcher import free_ports
 from engine.settings.fields import Config
 from research import ensemble_report, tune_report, tune_summary
 from research.space import Param
-from tests.helpers import launch
+from tests.helpers import ROOT, launch
 
 # The MLP's search space (experiments/digits_mlp.space): eight axes, long names.
 SPACE = [
@@ -198,7 +198,7 @@ def member(name, model, weight, val, test):
     return {"name": name, "model": model, "step": 500, "weight": weight, "weights": [], "validation": val, "test": test}
 
 
-# The README's real table: three members, the average and the weighted ensemble.
+# docs/research.md's real table: three members, the average and the weighted ensemble.
 ENSEMBLE = {
     "members": [
         member("runs/ens_mlp", "mlp", 0.0, scores(0.9722, 0.1066, 180), scores(0.9778, 0.0719, 360)),
@@ -255,6 +255,14 @@ def get_json(url):
     with urllib.request.urlopen(url, timeout=30) as response:
         body = response.read()
     return json.loads(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)  # TensorBoard gzips its data
+
+
+def test_the_docs_ensemble_table_is_what_the_ensemble_prints():
+    """docs/research.md shows the table of its four commands as --mode=ensemble prints it (its average and weighted
+    rows had lost the blank weight column, their numbers four places left of their headings)."""
+    with open(os.path.join(ROOT, "docs", "research.md")) as f:
+        shown = f.read().split("```\nensemble of ", 1)[1].split("\n```", 1)[0]
+    assert "ensemble of " + shown == ensemble_report.table(ENSEMBLE)
 
 
 @pytest.mark.slow

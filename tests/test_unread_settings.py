@@ -21,6 +21,9 @@ def _with_flagfile(tmp_path, lines, *args):
         (["--task=classification", "--gan_critic_steps=3"], "--gan_critic_steps=3: no part of this run reads it (read "
          "by --task=gan)"),
         (["--model=mlp", "--gpt_layers=3"], "--gpt_layers=3: no part of this run reads it (read by --model=gpt)"),
+        # The ResNet has no dropout: --dropout=0.3 trained it as without, unsaid, and stood in its config.json.
+        (["--model=resnet", "--dropout=0.3"], "--dropout=0.3: no part of this run reads it (read by --model=gpt, "
+         "--model=mlp, --model=transformer and --task=gan)"),
         (["--optimizer=adamw", "--momentum=0.5"], "--momentum=0.5: no part of this run reads it (read by "
          "--optimizer=sgd)"),
         # Without --lr_scaling=linear the rate was not scaled, silently: the batch the rate was tuned for is unread.
@@ -45,8 +48,8 @@ def _with_flagfile(tmp_path, lines, *args):
          "--mode=sample of --task=language_model)"),
     ],
     ids=[
-        "task", "model", "optimizer", "base_batch_size", "source", "sam_rho", "gan_latent", "warmup", "action", "tpu",
-        "num_ps", "slurm",
+        "task", "model", "dropout", "optimizer", "base_batch_size", "source", "sam_rho", "gan_latent", "warmup",
+        "action", "tpu", "num_ps", "slurm",
         "sample",
     ],
 )  # fmt: skip

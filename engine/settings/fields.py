@@ -167,7 +167,7 @@ class _RunSettings(sections.Sectioned):
 
     # Model (models/<model>.py). Each family declares its own settings in its file (SETTINGS).
     model: str = _run("", "model family, found as models/<model>.py; empty: the task's own (mlp for most)")
-    dropout: float = _models(0.0, "dropout rate in the models that use it, 0 = off")
+    dropout: float = _models(0.0, "dropout rate in the models that use it, 0 = off", {"model": ()})  # their READS
 
     # Data.
     dataset: str = _data(
