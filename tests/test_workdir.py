@@ -10,6 +10,7 @@ import os
 import re
 import resource
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -429,6 +430,11 @@ def test_a_setting_config_json_holds_that_this_engine_does_not_know_is_named_and
     assert json.loads((tmp_path / "config.json").read_text())["lr_warmup_fraction"] == 0.3
     evaluate.run_config(dataclasses.replace(config, mode="eval"), "eval")
     assert said in capsys.readouterr().out.splitlines()
+    # Also where the run saved no checkpoint yet (killed before its first): the same run, its config.json rewritten.
+    shutil.rmtree(tmp_path / "checkpoints")
+    assert loop.train(dataclasses.replace(config, train_steps=2), one_device)["step"] == 2
+    assert said in capsys.readouterr().out.splitlines()
+    assert json.loads((tmp_path / "config.json").read_text())["lr_warmup_fraction"] == 0.3
 
 
 # 5. Damaged bookkeeping; damaged checkpoints in --mode=eval.

@@ -55,7 +55,8 @@ def train(config, strategy=None, on_eval=None):
             return finished
         if restored and chief:  # its data position means what it meant only on the examples it counted in
             workdir_lib.warn_of_another_split(config, run.data, current)
-        unknown = workdir_lib.warn_of_unknown_settings(config.workdir) if restored and chief else None
+        # Of this run's config.json, kept: one killed before its first save is this run too (check_same_run).
+        unknown = workdir_lib.warn_of_unknown_settings(config.workdir) if saved and chief else None
         if not restored and config.init_checkpoint:  # before anything is written: a refused one claims no workdir
             # The models trained: a frozen one (a distillation teacher) keeps the weights its task gave it.
             trainable = {name: model for name, model in run.models.items() if model.trainable}
