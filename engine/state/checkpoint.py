@@ -1,8 +1,7 @@
 """Save, restore, resume and preemption. A checkpoint holds a run's `State` (engine/state/held.py). The input
 pipeline is a pure function of the data position (engine/data/pipeline.py), so a restored run reads exactly the
 batches an uninterrupted one would have: tf.distribute's iterators are not checkpointable, the position is. On
-preemption (engine/cluster/signals.py) every worker stops after the same step, and the loop saves here and exits.
-"""
+preemption (engine/cluster/signals.py) every worker stops after the same step, and the loop saves here and exits."""
 
 import contextlib
 import logging
@@ -131,8 +130,7 @@ class Checkpoints:
         return [p for p in paths if not (self.keep_initial and os.path.basename(p) == "ckpt-0")]
 
     def _write_state(self, found):
-        """The `checkpoint` state file listing the checkpoints `found` (newest first) that rotate, or none where none
-        is left."""
+        """The `checkpoint` state file listing the checkpoints `found` (newest first) that rotate; none if none do."""
         state_file = os.path.join(self.directory, "checkpoint")
         found = self._rotated(found)
         if not found:
