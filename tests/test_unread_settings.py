@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers import launch
 
+STEPPING = "--mode=continuous_eval, --mode=ensemble, --mode=eval, --mode=train and --mode=tune)"
+
 
 def _with_flagfile(tmp_path, lines, *args):
     """launch.py with a recipe's flagfile holding `lines` before `args`."""
@@ -159,11 +161,22 @@ def test_local_workers_do_not_read_a_tf_config_the_shell_left_set(monkeypatch, t
          "--mode=continuous_eval, --mode=eval, --mode=train and --mode=tune)"),
         (["--mode=eval", "--histogram_every=5"], "--histogram_every=5: no part of this run reads it (read by "
          "--mode=train and --mode=tune of --actions=histograms)"),
+        # Taken, and unread: an export or a sample runs no step (the compile cache's folder was made all the same);
+        # an evaluation waited --connect_timeout for a dispatcher that serves only training batches.
+        (["--mode=export", "--jit_compile=true"], "--jit_compile=true: no part of this run reads it (read by "
+         f"{STEPPING}"),
+        (["--mode=export", "--compile_cache=cache"], f"--compile_cache=cache: no part of this run reads it (read by "
+         f"{STEPPING}"),
+        (["--mode=sample", "--global_batch_size=64"], "--global_batch_size=64: no part of this run reads it (read "
+         f"by {STEPPING}"),
+        (["--mode=eval", "--tf_data_service=grpc://h:1"], "--tf_data_service=grpc://h:1: no part of this run reads "
+         "it (read by --mode=train and --mode=tune)"),
     ],
     ids=[
         "sample_in_eval", "export_dir_in_eval", "eval_timeout_in_export", "checkpoint_in_a_sidecar", "tpu_in_eval",
         "steps_per_loop_in_eval", "keep_checkpoints_in_export", "train_steps_in_eval", "eval_split_in_sample",
         "eval_batch_size_in_sample", "strategy_in_export", "num_cpu_devices_in_sample", "action_setting_in_eval",
+        "jit_compile_in_export", "compile_cache_in_export", "global_batch_size_in_sample", "data_service_in_eval",
     ],
 )  # fmt: skip
 def test_a_setting_of_another_mode_is_refused_as_train_refuses_one(tmp_path, args, line):

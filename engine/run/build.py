@@ -27,6 +27,7 @@ from engine.run.program import TrainProgram
 from engine.settings import plugins
 from engine.settings.checks import check_batch
 from engine.settings.errors import ConfigError, TaskError, described
+from engine.settings.fields import applies
 from engine.state import held
 
 
@@ -159,10 +160,11 @@ def task_and_data(config, kept=None):
         datasets.prepare_spec(task, spec)
         return task, None
     memory.check_data(config)
-    if config.tf_data_service:  # before anything is written: a dispatcher that never answers is refused
+    service = config.tf_data_service if applies("tf_data_service", config) else ""  # training's batches alone
+    if service:  # before anything is written: a dispatcher that never answers is refused
         resolvers.reach_data_service(config.cluster)
     source, task = source_and_task(config)
-    return task, datasets.prepare(config.data, source, task, service=config.tf_data_service)
+    return task, datasets.prepare(config.data, source, task, service=service)
 
 
 def _check_estimate(config, task, models):

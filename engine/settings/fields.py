@@ -48,6 +48,7 @@ class Switch(str):
 # evaluate nothing, on one device (ONE_DEVICE_MODES): the cluster's settings are no part of them.
 TRAINING_MODES = ("train", "tune")
 EVALUATING_MODES = (*TRAINING_MODES, "eval", "continuous_eval")
+STEPPING_MODES = (*EVALUATING_MODES, "ensemble")  # those that run a step of a batch (the ensemble's evaluation too)
 ONE_DEVICE_MODES = ("export", "sample")
 # Where a run executes: the strategy and its cluster (also what a tuner cannot vary between trials).
 CLUSTER = (  # in the order --help lists them; read by no mode of ONE_DEVICE_MODES
@@ -160,7 +161,9 @@ class _RunSettings(sections.Sectioned):
     kubernetes_selector: str = _cluster(
         "", "kubernetes: label selector of the worker pods, e.g. job-name=w", {"cluster_resolver": ("kubernetes",)}
     )
-    tf_data_service: str = _cluster("", "grpc://host:port of a tf.data service dispatcher to preprocess on")
+    tf_data_service: str = _cluster(  # it carries the training batches alone
+        "", "grpc://host:port of a tf.data service dispatcher to preprocess on", {"mode": TRAINING_MODES}
+    )
 
     # Task (tasks/<task>.py): what is trained, its loss and its metrics.
     task: str = _run("classification", "what to train, found as tasks/<task>.py")
@@ -199,7 +202,9 @@ class _RunSettings(sections.Sectioned):
     )
 
     # Batch and steps.
-    global_batch_size: int = _data(128, "examples per step over all replicas", shared=("loop", "optimization"))
+    global_batch_size: int = _data(
+        128, "examples per step over all replicas", {"mode": STEPPING_MODES}, shared=("loop", "optimization")
+    )
     eval_batch_size: int = _data(
         0, "examples per evaluation step over all replicas; 0 = global_batch_size", {"mode": EVALUATING_MODES}
     )
@@ -298,12 +303,14 @@ class _RunSettings(sections.Sectioned):
         "auto",
         "compile the replica step and the evaluation's forward pass with XLA: true, false, or auto (the engine "
         "chooses from the model, the precision and the device, and the run's first line says what and why)",
+        {"mode": STEPPING_MODES},
     )
     compile_cache: str = _numerics(
         "",
         "directory that keeps XLA's compiled steps for the next run of the same command on this machine, which skips "
         "the compile (a run resumed from a checkpoint included); empty: none. On a disk that does not fill: a "
         "failed write fails the step",
+        {"mode": STEPPING_MODES},
     )
     seed: int = _run(0, "seed for initialization, shuffling and dropout", shared=("data",))
     deterministic: bool = _numerics(False, "enable TensorFlow op determinism: same flags, same numbers")
@@ -374,7 +381,7 @@ def applies(name, config):
         return True
     selected = {(selector, getattr(config, selector)) for selector in SELECTORS}
     selected.add(("dataset", dataset_kind(config.dataset)))
-    selected.update(("actions", name) for name in named_actions(config))
+    selected.update(("actions", name) for name in plugins.named_actions(config))
     return bool(who & selected)
 
 
@@ -386,14 +393,6 @@ def read_in_mode(name, mode):
     if FIELD_BY_NAME[name].metadata.get("owner", (None,))[0] == "actions":
         return mode in TRAINING_MODES
     return not (name in CLUSTER and mode in ONE_DEVICE_MODES)
-
-
-def named_actions(config):
-    """The actions a run of `config` adds to the engine's own, in order: --actions, then its task's file's
-    `ACTIONS` (each once)."""
-    given = [name for name in config.actions.split(",") if name]
-    own = plugins.task_actions(config.task) if config.task in plugins.names("task") else ()
-    return list(dict.fromkeys([*given, *own]))
 
 
 # The engine's settings a data source reads: refused, naming the source, on a dataset that does not read them.

@@ -252,3 +252,11 @@ def default_dataset(task):
 def task_actions(task):
     """The actions tasks/<task>.py asks for beside the engine's own: its `ACTIONS`."""
     return tuple(constant("task", task, "ACTIONS", ()))
+
+
+def named_actions(config):
+    """The actions a run of `config` adds to the engine's own, in order: --actions, then its task's file's
+    `ACTIONS` (each once)."""
+    given = [name for name in config.actions.split(",") if name]
+    own = task_actions(config.task) if config.task in names("task") else ()
+    return list(dict.fromkeys([*given, *own]))

@@ -10,11 +10,11 @@ from engine.numerics.replica import EXTRAS
 from engine.run.actions import base
 from engine.settings import plugins
 from engine.settings.errors import TaskError, check_call
-from engine.settings.fields import named_actions
+from engine.settings.plugins import named_actions
 
 
 def load(config):
-    """The actions a run of `config` adds (engine/settings/fields.py named_actions), each built as
+    """The actions a run of `config` adds (engine/settings/plugins.py named_actions), each built as
     engine/run/actions/<name>.py's Action(config)."""
     return [
         checked(built(plugins.member("actions", name), config.plugin("actions", name), name), name)
