@@ -4,8 +4,7 @@
     python launch.py --strategy=mirrored --num_cpu_devices=2 --model=resnet
     python launch.py --flagfile=experiments/digits_resnet.flags
 
-Every flag is a field of engine/settings/fields.py's Config, with the same name, default and help.
-This is the only file that knows absl exists.
+Every flag is a field of engine/settings/fields.py's Config, with the same name, default and help; only here is absl.
 
 The exit codes are docs/exit-codes.md's table, the one list of them: the constants below, the cluster's
 (engine/cluster/resolvers.py) and the signals' (engine/cluster/signals.py); tests/test_launch.py checks that the table
@@ -39,7 +38,7 @@ from absl import app, flags, logging
 from engine.run import compile_cache  # imports no TensorFlow
 from engine.settings import flagfiles, plugins
 from engine.settings.checks import TASKS_OWN
-from engine.settings.config import validate
+from engine.settings.config import Given, validate
 from engine.settings.environment import tf_config
 from engine.settings.errors import ConfigError, counted
 from engine.settings.fields import DECLARATION_ERRORS, Config, Switch, show
@@ -252,12 +251,13 @@ def _given(config):
     much as any other; a flagfile's (a recipe reused to evaluate its run) counts where it is not the default. An
     empty --dataset or --model (the task's own) gives none: the trained run's task's is its own."""
     typed = _typed()
-    return {
+    given = {
         f.name
         for f in dataclasses.fields(Config)
         if (f.name in typed or (FLAGS[f.name].present and getattr(config, f.name) != f.default))
         and not (f.name in TASKS_OWN and FLAGS[f.name].value == "")  # empty: the trained run's task's own
     }
+    return Given(given, typed)
 
 
 def _print_result(config, result):

@@ -214,6 +214,16 @@ def test_a_setting_the_trained_run_does_not_read_is_refused_by_its_evaluation(tm
     ):
         result = launch(*args, f"--workdir={run}")
         assert (result.returncode, result.stderr.splitlines()) == (2, [f"error: {line.format(run=run)}"])
+    # The recipe that trained it (a flagfile, as a GAN's reused for a classifier) is warned of, as train warned of it:
+    # its evaluation was refused.
+    result = _with_flagfile(tmp_path, ["--momentum=0.5"], "--mode=eval", f"--workdir={run}")
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [
+            f"warning: --momentum=0.5 (from a flagfile): no part of {run}'s run reads it (read by --optimizer=sgd)",
+            f"error: --workdir={run}: no checkpoint to use (train first, or pass --checkpoint)",
+        ],
+    )
 
 
 def test_what_each_mode_reads_is_taken_and_a_flagfiles_training_settings_are_warned_of(tmp_path):

@@ -12,6 +12,7 @@ No TensorFlow on this module's import path: launch.py reads it before TensorFlow
 import dataclasses
 import json
 import os
+import sys
 
 from engine.settings import checks, plugins, strategy
 from engine.settings.errors import ConfigError
@@ -103,13 +104,24 @@ def load_run_config(workdir):
     return from_json(saved, path)
 
 
+class Given(frozenset):
+    """The names of the settings a command line gave, of which `typed` were typed; `flagfile`: the others, which a
+    flagfile brought."""
+
+    def __new__(cls, names, typed):
+        given = super().__new__(cls, names)
+        given.flagfile = given - frozenset(typed)
+        return given
+
+
 def for_evaluation(config, saved, where, given=None):
     """The Config that evaluates or exports the run `saved`: its settings; the command line's execution settings,
     split and eval batch; the command line's EVALUATION_SETTINGS where given. An identity setting given that
     differs from the run's (and matters to its model) is refused: it would rebuild another model than the one
     trained; so is one the command line gave that the run does not read (another model's or optimizer's), as
-    launch.py refuses it in a train run. `given`: the names the command line gave (launch.py knows them); None for a
-    Config handed over as it is (a notebook's), whose settings other than their defaults count as given."""
+    launch.py refuses it in a train run, and warned of where a flagfile gave it (a recipe reused to evaluate its run).
+    `given`: the names the command line gave (a Given: launch.py knows them); None for a Config handed over as it is
+    (a notebook's), whose settings other than their defaults count as given."""
     # validate() gave an empty --dataset and --model the command line's task's own: that is none given either.
     default = dataclasses.replace(
         Config(), dataset=plugins.default_dataset(config.task), model=plugins.default_model(config.task)
@@ -130,7 +142,11 @@ def for_evaluation(config, saved, where, given=None):
             values[name] = value if was_given(name) else theirs
         elif name in IDENTITY_SETTINGS:
             if given is not None and name in given and not applies(name, saved):  # as launch.py refuses it in train
-                raise ConfigError(f"--{name}={show(value)}: no part of {where}'s run reads it ({read_by(name)})")
+                said = f"--{name}={show(value)}"
+                if name not in getattr(given, "flagfile", ()):
+                    raise ConfigError(f"{said}: no part of {where}'s run reads it ({read_by(name)})")
+                warning = f"warning: {said} (from a flagfile): no part of {where}'s run reads it ({read_by(name)})"
+                print(warning, file=sys.stderr, flush=True)
             if was_given(name) and value != theirs and applies(name, saved):
                 raise ConfigError(
                     f"--{name}={show(value)}: {where} was trained with --{name}={show(theirs)}; drop the flag "
