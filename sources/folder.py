@@ -89,6 +89,7 @@ def _split_folders(path, where, train_split, eval_split):
     splits = _folders(path)
     if eval_split not in splits:
         raise ConfigError(f"--eval_split={eval_split}: not a split of {path} (splits: {', '.join(splits)})")
+    _say_unread(where, [], [], _loose(path, where))
     found = {s: _photos(os.path.join(path, s), f"{where}: split {s!r}") for s in (train_split, eval_split)}
     names = sorted(found[train_split])
     other = sorted(found[eval_split])
@@ -150,15 +151,22 @@ def _entries(path):
     return tf.io.gfile.listdir(path) if "://" in path else os.listdir(path)
 
 
-def _files(path):
+def _files(path, where):
     """(files, folders): the names in the folder `path` (_entries), its files and its sub-folders apart: an object
-    store lists a folder with a trailing /, a local disk says which are (without a call per name)."""
+    store lists a folder with a trailing /, a local disk says which are (without a call per name). A visible link to
+    nothing is refused by name: a photo so linked stopped the run at its first read, epochs in, and a class folder so
+    linked was left out without a word."""
     if "://" in path:
         names = tf.io.gfile.listdir(path)
         return [n for n in names if not n.endswith("/")], [n.rstrip("/") for n in names if n.endswith("/")]
     with os.scandir(path) as entries:
         entries = list(entries)
-        return [e.name for e in entries if not e.is_dir()], [e.name for e in entries if e.is_dir()]
+    for e in entries:  # is_symlink() is known from the listing: only a link costs a call
+        if not e.name.startswith(".") and e.is_symlink() and not os.path.exists(e.path):
+            raise ConfigError(
+                f"{where}: {e.path} is a link to {os.readlink(e.path)}, which does not exist: fix or remove the link"
+            )
+    return [e.name for e in entries if not e.is_dir()], [e.name for e in entries if e.is_dir()]
 
 
 def _is_utf8(name):
@@ -197,9 +205,9 @@ def _photos(path, where):
             "two at least"
         )
     photos, unread, folders = {}, [], []
-    loose = [f for f in sorted(_files(path)[0]) if not f.startswith(".") and f.lower().endswith(PHOTOS)]
+    loose = _loose(path, where)
     for name in names:
-        files, inside = _files(os.path.join(path, name))
+        files, inside = _files(os.path.join(path, name), where)
         photos[name] = sorted(f for f in files if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
         unread += [f"{name}/{f}" for f in sorted(files) if not f.startswith(".") and f.lower().endswith(OTHER_IMAGES)]
         folders += [f"{name}/{f}" for f in sorted(inside) if not f.startswith(".")]
@@ -213,6 +221,12 @@ def _photos(path, where):
             + (f"; nor do {len(empty) - 1} other(s): {', '.join(empty[1:4])}" if len(empty) > 1 else "")
         )
     return photos
+
+
+def _loose(path, where):
+    """The sorted photos (by extension, of any format) in `path` itself, beside its class or split folders: of no
+    class, so not read."""
+    return [f for f in sorted(_files(path, where)[0]) if not f.startswith(".") and f.lower().endswith(PHOTOS)]
 
 
 def _say_unread(where, unread, folders, loose):

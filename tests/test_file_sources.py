@@ -142,8 +142,25 @@ def test_photos_beside_the_class_folders_are_said(data_dir, tmp_path, capsys):
     _photos(tmp_path / "split" / "train", per_class=4)
     _photos(tmp_path / "split" / "test", per_class=2)
     (tmp_path / "split" / "train" / "stray.png").write_bytes(b"not read")
+    (tmp_path / "split" / "beside.JPG").write_bytes(b"not read")  # beside the split folders
     folder.load(_config(data_dir, tmp_path / "split"), "test")
-    assert "not read: 1 photo(s) outside the class folders (stray.png)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"folder:{tmp_path / 'split'}: not read: 1 photo(s) outside the class folders (beside.JPG)" in said
+    assert "split 'train': not read: 1 photo(s) outside the class folders (stray.png)" in said
+
+
+@pytest.mark.parametrize("link", ["bee/broken.jpg", "dog", "train/bee/broken.png"])
+def test_a_link_to_nothing_is_refused_naming_it_before_the_run(data_dir, tmp_path, link):
+    """A photo linked to a file since moved stopped the run at its first read, epochs in; a class folder so linked
+    was left out without a word. A hidden one, which is not read, is no matter."""
+    root = tmp_path / "photos"
+    _photos(root / "train" if link.startswith("train/") else root, per_class=4)
+    if link.startswith("train/"):
+        _photos(root / "test", per_class=2)
+    os.symlink(tmp_path / "gone", (root / link).parent / ".gone.jpg")
+    folder.load(_config(data_dir, root), "test")
+    os.symlink(tmp_path / "moved", root / link)
+    _refused(_config(data_dir, root), f"{root / link} is a link to {tmp_path / 'moved'}, which does not exist")
 
 
 def test_split_folders_are_used_as_given(data_dir, tmp_path):

@@ -109,11 +109,21 @@ def test_a_corrupt_image_raises_in_the_pipeline(training):
             list(ds)
 
 
-def test_a_truncated_jpeg_raises_at_its_first_read_whatever_the_crop():
+def _with_thumbnail(jpeg):
+    """`jpeg` with a camera's EXIF segment (APP1) holding a JPEG thumbnail, whose end-of-image marker comes first."""
+    thumbnail = tf.io.encode_jpeg(np.full((8, 8, 3), 128, np.uint8)).numpy()
+    exif = b"Exif\x00\x00" + thumbnail
+    return jpeg[:2] + b"\xff\xe1" + (len(exif) + 2).to_bytes(2, "big") + exif + jpeg[2:]
+
+
+@pytest.mark.parametrize("thumbnail", [False, True])
+def test_a_truncated_jpeg_raises_at_its_first_read_whatever_the_crop(thumbnail):
     """A JPEG cut short decoded wherever the crop stopped above the cut: a run read it for epochs and stopped only
-    when a random crop reached it. Bytes after its end (a phone's motion photo) are no cut."""
+    when a random crop reached it; one with an EXIF thumbnail did still. Bytes after its end (a phone's motion photo)
+    are no cut."""
     pixels = np.random.default_rng(5).integers(0, 256, (300, 400, 3), dtype=np.uint8)
     jpeg = tf.io.encode_jpeg(pixels).numpy()
+    jpeg = _with_thumbnail(jpeg) if thumbnail else jpeg
     cut = jpeg[: len(jpeg) * 9 // 10]
     assert tf.image.decode_and_crop_jpeg(cut, [0, 0, 100, 400]).shape == (100, 400, 3)  # above the cut: it decodes
     decode = _decode(16)

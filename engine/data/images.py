@@ -24,6 +24,8 @@ ASPECT = (3 / 4, 4 / 3)  # width / height of a training crop
 ATTEMPTS = 10  # windows drawn before a training crop falls back to the centre crop
 CENTRE = 0.875  # evaluation: the centre crop's side / the shorter side (224 of 256)
 JPEG_END = b"\xff\xd9"  # a JPEG's end-of-image marker: TensorFlow decodes no JPEG whole without it
+APPLICATIONS = 64  # application segments skipped at most before a JPEG's end marker is looked for (an ICC
+# profile of 4 MiB takes 64)
 TRUNCATED = "truncated: a JPEG without its end-of-image marker"
 
 
@@ -91,7 +93,7 @@ def _crop(encoded, window_of, size):
     def jpeg():
         # Only the window's blocks are decoded: a JPEG cut short decoded where a window stopped above the cut, and
         # stopped the run only when one reached it, epochs later. Without its end it stops the run at its first read.
-        ended = tf.debugging.Assert(tf.size(tf.strings.split(encoded, sep=JPEG_END)) > 1, [TRUNCATED])
+        ended = tf.debugging.Assert(_ended(encoded), [TRUNCATED])
         with tf.control_dependencies([ended]):
             window = window_of(tf.io.extract_jpeg_shape(encoded))
         return tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
@@ -106,3 +108,31 @@ def _crop(encoded, window_of, size):
     image.set_shape([None, None, 3])
     resized = tf.image.resize(image, [size, size], method="bilinear")
     return tf.saturate_cast(tf.round(resized), tf.uint8)
+
+
+def _ended(encoded):
+    """Whether the JPEG `encoded` has an end-of-image marker after its application segments (APPn, COM): a camera's
+    EXIF thumbnail, a JPEG of its own, ends in one too, and a photo cut short below it passed for whole. Bytes after
+    the end (a phone's motion photo) are no cut."""
+    pieces = tf.strings.split(encoded, sep=JPEG_END)
+    last_end = tf.strings.length(encoded) - tf.strings.length(pieces[-1])  # just past the last marker (if any)
+    return (tf.size(pieces) > 1) & (last_end > _after_applications(encoded))
+
+
+def _after_applications(encoded):
+    """The offset of the first segment after the application segments at the JPEG's head, each skipped by its
+    length; 0 where the head does not read as segments (such a JPEG is searched whole, as before)."""
+
+    def head(at):  # the marker at `at` and its segment's length, zeros past the end
+        found = tf.io.decode_raw(tf.strings.substr(encoded, at, 4), tf.uint8, fixed_length=4)
+        return tf.cast(found, tf.int32)
+
+    def application(at, marker):
+        return (marker[0] == 0xFF) & (((marker[1] >= 0xE0) & (marker[1] <= 0xEF)) | (marker[1] == 0xFE))
+
+    def skip(at, marker):
+        at = tf.minimum(at + 2 + marker[2] * 256 + marker[3], tf.strings.length(encoded))
+        return at, head(at)
+
+    at, marker = tf.while_loop(application, skip, (2, head(2)), maximum_iterations=APPLICATIONS)  # after the SOI
+    return tf.where(marker[0] == 0xFF, at, 0)
