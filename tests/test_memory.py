@@ -180,6 +180,10 @@ def test_a_run_that_does_not_train_is_judged_without_gradients_slots_or_a_traini
     refusal = r"^--gpt_dim=768: needs about 1.63 GB of memory \(model 344 MB, evaluation batch 1.29 GB\), more than"
     with pytest.raises(ConfigError, match=refusal):
         memory.check(config, _on("CPU", 1), (1024,), 65, training=False)
+    # An export or a sample holds no batch: refused as the evaluation batch of a global batch it never reads.
+    exporting = dataclasses.replace(config, mode="export", eval_batch_size=0, global_batch_size=10**6)
+    memory.check(exporting, _on("CPU", 1), (1024,), 65, training=False)
+    assert memory.estimate(exporting, (1024,), 65, training=False)["evaluation batch"] == 0
 
 
 def test_an_npz_files_arrays_are_in_the_estimate_and_one_too_large_is_refused_before_it_is_read(tmp_path, monkeypatch):

@@ -4,9 +4,9 @@ share of the batch; on a CPU, this machine (or its container) holds every local 
 
 Each part comes from the file that knows it: a model family's `size(config, input_shape, outputs)` (models/), a data
 source's `memory(config)` (the data it generates, sources/synthetic.py, or reads into memory, sources/npz.py). A family
-without `size` is not estimated, and the run says so. A run that does not train (eval, export, sample) is judged on
-its model's weights and an evaluation batch alone. A TPU's memory is not known before its system starts: its runs are
-not judged here.
+without `size` is not estimated, and the run says so. A run that does not train (eval, export, sample) is judged on its
+model's weights and an evaluation batch alone (export and sample: the weights). A TPU's memory is not known before its
+system starts: its runs are not judged here.
 """
 
 import dataclasses
@@ -18,7 +18,7 @@ import numpy as np
 from engine.settings import plugins
 from engine.settings.checks import fail
 from engine.settings.errors import TaskError
-from engine.settings.fields import MEMORY_SETTINGS, Config, applies, dataset_kind
+from engine.settings.fields import MEMORY_SETTINGS, ONE_DEVICE_MODES, Config, applies, dataset_kind
 from engine.settings.machine import gpu_memory_bytes, host_memory_bytes, human_bytes
 
 
@@ -82,11 +82,11 @@ def _count(value):
 
 
 def estimate(config, input_shape, outputs, copies=1, shares=1, data=True, training=True):
-    """{part: bytes} a device needs at least: `copies` of the model with its gradients and optimizer slots (the
-    replicas it holds), the activations of its share (1/`shares`) of a training and of an evaluation batch, and the
-    source's own data (`data`: on the host). A run that does not train (`training` False: eval, continuous_eval,
-    export, sample) holds the model's weights alone and no training batch. Without a family's size, its parts are
-    left out."""
+    """{part: bytes} a device needs at least: `copies` of the model with its gradients and optimizer slots (the replicas
+    it holds), the activations of its share (1/`shares`) of a training and of an evaluation batch, and the source's own
+    data (`data`: on the host). A run that does not train (`training` False: eval, continuous_eval, export, sample)
+    holds the model's weights alone and no training batch; export and sample no evaluation batch. Without a family's
+    size, its parts are left out."""
     features = math.prod(input_shape)
     parameters, activations, forward = model_size(config, input_shape, outputs) or (0, 0, 0)
     slots = {"sgd": 1 if config.momentum else 0, "adamw": 2, "lamb": 2}[config.optimizer]
@@ -94,6 +94,8 @@ def estimate(config, input_shape, outputs, copies=1, shares=1, data=True, traini
         slots -= 0.5  # its first moment in half the bytes
     batch = config.global_batch_size
     evaluation = 4 * config.per_eval_batch_size * (features + forward) // shares
+    if config.mode in ONE_DEVICE_MODES:  # export and sample hold no batch
+        evaluation = 0
     if not training:
         return _with_data(
             config, {"model": copies * 4 * parameters, "training batch": 0, "evaluation batch": evaluation}, data
