@@ -225,6 +225,13 @@ def check_same_step(placement, workdir, step):
     steps = [int(s) for s in _steps_of_replicas(placement.strategy, tf.constant(step, tf.float64)).numpy()]
     other = next((s for s in steps if s != step), None)
     if other is not None:
+        # Once more before leaving: a worker that has this second one has every worker's part of it, sent only once
+        # each had the first. Without it the first to leave could close a socket another still read the steps from:
+        # it stopped as a lost peer (exit 5), not on this line. Ours may fail as a peer leaves: it has the steps.
+        try:
+            _steps_of_replicas(placement.strategy, tf.constant(step, tf.float64))
+        except tf.errors.OpError:
+            pass
         raise ConfigError(
             f"--workdir={workdir}: this worker starts at step {step}, another worker of the job at step {other} (each "
             "restored what its workdir holds): every worker must read the same workdir, on storage they all see (a "
