@@ -186,7 +186,7 @@ class _RunSettings(sections.Sectioned):
     )
     train_split: str = _data("train", "split to train on")
     eval_split: str = _data(
-        "test", "split to evaluate on; every example is counted exactly once", {"mode": (*EVALUATING_MODES, "ensemble")}
+        "test", "split to evaluate on; every example is counted exactly once", {"mode": STEPPING_MODES}
     )
     shuffle_buffer: int = _data(10_000, "training shuffle buffer, in examples")
     interleave_files: int = _data(
